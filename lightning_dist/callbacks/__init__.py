@@ -1,0 +1,4 @@
+from lightning_dist.callbacks.run_summary import RunSummary
+from lightning_dist.callbacks.validate_at_max_steps import ValidateAtMaxSteps
+
+__all__ = ["RunSummary", "ValidateAtMaxSteps"]

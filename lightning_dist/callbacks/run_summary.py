@@ -1,0 +1,70 @@
+"""`metrics.json`: what a finished run did, written by rank 0 for people and scripts to read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import torch
+from typing_extensions import override
+
+from lightning_dist.parallel.placement import offload_targets, placement_report
+
+
+class RunSummary(L.Callback):
+    """Records the strategy, world size, steps, batches trained on each rank, where each rank's parameters and
+    optimizer state were after the first step (evidence of sharding and offload), and the final metrics."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.batches_on_this_rank = 0
+        self.summary: dict = {}
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        self.batches_on_this_rank += 1
+        if self.batches_on_this_rank == 1:  # optimizer state exists from the first step on
+            report = placement_report(pl_module, trainer.optimizers)
+            report["offload"] = offload_targets(trainer.strategy.model)
+            self.summary["placement_per_rank"] = _gather_objects(report)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Every rank must take part in the gather, so this runs before the rank-0-only write.
+        per_rank = trainer.strategy.all_gather(torch.tensor(self.batches_on_this_rank))
+        self.summary.update(
+            strategy=type(trainer.strategy).__name__,
+            world_size=trainer.world_size,
+            global_step=trainer.global_step,
+            train_batches_per_rank=[int(n) for n in per_rank.reshape(-1)],
+            best_checkpoint=_checkpoint_path(trainer, "best_model_path"),
+            last_checkpoint=_checkpoint_path(trainer, "last_model_path"),
+        )
+        self._update_metrics(trainer)
+
+    @override
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._update_metrics(trainer)
+
+    def _update_metrics(self, trainer: L.Trainer) -> None:
+        # Fit and test each leave their own metrics behind; the summary keeps both.
+        self.summary.setdefault("metrics", {}).update(
+            {name: float(value) for name, value in trainer.callback_metrics.items()}
+        )
+        if trainer.is_global_zero:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.summary, indent=2) + "\n")
+
+
+def _gather_objects(obj: object) -> list:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [obj]
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, obj)
+    return gathered
+
+
+def _checkpoint_path(trainer: L.Trainer, attribute: str) -> str | None:
+    callback = trainer.checkpoint_callback
+    return (getattr(callback, attribute, None) or None) if callback is not None else None

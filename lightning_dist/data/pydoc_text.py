@@ -1,0 +1,76 @@
+"""Byte-level language-modelling data from text that ships with Python itself (`pydoc_data.topics`).
+
+About 465 KB of English, present on every CPython install: the default run needs no network and no download.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+def load_pydoc_bytes() -> torch.Tensor:
+    """The pydoc help topics, concatenated in sorted order so every process sees the same bytes."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[name] for name in sorted(topics))
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+
+
+class NextTokenWindows(Dataset):
+    """Non-overlapping windows of `block_size + 1` tokens: inputs are the first `block_size`, targets the last."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int) -> None:
+        if len(tokens) <= block_size:
+            raise ValueError(f"data: {len(tokens)} tokens cannot fill one window of block_size={block_size}")
+        self.tokens = tokens
+        self.block_size = block_size
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.block_size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = index * self.block_size
+        window = self.tokens[start : start + self.block_size + 1]
+        return window[:-1], window[1:]
+
+
+class PydocTextDataModule(L.LightningDataModule):
+    """Train/val/test splits of the pydoc text: the first part trains, the tail is held out (val, then test)."""
+
+    def __init__(
+        self,
+        block_size: int = 128,
+        batch_size: int = 16,
+        val_fraction: float = 0.05,
+        test_fraction: float = 0.05,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if not 0 < val_fraction + test_fraction < 1:
+            raise ValueError(f"data.val_fraction + data.test_fraction must be in (0, 1), got {val_fraction + test_fraction}")
+        self.save_hyperparameters()
+        self.batch_size = batch_size
+
+    def setup(self, stage: str | None = None) -> None:
+        tokens = load_pydoc_bytes()
+        n_val = int(len(tokens) * self.hparams.val_fraction)
+        n_test = int(len(tokens) * self.hparams.test_fraction)
+        n_train = len(tokens) - n_val - n_test
+        block = self.hparams.block_size
+        self.train_set = NextTokenWindows(tokens[:n_train], block)
+        self.val_set = NextTokenWindows(tokens[n_train : n_train + n_val], block)
+        self.test_set = NextTokenWindows(tokens[n_train + n_val :], block)
+
+    def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.hparams.num_workers)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, shuffle=False)

@@ -1,0 +1,76 @@
+"""FSDP2 (`fully_shard`) applied per block class and then at the root, the layout torchtitan uses."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard, register_fsdp_forward_method
+
+# FSDP1 sharding-strategy names and what they mean for FSDP2: whether to free gathered parameters after forward
+# (ZeRO-3 style) or keep them until backward (ZeRO-2 style), and whether shards are replicated across nodes.
+SHARDING_STRATEGIES: dict[str, tuple[bool, bool]] = {
+    # name: (reshard_after_forward, hybrid)
+    "FULL_SHARD": (True, False),
+    "SHARD_GRAD_OP": (False, False),
+    "HYBRID_SHARD": (True, True),
+}
+
+
+def sharding_layout(name: str) -> tuple[bool, bool]:
+    """(reshard_after_forward, hybrid) for an FSDP sharding-strategy name; a clear error for any other name."""
+    try:
+        return SHARDING_STRATEGIES[str(name).upper()]
+    except KeyError:
+        raise ValueError(
+            f"strategy.sharding_strategy: {name!r} is not supported; choose one of {', '.join(SHARDING_STRATEGIES)}"
+        ) from None
+
+
+def offload_policy(cpu_offload: bool, device: torch.device) -> OffloadPolicy:
+    # Pinned host memory only speeds up copies to an accelerator; on a CPU-only machine pinning itself fails.
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
+
+
+def _block_units(model: nn.Module, block_class: type[nn.Module]) -> list[nn.Module]:
+    """Each block, or its activation-checkpoint wrapper where it has one: FSDP must shard the wrapper (as torchtitan
+    does) so that the parameters are gathered before backward recomputes the block."""
+    wrapped = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, CheckpointWrapper)}
+    return [
+        module
+        for module in model.modules()
+        if id(module) not in wrapped
+        and isinstance(module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module, block_class)
+    ]
+
+
+def apply_fully_shard(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    block_class: type[nn.Module] | None,
+    reshard_after_forward: bool,
+    offload: OffloadPolicy,
+    forward_methods: Iterable[str] = (),
+) -> int:
+    """Shard each `block_class` submodule as its own unit, then the root; returns the number of FSDP units.
+
+    Blocks go first because `fully_shard` claims the parameters not yet claimed by a sharded descendant: the root
+    is left with what lies outside the blocks (embeddings, head). Already-sharded modules are left alone, so calling
+    this again (fit, then test) changes nothing. `forward_methods` are root methods other than `forward` that run
+    the model (e.g. Lightning's `training_step`): they must gather the root's parameters just as `forward` does.
+    """
+    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
+    if block_class is not None:
+        for unit in _block_units(model, block_class):
+            if not isinstance(unit, FSDPModule):
+                fully_shard(unit, **kwargs)
+    if not isinstance(model, FSDPModule):
+        # The root stays gathered after forward: backward needs it at once, so freeing it would only re-gather.
+        fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+        for method in forward_methods:
+            register_fsdp_forward_method(model, method)
+    return sum(isinstance(m, FSDPModule) for m in model.modules())

@@ -1,0 +1,80 @@
+"""Where a rank's parameters and optimizer state actually are: evidence that sharding and offload happened."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+
+def local_part(param: torch.Tensor) -> torch.Tensor:
+    """The part of a parameter this rank stores, for plain, FSDP2 (DTensor) and DeepSpeed ZeRO-3 parameters."""
+    if hasattr(param, "ds_tensor"):  # ZeRO-3: `param` itself is an empty placeholder between uses
+        return param.ds_tensor
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def parameter_numel(module: nn.Module) -> tuple[int, int]:
+    """(elements this rank holds, elements of the whole model)."""
+    local = sum(local_part(p).numel() for p in module.parameters())
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+    return local, total
+
+
+def _base_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    # Lightning wraps in LightningOptimizer (`_optimizer`); DeepSpeed's ZeRO optimizers hold the torch one.
+    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def placement_report(module: nn.Module, optimizers: list[Any]) -> dict[str, Any]:
+    """A JSON-friendly summary of one rank: parameter counts, devices, optimizer and its state's devices."""
+    local, total = parameter_numel(module)
+    base_optimizers = [_base_optimizer(o) for o in optimizers]
+    state_devices = {
+        value.device.type
+        for optimizer in base_optimizers
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    }
+    return {
+        "parameters_local": local,
+        "parameters_total": total,
+        "parameter_devices": sorted({local_part(p).device.type for p in module.parameters()}),
+        "optimizer_classes": [type(o).__name__ for o in base_optimizers],
+        "optimizer_state_devices": sorted(state_devices),
+        "fsdp_units": sum(isinstance(m, FSDPModule) for m in module.modules()),
+        "checkpointed_blocks": sum(isinstance(m, CheckpointWrapper) for m in module.modules()),
+    }
+
+
+def offload_targets(engine: nn.Module) -> dict[str, str | None]:
+    """Where the engine itself has been told to keep optimizer state and parameters (None: on the device).
+
+    Read back from the running engine rather than from our config, so it shows what DeepSpeed or FSDP really use.
+    """
+    if hasattr(engine, "zero_offload_optimizer"):  # a DeepSpeedEngine
+        return {
+            "optimizer": _deepspeed_offload_device(engine.zero_offload_optimizer()),
+            "parameters": _deepspeed_offload_device(engine.zero_offload_param()),
+        }
+    fsdp_offloads = {
+        fsdp_param.offload_to_cpu
+        for module in engine.modules()
+        if isinstance(module, FSDPModule) and (group := module._get_fsdp_state()._fsdp_param_group) is not None
+        for fsdp_param in group.fsdp_params
+    }
+    on_cpu = "cpu" if fsdp_offloads == {True} else None
+    return {"optimizer": on_cpu, "parameters": on_cpu}
+
+
+def _deepspeed_offload_device(offload_config: Any) -> str | None:
+    if offload_config is None:
+        return None
+    device = getattr(offload_config.device, "value", offload_config.device)  # an enum, or its value
+    return None if device == "none" else str(device)

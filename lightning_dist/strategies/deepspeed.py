@@ -1,0 +1,159 @@
+"""DeepSpeed ZeRO stages 1-3 with CPU or NVMe offload, on CUDA (nccl) or CPU (gloo, DeepSpeed's CPU accelerator)."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpeedStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+ZERO_STAGES = (1, 2, 3)
+OFFLOAD_DEVICES = ("cpu", "nvme")
+SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def validate_zero_options(
+    stage: int, offload_optimizer: str | None, offload_parameters: str | None, nvme_path: str | None
+) -> None:
+    """Reject impossible ZeRO combinations in one line that names the key and the valid choices."""
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"strategy.stage: {stage!r} is not a ZeRO stage; choose one of {', '.join(map(str, ZERO_STAGES))}")
+    for key, device in (("offload_optimizer", offload_optimizer), ("offload_parameters", offload_parameters)):
+        if device is not None and device not in OFFLOAD_DEVICES:
+            raise ValueError(f"strategy.{key}: {device!r} is not an offload device; choose one of null, cpu, nvme")
+    if offload_parameters is not None and stage != 3:
+        raise ValueError(
+            f"strategy.offload_parameters: parameter offload needs ZeRO stage 3, got strategy.stage={stage};"
+            " choose strategy.stage=3 or strategy.offload_parameters=null"
+        )
+    if "nvme" in (offload_optimizer, offload_parameters) and not nvme_path:
+        raise ValueError("strategy.nvme_path: NVMe offload needs a directory to offload to; set strategy.nvme_path")
+
+
+def use_deepspeed_accelerator(device: torch.device) -> str:
+    """Point DeepSpeed at the accelerator matching Lightning's device; returns its name.
+
+    DeepSpeed picks one by itself at import (CUDA when visible), which is wrong for `accelerator="cpu"` on a GPU
+    machine. The environment variable makes the choice stick in processes DeepSpeed starts from this one.
+    """
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if device.type not in SUPPORTED_DEVICE_TYPES:
+        raise ValueError(
+            f"trainer.accelerator: DeepSpeed runs on {' or '.join(SUPPORTED_DEVICE_TYPES)} here, not {device.type!r}"
+        )
+    if get_accelerator().device_name() != device.type:
+        if device.type == "cuda":
+            from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as Accelerator
+        else:
+            from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator as Accelerator
+        set_accelerator(Accelerator())
+    os.environ["DS_ACCELERATOR"] = device.type
+    return get_accelerator().device_name()
+
+
+class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
+    """DeepSpeed ZeRO that also runs on CPU.
+
+    Args:
+        stage: ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.
+        offload_optimizer: keep optimizer state (and run the optimizer step) on "cpu" or "nvme"; null keeps it on
+            the device. A plain torch Adam/AdamW is then swapped for DeepSpeed's CPU Adam.
+        offload_parameters: ZeRO-3 only: keep parameters on "cpu" or "nvme" between uses.
+        nvme_path: directory that NVMe offload writes to.
+        config: a DeepSpeed config (dict or JSON path) used as the starting point instead of the above.
+    """
+
+    strategy_name = "ld_deepspeed"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        offload_optimizer: str | None = None,
+        offload_parameters: str | None = None,
+        nvme_path: str | Path | None = None,
+        config: str | Path | dict[str, Any] | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        validate_zero_options(stage, offload_optimizer, offload_parameters, nvme_path)
+        super().__init__(
+            stage=stage,
+            offload_optimizer=offload_optimizer is not None,
+            offload_optimizer_device=offload_optimizer or "cpu",
+            offload_parameters=offload_parameters is not None,
+            offload_params_device=offload_parameters or "cpu",
+            nvme_path=str(nvme_path or ""),
+            config=config,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        device = super().root_device
+        # DeepSpeed addresses a rank's device by index, on CPU too; torch ignores a CPU index, so this is harmless.
+        return torch.device("cpu", self.local_rank) if device.type == "cpu" else device
+
+    @override
+    def setup_environment(self) -> None:
+        use_deepspeed_accelerator(self.root_device)
+        # Lightning's DeepSpeedStrategy refuses anything but CUDA at this point; DDP's set-up is what remains.
+        DDPStrategy.setup_environment(self)
+
+    @override
+    def setup_distributed(self) -> None:
+        if self.root_device.type == "cuda":
+            _validate_device_index_selection(self.parallel_devices)
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return "offload_optimizer" in self.config.get("zero_optimization", {})
+
+    @override
+    def _init_optimizers(self):
+        optimizer, scheduler_config = super()._init_optimizers()
+        if not self.offloads_optimizer:
+            return optimizer, scheduler_config
+        if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+            optimizer = _as_deepspeed_cpu_adam(optimizer)
+            if scheduler_config is not None:
+                # The scheduler was built around the torch optimizer; it only reads and writes param_groups.
+                scheduler_config.scheduler.optimizer = optimizer
+        else:
+            # DeepSpeed refuses other torch optimizers under offload although they work (stepping on the host).
+            self.config["zero_force_ds_cpu_optimizer"] = False
+            rank_zero_info(f"Optimizer offload: {type(optimizer).__name__} steps on the CPU (no DeepSpeed kernel for it)")
+        return optimizer, scheduler_config
+
+
+def _as_deepspeed_cpu_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """DeepSpeed's offload runs the optimizer step on the host, where its vectorised CPU Adam is much faster than
+    torch's: same parameter groups and hyper-parameters."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    defaults = optimizer.defaults
+    cpu_adam = DeepSpeedCPUAdam(
+        optimizer.param_groups,
+        lr=defaults["lr"],
+        betas=defaults["betas"],
+        eps=defaults["eps"],
+        weight_decay=defaults["weight_decay"],
+        amsgrad=defaults.get("amsgrad", False),
+        adamw_mode=isinstance(optimizer, torch.optim.AdamW),
+    )
+    rank_zero_info(f"Optimizer offload: {type(optimizer).__name__} replaced by DeepSpeedCPUAdam (same hyper-parameters)")
+    return cpu_adam

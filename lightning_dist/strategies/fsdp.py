@@ -1,0 +1,129 @@
+"""FSDP2 (`fully_shard`) without a `configure_model` hook: the strategy shards the model by its block class."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from typing_extensions import override
+
+from lightning_dist.parallel import (
+    apply_activation_checkpointing,
+    apply_fully_shard,
+    infer_block_class,
+    offload_policy,
+    require_class_in_model,
+    resolve_module_class,
+    sharding_layout,
+)
+
+# LightningModule methods that run the model without going through `forward`.
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+class FSDPStrategy(ModelParallelStrategy):
+    """Fully Sharded Data Parallel (FSDP2) on CPU (gloo) or CUDA (nccl).
+
+    Args:
+        sharding_strategy: FULL_SHARD (ZeRO-3 like), SHARD_GRAD_OP (ZeRO-2 like) or HYBRID_SHARD (shard within a
+            node, replicate across nodes).
+        block_class: the repeated layer (class or dotted path) that becomes one FSDP unit each, and what activation
+            checkpointing wraps. Unset: the class of the model's `nn.ModuleList` layers, if there is exactly one.
+        activation_checkpointing: recompute each block's activations in backward instead of storing them.
+        cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
+        save_distributed_checkpoint: each rank writes its shard (a checkpoint directory); False gathers one file.
+    """
+
+    strategy_name = "ld_fsdp"
+
+    def __init__(
+        self,
+        sharding_strategy: str = "FULL_SHARD",
+        block_class: str | type[nn.Module] | None = None,
+        activation_checkpointing: bool = False,
+        cpu_offload: bool = False,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.reshard_after_forward, self.hybrid = sharding_layout(sharding_strategy)
+        self.sharding_strategy = str(sharding_strategy).upper()
+        self.block_class = None if block_class is None else resolve_module_class(block_class, "strategy.block_class")
+        self.activation_checkpointing = activation_checkpointing
+        self.cpu_offload = cpu_offload
+
+    @override
+    def setup_environment(self) -> None:
+        # ModelParallelStrategy's mesh is (data, tensor) parallel; ours is data parallel only, 2-D for hybrid.
+        self._setup_distributed()
+        self._device_mesh = self._build_mesh()
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def _build_mesh(self) -> DeviceMesh:
+        if self.hybrid:
+            return init_device_mesh(
+                self.root_device.type, (self.num_nodes, self.num_processes), mesh_dim_names=("replicate", "shard")
+            )
+        return init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("shard",))
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.parallelize(self.model)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def parallelize(self, model: nn.Module) -> None:
+        """Activation checkpointing first, then sharding: FSDP shards the checkpoint wrapper of each block, so the
+        block's parameters are gathered before backward recomputes it."""
+        block_class = self.block_class or infer_block_class(model)
+        if block_class is not None:
+            require_class_in_model(model, block_class, "strategy.block_class")
+        elif self.activation_checkpointing:
+            present = sorted({type(m).__name__ for m in model.modules()})
+            raise ValueError(
+                "strategy.block_class: activation checkpointing needs the block class and the model has no"
+                f" nn.ModuleList to infer it from; set it to one of: {', '.join(present)}"
+            )
+        if self.activation_checkpointing:
+            apply_activation_checkpointing(model, block_class)
+        apply_fully_shard(
+            model,
+            mesh=self.device_mesh,
+            block_class=block_class,
+            reshard_after_forward=self.reshard_after_forward,
+            offload=offload_policy(self.cpu_offload, self.root_device),
+            forward_methods=[m for m in _STEP_METHODS if hasattr(model, m)],
+        )
+
+    @override
+    def model_to_device(self) -> None:
+        # With CPU offload the shards live in host memory; FSDP moves each unit to the device when it runs.
+        if not self.cpu_offload:
+            super().model_to_device()

@@ -1,0 +1,107 @@
+"""Train and test a LightningModule with the strategy, model, data and trainer that `conf/` composes.
+
+    python train.py                                   # the embedded default: tiny GPT on pydoc text, DDP, 2 CPU ranks
+    python train.py strategy=deepspeed_stage_3_offload
+    python train.py strategy=fsdp trainer.max_steps=20 model=gpt_small
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import hydra
+import lightning as L
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_dist.config_check import CONF_DIR, ConfigError, check_overrides
+from lightning_dist.parallel import require_class_in_model, resolve_module_class
+
+log = logging.getLogger(__name__)
+
+
+def build(cfg: DictConfig) -> dict[str, Any]:
+    """Instantiate data, model, strategy, callbacks, loggers and trainer; configuration mistakes -> ConfigError."""
+    try:
+        datamodule = _instantiate(cfg.data, "data")
+        module_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+        module_cfg.pop("block_class", None)  # describes the model's structure; not a constructor argument
+        model = _instantiate(OmegaConf.create(module_cfg), "model")
+        if cfg.model.get("block_class"):
+            block_class = resolve_module_class(cfg.model.block_class, "model.block_class")
+            require_class_in_model(model, block_class, "model.block_class")
+        strategy = _instantiate(cfg.strategy, "strategy")
+        callbacks = [_instantiate(c, f"callbacks.{name}") for name, c in (cfg.get("callbacks") or {}).items()]
+        loggers = [_instantiate(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items()]
+        trainer = _instantiate(cfg.trainer, "trainer", strategy=strategy, callbacks=callbacks, logger=loggers)
+    except (InstantiationException, ValueError, TypeError) as error:
+        # Hydra wraps what a constructor raised; the constructor's own message is the one that names the key.
+        cause = error.__cause__ if isinstance(error, InstantiationException) and error.__cause__ else error
+        raise ConfigError(" ".join(str(cause).split())) from error
+    return {"datamodule": datamodule, "model": model, "trainer": trainer}
+
+
+def _instantiate(node: DictConfig, key: str, **runtime_objects: Any) -> Any:
+    log.info(f"Instantiating {key} <{node.get('_target_')}>")
+    # _convert_=all: strategies receive plain dicts and lists (a DeepSpeed config must be a real dict).
+    return instantiate(node, _convert_="all", **runtime_objects)
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Fit, then test; returns the final metrics. Runs on every rank (Lightning re-launches this script)."""
+    L.seed_everything(cfg.seed, workers=True)
+    parts = build(cfg)
+    trainer: L.Trainer = parts["trainer"]
+    trainer.fit(parts["model"], datamodule=parts["datamodule"])
+    metrics = _metrics(trainer)
+    if cfg.get("test"):
+        trainer.test(parts["model"], datamodule=parts["datamodule"])
+        metrics.update(_metrics(trainer))
+    if trainer.is_global_zero:
+        _report(cfg, trainer, metrics)
+    return metrics
+
+
+def _metrics(trainer: L.Trainer) -> dict[str, float]:
+    return {name: float(value) for name, value in trainer.callback_metrics.items()}
+
+
+def _report(cfg: DictConfig, trainer: L.Trainer, metrics: dict[str, float]) -> None:
+    print(f"\nOutputs: {cfg.paths.output_dir}")
+    checkpoint = trainer.checkpoint_callback
+    if checkpoint is not None and checkpoint.last_model_path:
+        print(f"Last checkpoint: {checkpoint.last_model_path}")
+    print("Final metrics: " + ", ".join(f"{name}={value:.4f}" for name, value in sorted(metrics.items())))
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+def _hydra_entry(cfg: DictConfig) -> None:
+    try:
+        train(cfg)
+    except ConfigError as error:
+        _exit_with(error)
+
+
+def _exit_with(error: ConfigError) -> None:
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main() -> None:
+    from hydra._internal.utils import get_args_parser  # Hydra's own command-line grammar
+
+    args = get_args_parser().parse_args(sys.argv[1:])
+    # Checked against our conf/ only; help, inspection and other config directories go straight to Hydra.
+    if not (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.config_dir or args.config_path):
+        try:
+            check_overrides(args.overrides, config_name=args.config_name or "train")
+        except ConfigError as error:
+            _exit_with(error)
+    _hydra_entry()
+
+
+if __name__ == "__main__":
+    main()

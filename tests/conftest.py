@@ -1,0 +1,67 @@
+"""Shared helpers: real training runs in subprocesses (each spawns 2 ranks), composed configs, DeepSpeed ops."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO / "conf"
+STRATEGY_NAMES = sorted(p.stem for p in (CONF_DIR / "strategy").glob("*.yaml") if p.stem != "deepspeed")
+
+
+@dataclass
+class TrainRun:
+    """A finished `python train.py` run and what it left in its output directory."""
+
+    process: subprocess.CompletedProcess
+    run_dir: Path
+
+    @property
+    def output(self) -> str:
+        return self.process.stdout + self.process.stderr
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "metrics.json").read_text())
+
+    def csv_rows(self) -> list[dict[str, str]]:
+        with open(self.run_dir / "csv" / "metrics.csv") as handle:
+            return list(csv.DictReader(handle))
+
+    def val_losses(self) -> dict[int, float]:
+        return {int(row["step"]): float(row["val_loss"]) for row in self.csv_rows() if row.get("val_loss")}
+
+
+def run_train(run_dir: Path, *overrides: str, timeout: float = 600, script: Path = REPO / "train.py") -> TrainRun:
+    command = [sys.executable, str(script), f"hydra.run.dir={run_dir}", *overrides]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+    process = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    return TrainRun(process, run_dir)
+
+
+@pytest.fixture(scope="session")
+def deepspeed_ops() -> None:
+    """JIT-build DeepSpeed's CPU ops once per session (about 75 s each when not cached in ~/.cache)."""
+    from deepspeed.accelerator import get_accelerator
+
+    for builder in ("ShareMemCommBuilder", "CPUAdamBuilder"):
+        get_accelerator().create_op_builder(builder).load(verbose=False)
+
+
+@pytest.fixture(scope="session", params=STRATEGY_NAMES)
+def strategy_run(request, tmp_path_factory, deepspeed_ops) -> tuple[str, TrainRun]:
+    """The acceptance command of every named strategy, run once and shared by the tests that read its results."""
+    name = request.param
+    run = run_train(
+        tmp_path_factory.mktemp(name),
+        f"strategy={name}", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=20",
+    )
+    return name, run

@@ -1,0 +1,81 @@
+"""FSDP2 mechanics in one process: a one-rank gloo group is enough to exercise wrapping and recomputation."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
+
+from lightning_dist.models.gpt import TransformerBlock
+from lightning_dist.parallel import apply_activation_checkpointing, apply_fully_shard, offload_policy, sharding_layout
+
+from tests.parallel.test_activation_checkpoint import block_forwards, tiny_gpt  # noqa: F401 (fixture)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("name", "layout"),
+    [("FULL_SHARD", (True, False)), ("shard_grad_op", (False, False)), ("HYBRID_SHARD", (True, True))],
+)
+def test_sharding_strategy_names(name, layout):
+    assert sharding_layout(name) == layout
+
+
+def test_unknown_sharding_strategy_lists_choices():
+    with pytest.raises(ValueError) as error:
+        sharding_layout("NO_SHARD")
+    assert str(error.value) == (
+        "strategy.sharding_strategy: 'NO_SHARD' is not supported; choose one of FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD"
+    )
+
+
+def test_offload_policy_pins_memory_only_for_cuda():
+    assert type(offload_policy(False, torch.device("cpu"))) is OffloadPolicy
+    assert offload_policy(True, torch.device("cpu")).pin_memory is False
+    assert offload_policy(True, torch.device("cuda", 1)).pin_memory is True
+
+
+def shard(model, mesh, **overrides):
+    kwargs = dict(mesh=mesh, block_class=TransformerBlock, reshard_after_forward=True, offload=OffloadPolicy())
+    return apply_fully_shard(model, **{**kwargs, **overrides})
+
+
+def test_one_unit_per_block_plus_root_and_idempotent(mesh):
+    model = tiny_gpt(n_layer=3)
+    assert shard(model, mesh) == 4
+    assert shard(model, mesh) == 4
+    assert all(isinstance(block, FSDPModule) for block in model.blocks)
+
+
+def test_checkpointed_blocks_are_sharded_through_their_wrapper_and_recomputed(mesh, block_forwards):
+    tokens = torch.randint(0, 32, (2, 8))
+    reference, model = tiny_gpt(), tiny_gpt()
+    apply_activation_checkpointing(model, TransformerBlock)
+    assert shard(model, mesh) == 4
+    assert all(isinstance(block, CheckpointWrapper) and isinstance(block, FSDPModule) for block in model.blocks)
+
+    model(tokens).sum().backward()
+    assert block_forwards[0] == 6  # 3 blocks forward + 3 recomputed in backward
+    reference(tokens).sum().backward()
+
+    grads = {name.replace("._checkpoint_wrapped_module", ""): p.grad.full_tensor() for name, p in model.named_parameters()}
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, msg=name)
+
+
+def test_root_only_without_block_class(mesh):
+    model = tiny_gpt()
+    assert shard(model, mesh, block_class=None) == 1
+    assert isinstance(model, FSDPModule) and not isinstance(model.blocks[0], FSDPModule)

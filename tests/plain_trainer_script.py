@@ -1,0 +1,62 @@
+"""A user's own script: plain `L.Trainer`, no Hydra, modules that are not ours. Prints one JSON line per rank.
+
+    python tests/plain_trainer_script.py ld_fsdp                # a registered name, Lightning's BoringModel
+    python tests/plain_trainer_script.py FSDPStrategy-ac        # a class instance: FSDP + activation checkpointing
+    python tests/plain_trainer_script.py ld_fsdp_activation_checkpointing encoder   # torch's TransformerEncoder
+"""
+
+import json
+import sys
+
+import lightning as L
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+import lightning_dist
+from lightning_dist.parallel.placement import parameter_numel
+
+
+class RecordingBoringModel(BoringModel):
+    def training_step(self, batch, batch_idx):
+        output = super().training_step(batch, batch_idx)
+        self.losses = [*getattr(self, "losses", []), float(output["loss"])]
+        return output
+
+
+class EncoderModel(RecordingBoringModel):
+    """BoringModel's task through torch's own nn.TransformerEncoder, whose layers sit in an nn.ModuleList."""
+
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(d_model=32, nhead=2, dim_feedforward=64, batch_first=True)
+        self.layer = torch.nn.Sequential(torch.nn.TransformerEncoder(layer, num_layers=2), torch.nn.Linear(32, 2))
+
+    def forward(self, x):
+        return self.layer(x.unsqueeze(1)).squeeze(1)
+
+
+def main(choice: str, model_name: str = "boring") -> None:
+    strategy = choice
+    if choice == "FSDPStrategy-ac":
+        strategy = lightning_dist.FSDPStrategy(activation_checkpointing=True, block_class=torch.nn.Linear)
+    L.seed_everything(0)
+    model = EncoderModel() if model_name == "encoder" else RecordingBoringModel()
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_steps=4, limit_val_batches=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model)
+    local, total = parameter_numel(model)
+    print("RESULT " + json.dumps({
+        "rank": trainer.global_rank,
+        "strategy": type(trainer.strategy).__name__,
+        "backend": trainer.strategy._get_process_group_backend(),
+        "global_step": trainer.global_step,
+        "losses": model.losses,
+        "parameters_local": local,
+        "parameters_total": total,
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,99 @@
+"""The CUDA path is the same code as the CPU one: with a CUDA accelerator mocked, check what each strategy picks."""
+
+import os
+
+import pytest
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.accelerators import CUDAAccelerator
+
+from lightning_dist.strategies import PRESETS
+from lightning_dist.strategies import deepspeed as deepspeed_module
+from lightning_dist.strategies import fsdp as fsdp_module
+from lightning_dist.strategies.deepspeed import use_deepspeed_accelerator
+from tests.conftest import STRATEGY_NAMES
+
+CUDA_DEVICES = [torch.device("cuda", 0), torch.device("cuda", 1)]
+
+
+@pytest.fixture
+def rank_1_of_2(monkeypatch):
+    """This process plays local rank 1 of two on a 2-GPU node; the environment is restored afterwards."""
+    saved = dict(os.environ)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("NODE_RANK", "0")
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def cuda_strategy(name: str):
+    preset = PRESETS[name]
+    strategy = preset.strategy(**preset.kwargs)
+    strategy.accelerator = CUDAAccelerator()
+    strategy.parallel_devices = CUDA_DEVICES
+    strategy.cluster_environment = LightningEnvironment()
+    strategy.set_world_ranks()
+    return strategy
+
+
+@pytest.mark.parametrize("name", STRATEGY_NAMES)
+def test_picks_nccl_and_the_local_ranks_gpu(name, rank_1_of_2):
+    strategy = cuda_strategy(name)
+    assert strategy.root_device == torch.device("cuda", 1)
+    assert strategy._get_process_group_backend() == "nccl"
+
+
+def test_ddp_wraps_with_the_local_device_id(rank_1_of_2):
+    assert cuda_strategy("ddp").determine_ddp_device_ids() == [1]
+
+
+@pytest.mark.parametrize("name", [n for n in STRATEGY_NAMES if n.startswith("fsdp")])
+def test_fsdp_builds_a_cuda_mesh_and_pins_offloaded_memory(name, rank_1_of_2, monkeypatch):
+    calls = []
+    monkeypatch.setattr(fsdp_module, "init_device_mesh", lambda *args, **kwargs: calls.append((args, kwargs)))
+    strategy = cuda_strategy(name)
+    strategy._build_mesh()
+    assert calls == [(("cuda", (2,)), {"mesh_dim_names": ("shard",)})]
+    assert fsdp_module.offload_policy(strategy.cpu_offload, strategy.root_device).__dict__.get("pin_memory", False) is strategy.cpu_offload
+
+
+def test_hybrid_shard_mesh_replicates_across_nodes(rank_1_of_2, monkeypatch):
+    calls = []
+    monkeypatch.setattr(fsdp_module, "init_device_mesh", lambda *args, **kwargs: calls.append((args, kwargs)))
+    strategy = fsdp_module.FSDPStrategy(sharding_strategy="HYBRID_SHARD")
+    strategy.parallel_devices, strategy.cluster_environment, strategy.num_nodes = CUDA_DEVICES, LightningEnvironment(), 3
+    strategy._build_mesh()
+    assert calls == [(("cuda", (3, 2)), {"mesh_dim_names": ("replicate", "shard")})]
+
+
+@pytest.fixture
+def restore_deepspeed_accelerator():
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    saved = get_accelerator()
+    yield
+    set_accelerator(saved)
+
+
+@pytest.mark.parametrize("name", [n for n in STRATEGY_NAMES if n.startswith("deepspeed")])
+def test_deepspeed_uses_cuda_accelerator_nccl_and_device_index(name, rank_1_of_2, restore_deepspeed_accelerator, monkeypatch):
+    import deepspeed
+
+    calls = []
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda backend, **kwargs: calls.append(backend))
+    strategy = cuda_strategy(name)
+    assert use_deepspeed_accelerator(strategy.root_device) == "cuda"
+    assert os.environ["DS_ACCELERATOR"] == "cuda"
+    strategy.setup_distributed()  # validates device indices against local ranks, as on a real node
+    assert calls == ["nccl"]
+    assert strategy.root_device.index == 1  # what deepspeed.initialize gets as device_rank
+
+
+def test_deepspeed_on_cpu_gives_each_rank_an_index(rank_1_of_2, restore_deepspeed_accelerator):
+    strategy = deepspeed_module.DeepSpeedStrategy(stage=2)
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    strategy.cluster_environment = LightningEnvironment()
+    assert strategy.root_device == torch.device("cpu", 1)
+    assert use_deepspeed_accelerator(strategy.root_device) == "cpu"
+    assert strategy._get_process_group_backend() == "gloo"

@@ -1,0 +1,103 @@
+"""Bad input gets one line that names the key and the valid choices, before any rank is spawned."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from lightning_dist.config_check import ConfigError, check_overrides
+from lightning_dist.train import build
+from tests.conftest import CONF_DIR, REPO, STRATEGY_NAMES
+
+
+def error_of(overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as error:
+        check_overrides(overrides)
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_unknown_strategy_lists_every_option():
+    options = ", ".join(sorted([*STRATEGY_NAMES, "deepspeed"]))
+    assert error_of(["strategy=fsdp_zero9"]) == f"strategy=fsdp_zero9: no such option; choose one of: {options}"
+
+
+def test_unknown_option_inside_a_sweep():
+    assert error_of(["strategy=ddp,fdsp"]).startswith("strategy=fdsp: no such option; choose one of: ddp, deepspeed,")
+
+
+def test_misspelled_key_suggests_the_real_one():
+    message = error_of(["trainer.max_stepz=20"])
+    assert message.startswith("trainer.max_stepz: no such key; did you mean trainer.max_steps? valid keys under trainer:")
+    assert "accumulate_grad_batches" in message
+
+
+def test_misspelled_key_of_the_chosen_strategy():
+    message = error_of(["strategy=deepspeed_stage_2", "strategy.offload_optimiser=cpu"])
+    assert message.startswith("strategy.offload_optimiser: no such key; did you mean strategy.offload_optimizer?")
+
+
+def test_misspelled_top_level_and_nested_group():
+    assert error_of(["sed=1"]).startswith("sed: no such key; did you mean seed? valid keys at the top level:")
+    assert error_of(["trainr.devices=2"]).startswith("trainr: no such key; did you mean trainer?")
+
+
+def test_valid_overrides_compose():
+    cfg = check_overrides(["strategy=fsdp", "trainer.max_steps=20", "+trainer.fast_dev_run=true"])
+    assert cfg.strategy.sharding_strategy == "FULL_SHARD" and cfg.trainer.max_steps == 20
+
+
+def build_error(overrides: list[str]) -> str:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+    from hydra.core.hydra_config import HydraConfig
+
+    HydraConfig.instance().set_config(cfg)
+    with pytest.raises(ConfigError) as error:
+        build(cfg)
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_parameter_offload_with_stage_2():
+    assert build_error(["strategy=deepspeed_stage_2", "strategy.offload_parameters=cpu"]) == (
+        "strategy.offload_parameters: parameter offload needs ZeRO stage 3, got strategy.stage=2;"
+        " choose strategy.stage=3 or strategy.offload_parameters=null"
+    )
+
+
+def test_block_class_that_does_not_exist():
+    message = build_error(["strategy=fsdp", "model.block_class=lightning_dist.models.gpt.Block"])
+    assert message.startswith("model.block_class: 'lightning_dist.models.gpt.Block' is not an nn.Module class;")
+    assert "TransformerBlock" in message
+
+
+def test_block_class_that_is_not_in_the_model():
+    message = build_error(["strategy=fsdp", "model.block_class=torch.nn.Conv2d"])
+    assert message.startswith("model.block_class: the model has no Conv2d module; classes in the model:")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["strategy=nope"], "error: strategy=nope: no such option; choose one of:"),
+        (["strategy=deepspeed_stage_2", "strategy.offload_parameters=cpu"],
+         "error: strategy.offload_parameters: parameter offload needs ZeRO stage 3"),
+    ],
+)
+def test_command_line_prints_one_error_line_and_exits_2_without_spawning(overrides, expected, tmp_path):
+    started = time.monotonic()
+    process = subprocess.run(
+        [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", "trainer.devices=2", *overrides],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert process.returncode == 2
+    error_lines = [line for line in process.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and error_lines[0].startswith(expected), process.stderr
+    assert "Initializing distributed" not in process.stdout + process.stderr
+    assert not (tmp_path / "train_ddp_process_1.log").exists()
+    assert time.monotonic() - started < 60

@@ -1,0 +1,54 @@
+"""Our strategies from a plain script with `L.Trainer(strategy=...)` and a LightningModule that is not ours."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from lightning_dist.strategies import PRESETS, REGISTRY_PREFIX
+from tests.conftest import REPO, STRATEGY_NAMES
+
+pytestmark = pytest.mark.slow
+
+
+def run_script(*args: str, expect_returncode: int = 0) -> list[dict] | str:
+    process = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "plain_trainer_script.py"), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert process.returncode == expect_returncode, process.stderr[-4000:]
+    if expect_returncode:
+        return process.stderr
+    lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
+    return sorted((json.loads(line.removeprefix("RESULT ")) for line in lines), key=lambda r: r["rank"])
+
+
+@pytest.mark.parametrize("name", STRATEGY_NAMES)
+def test_registered_name_trains_on_two_cpu_ranks(name, deepspeed_ops):
+    # BoringModel has no repeated block to checkpoint: that preset trains torch's TransformerEncoder instead.
+    model = "encoder" if name == "fsdp_activation_checkpointing" else "boring"
+    results = run_script(REGISTRY_PREFIX + name, model)
+    assert [r["rank"] for r in results] == [0, 1]
+    for result in results:
+        assert result["strategy"] == PRESETS[name].strategy.__name__
+        assert result["backend"] == "gloo"
+        assert result["global_step"] == 4
+        assert len(result["losses"]) == 4 and all(math.isfinite(loss) for loss in result["losses"])
+    sharded = name.startswith("fsdp") or name.startswith("deepspeed_stage_3")
+    held = sum(r["parameters_local"] for r in results) / results[0]["parameters_total"]
+    assert held == pytest.approx(1.0 if sharded else 2.0, abs=0.05)  # shards add up to one model; replicas to two
+
+
+def test_strategy_instance_with_block_class_given_as_a_class():
+    results = run_script("FSDPStrategy-ac")
+    assert [(r["strategy"], r["global_step"]) for r in results] == [("FSDPStrategy", 4), ("FSDPStrategy", 4)]
+
+
+def test_checkpointing_by_name_without_a_block_says_which_classes_could_be_one():
+    stderr = run_script("ld_fsdp_activation_checkpointing", "boring", expect_returncode=1)
+    assert (
+        "ValueError: strategy.block_class: activation checkpointing needs the block class and the model has no"
+        " nn.ModuleList to infer it from; set it to one of: Linear, RecordingBoringModel"
+    ) in stderr
