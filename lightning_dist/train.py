@@ -55,7 +55,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     L.seed_everything(cfg.seed, workers=True)
     parts = build(cfg)
     trainer: L.Trainer = parts["trainer"]
-    trainer.fit(parts["model"], datamodule=parts["datamodule"])
+    trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=cfg.get("ckpt_path"))
     metrics = _metrics(trainer)
     if cfg.get("test"):
         trainer.test(parts["model"], datamodule=parts["datamodule"])

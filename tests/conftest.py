@@ -65,3 +65,28 @@ def strategy_run(request, tmp_path_factory, deepspeed_ops) -> tuple[str, TrainRu
         f"strategy={name}", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=20",
     )
     return name, run
+
+
+# 30 steps with a checkpoint at step 15: the curve compared across strategies, and the point resumed from.
+CURVE_OVERRIDES = (
+    "trainer.max_steps=30",
+    "callbacks.model_checkpoint.every_n_train_steps=15",
+    "callbacks.model_checkpoint.save_top_k=-1",
+    "callbacks.model_checkpoint.monitor=null",
+)
+
+
+@pytest.fixture(scope="session")
+def curve_runs(tmp_path_factory, deepspeed_ops):
+    """{strategy: StrategyCurve}, filled on demand so each strategy's 30-step run happens once per session."""
+    from lightning_dist.equivalence import run_strategy
+
+    workdir = tmp_path_factory.mktemp("curves")
+    runs = {}
+
+    def get(name: str):
+        if name not in runs:
+            runs[name] = run_strategy(name, list(CURVE_OVERRIDES), workdir / name)
+        return runs[name]
+
+    return get

@@ -1,12 +1,13 @@
-"""A user's own script: plain `L.Trainer`, no Hydra, modules that are not ours. Prints one JSON line per rank.
+"""A user's own script: plain `L.Trainer`, no Hydra, modules that are not ours. Writes OUT_DIR/rank<N>.json.
 
-    python tests/plain_trainer_script.py ld_fsdp                # a registered name, Lightning's BoringModel
-    python tests/plain_trainer_script.py FSDPStrategy-ac        # a class instance: FSDP + activation checkpointing
-    python tests/plain_trainer_script.py ld_fsdp_activation_checkpointing encoder   # torch's TransformerEncoder
+    python tests/plain_trainer_script.py OUT_DIR ld_fsdp              # a registered name, Lightning's BoringModel
+    python tests/plain_trainer_script.py OUT_DIR FSDPStrategy-ac      # a class instance: FSDP + activation checkpointing
+    python tests/plain_trainer_script.py OUT_DIR ld_fsdp_activation_checkpointing encoder  # torch's TransformerEncoder
 """
 
 import json
 import sys
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -35,7 +36,7 @@ class EncoderModel(RecordingBoringModel):
         return self.layer(x.unsqueeze(1)).squeeze(1)
 
 
-def main(choice: str, model_name: str = "boring") -> None:
+def main(out_dir: str, choice: str, model_name: str = "boring") -> None:
     strategy = choice
     if choice == "FSDPStrategy-ac":
         strategy = lightning_dist.FSDPStrategy(activation_checkpointing=True, block_class=torch.nn.Linear)
@@ -47,7 +48,8 @@ def main(choice: str, model_name: str = "boring") -> None:
     )
     trainer.fit(model)
     local, total = parameter_numel(model)
-    print("RESULT " + json.dumps({
+    # One file per rank: both ranks share stdout, where their lines can interleave.
+    (Path(out_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps({
         "rank": trainer.global_rank,
         "strategy": type(trainer.strategy).__name__,
         "backend": trainer.strategy._get_process_group_backend(),
@@ -55,7 +57,7 @@ def main(choice: str, model_name: str = "boring") -> None:
         "losses": model.losses,
         "parameters_local": local,
         "parameters_total": total,
-    }), flush=True)
+    }))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -14,15 +16,15 @@ pytestmark = pytest.mark.slow
 
 
 def run_script(*args: str, expect_returncode: int = 0) -> list[dict] | str:
-    process = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "plain_trainer_script.py"), *args],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )
-    assert process.returncode == expect_returncode, process.stderr[-4000:]
-    if expect_returncode:
-        return process.stderr
-    lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
-    return sorted((json.loads(line.removeprefix("RESULT ")) for line in lines), key=lambda r: r["rank"])
+    with tempfile.TemporaryDirectory() as out_dir:
+        process = subprocess.run(
+            [sys.executable, str(REPO / "tests" / "plain_trainer_script.py"), out_dir, *args],
+            cwd=REPO, capture_output=True, text=True, timeout=600,
+        )
+        assert process.returncode == expect_returncode, process.stderr[-4000:]
+        if expect_returncode:
+            return process.stderr
+        return [json.loads(path.read_text()) for path in sorted(Path(out_dir).glob("rank*.json"))]
 
 
 @pytest.mark.parametrize("name", STRATEGY_NAMES)

@@ -36,8 +36,30 @@ class NextTokenWindows(Dataset):
         return window[:-1], window[1:]
 
 
+class ResumableDataLoader(DataLoader):
+    """A DataLoader whose next epoch can start `skip_batches` into the epoch's (seeded, so repeatable) order.
+
+    Lightning restores the epoch and step of a mid-epoch checkpoint but restarts the epoch's batches from the
+    first; this loader lets a resumed run see exactly the batches the uninterrupted run would have seen.
+    """
+
+    def __init__(self, *args, skip_batches: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.skip_batches = skip_batches
+
+    def __iter__(self):
+        iterator = super().__iter__()
+        skip, self.skip_batches = self.skip_batches, 0  # only the resumed epoch starts part-way
+        for _ in range(skip):
+            next(iterator, None)
+        return iterator
+
+
 class PydocTextDataModule(L.LightningDataModule):
-    """Train/val/test splits of the pydoc text: the first part trains, the tail is held out (val, then test)."""
+    """Train/val/test splits of the pydoc text: the first part trains, the tail is held out (val, then test).
+
+    Mid-epoch checkpoints record how many training batches of the epoch were done, so resuming continues there.
+    """
 
     def __init__(
         self,
@@ -52,6 +74,7 @@ class PydocTextDataModule(L.LightningDataModule):
             raise ValueError(f"data.val_fraction + data.test_fraction must be in (0, 1), got {val_fraction + test_fraction}")
         self.save_hyperparameters()
         self.batch_size = batch_size
+        self._resume_at_batch = 0
 
     def setup(self, stage: str | None = None) -> None:
         tokens = load_pydoc_bytes()
@@ -67,7 +90,21 @@ class PydocTextDataModule(L.LightningDataModule):
         return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.hparams.num_workers)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        skip, self._resume_at_batch = self._resume_at_batch, 0
+        return ResumableDataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.hparams.num_workers,
+            skip_batches=skip,
+        )
+
+    def state_dict(self) -> dict[str, int]:
+        # `processed` counts the batches whose training step ran, whether the checkpoint is written at the end of
+        # a batch or after a validation that followed it.
+        trainer = self.trainer
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed if trainer is not None else 0
+        return {"train_batches_done_in_epoch": int(done)}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self._resume_at_batch = state_dict.get("train_batches_done_in_epoch", 0)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)

@@ -95,7 +95,7 @@ class GPTLanguageModel(L.LightningModule):
         n_head: int = 4,
         d_model: int = 128,
         dropout: float = 0.0,
-        lr: float = 3e-3,
+        lr: float = 1e-3,
         weight_decay: float = 0.01,
         betas: tuple[float, float] = (0.9, 0.95),
     ) -> None:
