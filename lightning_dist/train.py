@@ -17,6 +17,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_dist.checkpoints.formats import CheckpointError, check_checkpoint_matches
 from lightning_dist.config_check import CONF_DIR, ConfigError, check_overrides
 from lightning_dist.parallel import require_class_in_model, resolve_module_class
 
@@ -33,11 +34,13 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         if cfg.model.get("block_class"):
             block_class = resolve_module_class(cfg.model.block_class, "model.block_class")
             require_class_in_model(model, block_class, "model.block_class")
+        if cfg.get("ckpt_path"):
+            check_checkpoint_matches(cfg.ckpt_path, set(model.state_dict()))
         strategy = _instantiate(cfg.strategy, "strategy")
         callbacks = [_instantiate(c, f"callbacks.{name}") for name, c in (cfg.get("callbacks") or {}).items()]
         loggers = [_instantiate(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items()]
         trainer = _instantiate(cfg.trainer, "trainer", strategy=strategy, callbacks=callbacks, logger=loggers)
-    except (InstantiationException, ValueError, TypeError) as error:
+    except (InstantiationException, CheckpointError, ValueError, TypeError) as error:
         # Hydra wraps what a constructor raised; the constructor's own message is the one that names the key.
         cause = error.__cause__ if isinstance(error, InstantiationException) and error.__cause__ else error
         raise ConfigError(" ".join(str(cause).split())) from error

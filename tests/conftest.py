@@ -67,8 +67,11 @@ def strategy_run(request, tmp_path_factory, deepspeed_ops) -> tuple[str, TrainRu
     return name, run
 
 
-# 30 steps with a checkpoint at step 15: the curve compared across strategies, and the point resumed from.
+# 30 steps with a checkpoint at step 15: the curve compared across strategies, and the point resumed from. The
+# model is the GPT plus a frozen parameter and a buffer, and it saves its gathered weights for the checkpoint tests.
 CURVE_OVERRIDES = (
+    "model._target_=tests.models.checkpoint_probe.CheckpointProbeGPT",
+    "+model.gathered_path=${paths.output_dir}/gathered_state.pt",
     "trainer.max_steps=30",
     "callbacks.model_checkpoint.every_n_train_steps=15",
     "callbacks.model_checkpoint.save_top_k=-1",

@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
+from typing_extensions import override
+
+from lightning_dist.checkpoints.formats import FILE
+from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
 
 
 class DDPStrategy(_LightningDDPStrategy):
     """Data-parallel training; registered as `ld_ddp` so it sits beside our FSDP and DeepSpeed presets.
 
-    Lightning's DDP needs no change to run on CPU. The subclass exists so every preset of this package is one of
-    our classes (and one place to put a fix, should Lightning's ever need one).
+    Lightning's DDP already runs on CPU. What this adds: it resumes from FSDP and DeepSpeed checkpoint directories
+    too (consolidated on load, Adam state included), at any world size.
     """
 
     strategy_name = "ld_ddp"
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        foreign = load_for_resume(checkpoint_path, native_formats={FILE})
+        return foreign if foreign is not None else super().load_checkpoint(checkpoint_path, weights_only)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if "optimizer_state_by_name" in checkpoint:  # consolidated from another strategy's checkpoint
+            restore_optimizer_by_name(self.lightning_module, self.optimizers, checkpoint)
+        else:
+            super().load_optimizer_state_dict(checkpoint)

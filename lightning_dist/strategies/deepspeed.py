@@ -16,6 +16,8 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpee
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_dist.checkpoints.resume import check_deepspeed_world_size
+
 ZERO_STAGES = (1, 2, 3)
 OFFLOAD_DEVICES = ("cpu", "nvme")
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
@@ -118,6 +120,11 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
         reset_seed()
         self.set_world_ranks()
         self._init_deepspeed_distributed()
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        check_deepspeed_world_size(self.broadcast(checkpoint_path), self.world_size)
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
     @property
     def offloads_optimizer(self) -> bool:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import _load_raw_module_state
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -15,6 +17,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from typing_extensions import override
 
+from lightning_dist.checkpoints.formats import DISTRIBUTED, FILE
+from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
 from lightning_dist.parallel import (
     apply_activation_checkpointing,
     apply_fully_shard,
@@ -121,6 +125,18 @@ class FSDPStrategy(ModelParallelStrategy):
             offload=offload_policy(self.cpu_offload, self.root_device),
             forward_methods=[m for m in _STEP_METHODS if hasattr(model, m)],
         )
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        # Our own formats (sharded directories at any world size, full files) load through Lightning; a DeepSpeed
+        # directory is consolidated first and its weights are scattered into the shards.
+        foreign = load_for_resume(self.broadcast(checkpoint_path), native_formats={DISTRIBUTED, FILE})
+        if foreign is None:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        _load_raw_module_state(foreign.pop("state_dict"), self.model, strict=self.lightning_module.strict_loading)
+        if self.optimizers:  # fitting: restore Adam's moments into the shards too
+            restore_optimizer_by_name(self.model, self.optimizers, foreign)
+        return foreign
 
     @override
     def model_to_device(self) -> None:

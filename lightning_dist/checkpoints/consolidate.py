@@ -1,0 +1,130 @@
+"""Turn any strategy's checkpoint into one plain file that loads in a plain process: no process group, no DeepSpeed.
+
+    python -m lightning_dist.checkpoints.consolidate CHECKPOINT OUTPUT.ckpt
+
+The file is a regular Lightning checkpoint: `Model.load_from_checkpoint(OUTPUT)` and
+`model.load_state_dict(torch.load(OUTPUT)["state_dict"], strict=True)` read it, and training can resume from it
+under DDP or FSDP at any world size. Sharded Adam state (ZeRO partitions, FSDP shards) is gathered per parameter
+name into `optimizer_state_by_name`, which those strategies load into whatever optimizer layout they build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_dist.checkpoints.formats import DEEPSPEED, DISTRIBUTED, FILE, CheckpointError, checkpoint_format
+
+
+def load_consolidated(path: str | Path) -> dict[str, Any]:
+    """The checkpoint at `path` as one in-memory Lightning checkpoint dict with a full fp32 `state_dict`."""
+    path = Path(path)
+    kind = checkpoint_format(path)
+    if kind == FILE:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    if kind == DEEPSPEED:
+        return _load_deepspeed(path)
+    return _load_distributed(path)
+
+
+def consolidate_checkpoint(path: str | Path, output: str | Path) -> Path:
+    """Write `path`'s checkpoint as a single plain file at `output` (which must not exist yet)."""
+    output = Path(output)
+    if output.exists():
+        raise CheckpointError(f"output: {output} exists; consolidation never overwrites a file, choose a new path")
+    checkpoint = load_consolidated(path)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, output)
+    return output
+
+
+def _load_deepspeed(path: Path) -> dict[str, Any]:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, get_model_state_files
+
+    tag = (path / "latest").read_text().strip()
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
+    # Lightning keeps its own state (loops, callbacks, hyper-parameters) in rank 0's model-states file.
+    client_state = torch.load(get_model_state_files(str(path / tag))[0], map_location="cpu", weights_only=False)
+    deepspeed_keys = {"module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "skipped_steps",
+                      "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+                      "buffer_names", "param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments",
+                      "sparse_tensor_module_names", "data_sampler", "random_ltd", "lr_scheduler"}
+    checkpoint = {k: v for k, v in client_state.items() if k not in deepspeed_keys}
+    checkpoint["state_dict"] = {k.removeprefix("_forward_module."): v for k, v in state_dict.items()}
+    return _with_state_by_name(checkpoint, _deepspeed_adam_state(path / tag))
+
+
+def _deepspeed_adam_state(ds_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Adam's moments per parameter name, un-partitioned with DeepSpeed's own merge of the fp32 master weights:
+    the base optimizer's moments have exactly the flat layout of those weights."""
+    from deepspeed.utils import zero_to_fp32 as z
+
+    model_states = z.parse_model_states(z.get_model_state_files(str(ds_dir)))
+    shards = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+              for f in z.get_optim_files(str(ds_dir))]
+    stage, world_size = shards[0]["zero_stage"], len(shards)
+    states = [shard["base_optimizer_state" if stage <= 2 else "optimizer_state_dict"]["state"] for shard in shards]
+    if not all("exp_avg" in group for group in states[0].values()):
+        return {}  # not an Adam-family optimizer: nothing we know how to map
+    trainable = [name for group in model_states[0].param_shapes for name in group]
+    moments = {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        flat = [[state[group][key] for group in sorted(state)] for state in states]
+        if stage <= 2:
+            merged = z._get_fp32_state_dict_from_zero2_checkpoint(
+                world_size, flat, model_states, True, shards[0].get("param_alignment_paddings"))
+        else:
+            merged = z._get_fp32_state_dict_from_zero3_checkpoint(world_size, flat, model_states, True)
+        moments[key] = z.to_torch_tensor(merged)  # ZeRO-3 merges lazily; materialise
+    step = next(iter(states[0].values()))["step"]
+    return {
+        name.removeprefix("_forward_module."): {
+            "step": torch.as_tensor(step, dtype=torch.float32).clone(),
+            "exp_avg": moments["exp_avg"][name],
+            "exp_avg_sq": moments["exp_avg_sq"][name],
+        }
+        for name in trainable
+    }
+
+
+def _load_distributed(path: Path) -> dict[str, Any]:
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+
+    checkpoint = _load_distributed_checkpoint(path)
+    optimizer_keys = sorted(k for k in checkpoint if k.startswith("optimizer_"))
+    # DCP stores optimizer state keyed by parameter name already (one optimizer: the case we can map).
+    by_name = checkpoint[optimizer_keys[0]]["state"] if len(optimizer_keys) == 1 else {}
+    for key in optimizer_keys:
+        del checkpoint[key]
+    return _with_state_by_name(checkpoint, by_name)
+
+
+def _with_state_by_name(checkpoint: dict[str, Any], state_by_name: dict[str, dict]) -> dict[str, Any]:
+    # Empty lists rather than missing keys: Lightning then restores loops and weights and leaves the optimizer to
+    # the strategy, which reads `optimizer_state_by_name`.
+    checkpoint["optimizer_states"] = []
+    checkpoint["lr_schedulers"] = []
+    checkpoint["optimizer_state_by_name"] = state_by_name
+    return checkpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Consolidate a DDP, FSDP or DeepSpeed checkpoint into one file.")
+    parser.add_argument("checkpoint", type=Path, help="a .ckpt file, or a DeepSpeed or FSDP checkpoint directory")
+    parser.add_argument("output", type=Path, help="the single file to write (must not exist)")
+    args = parser.parse_args(argv)
+    try:
+        output = consolidate_checkpoint(args.checkpoint, args.output)
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"Consolidated {args.checkpoint} -> {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

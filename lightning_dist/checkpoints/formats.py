@@ -1,0 +1,88 @@
+"""What kind of checkpoint a path holds, and clear errors for paths that hold none."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+FILE = "file"                # torch.save'd dict: DDP, or anything consolidated
+DEEPSPEED = "deepspeed"      # directory with a `latest` tag file and per-rank ZeRO shards
+DISTRIBUTED = "distributed"  # torch.distributed.checkpoint directory (FSDP2): `.metadata` + shards + meta.pt
+
+
+class CheckpointError(ValueError):
+    """A checkpoint path that does not hold what was expected; the message says what would."""
+
+
+def _is_deepspeed_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "latest").is_file()
+
+
+def _is_distributed_dir(path: Path) -> bool:
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+def checkpoint_format(path: str | Path, key: str = "ckpt_path") -> str:
+    """FILE, DEEPSPEED or DISTRIBUTED; CheckpointError naming `key` when the path is none of them."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{key}: no checkpoint at {path} (expected a .ckpt file or checkpoint directory)")
+    if path.is_file():
+        for parent in path.parents:
+            if _is_deepspeed_dir(parent) or _is_distributed_dir(parent):
+                kind = "DeepSpeed" if _is_deepspeed_dir(parent) else "distributed (FSDP)"
+                raise CheckpointError(
+                    f"{key}: {path} is one file inside the {kind} checkpoint directory {parent}; pass the directory"
+                )
+        return FILE
+    if _is_deepspeed_dir(path):
+        return DEEPSPEED
+    if _is_distributed_dir(path):
+        return DISTRIBUTED
+    raise CheckpointError(
+        f"{key}: {path} is a directory but not a checkpoint: expected a DeepSpeed checkpoint (with a 'latest' file)"
+        " or a distributed FSDP checkpoint (with '.metadata')"
+    )
+
+
+def is_complete(path: str | Path) -> bool:
+    """Whether a checkpoint's save finished: the file a save writes last is present and readable."""
+    import zipfile
+
+    path = Path(path)
+    if path.is_file():
+        return zipfile.is_zipfile(path)  # torch.save writes a zip whose directory comes last
+    if _is_deepspeed_dir(path):  # DeepSpeed writes `latest` after every rank's shards
+        tag = (path / "latest").read_text().strip()
+        return any((path / tag).glob("*model_states.pt"))
+    # torch.distributed.checkpoint commits `.metadata` after all shards; Lightning adds meta.pt after that.
+    return _is_distributed_dir(path) and (path / "meta.pt").is_file()
+
+
+def state_dict_keys(path: str | Path) -> set[str]:
+    """The model keys a checkpoint holds, read without loading its tensors."""
+    import torch
+
+    path = Path(path)
+    kind = checkpoint_format(path)
+    if kind == FILE:
+        return set(torch.load(path, map_location="cpu", mmap=True, weights_only=False)["state_dict"])
+    if kind == DISTRIBUTED:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return {key.removeprefix("state_dict.") for key in metadata if key.startswith("state_dict.")}
+    tag = (path / "latest").read_text().strip()
+    model_states = sorted((path / tag).glob("*model_states.pt"))[0]
+    return set(torch.load(model_states, map_location="cpu", weights_only=False)["module"])
+
+
+def check_checkpoint_matches(path: str | Path, expected_keys: set[str], key: str = "ckpt_path") -> None:
+    """CheckpointError when the checkpoint is of another model (its keys differ from the model's)."""
+    found = state_dict_keys(path)
+    missing, unexpected = sorted(expected_keys - found), sorted(found - expected_keys)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{key}: {path} holds another model's weights: {len(missing)} of this model's keys are missing"
+            f" (e.g. {', '.join(missing[:3]) or '-'}) and {len(unexpected)} are not in this model"
+            f" (e.g. {', '.join(unexpected[:3]) or '-'})"
+        )

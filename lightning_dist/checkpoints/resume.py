@@ -1,0 +1,59 @@
+"""Resuming from a checkpoint that another strategy (or world size) wrote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_dist.checkpoints.consolidate import load_consolidated
+from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError, checkpoint_format
+
+
+def load_for_resume(path: str | Path, native_formats: set[str]) -> dict[str, Any] | None:
+    """None when `path` is in one of the strategy's own formats (let it load as usual); otherwise the checkpoint
+    consolidated into one plain dict (weights, loops, and optimizer state by parameter name)."""
+    kind = checkpoint_format(path)
+    if kind in native_formats:
+        return None
+    return load_consolidated(path)
+
+
+def check_deepspeed_world_size(path: str | Path, world_size: int) -> None:
+    """DeepSpeed cannot re-partition ZeRO optimizer state to a new world size: say so before it fails deep inside."""
+    path = Path(path)
+    if checkpoint_format(path) != DEEPSPEED:
+        raise CheckpointError(
+            f"ckpt_path: DeepSpeed resumes only from its own checkpoint directory, and {path} is a"
+            f" {checkpoint_format(path)} checkpoint; resume it under ddp or fsdp instead"
+        )
+    tag = (path / "latest").read_text().strip()
+    model_states = sorted((path / tag).glob("*model_states.pt"))
+    saved = torch.load(model_states[0], map_location="cpu", weights_only=False).get("dp_world_size")
+    if saved is not None and saved != world_size:
+        raise CheckpointError(
+            f"ckpt_path: this DeepSpeed checkpoint was written by {saved} ranks and DeepSpeed cannot re-partition it"
+            f" for {world_size}; resume with {saved} ranks, or under ddp or fsdp (which consolidate it)"
+        )
+
+
+def restore_optimizer_by_name(module: torch.nn.Module, optimizers: list, checkpoint: dict[str, Any]) -> None:
+    """Load per-parameter-name optimizer state (from `load_for_resume`) into the live optimizer, whatever its
+    parameter groups or sharding: torch's state-dict API maps names onto plain and FSDP2 parameters alike."""
+    state_by_name = checkpoint.pop("optimizer_state_by_name", None)
+    if not state_by_name or len(optimizers) != 1:
+        rank_zero_warn("The checkpoint's optimizer state cannot be mapped onto this optimizer: it starts afresh.")
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+
+    optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
+    options = StateDictOptions(full_state_dict=True)
+    current = get_optimizer_state_dict(module, optimizer, options=options)  # param_groups keyed by name
+    names = [name for group in current["param_groups"] for name in group["params"]]
+    missing = [name for name in names if name not in state_by_name]
+    if missing:
+        raise CheckpointError(f"ckpt_path: the checkpoint has no optimizer state for {', '.join(missing[:3])}")
+    current["state"] = {name: state_by_name[name] for name in names}
+    set_optimizer_state_dict(module, optimizer, optim_state_dict=current, options=options)

@@ -1,0 +1,107 @@
+"""Checkpoints of every strategy consolidate into one plain file; wrong paths give errors that say what to pass."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_dist.checkpoints import CheckpointError, checkpoint_format, consolidate_checkpoint
+from lightning_dist.checkpoints.consolidate import main as consolidate_main
+from tests.conftest import REPO, STRATEGY_NAMES, run_train
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", STRATEGY_NAMES)
+def test_consolidated_checkpoint_loads_strictly_in_a_plain_process(name, curve_runs, tmp_path):
+    run = curve_runs(name)
+    assert run.returncode == 0
+    plain = consolidate_checkpoint(run.run_dir / "checkpoints" / "last.ckpt", tmp_path / "plain.ckpt")
+    assert checkpoint_format(plain) == "file"
+    assert torch.load(plain, map_location="cpu", weights_only=False)["global_step"] == 30
+    process = subprocess.run(
+        [sys.executable, "-m", "tests.checkpoints_plain_load", str(plain), str(run.run_dir / "gathered_state.pt")],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert process.returncode == 0 and process.stdout.strip().endswith("OK"), process.stderr[-3000:]
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(CheckpointError, match=rf"^ckpt_path: no checkpoint at {tmp_path}/nope \(expected a \.ckpt file"):
+        checkpoint_format(tmp_path / "nope")
+
+
+def test_file_inside_a_deepspeed_directory_names_the_directory(tmp_path):
+    directory = tmp_path / "last.ckpt"
+    (directory / "checkpoint").mkdir(parents=True)
+    (directory / "latest").write_text("checkpoint")
+    shard = directory / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    shard.write_bytes(b"")
+    with pytest.raises(CheckpointError) as error:
+        checkpoint_format(shard)
+    assert str(error.value) == (
+        f"ckpt_path: {shard} is one file inside the DeepSpeed checkpoint directory {directory}; pass the directory"
+    )
+    assert checkpoint_format(directory) == "deepspeed"
+
+
+def test_directory_that_is_not_a_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="is a directory but not a checkpoint: expected a DeepSpeed checkpoint"):
+        checkpoint_format(tmp_path)
+
+
+def test_consolidation_never_overwrites(tmp_path, capsys):
+    source, output = tmp_path / "a.ckpt", tmp_path / "b.ckpt"
+    torch.save({"state_dict": {}}, source)
+    output.write_text("precious")
+    assert consolidate_main([str(source), str(output)]) == 2
+    assert output.read_text() == "precious"
+    assert capsys.readouterr().err.startswith(f"error: output: {output} exists;")
+
+
+def step_15(curve) -> str:
+    return str(curve.run_dir / "checkpoints" / "step000015.ckpt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["fsdp", "ddp"])
+def test_zero3_checkpoint_from_two_ranks_resumes_on_one_rank_under(target, curve_runs, tmp_path):
+    from lightning_dist.equivalence import run_strategy
+    from tests.conftest import CURVE_OVERRIDES
+
+    source = curve_runs("deepspeed_stage_3")
+    resumed = run_strategy(
+        target, [*CURVE_OVERRIDES, "trainer.devices=1", "trainer.max_steps=20", f"ckpt_path={step_15(source)}"],
+        tmp_path / target,
+    )
+    assert resumed.returncode == 0
+    assert sorted(resumed.losses) == list(range(15, 20))  # the step came along: no restart from step 0
+    # Weights came along too: the curve goes on near where the 2-rank run was (a fresh model starts at ~5.5).
+    # Not equal: one rank sees other batches, and Adam's moments restart (ZeRO's sharded state is not converted).
+    for step in range(15, 18):
+        assert abs(resumed.losses[step] - source.losses[step]) < 0.3, (step, resumed.losses, source.losses)
+    assert json.loads((resumed.run_dir / "metrics.json").read_text())["world_size"] == 1
+
+
+@pytest.mark.slow
+def test_deepspeed_refuses_a_checkpoint_it_cannot_repartition(curve_runs, tmp_path):
+    source = curve_runs("deepspeed_stage_3")
+    run = run_train(tmp_path, "strategy=deepspeed_stage_3", "trainer.devices=1", f"ckpt_path={step_15(source)}",
+                    "model._target_=tests.models.checkpoint_probe.CheckpointProbeGPT", "+model.gathered_path=x")
+    assert run.process.returncode != 0
+    assert ("CheckpointError: ckpt_path: this DeepSpeed checkpoint was written by 2 ranks and DeepSpeed cannot"
+            " re-partition it for 1; resume with 2 ranks, or under ddp or fsdp (which consolidate it)") in run.output
+
+
+@pytest.mark.slow
+def test_checkpoint_of_another_model_is_refused_before_spawning(curve_runs, tmp_path):
+    source = curve_runs("fsdp")
+    run = run_train(tmp_path, "strategy=fsdp", "model.n_layer=2", f"ckpt_path={step_15(source)}")
+    assert run.process.returncode == 2
+    assert (f"error: ckpt_path: {step_15(source)} holds another model's weights: 0 of this model's keys are missing"
+            " (e.g. -) and 25 are not in this model (e.g. bytes_seen, model.blocks.2.attn.proj.bias,"
+            " model.blocks.2.attn.proj.weight)") in run.process.stderr
+    assert "Initializing distributed" not in run.output
