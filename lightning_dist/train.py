@@ -8,15 +8,19 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning as L
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_dist.checkpoints.autoresume import newest_complete_checkpoint
 from lightning_dist.checkpoints.formats import CheckpointError, check_checkpoint_matches
 from lightning_dist.config_check import CONF_DIR, ConfigError, check_overrides
 from lightning_dist.parallel import require_class_in_model, resolve_module_class
@@ -56,9 +60,13 @@ def _instantiate(node: DictConfig, key: str, **runtime_objects: Any) -> Any:
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit, then test; returns the final metrics. Runs on every rank (Lightning re-launches this script)."""
     L.seed_everything(cfg.seed, workers=True)
+    cfg.ckpt_path = _checkpoint_to_resume(cfg)
     parts = build(cfg)
     trainer: L.Trainer = parts["trainer"]
-    trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=cfg.get("ckpt_path"))
+    try:
+        trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=cfg.ckpt_path)
+    finally:
+        os.environ.pop(_RESUME_ENV, None)  # the next job of a sweep in this interpreter decides for itself
     metrics = _metrics(trainer)
     if cfg.get("test"):
         trainer.test(parts["model"], datamodule=parts["datamodule"])
@@ -66,6 +74,23 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if trainer.is_global_zero:
         _report(cfg, trainer, metrics)
     return metrics
+
+
+# Rank 0 decides what to resume from; the ranks it starts inherit the decision through the environment, so a
+# checkpoint written meanwhile cannot make them disagree.
+_RESUME_ENV = "LIGHTNING_DIST_RESUME_FROM"
+
+
+def _checkpoint_to_resume(cfg: DictConfig) -> str | None:
+    if cfg.get("ckpt_path") or not cfg.get("resume"):
+        return cfg.get("ckpt_path")
+    if _RESUME_ENV in os.environ:
+        return os.environ[_RESUME_ENV] or None
+    output_dir = Path(cfg.paths.output_dir)
+    found = newest_complete_checkpoint(output_dir.parent, list(HydraConfig.get().overrides.task), exclude=output_dir)
+    log.info(f"resume=true: {f'resuming from {found}' if found else 'no earlier complete checkpoint of this command; starting afresh'}")
+    os.environ[_RESUME_ENV] = str(found or "")
+    return str(found) if found else None
 
 
 def _metrics(trainer: L.Trainer) -> dict[str, float]:

@@ -53,6 +53,11 @@ def _load_deepspeed(path: Path) -> dict[str, Any]:
                       "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
                       "buffer_names", "param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments",
                       "sparse_tensor_module_names", "data_sampler", "random_ltd", "lr_scheduler"}
+    # zero_to_fp32 rebuilds trainable weights from the optimizer's fp32 partitions and, for ZeRO-1, silently
+    # drops frozen ones; those never change, so the module's own (unpartitioned below ZeRO-3) copy is exact.
+    for name, tensor in client_state.get("module", {}).items():
+        if name not in state_dict and tensor.numel() > 0:
+            state_dict[name] = tensor.float() if tensor.is_floating_point() else tensor
     checkpoint = {k: v for k, v in client_state.items() if k not in deepspeed_keys}
     checkpoint["state_dict"] = {k.removeprefix("_forward_module."): v for k, v in state_dict.items()}
     return _with_state_by_name(checkpoint, _deepspeed_adam_state(path / tag))

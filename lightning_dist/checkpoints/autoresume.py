@@ -1,0 +1,36 @@
+"""Find where an interrupted run of the same command got to: its newest checkpoint whose save completed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from lightning_dist.checkpoints.formats import is_complete
+
+# Overrides that do not make a run a different run.
+_IGNORED_PREFIXES = ("resume=", "ckpt_path=", "hydra.")
+
+
+def same_command(overrides: list[str]) -> list[str]:
+    return sorted(o for o in overrides if not o.lstrip("+~").startswith(_IGNORED_PREFIXES))
+
+
+def newest_complete_checkpoint(runs_root: Path, overrides: list[str], exclude: Path | None = None) -> Path | None:
+    """The newest complete checkpoint among earlier runs under `runs_root` started with the same overrides.
+
+    Runs are Hydra run directories (their `.hydra/overrides.yaml` says how they were started); newer runs are
+    searched first, and within a run checkpoints by modification time, skipping any whose save was cut off.
+    """
+    wanted = same_command(overrides)
+    runs = [
+        run for run in Path(runs_root).glob("*")
+        if run.is_dir() and run != exclude and (run / ".hydra" / "overrides.yaml").is_file()
+        and same_command(yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()) or []) == wanted
+    ]
+    for run in sorted(runs, key=lambda r: r.stat().st_mtime, reverse=True):
+        checkpoints = sorted((run / "checkpoints").glob("*"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for checkpoint in checkpoints:
+            if is_complete(checkpoint):
+                return checkpoint
+    return None
