@@ -126,6 +126,12 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
         check_deepspeed_world_size(self.broadcast(checkpoint_path), self.world_size)
         return super().load_checkpoint(checkpoint_path, weights_only)
 
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # Lightning has already divided the loss by accumulate_grad_batches; by default DeepSpeed divides it by its
+        # gradient_accumulation_steps again, shrinking gradients (and Adam's eps-relative updates) by that factor.
+        return super().backward(closure_loss, optimizer, *args, scale_wrt_gas=False, **kwargs)
+
     @property
     def offloads_optimizer(self) -> bool:
         return "offload_optimizer" in self.config.get("zero_optimization", {})
