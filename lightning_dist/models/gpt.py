@@ -16,6 +16,10 @@ from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
 
+# AdamW trains it; plain SGD makes an update proportional to the gradient, which is how tests see clipping.
+OPTIMIZERS = ("adamw", "sgd")
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
         super().__init__()
@@ -98,8 +102,11 @@ class GPTLanguageModel(L.LightningModule):
         lr: float = 1e-3,
         weight_decay: float = 0.01,
         betas: tuple[float, float] = (0.9, 0.95),
+        optimizer: str = "adamw",
     ) -> None:
         super().__init__()
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"model.optimizer: {optimizer!r} is not supported; choose one of {', '.join(OPTIMIZERS)}")
         self.save_hyperparameters()
         self.model = GPT(vocab_size, block_size, n_layer, n_head, d_model, dropout)
         self.val_loss = MeanMetric()
@@ -148,4 +155,6 @@ class GPTLanguageModel(L.LightningModule):
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
         groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if hp.optimizer == "sgd":
+            return torch.optim.SGD(groups, lr=hp.lr)
         return torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))

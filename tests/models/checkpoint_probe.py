@@ -12,17 +12,26 @@ from lightning_dist.models.gpt import GPTLanguageModel
 
 
 class CheckpointProbeGPT(GPTLanguageModel):
-    def __init__(self, gathered_path: str, **kwargs) -> None:
+    """`loss_multiplier` > 1 makes the gradients explode, for clipping tests; the initial weights are saved too."""
+
+    def __init__(self, gathered_path: str, loss_multiplier: float = 1.0, **kwargs) -> None:
         super().__init__(**kwargs)
         self.gathered_path = gathered_path
+        self.loss_multiplier = loss_multiplier
         self.model.position_embedding.weight.requires_grad_(False)
         self.register_buffer("bytes_seen", torch.zeros(self.hparams.vocab_size))
 
     def training_step(self, batch, batch_idx):
         self.bytes_seen += torch.bincount(batch[0].flatten(), minlength=self.hparams.vocab_size).float()
-        return super().training_step(batch, batch_idx)
+        return super().training_step(batch, batch_idx) * self.loss_multiplier
+
+    def on_train_start(self) -> None:
+        self._save_gathered(Path(self.gathered_path).with_name("initial_state.pt"))
 
     def on_train_end(self) -> None:
+        self._save_gathered(Path(self.gathered_path))
+
+    def _save_gathered(self, path: Path) -> None:
         state = gather_full_state_dict(self)
         if self.trainer.is_global_zero:
-            torch.save(state, Path(self.gathered_path))
+            torch.save(state, path)

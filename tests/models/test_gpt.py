@@ -25,3 +25,11 @@ def test_weight_decay_skips_biases_and_norms():
     assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
     assert sum(p.numel() for g in (decay, no_decay) for p in g["params"]) == sum(p.numel() for p in model.parameters())
+
+
+def test_unknown_optimizer_is_refused_with_the_choices():
+    import pytest
+
+    with pytest.raises(ValueError, match=r"^model.optimizer: 'adam' is not supported; choose one of adamw, sgd$"):
+        GPTLanguageModel(optimizer="adam")
+    assert type(GPTLanguageModel(optimizer="sgd", n_layer=1).configure_optimizers()) is torch.optim.SGD
