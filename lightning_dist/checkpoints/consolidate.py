@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lightning_dist.checkpoints.formats import DEEPSPEED, DISTRIBUTED, FILE, CheckpointError, checkpoint_format
+from lightning_dist.checkpoints.formats import DEEPSPEED, FILE, CheckpointError, checkpoint_format
 
 
 def load_consolidated(path: str | Path) -> dict[str, Any]:
@@ -52,7 +52,7 @@ def _load_deepspeed(path: Path) -> dict[str, Any]:
     deepspeed_keys = {"module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "skipped_steps",
                       "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
                       "buffer_names", "param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments",
-                      "sparse_tensor_module_names", "data_sampler", "random_ltd", "lr_scheduler"}
+                      "sparse_tensor_module_names", "data_sampler", "random_ltd"}
     # zero_to_fp32 rebuilds trainable weights from the optimizer's fp32 partitions and, for ZeRO-1, silently
     # drops frozen ones; those never change, so the module's own (unpartitioned below ZeRO-3) copy is exact.
     for name, tensor in client_state.get("module", {}).items():

@@ -6,7 +6,6 @@ from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.model_parallel import _load_raw_module_state
 from lightning.fabric.utilities.init import _materialize_distributed_module

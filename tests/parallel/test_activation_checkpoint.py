@@ -1,4 +1,3 @@
-import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
@@ -9,20 +8,6 @@ from lightning_dist.parallel import apply_activation_checkpointing
 def tiny_gpt(n_layer: int = 3) -> GPT:
     torch.manual_seed(0)
     return GPT(vocab_size=32, block_size=8, n_layer=n_layer, n_head=2, d_model=16, dropout=0.0)
-
-
-@pytest.fixture
-def block_forwards(monkeypatch) -> list[int]:
-    """Counts TransformerBlock.forward calls. (Forward hooks would not see them: recomputation bypasses hooks.)"""
-    calls = [0]
-    forward = TransformerBlock.forward
-
-    def counting_forward(self, x):
-        calls[0] += 1
-        return forward(self, x)
-
-    monkeypatch.setattr(TransformerBlock, "forward", counting_forward)
-    return calls
 
 
 def test_one_wrapper_per_block_even_when_applied_twice():

@@ -7,12 +7,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
+from torch.distributed.fsdp import FSDPModule, OffloadPolicy
 
 from lightning_dist.models.gpt import TransformerBlock
 from lightning_dist.parallel import apply_activation_checkpointing, apply_fully_shard, offload_policy, sharding_layout
 
-from tests.parallel.test_activation_checkpoint import block_forwards, tiny_gpt  # noqa: F401 (fixture)
+from tests.parallel.test_activation_checkpoint import tiny_gpt
 
 
 @pytest.fixture(scope="module")
