@@ -18,12 +18,16 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_dist.checkpoints.autoresume import newest_complete_checkpoint
 from lightning_dist.checkpoints.formats import CheckpointError, check_checkpoint_matches
 from lightning_dist.config_check import CONF_DIR, ConfigError, check_overrides
 from lightning_dist.parallel import require_class_in_model, resolve_module_class
+from lightning_dist.precision import check_precision, device_type
+from lightning_dist.strategies.launcher import PreflightError
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +45,11 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         if cfg.get("ckpt_path"):
             check_checkpoint_matches(cfg.ckpt_path, set(model.state_dict()))
         strategy = _instantiate(cfg.strategy, "strategy")
+        check_precision(strategy, cfg.trainer.precision, device_type(cfg.trainer.accelerator))
         callbacks = [_instantiate(c, f"callbacks.{name}") for name, c in (cfg.get("callbacks") or {}).items()]
         loggers = [_instantiate(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items()]
         trainer = _instantiate(cfg.trainer, "trainer", strategy=strategy, callbacks=callbacks, logger=loggers)
-    except (InstantiationException, CheckpointError, ValueError, TypeError) as error:
+    except (InstantiationException, CheckpointError, MisconfigurationException, ValueError, TypeError) as error:
         # Hydra wraps what a constructor raised; the constructor's own message is the one that names the key.
         cause = error.__cause__ if isinstance(error, InstantiationException) and error.__cause__ else error
         raise ConfigError(" ".join(str(cause).split())) from error
@@ -65,6 +70,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     trainer: L.Trainer = parts["trainer"]
     try:
         trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=cfg.ckpt_path)
+    except PreflightError as error:  # found on this process before any other rank started
+        raise ConfigError(" ".join(str(error).split())) from error
     finally:
         os.environ.pop(_RESUME_ENV, None)  # the next job of a sweep in this interpreter decides for itself
     metrics = _metrics(trainer)
@@ -73,6 +80,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         metrics.update(_metrics(trainer))
     if trainer.is_global_zero:
         _report(cfg, trainer, metrics)
+    # Lightning leaves the process group up; gloo's threads aborted the interpreter at exit now and then.
+    _destroy_dist_connection()
     return metrics
 
 

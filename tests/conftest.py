@@ -14,7 +14,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
-STRATEGY_NAMES = sorted(p.stem for p in (CONF_DIR / "strategy").glob("*.yaml") if p.stem != "deepspeed")
+PRESET_NAMES = sorted(p.stem for p in (CONF_DIR / "strategy").glob("*.yaml") if p.stem != "deepspeed")
+# The NVMe preset needs a directory on a drive; it has its own tests (tests/test_nvme_offload.py).
+STRATEGY_NAMES = [name for name in PRESET_NAMES if not name.endswith("_nvme")]
+SHARED = REPO.parent / "shared"
 
 
 @dataclass
@@ -56,15 +59,27 @@ def deepspeed_ops() -> None:
         get_accelerator().create_op_builder(builder).load(verbose=False)
 
 
+ACCEPTANCE_OVERRIDES = ("trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=20")
+
+
+@pytest.fixture(scope="session")
+def trained_runs(tmp_path_factory, deepspeed_ops):
+    """get(strategy, *overrides) -> TrainRun, each distinct run made once per session and shared by its readers."""
+    runs: dict[tuple[str, ...], TrainRun] = {}
+
+    def get(name: str, *overrides: str) -> TrainRun:
+        key = (name, *overrides)
+        if key not in runs:
+            runs[key] = run_train(tmp_path_factory.mktemp(name), f"strategy={name}", *ACCEPTANCE_OVERRIDES, *overrides)
+        return runs[key]
+
+    return get
+
+
 @pytest.fixture(scope="session", params=STRATEGY_NAMES)
-def strategy_run(request, tmp_path_factory, deepspeed_ops) -> tuple[str, TrainRun]:
+def strategy_run(request, trained_runs) -> tuple[str, TrainRun]:
     """The acceptance command of every named strategy, run once and shared by the tests that read its results."""
-    name = request.param
-    run = run_train(
-        tmp_path_factory.mktemp(name),
-        f"strategy={name}", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=20",
-    )
-    return name, run
+    return request.param, trained_runs(request.param)
 
 
 # 30 steps with a checkpoint at step 15: the curve compared across strategies, and the point resumed from. The

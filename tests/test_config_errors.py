@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 
 from lightning_dist.config_check import ConfigError, check_overrides
 from lightning_dist.train import build
-from tests.conftest import CONF_DIR, REPO, STRATEGY_NAMES
+from tests.conftest import CONF_DIR, REPO, PRESET_NAMES
 
 
 def error_of(overrides: list[str]) -> str:
@@ -21,7 +21,7 @@ def error_of(overrides: list[str]) -> str:
 
 
 def test_unknown_strategy_lists_every_option():
-    options = ", ".join(sorted([*STRATEGY_NAMES, "deepspeed"]))
+    options = ", ".join(sorted([*PRESET_NAMES, "deepspeed"]))
     assert error_of(["strategy=fsdp_zero9"]) == f"strategy=fsdp_zero9: no such option; choose one of: {options}"
 
 

@@ -8,7 +8,14 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 # FSDP1 sharding-strategy names and what they mean for FSDP2: whether to free gathered parameters after forward
 # (ZeRO-3 style) or keep them until backward (ZeRO-2 style), and whether shards are replicated across nodes.
@@ -35,6 +42,14 @@ def offload_policy(cpu_offload: bool, device: torch.device) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
 
 
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
+    """bf16-mixed the FSDP2 way (as torchtitan does): fp32 shards stay the master weights, parameters are
+    all-gathered in bf16 for compute (half the traffic), gradients are reduced in fp32."""
+    if precision != "bf16-mixed":
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
 def _block_units(model: nn.Module, block_class: type[nn.Module]) -> list[nn.Module]:
     """Each block, or its activation-checkpoint wrapper where it has one: FSDP must shard the wrapper (as torchtitan
     does) so that the parameters are gathered before backward recomputes the block."""
@@ -54,6 +69,7 @@ def apply_fully_shard(
     block_class: type[nn.Module] | None,
     reshard_after_forward: bool,
     offload: OffloadPolicy,
+    mixed_precision: MixedPrecisionPolicy | None = None,
     forward_methods: Iterable[str] = (),
 ) -> int:
     """Shard each `block_class` submodule as its own unit, then the root; returns the number of FSDP units.
@@ -64,6 +80,8 @@ def apply_fully_shard(
     the model (e.g. Lightning's `training_step`): they must gather the root's parameters just as `forward` does.
     """
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
+    if mixed_precision is not None:
+        kwargs["mp_policy"] = mixed_precision
     if block_class is not None:
         for unit in _block_units(model, block_class):
             if not isinstance(unit, FSDPModule):

@@ -31,6 +31,16 @@ def _base_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)
 
 
+def master_weights(optimizer: Any) -> list[torch.Tensor]:
+    """What the optimizer updates: DeepSpeed ZeRO's fp32 partitions, or a torch optimizer's parameters."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    # ZeRO-3 lends its partitions to the torch optimizer only while stepping; ZeRO-1/2 keep them here too.
+    for attribute in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
+        if hasattr(optimizer, attribute):
+            return list(getattr(optimizer, attribute))
+    return [p for group in _base_optimizer(optimizer).param_groups for p in group["params"]]
+
+
 def placement_report(module: nn.Module, optimizers: list[Any]) -> dict[str, Any]:
     """A JSON-friendly summary of one rank: parameter counts, devices, optimizer and its state's devices."""
     local, total = parameter_numel(module)
@@ -42,12 +52,17 @@ def placement_report(module: nn.Module, optimizers: list[Any]) -> dict[str, Any]
         for value in state.values()
         if isinstance(value, torch.Tensor) and value.dim() > 0
     }
+    master_dtypes = {str(tensor.dtype) for optimizer in optimizers for tensor in master_weights(optimizer)}
     return {
         "parameters_local": local,
         "parameters_total": total,
         "parameter_devices": sorted({local_part(p).device.type for p in module.parameters()}),
         "optimizer_classes": [type(o).__name__ for o in base_optimizers],
         "optimizer_state_devices": sorted(state_devices),
+        # The dtype parameters are stored in, and the dtype of what the optimizer updates (the master weights).
+        "parameter_dtypes": sorted({str(local_part(p).dtype) for p in module.parameters()}),
+        "master_dtypes": sorted(master_dtypes),
+        "fsdp_gathered_dtypes": sorted({str(p.param_dtype or p.orig_dtype) for p in _fsdp_params(module)}),
         "fsdp_units": sum(isinstance(m, FSDPModule) for m in module.modules()),
         "checkpointed_blocks": sum(isinstance(m, CheckpointWrapper) for m in module.modules()),
     }
@@ -63,14 +78,19 @@ def offload_targets(engine: nn.Module) -> dict[str, str | None]:
             "optimizer": _deepspeed_offload_device(engine.zero_offload_optimizer()),
             "parameters": _deepspeed_offload_device(engine.zero_offload_param()),
         }
-    fsdp_offloads = {
-        fsdp_param.offload_to_cpu
-        for module in engine.modules()
-        if isinstance(module, FSDPModule) and (group := module._get_fsdp_state()._fsdp_param_group) is not None
-        for fsdp_param in group.fsdp_params
-    }
+    fsdp_offloads = {fsdp_param.offload_to_cpu for fsdp_param in _fsdp_params(engine)}
     on_cpu = "cpu" if fsdp_offloads == {True} else None
     return {"optimizer": on_cpu, "parameters": on_cpu}
+
+
+def _fsdp_params(module: nn.Module) -> list[Any]:
+    """FSDP2's per-parameter records (sharding, offload, mixed-precision dtype) of every FSDP unit in `module`."""
+    return [
+        fsdp_param
+        for unit in module.modules()
+        if isinstance(unit, FSDPModule) and (group := unit._get_fsdp_state()._fsdp_param_group) is not None
+        for fsdp_param in group.fsdp_params
+    ]
 
 
 def _deepspeed_offload_device(offload_config: Any) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -11,34 +12,35 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_dist.checkpoints.resume import check_deepspeed_world_size
+from lightning_dist.deepspeed_config import ZeroOptions, load_user_config, resolve_config, training_facts
+from lightning_dist.deepspeed_config.preflight import check_offload_ready
+from lightning_dist.strategies.launcher import PreflightLauncher
 
 ZERO_STAGES = (1, 2, 3)
 OFFLOAD_DEVICES = ("cpu", "nvme")
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 
 
-def validate_zero_options(
-    stage: int, offload_optimizer: str | None, offload_parameters: str | None, nvme_path: str | None
-) -> None:
-    """Reject impossible ZeRO combinations in one line that names the key and the valid choices."""
-    if stage not in ZERO_STAGES:
+def validate_zero_options(stage: int | None, offload_optimizer: str | None, offload_parameters: str | None) -> None:
+    """Reject impossible ZeRO options in one line that names the key and the valid choices. A None stage leaves it
+    to the config file (or 2 without one); a file's own settings are checked against these when the run starts."""
+    if stage is not None and stage not in ZERO_STAGES:
         raise ValueError(f"strategy.stage: {stage!r} is not a ZeRO stage; choose one of {', '.join(map(str, ZERO_STAGES))}")
     for key, device in (("offload_optimizer", offload_optimizer), ("offload_parameters", offload_parameters)):
         if device is not None and device not in OFFLOAD_DEVICES:
             raise ValueError(f"strategy.{key}: {device!r} is not an offload device; choose one of null, cpu, nvme")
-    if offload_parameters is not None and stage != 3:
+    if offload_parameters is not None and stage not in (None, 3):
         raise ValueError(
             f"strategy.offload_parameters: parameter offload needs ZeRO stage 3, got strategy.stage={stage};"
             " choose strategy.stage=3 or strategy.offload_parameters=null"
         )
-    if "nvme" in (offload_optimizer, offload_parameters) and not nvme_path:
-        raise ValueError("strategy.nvme_path: NVMe offload needs a directory to offload to; set strategy.nvme_path")
 
 
 def use_deepspeed_accelerator(device: torch.device) -> str:
@@ -64,22 +66,26 @@ def use_deepspeed_accelerator(device: torch.device) -> str:
 
 
 class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
-    """DeepSpeed ZeRO that also runs on CPU.
+    """DeepSpeed ZeRO that also runs on CPU, and takes Hugging Face-style configs with "auto" values.
 
     Args:
-        stage: ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.
+        stage: ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters. Default: the config
+            file's, else 2.
         offload_optimizer: keep optimizer state (and run the optimizer step) on "cpu" or "nvme"; null keeps it on
             the device. A plain torch Adam/AdamW is then swapped for DeepSpeed's CPU Adam.
         offload_parameters: ZeRO-3 only: keep parameters on "cpu" or "nvme" between uses.
         nvme_path: directory that NVMe offload writes to.
-        config: a DeepSpeed config (dict or JSON path) used as the starting point instead of the above.
+        config: a DeepSpeed config (dict or JSON path) to start from. Its "auto" values are filled from the Trainer,
+            the LightningModule and the data; values that contradict them, or the options above, are reported
+            together before any rank starts. The resolved config is written to the run's directory.
     """
 
     strategy_name = "ld_deepspeed"
+    EFFECTIVE_CONFIG_NAME = "deepspeed_config.effective.json"
 
     def __init__(
         self,
-        stage: int = 2,
+        stage: int | None = None,
         offload_optimizer: str | None = None,
         offload_parameters: str | None = None,
         nvme_path: str | Path | None = None,
@@ -87,18 +93,27 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        validate_zero_options(stage, offload_optimizer, offload_parameters, nvme_path)
+        validate_zero_options(stage, offload_optimizer, offload_parameters)
+        if config is None:
+            if "nvme" in (offload_optimizer, offload_parameters) and not nvme_path:
+                raise ValueError("strategy.nvme_path: NVMe offload needs a directory to offload to; set strategy.nvme_path")
+            user_config, self.config_source, self.zero_options = None, "strategy", ZeroOptions()
+        else:
+            # The options are merged into the file when the run starts, where conflicts are reported with the rest.
+            user_config, self.config_source = load_user_config(config)
+            self.zero_options = ZeroOptions(stage, offload_optimizer, offload_parameters, str(nvme_path) if nvme_path else None)
         super().__init__(
-            stage=stage,
+            stage=2 if stage is None else stage,
             offload_optimizer=offload_optimizer is not None,
             offload_optimizer_device=offload_optimizer or "cpu",
             offload_parameters=offload_parameters is not None,
             offload_params_device=offload_parameters or "cpu",
             nvme_path=str(nvme_path or ""),
-            config=config,
+            config=user_config,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        self.base_config = self.config  # the file, or the config built from the options; never modified
 
     @property
     @override
@@ -122,6 +137,45 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
         self._init_deepspeed_distributed()
 
     @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        self._launcher = PreflightLauncher(self._launcher, self.preflight)
+
+    def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
+        """On the launching process: resolve the config with what is known before `setup` and check offload."""
+        loader, datamodule = fit_arguments.get("train_dataloaders"), fit_arguments.get("datamodule")
+        if isinstance(loader, LightningDataModule):
+            loader, datamodule = None, loader
+        if loader is not None and not hasattr(loader, "batch_sampler"):
+            loader = None  # a list or dict of loaders: the in-rank pass reads the combined one
+        config = self.resolved_config(trainer, fit_arguments.get("model"), loader, datamodule, in_rank=False)
+        check_offload_ready(config)
+
+    def resolved_config(self, trainer: Any, model: Any, loader: Any = None, datamodule: Any = None, in_rank: bool = True) -> dict[str, Any]:
+        needs_optimizer = "optimizer" in self.base_config or "scheduler" in self.base_config
+        facts = training_facts(trainer, model, loader, datamodule, need_optimizer=needs_optimizer, in_rank=in_rank)
+        return resolve_config(self.base_config, facts, self.zero_options, self.config_source)
+
+    @override
+    def _format_config(self) -> None:
+        # Replaces Lightning's, which refuses a file that sets gradient_accumulation_steps (HF files say "auto").
+        module = self.lightning_module
+        if module is None:
+            return
+        self.config = self.resolved_config(module.trainer, module)
+        if "optimizer" not in self.config:
+            # The optimizer comes from configure_optimizers; ZeRO refuses the ones it has not been tested with.
+            self.config.setdefault("zero_allow_untested_optimizer", True)
+        if self.is_global_zero:
+            self._write_effective_config(Path(module.trainer.default_root_dir))
+
+    def _write_effective_config(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / self.EFFECTIVE_CONFIG_NAME
+        path.write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
+        rank_zero_info(f"DeepSpeed config in effect: {path}")
+
+    @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         check_deepspeed_world_size(self.broadcast(checkpoint_path), self.world_size)
         return super().load_checkpoint(checkpoint_path, weights_only)
@@ -134,7 +188,8 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
 
     @property
     def offloads_optimizer(self) -> bool:
-        return "offload_optimizer" in self.config.get("zero_optimization", {})
+        offload = (self.config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+        return offload.get("device", "none") != "none"
 
     @override
     def _init_optimizers(self):

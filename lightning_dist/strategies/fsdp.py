@@ -22,6 +22,7 @@ from lightning_dist.parallel import (
     apply_activation_checkpointing,
     apply_fully_shard,
     infer_block_class,
+    mixed_precision_policy,
     offload_policy,
     require_class_in_model,
     resolve_module_class,
@@ -122,6 +123,7 @@ class FSDPStrategy(ModelParallelStrategy):
             block_class=block_class,
             reshard_after_forward=self.reshard_after_forward,
             offload=offload_policy(self.cpu_offload, self.root_device),
+            mixed_precision=mixed_precision_policy(self.precision_plugin.precision),
             forward_methods=[m for m in _STEP_METHODS if hasattr(model, m)],
         )
 

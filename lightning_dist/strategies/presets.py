@@ -35,6 +35,7 @@ PRESETS: dict[str, Preset] = {
     "deepspeed_stage_2_offload": Preset(DeepSpeedStrategy, {"stage": 2, "offload_optimizer": "cpu"}, "ZeRO-2 with optimizer state and step on the CPU"),
     "deepspeed_stage_3": Preset(DeepSpeedStrategy, {"stage": 3}, "DeepSpeed ZeRO-3: parameters sharded too"),
     "deepspeed_stage_3_offload": Preset(DeepSpeedStrategy, {"stage": 3, "offload_optimizer": "cpu", "offload_parameters": "cpu"}, "ZeRO-3 with optimizer state and parameters on the CPU"),
+    "deepspeed_stage_3_offload_nvme": Preset(DeepSpeedStrategy, {"stage": 3, "offload_optimizer": "nvme", "offload_parameters": "nvme", "nvme_path": "/local_nvme"}, "ZeRO-Infinity: ZeRO-3 with optimizer state and parameters on an NVMe drive"),
 }
 
 

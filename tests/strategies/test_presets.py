@@ -8,7 +8,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_dist  # noqa: F401  (registers the presets)
 from lightning_dist.strategies import PRESETS, REGISTRY_PREFIX, DeepSpeedStrategy, FSDPStrategy
-from tests.conftest import CONF_DIR, STRATEGY_NAMES
+from tests.conftest import CONF_DIR, PRESET_NAMES
 
 # What distinguishes one preset from another, read off a built strategy.
 OBSERVED = {
@@ -18,10 +18,10 @@ OBSERVED = {
 
 
 def test_every_preset_has_a_hydra_option_and_vice_versa():
-    assert sorted(PRESETS) == STRATEGY_NAMES
+    assert sorted(PRESETS) == PRESET_NAMES
 
 
-@pytest.mark.parametrize("name", STRATEGY_NAMES)
+@pytest.mark.parametrize("name", PRESET_NAMES)
 def test_yaml_and_registered_name_build_the_same_strategy(name):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"strategy={name}"])
@@ -32,7 +32,7 @@ def test_yaml_and_registered_name_build_the_same_strategy(name):
     assert observe(from_yaml) == observe(from_registry)
 
 
-@pytest.mark.parametrize("name", STRATEGY_NAMES)
+@pytest.mark.parametrize("name", PRESET_NAMES)
 def test_trainer_accepts_registered_name_on_cpu(name):
     trainer = L.Trainer(strategy=REGISTRY_PREFIX + name, accelerator="cpu", devices=2, logger=False)
     assert type(trainer.strategy) is PRESETS[name].strategy

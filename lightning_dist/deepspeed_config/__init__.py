@@ -1,0 +1,18 @@
+"""Bring-your-own DeepSpeed config: Hugging Face-style JSON with "auto" values, filled from the Trainer, the
+LightningModule and the data, with every contradiction reported before any rank starts."""
+
+from lightning_dist.deepspeed_config.facts import UNKNOWN, OptimizerFacts, TrainingFacts, training_facts
+from lightning_dist.deepspeed_config.load import load_user_config
+from lightning_dist.deepspeed_config.resolve import FILLED_KEYS, DeepSpeedConfigError, ZeroOptions, resolve_config
+
+__all__ = [
+    "FILLED_KEYS",
+    "UNKNOWN",
+    "DeepSpeedConfigError",
+    "OptimizerFacts",
+    "TrainingFacts",
+    "ZeroOptions",
+    "load_user_config",
+    "resolve_config",
+    "training_facts",
+]

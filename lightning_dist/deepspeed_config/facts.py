@@ -1,0 +1,138 @@
+"""What the Trainer, the LightningModule and the data say about a run: the values a DeepSpeed "auto" stands for.
+
+Facts are gathered twice: on the launching process before any rank is spawned (some may still be UNKNOWN there,
+e.g. a loader that only exists after `setup`), and on every rank in `setup`, where all of them are known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+UNKNOWN: Any = type("Unknown", (), {"__repr__": lambda self: "UNKNOWN"})()
+
+# Model hyper-parameter names that give the hidden size, which the bucket-size "auto"s are derived from.
+HIDDEN_SIZE_NAMES = ("hidden_size", "n_embd", "d_model", "embed_dim")
+
+
+@dataclass(frozen=True)
+class OptimizerFacts:
+    name: str
+    lr: float
+    betas: tuple[float, float] | None
+    eps: float | None
+    weight_decay: float
+
+
+@dataclass(frozen=True)
+class TrainingFacts:
+    precision: str
+    world_size: int
+    accumulate_grad_batches: int
+    gradient_clip_val: float | None
+    gradient_clip_algorithm: str | None
+    fp16_supported: bool
+    device_type: str
+    micro_batch_size: int | None = UNKNOWN
+    optimizer: OptimizerFacts | None = UNKNOWN  # from configure_optimizers; None: it returns no optimizer
+    warmup_steps: int = 0
+    total_steps: int | None = UNKNOWN
+    hidden_size: int | None = None
+
+
+def training_facts(
+    trainer: Any,
+    model: Any = None,
+    train_dataloader: Any = None,
+    datamodule: Any = None,
+    need_optimizer: bool = False,
+    in_rank: bool = False,
+) -> TrainingFacts:
+    """Collect the facts; `in_rank` (inside `setup`) may ask the fit loop for the real train loader."""
+    strategy = trainer.strategy
+    device_type = strategy.root_device.type
+    hparams = getattr(model, "hparams", {}) or {}
+    return TrainingFacts(
+        precision=str(trainer.precision),
+        world_size=strategy.num_nodes * strategy.num_processes,
+        accumulate_grad_batches=trainer.accumulate_grad_batches,
+        gradient_clip_val=trainer.gradient_clip_val,
+        gradient_clip_algorithm=str(trainer.gradient_clip_algorithm.value if trainer.gradient_clip_algorithm else "norm"),
+        fp16_supported=fp16_supported(device_type),
+        device_type=device_type,
+        micro_batch_size=_micro_batch_size(trainer, train_dataloader, datamodule, in_rank),
+        optimizer=module_optimizer_facts(model, trainer, in_rank) if need_optimizer else UNKNOWN,
+        warmup_steps=int(hparams.get("warmup_steps", 0) or 0),
+        total_steps=_total_steps(trainer, in_rank),
+        hidden_size=_hidden_size(model, hparams),
+    )
+
+
+def fp16_supported(device_type: str) -> bool:
+    """What DeepSpeed's accelerator for the device answers; on CPU it needs hardware fp16 (AVX512-FP16/AMX-FP16)."""
+    if device_type == "cuda":
+        return True
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())  # the CPU accelerator's own test
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN
+        return False
+
+
+def _micro_batch_size(trainer: Any, train_dataloader: Any, datamodule: Any, in_rank: bool) -> int | None:
+    loader = train_dataloader
+    if loader is None and in_rank:
+        source = trainer.fit_loop._data_source
+        loader = source.dataloader() if source.is_defined() else None
+    if loader is not None:
+        sampler = getattr(loader, "batch_sampler", None)
+        return getattr(sampler, "batch_size", None) or getattr(loader, "batch_size", None) or UNKNOWN
+    # Before `setup` a datamodule has no loader yet; the conventional attribute says what it will be.
+    for source in (datamodule, getattr(datamodule, "hparams", None)):
+        size = getattr(source, "batch_size", None) if source is not None else None
+        if isinstance(size, int):
+            return size
+    return UNKNOWN
+
+
+def module_optimizer_facts(model: Any, trainer: Any, in_rank: bool) -> OptimizerFacts | None:
+    """The hyper-parameters of the optimizer that `configure_optimizers` builds (the first group's, which by
+    convention is the one with weight decay)."""
+    from lightning.pytorch.core.optimizer import _configure_optimizers
+
+    if model is None:
+        return UNKNOWN
+    try:
+        optimizers = _configure_optimizers(model.configure_optimizers())[0]
+    except Exception:
+        # Some modules need the fitting Trainer (e.g. estimated_stepping_batches); the in-rank pass will know.
+        if in_rank:
+            raise
+        return UNKNOWN
+    if not optimizers:
+        return None
+    optimizer = optimizers[0]
+    group = optimizer.param_groups[0]
+    return OptimizerFacts(
+        name=type(optimizer).__name__,
+        lr=float(group["lr"]),
+        betas=tuple(group["betas"]) if "betas" in group else None,
+        eps=float(group["eps"]) if "eps" in group else None,
+        weight_decay=float(group.get("weight_decay", 0.0)),
+    )
+
+
+def _total_steps(trainer: Any, in_rank: bool) -> int | None:
+    if trainer.max_steps and trainer.max_steps > 0:
+        return int(trainer.max_steps)
+    return int(trainer.estimated_stepping_batches) if in_rank else UNKNOWN
+
+
+def _hidden_size(model: Any, hparams: Any) -> int | None:
+    sources = [hparams, getattr(getattr(model, "config", None), "__dict__", {})]
+    for source in sources:
+        for name in HIDDEN_SIZE_NAMES:
+            if isinstance(source.get(name), int):
+                return source[name]
+    return None

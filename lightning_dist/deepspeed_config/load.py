@@ -1,0 +1,25 @@
+"""Read a user's DeepSpeed config (a JSON path or a dict) without changing it."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+def load_user_config(config: str | Path | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """A private copy of the config, and how to name it in messages."""
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config)), "strategy.config"
+    path = Path(config).expanduser()
+    if not path.is_file():
+        raise ValueError(f"strategy.config: {str(path)!r} is not a file; give the path of a DeepSpeed JSON config or a dict")
+    try:
+        loaded = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"strategy.config: {path} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno})") from None
+    if not isinstance(loaded, dict):
+        raise TypeError(f"strategy.config: {path} holds a JSON {type(loaded).__name__}; a DeepSpeed config is a JSON object")
+    return loaded, f"strategy.config ({path.name})"

@@ -1,0 +1,71 @@
+"""Can this machine run a DeepSpeed config's offload? Checked before spawning, with what to install if not."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# DeepSpeed's native ops for offload, JIT-compiled on first use, and what makes them buildable.
+INSTALL_HINTS = {
+    "CPUAdamBuilder": "install a C++ compiler and Python headers (apt-get install build-essential python3-dev)",
+    "AsyncIOBuilder": (
+        "install libaio's headers (apt-get install libaio-dev on Debian/Ubuntu, yum install libaio-devel on RHEL);"
+        " `ds_report` then shows async_io [OKAY]"
+    ),
+}
+
+
+def nvme_paths(config: dict[str, Any]) -> dict[str, str | None]:
+    """{config key: directory} of each offload that goes to NVMe."""
+    zero = config.get("zero_optimization") or {}
+    return {
+        f"zero_optimization.{block}.nvme_path": zero[block].get("nvme_path")
+        for block in ("offload_optimizer", "offload_param")
+        if isinstance(zero.get(block), dict) and zero[block].get("device") == "nvme"
+    }
+
+
+def native_ops_needed(config: dict[str, Any]) -> list[str]:
+    zero = config.get("zero_optimization") or {}
+    optimizer_offload = (zero.get("offload_optimizer") or {}).get("device", "none") != "none"
+    return [name for name, needed in (("CPUAdamBuilder", optimizer_offload), ("AsyncIOBuilder", bool(nvme_paths(config)))) if needed]
+
+
+def check_offload_ready(config: dict[str, Any]) -> None:
+    """Raise ValueError naming every NVMe directory that cannot be written and every native op that does not load."""
+    problems = [problem for key, path in nvme_paths(config).items() if (problem := _directory_problem(key, path))]
+    problems += [problem for name in native_ops_needed(config) if (problem := _native_op_problem(name))]
+    if problems:
+        raise ValueError("offload cannot start: " + " | ".join(problems))
+
+
+def _directory_problem(key: str, path: str | None) -> str | None:
+    if not path:
+        return f"{key}: NVMe offload needs a directory; set strategy.nvme_path"
+    directory = Path(path)
+    if not directory.is_dir():
+        return f"{key}={path}: no such directory (create it on the NVMe drive, or point strategy.nvme_path elsewhere)"
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        return f"{key}={path}: not writable ({error.strerror})"
+    return None
+
+
+def _native_op_problem(builder_name: str) -> str | None:
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder(builder_name)
+    hint = INSTALL_HINTS[builder_name]
+    if builder is None:
+        return f"DeepSpeed has no {builder_name} for the {get_accelerator().device_name()} accelerator"
+    if not builder.is_compatible(verbose=False):
+        return f"DeepSpeed's {builder.NAME} op cannot be built here: {hint}"
+    try:
+        builder.load(verbose=False)
+    except Exception as error:  # noqa: BLE001 - a compiler or linker failure; its text goes into the message
+        return f"DeepSpeed's {builder.NAME} op failed to build ({type(error).__name__}: {' '.join(str(error).split())[:300]}): {hint}"
+    return None
+

@@ -1,0 +1,273 @@
+"""Fill a DeepSpeed config's "auto" values from the run's facts and report every value that contradicts them.
+
+In the spirit of Hugging Face's `HfTrainerDeepSpeedConfig.fill_match`: "auto" (and, for the keys the Trainer owns,
+an absent key) takes the Trainer's value; an explicit value must agree with it. All problems are collected and
+raised together, key by key, so one run of the command shows everything to fix.
+
+Optimizer precedence: a file with an `optimizer` block builds the optimizer (Lightning then does not call
+`configure_optimizers`); its "auto" values are copied from the optimizer `configure_optimizers` returns, and its
+explicit values win. Without an `optimizer` block, `configure_optimizers` is the optimizer.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_dist.deepspeed_config.facts import HIDDEN_SIZE_NAMES, UNKNOWN, TrainingFacts
+
+AUTO = "auto"
+_ABSENT = object()
+
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
+_OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay")
+_SCHEDULER_PARAMS = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")
+_HIDDEN_SIZE_KEYS = {  # HF's rules: per-bucket element counts from the hidden size h
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+FILLED_KEYS = (
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+    "gradient_clipping",
+    "fp16.enabled",
+    "bf16.enabled",
+    *(f"optimizer.params.{name}" for name in _OPTIMIZER_PARAMS),
+    *(f"scheduler.params.{name}" for name in _SCHEDULER_PARAMS),
+    *(f"zero_optimization.{name}" for name in _HIDDEN_SIZE_KEYS),
+)
+
+
+@dataclass(frozen=True)
+class ZeroOptions:
+    """The strategy's own arguments; None means "not asked for", so the file decides."""
+
+    stage: int | None = None
+    offload_optimizer: str | None = None
+    offload_parameters: str | None = None
+    nvme_path: str | None = None
+
+
+class DeepSpeedConfigError(ValueError):
+    """Every contradiction and unresolvable "auto" in a DeepSpeed config, one `key: reason` per problem."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.problems = problems
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        super().__init__(f"{source}: {count}: " + " | ".join(problems))
+
+
+def resolve_config(
+    config: dict[str, Any], facts: TrainingFacts, options: ZeroOptions = ZeroOptions(), source: str = "strategy.config"
+) -> dict[str, Any]:
+    """The config DeepSpeed gets: a copy with every fillable "auto" filled. Facts that are still UNKNOWN leave their
+    keys as they are, for the in-rank pass to fill."""
+    resolver = _Resolver(copy.deepcopy(config), facts)
+    resolver.merge_zero_options(options)
+    resolver.fill_precision()
+    resolver.fill_batch_sizes()
+    resolver.fill_clipping()
+    resolver.fill_optimizer_and_scheduler()
+    resolver.fill_bucket_sizes()
+    resolver.report_unfillable_autos()
+    resolver.validate_zero_section()
+    if resolver.problems:
+        raise DeepSpeedConfigError(source, resolver.problems)
+    return resolver.config
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (str, bool, list, tuple)) or value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b or a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return abs(a - b) <= 1e-12 * max(1.0, abs(a), abs(b))
+    return a == b
+
+
+class _Resolver:
+    def __init__(self, config: dict[str, Any], facts: TrainingFacts) -> None:
+        self.config = config
+        self.facts = facts
+        self.problems: list[str] = []
+        self.deferred: set[str] = set()  # "auto"s whose fact is not known yet (before spawn)
+        self.unfillable: set[str] = set()  # "auto"s already reported
+
+    # -- dotted-key access ------------------------------------------------------------------------------------
+    def get(self, key: str, default: Any = _ABSENT) -> Any:
+        node: Any = self.config
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return default
+            node = node[part]
+        return node
+
+    def set(self, key: str, value: Any) -> None:
+        *parents, leaf = key.split(".")
+        node = self.config
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+
+    def fill_match(self, key: str, value: Any, trainer_says: str, fill_absent: bool = True, fix: str = "") -> None:
+        """"auto" (or absent, when `fill_absent`) becomes `value`; an explicit value must equal it."""
+        current = self.get(key)
+        if value is UNKNOWN:
+            if current == AUTO:
+                self.deferred.add(key)
+            return
+        if current == AUTO or (current is _ABSENT and fill_absent):
+            self.set(key, value)
+        elif current is not _ABSENT and not _equal(current, value):
+            fix = fix or f'set it to "auto" or {_show(value)}'
+            self.problems.append(f"{key}={_show(current)} but {trainer_says} ({fix})")
+
+    def fill_auto(self, key: str, value: Any, unresolvable_because: str | None = None) -> None:
+        """Only "auto" is filled (explicit values are the user's choice); None with a reason: cannot be filled."""
+        if self.get(key) != AUTO:
+            return
+        if value is UNKNOWN:
+            self.deferred.add(key)
+        elif value is None:
+            self.unfillable.add(key)
+            self.problems.append(f'{key}="auto" cannot be filled: {unresolvable_because}; set a value')
+        else:
+            self.set(key, value)
+
+    # -- the rules ------------------------------------------------------------------------------------------
+    def merge_zero_options(self, options: ZeroOptions) -> None:
+        zero_key = "zero_optimization"
+        if options.stage is not None:
+            self.fill_match(f"{zero_key}.stage", options.stage, f"strategy.stage={options.stage}", fix="make them agree")
+        for block, option_name, device in (
+            ("offload_optimizer", "offload_optimizer", options.offload_optimizer),
+            ("offload_param", "offload_parameters", options.offload_parameters),
+        ):
+            key = f"{zero_key}.{block}"
+            in_file = self.get(f"{key}.device", None)
+            in_file = None if in_file in (None, "none") else in_file
+            if device is not None and in_file is None:
+                self.set(f"{key}.device", device)
+            elif device is not None and in_file != device:
+                self.problems.append(f"{key}.device={_show(in_file)} but strategy.{option_name}={device} (make them agree)")
+            if self.get(f"{key}.device", None) == "nvme":
+                self._fill_nvme_path(key, options.nvme_path)
+        stage = self.get(f"{zero_key}.stage", 0)
+        if self.get(f"{zero_key}.offload_param.device", "none") != "none" and stage != 3:
+            self.problems.append(f"{zero_key}.offload_param: parameter offload needs ZeRO stage 3, the stage is {stage}")
+
+    def _fill_nvme_path(self, key: str, nvme_path: str | None) -> None:
+        in_file = self.get(f"{key}.nvme_path", None)
+        if in_file is None and nvme_path:
+            self.set(f"{key}.nvme_path", str(nvme_path))
+        elif in_file is None:
+            self.problems.append(f"{key}.nvme_path: NVMe offload needs a directory; set it or strategy.nvme_path")
+        elif nvme_path and str(in_file) != str(nvme_path):
+            self.problems.append(f"{key}.nvme_path={_show(in_file)} but strategy.nvme_path={nvme_path} (make them agree)")
+
+    def fill_precision(self) -> None:
+        precision = self.facts.precision
+        if precision not in PRECISIONS:
+            self.problems.append(f"trainer.precision={precision}: DeepSpeed trains in one of {', '.join(PRECISIONS)}")
+            return
+        wants_fp16, wants_bf16 = precision.startswith("16-"), precision.startswith("bf16-")
+        said = f"trainer.precision={precision}"
+        # An absent flag means disabled to DeepSpeed, so only a needed one is added.
+        self.fill_match("fp16.enabled", wants_fp16, said, fill_absent=wants_fp16)
+        self.fill_match("bf16.enabled", wants_bf16, said, fill_absent=wants_bf16)
+        if wants_fp16 and not self.facts.fp16_supported:
+            self.problems.append(
+                f"{said}: this {self.facts.device_type.upper()} has no fp16 support in DeepSpeed (its CPU accelerator"
+                " needs AVX512-FP16/AMX-FP16); choose 32-true, bf16-mixed or bf16-true, or run on CUDA"
+            )
+
+    def fill_batch_sizes(self) -> None:
+        facts = self.facts
+        micro = facts.micro_batch_size if facts.micro_batch_size is not None else 1
+        self.fill_match("train_micro_batch_size_per_gpu", micro, f"the train loader's batch size is {micro}")
+        accumulate = facts.accumulate_grad_batches
+        self.fill_match("gradient_accumulation_steps", accumulate, f"trainer.accumulate_grad_batches={accumulate}")
+        if micro is UNKNOWN:
+            self.fill_match("train_batch_size", UNKNOWN, "")
+            return
+        total = micro * accumulate * facts.world_size
+        formula = f"micro batch x accumulation x world size = {micro} x {accumulate} x {facts.world_size} = {total}"
+        self.fill_match("train_batch_size", total, formula, fill_absent=False)
+
+    def fill_clipping(self) -> None:
+        clip_val, algorithm = self.facts.gradient_clip_val, self.facts.gradient_clip_algorithm
+        if clip_val and algorithm == "value":
+            self.problems.append(
+                "trainer.gradient_clip_algorithm=value: DeepSpeed clips by norm only; choose gradient_clip_algorithm=norm"
+            )
+        self.fill_match("gradient_clipping", float(clip_val or 0.0), f"trainer.gradient_clip_val={clip_val}")
+
+    def fill_optimizer_and_scheduler(self) -> None:
+        module_optimizer = self.facts.optimizer
+        if "optimizer" in self.config:
+            for name in _OPTIMIZER_PARAMS:
+                self.fill_auto(f"optimizer.params.{name}", *_copied_from(module_optimizer, name))
+        if "scheduler" not in self.config:
+            return
+        lr = self.get("optimizer.params.lr")
+        peak_lr = _copied_from(module_optimizer, "lr") if lr in (_ABSENT, AUTO) else (lr, None)
+        self.fill_auto("scheduler.params.warmup_min_lr", 0.0)
+        self.fill_auto("scheduler.params.warmup_max_lr", *peak_lr)
+        # DeepSpeed's warm-up schedulers refuse 0 steps; 1 is its "no warm-up".
+        self.fill_auto("scheduler.params.warmup_num_steps", max(1, self.facts.warmup_steps))
+        self.fill_auto("scheduler.params.total_num_steps", self.facts.total_steps, "the Trainer has no max_steps")
+
+    def fill_bucket_sizes(self) -> None:
+        hidden = self.facts.hidden_size
+        why = f"they follow the model's hidden size, and its hparams have none of {', '.join(HIDDEN_SIZE_NAMES)}"
+        for name, rule in _HIDDEN_SIZE_KEYS.items():
+            self.fill_auto(f"zero_optimization.{name}", None if hidden is None else rule(hidden), why)
+
+    def report_unfillable_autos(self) -> None:
+        for key in _auto_keys(self.config):
+            if key not in self.deferred | self.unfillable:
+                self.problems.append(f'{key}="auto" is not a value we fill; "auto" works for: {", ".join(FILLED_KEYS)}')
+
+
+    def validate_zero_section(self) -> None:
+        """DeepSpeed's own validation of `zero_optimization`, run here so its refusals come before launch, by key."""
+        zero = self.config.get("zero_optimization")
+        if not isinstance(zero, dict) or _auto_keys(zero):
+            return
+        import deepspeed
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+        from pydantic import ValidationError
+
+        try:
+            DeepSpeedZeroConfig(**zero)
+        except ValidationError as error:
+            for detail in error.errors():
+                key = ".".join(["zero_optimization", *map(str, detail["loc"])])
+                self.problems.append(f"{key}={_show(detail.get('input'))}: DeepSpeed {deepspeed.__version__} refuses it ({detail['msg']})")
+
+
+def _copied_from(optimizer: Any, name: str) -> tuple[Any, str | None]:
+    """(value, why it cannot be filled) for an optimizer setting copied from `configure_optimizers`."""
+    if optimizer is UNKNOWN:
+        return UNKNOWN, None
+    if optimizer is None:
+        return None, "LightningModule.configure_optimizers returns no optimizer to copy it from"
+    value = getattr(optimizer, name)
+    if value is None:
+        return None, f"configure_optimizers returns {optimizer.name}, which has no {name}"
+    return (list(value) if isinstance(value, tuple) else value), None
+
+
+def _auto_keys(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        return [key for name, value in node.items() for key in _auto_keys(value, f"{prefix}{name}.")]
+    return [prefix.rstrip(".")] if node == AUTO else []

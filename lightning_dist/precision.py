@@ -1,0 +1,53 @@
+"""Which precisions each strategy trains in, per device: README's precision matrix, checked before launch.
+
+| strategy   | 32-true | bf16-mixed                 | bf16-true | 16-mixed                                   |
+|------------|---------|----------------------------|-----------|--------------------------------------------|
+| ddp        | yes     | autocast, fp32 weights     | yes       | CUDA only                                  |
+| fsdp       | yes     | bf16 gather, fp32 shards   | yes       | refused (no fp16 loss scaling for FSDP2)   |
+| deepspeed  | yes     | bf16 weights, fp32 master  | as mixed  | CUDA, or a CPU with fp16 (DeepSpeed fp16)  |
+"""
+
+from __future__ import annotations
+
+from lightning.fabric.connector import _convert_precision_to_unified_args
+
+from lightning_dist.deepspeed_config.facts import fp16_supported
+
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
+_NO_FP16 = "choose 32-true, bf16-mixed or bf16-true"
+
+
+def check_precision(strategy: object, precision: object, device_type: str) -> str:
+    """The precision in Lightning's spelling, or ValueError naming why this strategy cannot train in it here."""
+    from lightning_dist.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    try:
+        unified = str(_convert_precision_to_unified_args(precision))
+    except ValueError:
+        unified = str(precision)
+    if unified not in PRECISIONS:
+        raise ValueError(f"trainer.precision={precision}: not supported here; choose one of {', '.join(PRECISIONS)}")
+    name = type(strategy).__name__
+    if isinstance(strategy, FSDPStrategy) and unified == "16-mixed":
+        raise ValueError(f"trainer.precision=16-mixed: {name} (FSDP2) has no fp16 loss scaling; choose bf16-mixed or 16-true")
+    if unified.startswith("16-") and device_type == "cpu":
+        if isinstance(strategy, DeepSpeedStrategy) and not fp16_supported("cpu"):
+            raise ValueError(
+                f"trainer.precision={unified}: DeepSpeed's CPU accelerator has no fp16 on this CPU (it needs"
+                f" AVX512-FP16/AMX-FP16); {_NO_FP16}"
+            )
+        if not isinstance(strategy, DeepSpeedStrategy):
+            raise ValueError(
+                f"trainer.precision={unified}: {name} has no fp16 on CPU (Lightning would silently switch to bf16-mixed);"
+                f" {_NO_FP16}"
+            )
+    return unified
+
+
+def device_type(accelerator: str) -> str:
+    """The device a Trainer `accelerator` flag ends up on."""
+    import torch
+
+    if accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"

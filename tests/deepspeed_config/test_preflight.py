@@ -1,0 +1,62 @@
+"""Offload preflight: NVMe directories and native ops, checked on the launching process with install hints."""
+
+import os
+import time
+
+import pytest
+
+from lightning_dist.deepspeed_config.preflight import check_offload_ready, native_ops_needed, nvme_paths
+
+
+def nvme_config(path) -> dict:
+    return {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(path)},
+                                  "offload_param": {"device": "nvme", "nvme_path": str(path)}}}
+
+
+def test_nvme_config_needs_cpu_adam_and_async_io():
+    assert native_ops_needed(nvme_config("/x")) == ["CPUAdamBuilder", "AsyncIOBuilder"]
+    assert native_ops_needed({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}) == ["CPUAdamBuilder"]
+    assert native_ops_needed({"zero_optimization": {"stage": 3}}) == []
+    assert list(nvme_paths(nvme_config("/x"))) == ["zero_optimization.offload_optimizer.nvme_path", "zero_optimization.offload_param.nvme_path"]
+
+
+def test_a_writable_directory_with_libaio_installed_passes(tmp_path, deepspeed_ops):
+    check_offload_ready(nvme_config(tmp_path))  # loads cpu_adam and async_io (built once per machine, then cached)
+    assert list(tmp_path.iterdir()) == []  # the write test leaves nothing behind
+
+
+def test_missing_directory_is_named(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(ValueError, match="^offload cannot start: ") as raised:
+        check_offload_ready(nvme_config(missing))
+    assert f"zero_optimization.offload_param.nvme_path={missing}: no such directory" in str(raised.value)
+    assert f"zero_optimization.offload_optimizer.nvme_path={missing}: no such directory" in str(raised.value)
+
+
+def test_unwritable_directory_is_named(tmp_path):
+    # Root writes through permission bits; /proc refuses new files to everyone.
+    directory = "/proc" if os.geteuid() == 0 else tmp_path
+    if directory == tmp_path:
+        tmp_path.chmod(0o555)
+    with pytest.raises(ValueError, match=f"nvme_path={directory}: not writable"):
+        check_offload_ready(nvme_config(directory))
+
+
+class _NoLibaio:
+    NAME = "async_io"
+
+    def is_compatible(self, verbose=False):
+        return False
+
+
+def test_missing_libaio_fails_fast_with_the_install_hint(tmp_path, monkeypatch):
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    real = accelerator.create_op_builder
+    monkeypatch.setattr(accelerator, "create_op_builder", lambda name: _NoLibaio() if name == "AsyncIOBuilder" else real(name))
+    start = time.monotonic()
+    with pytest.raises(ValueError) as raised:
+        check_offload_ready(nvme_config(tmp_path))
+    assert time.monotonic() - start < 60
+    assert "DeepSpeed's async_io op cannot be built here: install libaio's headers (apt-get install libaio-dev" in str(raised.value)

@@ -1,0 +1,200 @@
+"""Filling "auto" and reporting contradictions, on the two real Hugging Face files and on small variations."""
+
+import copy
+import dataclasses
+import json
+
+import pytest
+
+from lightning_dist.deepspeed_config import (
+    FILLED_KEYS,
+    UNKNOWN,
+    DeepSpeedConfigError,
+    OptimizerFacts,
+    TrainingFacts,
+    ZeroOptions,
+    load_user_config,
+    resolve_config,
+)
+from tests.conftest import REPO, SHARED
+
+ZERO2 = SHARED / "ds_configs" / "hf_ds_config_zero2.json"
+ZERO3 = SHARED / "ds_configs" / "hf_ds_config_zero3.json"
+
+FACTS = TrainingFacts(
+    precision="bf16-mixed",
+    world_size=2,
+    accumulate_grad_batches=1,
+    gradient_clip_val=None,
+    gradient_clip_algorithm="norm",
+    fp16_supported=False,
+    device_type="cpu",
+    micro_batch_size=8,
+    optimizer=OptimizerFacts("AdamW", lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01),
+    warmup_steps=0,
+    total_steps=300,
+    hidden_size=128,
+)
+
+
+def facts(**changes) -> TrainingFacts:
+    return dataclasses.replace(FACTS, **changes)
+
+
+def auto_keys(node, prefix=""):
+    if isinstance(node, dict):
+        return [k for name, value in node.items() for k in auto_keys(value, f"{prefix}{name}.")]
+    return [prefix.rstrip(".")] if node == "auto" else []
+
+
+def problems_of(config, run_facts=FACTS, options=ZeroOptions()) -> list[str]:
+    with pytest.raises(DeepSpeedConfigError) as raised:
+        resolve_config(config, run_facts, options)
+    message = str(raised.value)
+    assert "\n" not in message  # one line, all problems
+    assert all(problem in message for problem in raised.value.problems)
+    return raised.value.problems
+
+
+def test_hf_zero2_file_every_auto_is_filled_from_the_run():
+    config, source = load_user_config(ZERO2)
+    assert source == "strategy.config (hf_ds_config_zero2.json)"
+    resolved = resolve_config(config, facts(gradient_clip_val=0.5, accumulate_grad_batches=2))
+    assert auto_keys(resolved) == []
+    assert resolved["train_micro_batch_size_per_gpu"] == 8
+    assert resolved["gradient_accumulation_steps"] == 2
+    assert resolved["train_batch_size"] == 8 * 2 * 2
+    assert resolved["gradient_clipping"] == 0.5
+    assert resolved["bf16"] == {"enabled": True} and resolved["fp16"]["enabled"] is False
+    assert resolved["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}}
+    assert resolved["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 1}
+    assert config == json.loads(ZERO2.read_text())  # the user's dict is not modified
+
+
+def test_hf_zero3_file_is_refused_by_deepspeeds_own_rules_before_launch():
+    # Hugging Face's file predates DeepSpeed's `reduce_bucket_size > 0` rule: even on a GPU with fp16 it cannot run.
+    problems = problems_of(json.loads(ZERO3.read_text()), facts(precision="16-mixed", fp16_supported=True))
+    assert problems == ["zero_optimization.reduce_bucket_size=0: DeepSpeed 0.19.8 refuses it (Input should be greater than 0)"]
+
+
+def test_keys_we_do_not_fill_pass_through_unchanged():
+    original = json.loads(ZERO3.read_text())
+    original["zero_optimization"]["reduce_bucket_size"] = 5e8
+    resolved = resolve_config(original, facts(precision="16-mixed", fp16_supported=True))
+    for key in ("sub_group_size", "reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+                "stage3_max_reuse_distance", "stage3_gather_fp16_weights_on_model_save", "overlap_comm", "offload_param"):
+        assert resolved["zero_optimization"][key] == original["zero_optimization"][key]
+    assert resolved["fp16"] == original["fp16"]
+    assert resolved["optimizer"] == original["optimizer"]  # explicit optimizer values are the file's choice
+    assert resolved["scheduler"] == original["scheduler"]
+    assert resolved["steps_per_print"] == 2000 and resolved["wall_clock_breakdown"] is False
+
+
+@pytest.mark.parametrize("precision, fp16, bf16", [("32-true", False, False), ("bf16-mixed", False, True), ("bf16-true", False, True), ("16-mixed", True, False)])
+def test_precision_auto_follows_the_trainer(precision, fp16, bf16):
+    resolved = resolve_config(load_user_config(ZERO2)[0], facts(precision=precision, fp16_supported=True))
+    assert (resolved["fp16"]["enabled"], resolved["bf16"]["enabled"]) == (fp16, bf16)
+
+
+def test_absent_trainer_keys_are_added_and_absent_precision_blocks_only_when_needed():
+    resolved = resolve_config({}, facts(precision="32-true", gradient_clip_val=1.0))
+    assert resolved == {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
+    assert resolve_config({}, facts(precision="bf16-true"))["bf16"] == {"enabled": True}
+
+
+def test_bucket_sizes_follow_the_hidden_size_like_hugging_face():
+    config = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                    "stage3_param_persistence_threshold": "auto"}}
+    zero = resolve_config(config, FACTS)["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"], zero["stage3_param_persistence_threshold"]) == (128 * 128, int(0.9 * 128 * 128), 1280)
+
+
+def test_unknown_facts_leave_auto_for_the_in_rank_pass():
+    # Before spawning, the loader may not exist yet: nothing is reported, "auto" stays, and setup fills it.
+    partial = facts(micro_batch_size=UNKNOWN, optimizer=UNKNOWN)
+    resolved = resolve_config(load_user_config(ZERO2)[0], partial)
+    assert sorted(auto_keys(resolved)) == sorted([
+        "train_micro_batch_size_per_gpu", "train_batch_size", "optimizer.params.lr", "optimizer.params.betas",
+        "optimizer.params.eps", "optimizer.params.weight_decay", "scheduler.params.warmup_max_lr",
+    ])
+    assert resolved["gradient_accumulation_steps"] == 1
+
+
+def test_strategy_options_fill_what_the_file_leaves_open():
+    resolved = resolve_config({"zero_optimization": {"overlap_comm": True}}, FACTS, ZeroOptions(stage=3, offload_optimizer="cpu"))
+    assert resolved["zero_optimization"] == {"overlap_comm": True, "stage": 3, "offload_optimizer": {"device": "cpu"}}
+    nvme = resolve_config({}, FACTS, ZeroOptions(stage=3, offload_parameters="nvme", nvme_path="/x"))
+    assert nvme["zero_optimization"]["offload_param"] == {"device": "nvme", "nvme_path": "/x"}
+
+
+# Each case: a change to a config (or to the run) and every key the report must name.
+MISMATCHES = {
+    "micro batch vs loader": ({"train_micro_batch_size_per_gpu": 4}, {}, ["train_micro_batch_size_per_gpu=4 but the train loader's batch size is 8"]),
+    "accumulation": ({"gradient_accumulation_steps": 2}, {"accumulate_grad_batches": 4}, ["gradient_accumulation_steps=2 but trainer.accumulate_grad_batches=4"]),
+    "clipping vs no clipping": ({"gradient_clipping": 1.0}, {}, ["gradient_clipping=1 but trainer.gradient_clip_val=None"]),
+    "clipping vs other clipping": ({"gradient_clipping": 1.0}, {"gradient_clip_val": 0.5}, ["gradient_clipping=1 but trainer.gradient_clip_val=0.5"]),
+    "clipping by value": ({}, {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"}, ["trainer.gradient_clip_algorithm=value"]),
+    "fp16 vs bf16-mixed": ({"fp16": {"enabled": True}}, {}, ["fp16.enabled=true but trainer.precision=bf16-mixed"]),
+    "bf16 vs 32-true": ({"bf16": {"enabled": True}}, {"precision": "32-true"}, ["bf16.enabled=true but trainer.precision=32-true"]),
+    "fp16 off vs 16-mixed": ({"fp16": {"enabled": False}}, {"precision": "16-mixed", "fp16_supported": True}, ["fp16.enabled=false but trainer.precision=16-mixed"]),
+    "fp16 on a CPU without it": ({"fp16": {"enabled": True}}, {"precision": "16-mixed"}, ["trainer.precision=16-mixed: this CPU has no fp16 support"]),
+    "precision DeepSpeed has no mode for": ({}, {"precision": "64-true"}, ["trainer.precision=64-true: DeepSpeed trains in one of"]),
+    "train_batch_size formula": ({"train_batch_size": 64}, {}, ["train_batch_size=64 but micro batch x accumulation x world size = 8 x 1 x 2 = 16"]),
+    "betas from SGD": ({"optimizer": {"type": "AdamW", "params": {"betas": "auto"}}}, {"optimizer": OptimizerFacts("SGD", 0.1, None, None, 0.0)},
+                       ['optimizer.params.betas="auto" cannot be filled: configure_optimizers returns SGD, which has no betas']),
+    "lr with no module optimizer": ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, {"optimizer": None},
+                                    ['optimizer.params.lr="auto" cannot be filled: LightningModule.configure_optimizers returns no optimizer']),
+    "bucket size without a hidden size": ({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}, {"hidden_size": None},
+                                          ['zero_optimization.reduce_bucket_size="auto" cannot be filled: they follow the model\'s hidden size']),
+    "auto where we fill nothing": ({"steps_per_print": "auto"}, {}, ['steps_per_print="auto" is not a value we fill']),
+    "stage vs strategy.stage": ({"zero_optimization": {"stage": 2}}, {}, ["zero_optimization.stage=2 but strategy.stage=3"]),
+}
+
+
+@pytest.mark.parametrize("case", MISMATCHES)
+def test_each_mismatch_is_reported_by_key(case):
+    change, fact_changes, expected = MISMATCHES[case]
+    options = ZeroOptions(stage=3) if case == "stage vs strategy.stage" else ZeroOptions()
+    problems = problems_of(change, facts(**fact_changes), options)
+    for fragment in expected:
+        assert any(fragment in problem for problem in problems), (fragment, problems)
+    assert len(problems) == len(expected)
+
+
+def test_all_problems_come_in_one_report():
+    config = copy.deepcopy(json.loads(ZERO3.read_text()))
+    config.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=3, gradient_clipping=2.0, train_batch_size=10)
+    config["zero_optimization"]["offload_optimizer"]["device"] = "nvme"
+    problems = problems_of(config, facts(gradient_clip_val=1.0), ZeroOptions(stage=2, offload_optimizer="cpu"))
+    keys = [problem.split("=")[0].split(":")[0] for problem in problems]
+    assert keys == [
+        "zero_optimization.stage", "zero_optimization.offload_optimizer.device", "zero_optimization.offload_optimizer.nvme_path",
+        "fp16.enabled", "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps", "train_batch_size", "gradient_clipping", "zero_optimization.reduce_bucket_size",
+    ]
+
+
+def test_nvme_offload_in_the_file_needs_a_path_and_an_agreeing_one():
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}
+    assert "zero_optimization.offload_param.nvme_path: NVMe offload needs a directory" in problems_of(config)[0]
+    config["zero_optimization"]["offload_param"]["nvme_path"] = "/a"
+    assert "nvme_path=\"/a\" but strategy.nvme_path=/b" in problems_of(config, FACTS, ZeroOptions(nvme_path="/b"))[0]
+
+
+def test_every_filled_key_is_documented_in_the_readme():
+    readme = (REPO / "README.md").read_text()
+    assert [key for key in FILLED_KEYS if f"`{key}`" not in readme] == []
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "is not a file"),
+    ("{not json", "is not valid JSON (Expecting property name enclosed in double quotes at line 1, column 2)"),
+    ("[1, 2]", "holds a JSON list; a DeepSpeed config is a JSON object"),
+])
+def test_bad_config_files_get_one_line_errors(tmp_path, content, message):
+    path = tmp_path / "ds.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises((ValueError, TypeError), match="^strategy.config: ") as raised:
+        load_user_config(path)
+    assert message in str(raised.value)

@@ -1,0 +1,54 @@
+"""Callbacks that tests add with `+callbacks.NAME._target_=tests.probes.X`: they write what they saw to JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+
+
+class DeepSpeedEngineConfigProbe(L.Callback):
+    """The config the DeepSpeed engine parsed (not the dict it was given), as rank 0's engine sees it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        engine = trainer.strategy.model
+        config = engine._config
+        seen = {
+            "zero": config.zero_config.model_dump(mode="json", by_alias=True),
+            "fp16": config.float16_config.model_dump(mode="json"),
+            "bf16": config.bfloat16_config.model_dump(mode="json"),
+            "train_micro_batch_size_per_gpu": config.train_micro_batch_size_per_gpu,
+            "gradient_accumulation_steps": config.gradient_accumulation_steps,
+            "train_batch_size": config.train_batch_size,
+            "gradient_clipping": config.gradient_clipping,
+            "steps_per_print": config.steps_per_print,
+            "wall_clock_breakdown": config.wall_clock_breakdown,
+            "optimizer_name": config.optimizer_name,
+            "optimizer_params": config.optimizer_params,
+            "scheduler_name": config.scheduler_name,
+            "scheduler_params": config.scheduler_params,
+            "optimizer_class": type(engine.optimizer.optimizer).__name__,
+            "optimizer_lr": [group["lr"] for group in engine.optimizer.optimizer.param_groups],
+        }
+        self.path.write_text(json.dumps(seen, indent=2, default=str))
+
+
+class DirectoryProbe(L.Callback):
+    """The files under `directory` (with sizes) after the first training step, seen by rank 0."""
+
+    def __init__(self, directory: str, path: str) -> None:
+        self.directory, self.path = Path(directory), Path(path)
+        self.done = False
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if self.done or not trainer.is_global_zero:
+            return
+        self.done = True
+        files = {str(p.relative_to(self.directory)): p.stat().st_size for p in self.directory.rglob("*") if p.is_file()}
+        self.path.write_text(json.dumps(files, indent=2))

@@ -1,0 +1,60 @@
+"""ZeRO-Infinity on CPU: `deepspeed_stage_3_offload_nvme` with a local directory standing in for the NVMe drive."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.conftest import run_train
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def nvme_run(tmp_path_factory, deepspeed_ops):
+    nvme = tmp_path_factory.mktemp("nvme")
+    run = run_train(
+        tmp_path_factory.mktemp("nvme-run"), "strategy=deepspeed_stage_3_offload_nvme", f"strategy.nvme_path={nvme}",
+        "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=10", "test=false",
+        "+callbacks.nvme_probe._target_=tests.probes.DirectoryProbe", f"+callbacks.nvme_probe.directory={nvme}",
+        "+callbacks.nvme_probe.path=${paths.output_dir}/nvme_files.json",
+    )
+    return run
+
+
+def test_trains_with_the_engine_offloading_to_nvme(nvme_run):
+    assert nvme_run.process.returncode == 0, nvme_run.output[-3000:]
+    assert nvme_run.summary["train_batches_per_rank"] == [10, 10]
+    for rank in nvme_run.summary["placement_per_rank"]:
+        assert rank["offload"] == {"optimizer": "nvme", "parameters": "nvme"}
+        assert rank["parameters_local"] * 2 == rank["parameters_total"]
+    losses = nvme_run.val_losses()
+    assert losses[max(losses)] < losses[0] - 0.3, losses
+
+
+def test_optimizer_state_is_in_files_in_the_directory_during_training(nvme_run):
+    files = json.loads((nvme_run.run_dir / "nvme_files.json").read_text())
+    for rank in (0, 1):
+        # fp32 master weights, exp_avg and exp_avg_sq: one file each for the rank's share of the 842,496
+        # parameters (the small ones that ZeRO-3 keeps whole on every rank are not in it).
+        swapped = {name: size for name, size in files.items() if name.startswith(f"zero_stage_3/optimizer/rank{rank}/")}
+        assert len(swapped) == 3, files
+        assert len(set(swapped.values())) == 1 and min(swapped.values()) > 400_000 * 4, swapped
+
+
+@pytest.mark.parametrize("problem", ["missing", "a file"])
+def test_unusable_directory_is_refused_before_any_rank_starts(tmp_path, problem):
+    nvme = tmp_path / "nvme"
+    if problem == "a file":
+        nvme.write_text("not a directory")
+    start = time.monotonic()
+    run = run_train(tmp_path / "run", "strategy=deepspeed_stage_3_offload_nvme", f"strategy.nvme_path={nvme}",
+                    "trainer.accelerator=cpu", "trainer.devices=2")
+    assert time.monotonic() - start < 60
+    assert run.process.returncode == 2
+    last_line = run.process.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error: offload cannot start: zero_optimization.offload_optimizer.nvme_path=")
+    assert f"nvme_path={nvme}: no such directory" in last_line
+    assert not (tmp_path / "run" / "train_ddp_process_1.log").exists()

@@ -1,0 +1,66 @@
+"""The strategy x precision matrix of README.md: every cell either trains with the dtypes it names or is refused
+before launch with a message that says why and what to choose instead."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_train
+
+pytestmark = pytest.mark.slow
+
+FP32, BF16 = "torch.float32", "torch.bfloat16"
+
+# (strategy, precision) -> dtypes read from the running ranks: stored parameters, what the optimizer updates
+# (the master weights) and, for FSDP, what parameters are all-gathered in for compute.
+RUNS = {
+    ("ddp", "32-true"): (FP32, FP32, []),
+    ("ddp", "bf16-mixed"): (FP32, FP32, []),  # autocast computes in bf16
+    ("ddp", "bf16-true"): (BF16, BF16, []),
+    ("fsdp", "32-true"): (FP32, FP32, [FP32]),
+    ("fsdp", "bf16-mixed"): (FP32, FP32, [BF16]),
+    ("fsdp", "bf16-true"): (BF16, BF16, [BF16]),
+    ("deepspeed_stage_2", "32-true"): (FP32, FP32, []),
+    ("deepspeed_stage_2", "bf16-mixed"): (BF16, FP32, []),
+    ("deepspeed_stage_2", "bf16-true"): (BF16, FP32, []),
+    ("deepspeed_stage_3", "32-true"): (FP32, FP32, []),
+    ("deepspeed_stage_3", "bf16-mixed"): (BF16, FP32, []),
+    ("deepspeed_stage_3", "bf16-true"): (BF16, FP32, []),
+}
+REFUSALS = {
+    ("ddp", "16-mixed"): "trainer.precision=16-mixed: DDPStrategy has no fp16 on CPU (Lightning would silently switch to bf16-mixed); choose 32-true, bf16-mixed or bf16-true",
+    ("fsdp", "16-mixed"): "trainer.precision=16-mixed: FSDPStrategy (FSDP2) has no fp16 loss scaling",
+    ("deepspeed_stage_2", "16-mixed"): "trainer.precision=16-mixed: DeepSpeed's CPU accelerator has no fp16 on this CPU",
+    ("deepspeed_stage_3", "16-mixed"): "trainer.precision=16-mixed: DeepSpeed's CPU accelerator has no fp16 on this CPU",
+}
+
+
+@pytest.mark.parametrize("cell", RUNS, ids="-".join)
+def test_cell_trains_with_the_named_dtypes(cell, trained_runs):
+    name, precision = cell
+    # 32-true is the default: the same run as the acceptance tests in test_train_strategies.py.
+    overrides = () if precision == "32-true" else (f"trainer.precision={precision}", "trainer.max_steps=6", "test=false")
+    run = trained_runs(name, *overrides)
+    assert run.process.returncode == 0, run.output[-3000:]
+    parameters, master, gathered = RUNS[cell]
+    for rank in run.summary["placement_per_rank"]:
+        assert (rank["parameter_dtypes"], rank["master_dtypes"], rank["fsdp_gathered_dtypes"]) == ([parameters], [master], gathered)
+    losses = run.val_losses()
+    assert losses[max(losses)] < losses[0] - 0.1, losses
+
+
+@pytest.mark.parametrize("cell", REFUSALS, ids="-".join)
+def test_cell_is_refused_before_launch(cell, tmp_path):
+    name, precision = cell
+    run = run_train(tmp_path, f"strategy={name}", "trainer.accelerator=cpu", "trainer.devices=2", f"trainer.precision={precision}")
+    assert run.process.returncode == 2
+    assert run.process.stderr.strip().splitlines()[-1].startswith(f"error: {REFUSALS[cell]}")
+    assert not (tmp_path / "train_ddp_process_1.log").exists()  # no rank was started
+
+
+def test_every_cell_is_in_the_readme():
+    from tests.conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    for name, precision in [*RUNS, *REFUSALS]:
+        assert f"| {name} " in readme and f"{precision}" in readme
