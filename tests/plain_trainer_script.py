@@ -3,6 +3,8 @@
     python tests/plain_trainer_script.py OUT_DIR ld_fsdp              # a registered name, Lightning's BoringModel
     python tests/plain_trainer_script.py OUT_DIR FSDPStrategy-ac      # a class instance: FSDP + activation checkpointing
     python tests/plain_trainer_script.py OUT_DIR ld_fsdp_activation_checkpointing encoder  # torch's TransformerEncoder
+    python tests/plain_trainer_script.py OUT_DIR ds-config:PATH      # DeepSpeedStrategy(config=PATH)
+    python tests/plain_trainer_script.py OUT_DIR ds-dict:PATH        # DeepSpeedStrategy(config=dict), betas etc. set
 """
 
 import json
@@ -40,6 +42,13 @@ def main(out_dir: str, choice: str, model_name: str = "boring") -> None:
     strategy = choice
     if choice == "FSDPStrategy-ac":
         strategy = lightning_dist.FSDPStrategy(activation_checkpointing=True, block_class=torch.nn.Linear)
+    elif choice.startswith("ds-config:"):
+        strategy = lightning_dist.DeepSpeedStrategy(config=choice.removeprefix("ds-config:"))
+    elif choice.startswith("ds-dict:"):
+        # BoringModel's optimizer is SGD: Adam's settings cannot be copied from it, so the dict names them.
+        config = json.loads(Path(choice.removeprefix("ds-dict:")).read_text())
+        config["optimizer"]["params"].update(betas=[0.9, 0.999], eps=1e-8, weight_decay=0.0)
+        strategy = lightning_dist.DeepSpeedStrategy(config=config)
     L.seed_everything(0)
     model = EncoderModel() if model_name == "encoder" else RecordingBoringModel()
     trainer = L.Trainer(
@@ -57,6 +66,7 @@ def main(out_dir: str, choice: str, model_name: str = "boring") -> None:
         "losses": model.losses,
         "parameters_local": local,
         "parameters_total": total,
+        "deepspeed_config": getattr(trainer.strategy, "config", None) if choice.startswith("ds-") else None,
     }))
 
 

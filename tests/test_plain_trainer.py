@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lightning_dist.strategies import PRESETS, REGISTRY_PREFIX
-from tests.conftest import REPO, STRATEGY_NAMES
+from tests.conftest import REPO, SHARED, STRATEGY_NAMES
 
 pytestmark = pytest.mark.slow
 
@@ -54,3 +54,23 @@ def test_checkpointing_by_name_without_a_block_says_which_classes_could_be_one()
         "ValueError: strategy.block_class: activation checkpointing needs the block class and the model has no"
         " nn.ModuleList to infer it from; set it to one of: Linear, RecordingBoringModel"
     ) in stderr
+
+
+HF_ZERO2 = SHARED / "ds_configs" / "hf_ds_config_zero2.json"
+
+
+def test_deepspeed_config_dict_with_auto_values_trains(deepspeed_ops):
+    results = run_script(f"ds-dict:{HF_ZERO2}")
+    assert [r["global_step"] for r in results] == [4, 4]
+    config = results[0]["deepspeed_config"]
+    # BoringModel: loader batch 1, SGD(lr=0.1); 2 ranks.
+    assert (config["train_micro_batch_size_per_gpu"], config["train_batch_size"], config["optimizer"]["params"]["lr"]) == (1, 2, 0.1)
+    assert config["optimizer"]["params"]["betas"] == [0.9, 0.999]
+
+
+def test_unfillable_auto_is_reported_before_any_rank_starts():
+    stderr = run_script(f"ds-config:{HF_ZERO2}", expect_returncode=1)
+    assert "lightning_dist.strategies.launcher.PreflightError: strategy.config (hf_ds_config_zero2.json): 2 problems: " in stderr
+    for key in ("betas", "eps"):
+        assert f'optimizer.params.{key}="auto" cannot be filled: configure_optimizers returns SGD, which has no {key}' in stderr
+    assert "Initializing distributed" not in stderr  # rank 0 never got as far as the process group
