@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_dist.checkpoints.autoresume import newest_complete_checkpoint
 from lightning_dist.checkpoints.formats import CheckpointError, check_checkpoint_matches
 from lightning_dist.config_check import CONF_DIR, ConfigError, check_overrides
+from lightning_dist.launch import needs_isolation, run_isolated
 from lightning_dist.parallel import require_class_in_model, resolve_module_class
 from lightning_dist.precision import check_precision, device_type
 from lightning_dist.strategies.launcher import PreflightError
@@ -62,8 +63,27 @@ def _instantiate(node: DictConfig, key: str, **runtime_objects: Any) -> Any:
     return instantiate(node, _convert_="all", **runtime_objects)
 
 
+# What Lightning's launcher puts into the environment for the ranks it starts; a later run in this interpreter
+# (a notebook, a sequence of jobs) must pick its own port and world size.
+_LAUNCH_ENVIRONMENT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "LOCAL_RANK")
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit, then test; returns the final metrics. Runs on every rank (Lightning re-launches this script)."""
+    saved = {name: os.environ.get(name) for name in _LAUNCH_ENVIRONMENT}
+    try:
+        return _fit_and_test(cfg)
+    finally:
+        # Lightning leaves the process group up: gloo's threads aborted the interpreter at exit now and then.
+        _destroy_dist_connection()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _fit_and_test(cfg: DictConfig) -> dict[str, float]:
     L.seed_everything(cfg.seed, workers=True)
     cfg.ckpt_path = _checkpoint_to_resume(cfg)
     parts = build(cfg)
@@ -80,8 +100,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
         metrics.update(_metrics(trainer))
     if trainer.is_global_zero:
         _report(cfg, trainer, metrics)
-    # Lightning leaves the process group up; gloo's threads aborted the interpreter at exit now and then.
-    _destroy_dist_connection()
     return metrics
 
 
@@ -115,9 +133,12 @@ def _report(cfg: DictConfig, trainer: L.Trainer, metrics: dict[str, float]) -> N
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
-def _hydra_entry(cfg: DictConfig) -> None:
+def _hydra_entry(cfg: DictConfig) -> dict[str, float]:
+    if needs_isolation(HydraConfig.get()):
+        # A sweep job: run it as a single run in a process of its own (see lightning_dist/launch/isolated_job.py).
+        return run_isolated(HydraConfig.get())
     try:
-        train(cfg)
+        return train(cfg)
     except ConfigError as error:
         _exit_with(error)
 

@@ -52,3 +52,26 @@ class DirectoryProbe(L.Callback):
         self.done = True
         files = {str(p.relative_to(self.directory)): p.stat().st_size for p in self.directory.rglob("*") if p.is_file()}
         self.path.write_text(json.dumps(files, indent=2))
+
+
+class CommandLineProbe(L.Callback):
+    """Each rank's full command line (from /proc) and the directory it writes to: `<dir>/cmdline_rank<N>.json`."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = Path(directory)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        cmdline = [part.decode() for part in Path("/proc/self/cmdline").read_bytes().split(b"\0") if part]
+        record = {"cmdline": cmdline, "default_root_dir": str(trainer.default_root_dir), "global_rank": trainer.global_rank}
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / f"cmdline_rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+class FailAtStartOnRank(L.Callback):
+    """Raises while the run is being built on the process whose LOCAL_RANK is `rank`: a rank dying at start-up."""
+
+    def __init__(self, rank: int) -> None:
+        import os
+
+        if os.environ.get("LOCAL_RANK", "0") == str(rank):
+            raise RuntimeError(f"injected start-up failure on local rank {rank}")

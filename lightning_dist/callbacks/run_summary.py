@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import resource
+import statistics
+import time
 from pathlib import Path
 
 import lightning as L
@@ -14,15 +17,26 @@ from lightning_dist.parallel.placement import offload_targets, placement_report
 
 class RunSummary(L.Callback):
     """Records the strategy, world size, steps, batches trained on each rank, where each rank's parameters and
-    optimizer state were after the first step (evidence of sharding and offload), and the final metrics."""
+    optimizer state were after the first step (evidence of sharding and offload), speed (median step time,
+    samples and tokens per second over all ranks), peak memory per rank, and the final metrics."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.batches_on_this_rank = 0
+        self.step_times: list[float] = []
+        self.batch_shape: tuple[int, ...] = ()
+        self._step_start = 0.0
         self.summary: dict = {}
 
     @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        self._step_start = time.perf_counter()
+        inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
+        self.batch_shape = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else ()
+
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        self.step_times.append(time.perf_counter() - self._step_start)
         self.batches_on_this_rank += 1
         if self.batches_on_this_rank == 1:  # optimizer state exists from the first step on
             report = placement_report(pl_module, trainer.optimizers)
@@ -40,8 +54,22 @@ class RunSummary(L.Callback):
             train_batches_per_rank=[int(n) for n in per_rank.reshape(-1)],
             best_checkpoint=_checkpoint_path(trainer, "best_model_path"),
             last_checkpoint=_checkpoint_path(trainer, "last_model_path"),
+            **self._speed(trainer.world_size),
+            peak_memory_per_rank=_gather_objects(peak_memory(trainer.strategy.root_device)),
         )
         self._update_metrics(trainer)
+
+    def _speed(self, world_size: int) -> dict:
+        # The first step compiles, allocates and warms caches; it is not what a long run spends per step.
+        times = self.step_times[1:] or self.step_times
+        if not times:
+            return {}
+        step = statistics.median(times)
+        samples = self.batch_shape[0] if self.batch_shape else 1
+        speed = {"median_step_time_s": step, "samples_per_s": samples * world_size / step}
+        if len(self.batch_shape) == 2:  # (batch, sequence) of token ids
+            speed["tokens_per_s"] = self.batch_shape[0] * self.batch_shape[1] * world_size / step
+        return speed
 
     @override
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -55,6 +83,13 @@ class RunSummary(L.Callback):
         if trainer.is_global_zero:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps(self.summary, indent=2) + "\n")
+
+
+def peak_memory(device: torch.device) -> dict:
+    """The most memory this rank held: allocated CUDA memory on a GPU, the process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return {"kind": "cuda_max_allocated", "bytes": int(torch.cuda.max_memory_allocated(device))}
+    return {"kind": "process_peak_rss", "bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def _gather_objects(obj: object) -> list:

@@ -2,7 +2,7 @@
 LightningModule and the data, with every contradiction reported before any rank starts."""
 
 from lightning_dist.deepspeed_config.facts import UNKNOWN, OptimizerFacts, TrainingFacts, training_facts
-from lightning_dist.deepspeed_config.load import load_user_config
+from lightning_dist.deepspeed_config.load import load_user_config, write_effective_config
 from lightning_dist.deepspeed_config.resolve import FILLED_KEYS, DeepSpeedConfigError, ZeroOptions, resolve_config
 
 __all__ = [
@@ -15,4 +15,5 @@ __all__ = [
     "load_user_config",
     "resolve_config",
     "training_facts",
+    "write_effective_config",
 ]

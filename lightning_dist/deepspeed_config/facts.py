@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 
 UNKNOWN: Any = type("Unknown", (), {"__repr__": lambda self: "UNKNOWN"})()
 
@@ -126,7 +127,9 @@ def module_optimizer_facts(model: Any, trainer: Any, in_rank: bool) -> Optimizer
 def _total_steps(trainer: Any, in_rank: bool) -> int | None:
     if trainer.max_steps and trainer.max_steps > 0:
         return int(trainer.max_steps)
-    return int(trainer.estimated_stepping_batches) if in_rank else UNKNOWN
+    # Epoch-limited: only the fitting Trainer, with its train loader, can count the steps.
+    fitting = in_rank and trainer.state.fn == TrainerFn.FITTING
+    return int(trainer.estimated_stepping_batches) if fitting else UNKNOWN
 
 
 def _hidden_size(model: Any, hparams: Any) -> int | None:

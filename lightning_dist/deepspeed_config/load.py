@@ -1,4 +1,4 @@
-"""Read a user's DeepSpeed config (a JSON path or a dict) without changing it."""
+"""Read a user's DeepSpeed config (a JSON path or a dict) without changing it; write the one in effect."""
 
 from __future__ import annotations
 
@@ -23,3 +23,11 @@ def load_user_config(config: str | Path | Mapping[str, Any]) -> tuple[dict[str, 
     if not isinstance(loaded, dict):
         raise TypeError(f"strategy.config: {path} holds a JSON {type(loaded).__name__}; a DeepSpeed config is a JSON object")
     return loaded, f"strategy.config ({path.name})"
+
+
+def write_effective_config(config: dict[str, Any], directory: str | Path, name: str = "deepspeed_config.effective.json") -> Path:
+    """The config DeepSpeed was given, for the record: sorted keys, no "auto" left."""
+    path = Path(directory) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return path

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -19,7 +18,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_dist.checkpoints.resume import check_deepspeed_world_size
-from lightning_dist.deepspeed_config import ZeroOptions, load_user_config, resolve_config, training_facts
+from lightning_dist.deepspeed_config import (
+    ZeroOptions,
+    load_user_config,
+    resolve_config,
+    training_facts,
+    write_effective_config,
+)
 from lightning_dist.deepspeed_config.preflight import check_offload_ready
 from lightning_dist.strategies.launcher import PreflightLauncher
 
@@ -81,7 +86,6 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
     """
 
     strategy_name = "ld_deepspeed"
-    EFFECTIVE_CONFIG_NAME = "deepspeed_config.effective.json"
 
     def __init__(
         self,
@@ -139,7 +143,8 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        self._launcher = PreflightLauncher(self._launcher, self.preflight)
+        if self._launcher is not None:
+            self._launcher = PreflightLauncher(self._launcher, self.preflight)
 
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
         """On the launching process: resolve the config with what is known before `setup` and check offload."""
@@ -167,13 +172,8 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
             # The optimizer comes from configure_optimizers; ZeRO refuses the ones it has not been tested with.
             self.config.setdefault("zero_allow_untested_optimizer", True)
         if self.is_global_zero:
-            self._write_effective_config(Path(module.trainer.default_root_dir))
-
-    def _write_effective_config(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / self.EFFECTIVE_CONFIG_NAME
-        path.write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
-        rank_zero_info(f"DeepSpeed config in effect: {path}")
+            path = write_effective_config(self.config, module.trainer.default_root_dir)
+            rank_zero_info(f"DeepSpeed config in effect: {path}")
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

@@ -1,0 +1,129 @@
+"""Hydra sweeps with multi-process strategies, one output directory per run, failures that stay in their job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+SHORT = ("trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=4", "test=false")
+PROBE = ("+callbacks.cmdline_probe._target_=tests.probes.CommandLineProbe", "+callbacks.cmdline_probe.directory=${paths.output_dir}")
+
+
+def train(*args: str, cwd: Path = REPO, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    return sorted(p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, deepspeed_ops):
+    sweep_dir = tmp_path_factory.mktemp("sweep") / "multirun"
+    process = train("-m", "strategy=ddp,fsdp,deepspeed_stage_2", *SHORT, *PROBE, f"hydra.sweep.dir={sweep_dir}")
+    return process, sweep_dir
+
+
+def test_sweep_of_three_strategies_exits_zero_with_three_finished_jobs(sweep):
+    process, sweep_dir = sweep
+    assert process.returncode == 0, process.stderr[-4000:]
+    assert [p.name for p in job_dirs(sweep_dir)] == ["0", "1", "2"]
+    for job, strategy in zip(job_dirs(sweep_dir), ("DDPStrategy", "FSDPStrategy", "DeepSpeedStrategy")):
+        summary = json.loads((job / "metrics.json").read_text())
+        assert (summary["strategy"], summary["world_size"], summary["train_batches_per_rank"]) == (strategy, 2, [4, 4])
+        assert (job / "csv" / "metrics.csv").exists() and (job / "checkpoints" / "last.ckpt").exists()
+        assert (job / ".hydra" / "overrides.yaml").read_text().startswith("- strategy=")
+
+
+def test_no_rank_runs_the_sweep_again(sweep):
+    process, sweep_dir = sweep
+    records = sorted(sweep_dir.glob("*/cmdline_rank*.json"))
+    assert len(records) == 6  # 3 jobs x 2 ranks, each in its own job's directory
+    for record_path in records:
+        record = json.loads(record_path.read_text())
+        cmdline = record["cmdline"]
+        assert "-m" not in cmdline and "--multirun" not in cmdline, cmdline
+        assert not any("," in part for part in cmdline[1:]), cmdline  # no comma list: the job's own override only
+        assert record["default_root_dir"] == str(record_path.parent)
+    # Nothing outside the sweep directory: no rank made a sweep of its own.
+    assert sorted(p.name for p in sweep_dir.parent.iterdir()) == ["multirun"]
+
+
+def test_the_metrics_file_reports_speed_and_memory(sweep):
+    _, sweep_dir = sweep
+    summary = json.loads((sweep_dir / "0" / "metrics.json").read_text())
+    assert 0 < summary["median_step_time_s"] < 60
+    # Batches of 16 sequences of 128 tokens on each of 2 ranks.
+    assert summary["tokens_per_s"] == pytest.approx(summary["samples_per_s"] * 128)
+    assert summary["samples_per_s"] == pytest.approx(2 * 16 / summary["median_step_time_s"])
+    assert [rank["kind"] for rank in summary["peak_memory_per_rank"]] == ["process_peak_rss"] * 2
+    assert all(100 * 2**20 < rank["bytes"] < 8 * 2**30 for rank in summary["peak_memory_per_rank"])
+    assert set(summary["metrics"]) >= {"train_loss", "val_loss"}
+
+
+def test_sweep_report_writes_a_table_and_a_readable_plot(sweep):
+    from lightning_dist.sweep_report import write_report
+
+    _, sweep_dir = sweep
+    table, image = write_report(sweep_dir)
+    rows = [line for line in table.read_text().splitlines() if line.startswith("| ") and not line.startswith("| job")]
+    assert [row.split(" | ")[1:3] for row in rows] == [
+        ["`strategy=ddp`", "finished"], ["`strategy=fsdp`", "finished"], ["`strategy=deepspeed_stage_2`", "finished"],
+    ]
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and image.stat().st_size > 20_000
+
+
+def test_plot_has_labelled_axes_and_one_series_per_job(sweep, monkeypatch):
+    import matplotlib.figure
+
+    from lightning_dist import sweep_report
+
+    _, sweep_dir = sweep
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, *a, **k: figures.append(self))
+    sweep_report.plot(sweep_report.read_jobs(sweep_dir), sweep_dir / "unused.png")
+    axes = figures[0].axes
+    assert all(ax.get_xlabel() and ax.get_ylabel() and ax.get_title() for ax in axes)
+    assert [len(ax.get_lines()) for ax in axes[:2]] == [3, 3]  # a loss curve per job
+    assert [len(ax.patches) for ax in axes[2:]] == [3, 3]  # a bar per job
+    assert [t.get_text() for t in axes[0].get_legend().get_texts()] == ["strategy=ddp", "strategy=fsdp", "strategy=deepspeed_stage_2"]
+
+
+def test_run_dir_with_a_timestamp_is_one_directory_for_all_ranks(tmp_path, deepspeed_ops):
+    process = train("strategy=deepspeed_stage_2", *SHORT, *PROBE, "hydra.run.dir=outputs/${now:%H-%M-%S-%f}", cwd=tmp_path)
+    assert process.returncode == 0, process.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs").iterdir()
+    records = [json.loads((run_dir / f"cmdline_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["default_root_dir"] for r in records] == [str(run_dir)] * 2
+
+
+FAIL_RANK_1 = ("+callbacks.fail._target_=tests.probes.FailAtStartOnRank", "+callbacks.fail.rank=1")
+
+
+def test_a_rank_failing_at_start_up_fails_the_run_within_60_seconds(tmp_path):
+    start = time.monotonic()
+    process = train("strategy=ddp", *SHORT, *FAIL_RANK_1, f"hydra.run.dir={tmp_path}")
+    assert time.monotonic() - start < 60
+    assert process.returncode != 0
+    assert "injected start-up failure on local rank 1" in process.stderr
+
+
+def test_in_a_sweep_the_failing_job_is_reported_and_the_others_run(tmp_path):
+    sweep_dir = tmp_path / "multirun"
+    process = train("-m", "strategy=ddp", *SHORT, "+callbacks.fail._target_=tests.probes.FailAtStartOnRank",
+                    "+callbacks.fail.rank=1,7", f"hydra.sweep.dir={sweep_dir}")
+    assert process.returncode != 0
+    assert "job 0 (strategy=ddp" in process.stderr and "exited with code" in process.stderr
+    assert not (sweep_dir / "0" / "metrics.json").exists()
+    assert json.loads((sweep_dir / "1" / "metrics.json").read_text())["global_step"] == 4
