@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import lightning as L
 import pytest
 from hydra import compose, initialize_config_dir
@@ -17,8 +19,18 @@ SLURM_RANK_3_OF_4 = {
 }
 
 
+@pytest.fixture
+def restored_environment():
+    """Lightning's SLURM environment writes MASTER_ADDR/MASTER_PORT into os.environ; later tests' runs must not
+    inherit node01 as their rendezvous address."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.mark.parametrize("name", ["ld_ddp", "ld_fsdp", "ld_deepspeed_stage_2"])
-def test_under_slurm_the_strategy_reads_ranks_from_slurm_and_spawns_nothing(name, monkeypatch):
+def test_under_slurm_the_strategy_reads_ranks_from_slurm_and_spawns_nothing(name, monkeypatch, restored_environment):
     for key, value in SLURM_RANK_3_OF_4.items():
         monkeypatch.setenv(key, value)
     trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, num_nodes=2, logger=False)
