@@ -12,8 +12,7 @@ from __future__ import annotations
 from lightning.fabric.connector import _convert_precision_to_unified_args
 
 from lightning_dist.deepspeed_config.facts import fp16_supported
-
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
+from lightning_dist.deepspeed_config.resolve import PRECISIONS
 _NO_FP16 = "choose 32-true, bf16-mixed or bf16-true"
 
 

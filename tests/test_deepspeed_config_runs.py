@@ -21,10 +21,7 @@ BUCKET_REFUSAL = "zero_optimization.reduce_bucket_size=0: DeepSpeed 0.19.8 refus
 SHORT = ("trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=8", "test=false")
 
 
-def auto_keys(node, prefix=""):
-    if isinstance(node, dict):
-        return [k for name, value in node.items() for k in auto_keys(value, f"{prefix}{name}.")]
-    return [prefix.rstrip(".")] if node == "auto" else []
+from lightning_dist.deepspeed_config.resolve import _auto_keys as auto_keys  # noqa: E402
 
 
 @pytest.fixture(scope="session")

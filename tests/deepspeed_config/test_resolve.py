@@ -41,10 +41,7 @@ def facts(**changes) -> TrainingFacts:
     return dataclasses.replace(FACTS, **changes)
 
 
-def auto_keys(node, prefix=""):
-    if isinstance(node, dict):
-        return [k for name, value in node.items() for k in auto_keys(value, f"{prefix}{name}.")]
-    return [prefix.rstrip(".")] if node == "auto" else []
+from lightning_dist.deepspeed_config.resolve import _auto_keys as auto_keys  # noqa: E402
 
 
 def problems_of(config, run_facts=FACTS, options=ZeroOptions()) -> list[str]:
