@@ -17,6 +17,7 @@ import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -134,12 +135,15 @@ def _report(cfg: DictConfig, trainer: L.Trainer, metrics: dict[str, float]) -> N
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def _hydra_entry(cfg: DictConfig) -> dict[str, float]:
-    if needs_isolation(HydraConfig.get()):
-        # A sweep job: run it as a single run in a process of its own (see lightning_dist/launch/isolated_job.py).
-        return run_isolated(HydraConfig.get())
+    hydra_config = HydraConfig.get()
+    if needs_isolation(hydra_config, cfg.trainer):
+        # A sweep job with ranks: run it as a single run in a process of its own (lightning_dist/launch/).
+        return run_isolated(hydra_config)
     try:
         return train(cfg)
     except ConfigError as error:
+        if hydra_config.mode == RunMode.MULTIRUN:
+            raise  # Hydra reports the failed job and runs the others
         _exit_with(error)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import lightning as L
@@ -55,14 +56,16 @@ class DirectoryProbe(L.Callback):
 
 
 class CommandLineProbe(L.Callback):
-    """Each rank's full command line (from /proc) and the directory it writes to: `<dir>/cmdline_rank<N>.json`."""
+    """Each rank's command line (from /proc), process id, rendezvous port and output directory:
+    `<dir>/cmdline_rank<N>.json`."""
 
     def __init__(self, directory: str) -> None:
         self.directory = Path(directory)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         cmdline = [part.decode() for part in Path("/proc/self/cmdline").read_bytes().split(b"\0") if part]
-        record = {"cmdline": cmdline, "default_root_dir": str(trainer.default_root_dir), "global_rank": trainer.global_rank}
+        record = {"cmdline": cmdline, "default_root_dir": str(trainer.default_root_dir), "global_rank": trainer.global_rank,
+                  "pid": os.getpid(), "master_port": os.environ.get("MASTER_PORT")}
         self.directory.mkdir(parents=True, exist_ok=True)
         (self.directory / f"cmdline_rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
@@ -71,7 +74,5 @@ class FailAtStartOnRank(L.Callback):
     """Raises while the run is being built on the process whose LOCAL_RANK is `rank`: a rank dying at start-up."""
 
     def __init__(self, rank: int) -> None:
-        import os
-
         if os.environ.get("LOCAL_RANK", "0") == str(rank):
             raise RuntimeError(f"injected start-up failure on local rank {rank}")

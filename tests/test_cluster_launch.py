@@ -1,8 +1,12 @@
-"""Beyond one interpreter: SLURM (simulated here) and the submitit launchers' configs."""
+"""Beyond one interpreter: torchrun with two node ranks, SLURM (simulated here), the submitit launchers."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import subprocess
+import sys
 
 import lightning as L
 import pytest
@@ -11,7 +15,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from omegaconf import OmegaConf
 
 import lightning_dist  # noqa: F401  (registers the ld_* names)
-from tests.conftest import CONF_DIR
+from tests.conftest import CONF_DIR, REPO
 
 SLURM_RANK_3_OF_4 = {
     "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
@@ -72,3 +76,72 @@ def test_local_launcher_config_runs_one_task_per_job():
     launcher = resolved_launcher(cfg)
     assert launcher["_target_"] == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
     assert (launcher["nodes"], launcher["tasks_per_node"]) == (1, 1)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "deepspeed_stage_2"])
+def test_torchrun_with_two_node_ranks_on_localhost_trains_to_completion(strategy, tmp_path, deepspeed_ops):
+    run_dir, port = tmp_path / "run", free_port()
+    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+             "--master-addr", "127.0.0.1", "--master-port", str(port), str(REPO / "train.py"), f"strategy={strategy}",
+             "trainer.devices=1", "trainer.num_nodes=2", "trainer.max_steps=4", "test=false",
+             f"hydra.run.dir={run_dir}", f"hydra.job.name=node{node}",
+             "+callbacks.cmdline_probe._target_=tests.probes.CommandLineProbe", "+callbacks.cmdline_probe.directory=${paths.output_dir}"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for node in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    summary = json.loads((run_dir / "metrics.json").read_text())
+    assert (summary["world_size"], summary["train_batches_per_rank"], summary["global_step"]) == (2, [4, 4], 4)
+    # Each rank is the worker torchrun started on its node (Lightning started none): node N's train.py is rank N,
+    # and both met at the one rendezvous torchrun's agents agreed on.
+    records = [json.loads((run_dir / f"cmdline_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [(r["cmdline"][2], r["cmdline"][-3]) for r in records] == [(str(REPO / "train.py"), f"hydra.job.name=node{n}") for n in (0, 1)]
+    assert records[0]["master_port"] == records[1]["master_port"] and records[0]["pid"] != records[1]["pid"]
+    assert {p.name for p in run_dir.glob("node*.log")} == {"node0.log", "node1.log"}
+
+
+@pytest.mark.slow
+def test_submitit_local_launcher_runs_a_two_job_sweep(tmp_path, deepspeed_ops):
+    sweep_dir = tmp_path / "multirun"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", "PYTHONPATH": str(REPO)}
+    process = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=local", "strategy=ddp,deepspeed_stage_2",
+         "trainer.max_steps=4", "test=false", f"hydra.sweep.dir={sweep_dir}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert process.returncode == 0, process.stderr[-4000:]
+    assert "Submitit 'local' sweep output dir" in process.stdout + process.stderr
+    strategies = [json.loads((sweep_dir / job / "metrics.json").read_text())["strategy"] for job in ("0", "1")]
+    assert strategies == ["DDPStrategy", "DeepSpeedStrategy"]
+    for job in ("0", "1"):
+        summary = json.loads((sweep_dir / job / "metrics.json").read_text())
+        assert (summary["world_size"], summary["train_batches_per_rank"]) == (2, [4, 4])
+    assert len(list((sweep_dir / ".submitit").glob("*/*_result.pkl"))) == 2  # submitit ran both jobs and kept results
+
+
+@pytest.mark.parametrize(("devices", "num_nodes", "isolated"), [
+    (2, 1, True), ("auto", 1, True), (-1, 1, True), (1, 2, True), ([0, 1], 1, True),
+    (1, 1, False), ("1", 1, False), ([0], 1, False),
+])
+def test_a_sweep_job_gets_its_own_process_when_lightning_would_start_ranks(devices, num_nodes, isolated):
+    from types import SimpleNamespace
+
+    from hydra.types import RunMode
+
+    from lightning_dist.launch import needs_isolation
+
+    trainer = {"devices": devices, "num_nodes": num_nodes}
+    assert needs_isolation(SimpleNamespace(mode=RunMode.MULTIRUN), trainer) is isolated
+    assert needs_isolation(SimpleNamespace(mode=RunMode.RUN), trainer) is False

@@ -127,3 +127,17 @@ def test_in_a_sweep_the_failing_job_is_reported_and_the_others_run(tmp_path):
     assert "job 0 (strategy=ddp" in process.stderr and "exited with code" in process.stderr
     assert not (sweep_dir / "0" / "metrics.json").exists()
     assert json.loads((sweep_dir / "1" / "metrics.json").read_text())["global_step"] == 4
+
+
+def test_three_one_process_jobs_run_back_to_back_in_the_sweeps_interpreter(tmp_path, deepspeed_ops):
+    sweep_dir = tmp_path / "multirun"
+    process = train("-m", "strategy=ddp,fsdp,deepspeed_stage_2", "trainer.devices=1", "trainer.max_steps=3", "test=false",
+                    *PROBE, f"hydra.sweep.dir={sweep_dir}")
+    assert process.returncode == 0, process.stderr[-4000:]
+    records = [json.loads((job / "cmdline_rank0.json").read_text()) for job in job_dirs(sweep_dir)]
+    assert len(records) == 3
+    # Hydra's basic launcher ran all three in one interpreter: the sweep's own, started with -m.
+    assert len({r["pid"] for r in records}) == 1 and "-m" in records[0]["cmdline"]
+    assert len({r["master_port"] for r in records}) == 3  # a fresh port each time, after the last group was destroyed
+    for job in job_dirs(sweep_dir):
+        assert json.loads((job / "metrics.json").read_text())["global_step"] == 3

@@ -6,6 +6,9 @@ re-runs the whole sweep into a directory of its own; a rank that dies takes the 
 observer kills rank 0); the next job inherits the port and the process group. Running the job as
 `python run_job.py <the job's own overrides> hydra.run.dir=<the job's directory>` gives its ranks a
 clean command line and one directory, and gives the job a process whose exit code is its result.
+
+A job of one process (one device, one node) starts no ranks: it runs in the sweep's interpreter, as Hydra's basic
+launcher intends, and `train()` leaves no process group or port behind for the next job.
 """
 
 from __future__ import annotations
@@ -31,11 +34,19 @@ class JobFailed(RuntimeError):
     """A sweep job whose process exited non-zero; Hydra records it and runs the remaining jobs."""
 
 
-def needs_isolation(hydra_config: Any) -> bool:
-    """In a sweep, unless a cluster (SLURM tasks, torchrun) has already started one process per rank."""
-    if hydra_config.mode != RunMode.MULTIRUN:
+def needs_isolation(hydra_config: Any, trainer_config: Any) -> bool:
+    """A sweep job that Lightning would start ranks for, unless a cluster (SLURM tasks, torchrun) started them."""
+    if hydra_config.mode != RunMode.MULTIRUN or SLURMEnvironment.detect() or TorchElasticEnvironment.detect():
         return False
-    return not (SLURMEnvironment.detect() or TorchElasticEnvironment.detect())
+    return not _one_process(trainer_config.get("devices"), trainer_config.get("num_nodes", 1))
+
+
+def _one_process(devices: Any, num_nodes: Any) -> bool:
+    if str(num_nodes) != "1":
+        return False
+    if not isinstance(devices, (str, int)) and hasattr(devices, "__len__"):
+        return len(devices) == 1  # explicit device ids: [0]
+    return str(devices).strip() in ("1", "0,")  # "auto" and -1 may mean several: isolate
 
 
 def job_command(hydra_config: Any) -> list[str]:
