@@ -21,12 +21,15 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from lightning_dist.callbacks import NonFiniteError
 from lightning_dist.checkpoints.autoresume import newest_complete_checkpoint
 from lightning_dist.checkpoints.formats import CheckpointError, check_checkpoint_matches
 from lightning_dist.config_check import CONF_DIR, ConfigError, check_overrides
 from lightning_dist.launch import needs_isolation, run_isolated
+from lightning_dist.memory import AutoFit, Choice, MemoryPlan, ModelFacts, layout_of, plan_memory
+from lightning_dist.memory.compare import compare_presets
 from lightning_dist.parallel import require_class_in_model, resolve_module_class
 from lightning_dist.precision import check_precision, device_type
 from lightning_dist.strategies.launcher import PreflightError
@@ -38,24 +41,81 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     """Instantiate data, model, strategy, callbacks, loggers and trainer; configuration mistakes -> ConfigError."""
     try:
         datamodule = _instantiate(cfg.data, "data")
-        module_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-        module_cfg.pop("block_class", None)  # describes the model's structure; not a constructor argument
-        model = _instantiate(OmegaConf.create(module_cfg), "model")
+        model = _instantiate(_module_config(cfg), "model")
         if cfg.model.get("block_class"):
-            block_class = resolve_module_class(cfg.model.block_class, "model.block_class")
-            require_class_in_model(model, block_class, "model.block_class")
+            require_class_in_model(model, _block_class(cfg), "model.block_class")
         if cfg.get("ckpt_path"):
             check_checkpoint_matches(cfg.ckpt_path, set(model.state_dict()))
         strategy = _instantiate(cfg.strategy, "strategy")
+        if isinstance(strategy, AutoFit):
+            strategy = _auto_fit(cfg, strategy, datamodule).strategy
         check_precision(strategy, cfg.trainer.precision, device_type(cfg.trainer.accelerator))
         callbacks = [_instantiate(c, f"callbacks.{name}") for name, c in (cfg.get("callbacks") or {}).items()]
         loggers = [_instantiate(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items()]
         trainer = _instantiate(cfg.trainer, "trainer", strategy=strategy, callbacks=callbacks, logger=loggers)
     except (InstantiationException, CheckpointError, MisconfigurationException, ValueError, TypeError) as error:
-        # Hydra wraps what a constructor raised; the constructor's own message is the one that names the key.
-        cause = error.__cause__ if isinstance(error, InstantiationException) and error.__cause__ else error
-        raise ConfigError(" ".join(str(cause).split())) from error
+        raise _config_error(error) from error
     return {"datamodule": datamodule, "model": model, "trainer": trainer}
+
+
+def _config_error(error: Exception) -> ConfigError:
+    # Hydra wraps what a constructor raised; the constructor's own message is the one that names the key.
+    cause = error.__cause__ if isinstance(error, InstantiationException) and error.__cause__ else error
+    return ConfigError(" ".join(str(cause).split()))
+
+
+def _module_config(cfg: DictConfig) -> DictConfig:
+    module_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    module_cfg.pop("block_class", None)  # describes the model's structure; not a constructor argument
+    return OmegaConf.create(module_cfg)
+
+
+def _block_class(cfg: DictConfig) -> type | None:
+    return resolve_module_class(cfg.model.block_class, "model.block_class") if cfg.model.get("block_class") else None
+
+
+def _model_facts(cfg: DictConfig, datamodule: Any) -> ModelFacts:
+    """The model built on the meta device, its activations traced with one real training batch's shapes."""
+    datamodule.setup("fit")
+    batch = next(iter(datamodule.train_dataloader()))
+    return ModelFacts.of(lambda: instantiate(_module_config(cfg), _convert_="all"), batch, _block_class(cfg))
+
+
+def _device_count(cfg: DictConfig) -> tuple[int, int]:
+    devices, num_nodes = cfg.trainer.devices, cfg.trainer.get("num_nodes", 1)
+    if isinstance(devices, (list, ListConfig)):
+        return len(devices), int(num_nodes)
+    try:
+        return int(devices), int(num_nodes)
+    except ValueError:
+        raise ConfigError(f"trainer.devices={devices}: planning memory needs a number of devices; set trainer.devices=N") from None
+
+
+def _auto_fit(cfg: DictConfig, auto_fit: AutoFit, datamodule: Any) -> Choice:
+    devices, num_nodes = _device_count(cfg)
+    return auto_fit.choose(_model_facts(cfg, datamodule), cfg.trainer.precision, devices, num_nodes, cfg.trainer.accelerator)
+
+
+def plan(cfg: DictConfig) -> MemoryPlan:
+    """`plan=true`: print the memory plan of this run and of every preset, and train nothing."""
+    try:
+        datamodule = _instantiate(cfg.data, "data")
+        strategy = _instantiate(cfg.strategy, "strategy")
+        devices, num_nodes = _device_count(cfg)
+        facts = _model_facts(cfg, datamodule)
+        name = HydraConfig.get().runtime.choices.get("strategy") or type(strategy).__name__
+        if isinstance(strategy, AutoFit):
+            choice = strategy.choose(facts, cfg.trainer.precision, devices, num_nodes, cfg.trainer.accelerator)
+            for rejected, why in choice.rejected:
+                print(f"auto_fit: not {rejected}: {why}")
+            strategy, name = choice.strategy, choice.name
+        memory_plan = plan_memory(facts, layout_of(strategy, name), cfg.trainer.precision, devices=devices, num_nodes=num_nodes)
+    except (InstantiationException, ValueError, TypeError) as error:
+        raise _config_error(error) from error
+    print(memory_plan.table())
+    print()
+    print(compare_presets(facts, cfg.trainer.precision, devices, num_nodes))
+    return memory_plan
 
 
 def _instantiate(node: DictConfig, key: str, **runtime_objects: Any) -> Any:
@@ -122,7 +182,8 @@ def _checkpoint_to_resume(cfg: DictConfig) -> str | None:
 
 
 def _metrics(trainer: L.Trainer) -> dict[str, float]:
-    return {name: float(value) for name, value in trainer.callback_metrics.items()}
+    # The training monitor's per-step readings are in the logs; the final metrics are the model's.
+    return {name: float(value) for name, value in trainer.callback_metrics.items() if not name.startswith("monitor/")}
 
 
 def _report(cfg: DictConfig, trainer: L.Trainer, metrics: dict[str, float]) -> None:
@@ -140,16 +201,19 @@ def _hydra_entry(cfg: DictConfig) -> dict[str, float]:
         # A sweep job with ranks: run it as a single run in a process of its own (lightning_dist/launch/).
         return run_isolated(hydra_config)
     try:
+        if cfg.get("plan"):
+            plan(cfg)
+            return {}
         return train(cfg)
-    except ConfigError as error:
+    except (ConfigError, NonFiniteError) as error:
         if hydra_config.mode == RunMode.MULTIRUN:
             raise  # Hydra reports the failed job and runs the others
-        _exit_with(error)
+        _exit_with(error, code=2 if isinstance(error, ConfigError) else 1)
 
 
-def _exit_with(error: ConfigError) -> None:
+def _exit_with(error: Exception, code: int = 2) -> None:
     print(f"error: {error}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
 
 
 def main() -> None:

@@ -76,3 +76,33 @@ class FailAtStartOnRank(L.Callback):
     def __init__(self, rank: int) -> None:
         if os.environ.get("LOCAL_RANK", "0") == str(rank):
             raise RuntimeError(f"injected start-up failure on local rank {rank}")
+
+
+class InjectNaN(L.Callback):
+    """Makes `module`'s output NaN in the training step at `global_step`, on the rank whose global rank is `rank`."""
+
+    def __init__(self, module: str, global_step: int, rank: int = 0) -> None:
+        self.module, self.global_step, self.rank = module, global_step, rank
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        def poison(module, args, output):
+            if pl_module.training and trainer.global_step == self.global_step and trainer.global_rank == self.rank:
+                return output * float("nan")
+            return output
+
+        # Prepended, so that the monitor's own check of this module's output sees the NaN.
+        pl_module.get_submodule(self.module).register_forward_hook(poison, prepend=True)
+
+
+class Zero3TraceProbe(L.Callback):
+    """Whether ZeRO-3's prefetch trace is complete after each step: `<dir>/zero3_trace_rank<N>.json`."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory, self.complete = Path(directory), []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        offload = trainer.strategy.deepspeed_engine.optimizer.parameter_offload
+        self.complete.append(offload.get_param_coordinator().is_complete_trace())
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        (self.directory / f"zero3_trace_rank{trainer.global_rank}.json").write_text(json.dumps(self.complete))

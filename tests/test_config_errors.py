@@ -21,12 +21,12 @@ def error_of(overrides: list[str]) -> str:
 
 
 def test_unknown_strategy_lists_every_option():
-    options = ", ".join(sorted([*PRESET_NAMES, "deepspeed"]))
+    options = ", ".join(sorted([*PRESET_NAMES, "auto_fit", "deepspeed"]))
     assert error_of(["strategy=fsdp_zero9"]) == f"strategy=fsdp_zero9: no such option; choose one of: {options}"
 
 
 def test_unknown_option_inside_a_sweep():
-    assert error_of(["strategy=ddp,fdsp"]).startswith("strategy=fdsp: no such option; choose one of: ddp, deepspeed,")
+    assert error_of(["strategy=ddp,fdsp"]).startswith("strategy=fdsp: no such option; choose one of: auto_fit, ddp, deepspeed,")
 
 
 def test_misspelled_key_suggests_the_real_one():

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -19,7 +20,8 @@ def run_script(*args: str, expect_returncode: int = 0) -> list[dict] | str:
     with tempfile.TemporaryDirectory() as out_dir:
         process = subprocess.run(
             [sys.executable, str(REPO / "tests" / "plain_trainer_script.py"), out_dir, *args],
-            cwd=REPO, capture_output=True, text=True, timeout=600,
+            # Run where a user's script would: Lightning writes what it writes into the working directory.
+            cwd=out_dir, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600,
         )
         assert process.returncode == expect_returncode, process.stderr[-4000:]
         if expect_returncode:

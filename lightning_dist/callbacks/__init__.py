@@ -1,4 +1,5 @@
 from lightning_dist.callbacks.run_summary import RunSummary
+from lightning_dist.callbacks.training_monitor import NonFiniteError, TrainingMonitor
 from lightning_dist.callbacks.validate_at_max_steps import ValidateAtMaxSteps
 
-__all__ = ["RunSummary", "ValidateAtMaxSteps"]
+__all__ = ["NonFiniteError", "RunSummary", "TrainingMonitor", "ValidateAtMaxSteps"]

@@ -12,6 +12,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from lightning_dist.memory.measure import model_state_bytes
 from lightning_dist.parallel.placement import offload_targets, placement_report
 
 
@@ -41,7 +42,13 @@ class RunSummary(L.Callback):
         if self.batches_on_this_rank == 1:  # optimizer state exists from the first step on
             report = placement_report(pl_module, trainer.optimizers)
             report["offload"] = offload_targets(trainer.strategy.model)
-            self.summary["placement_per_rank"] = _gather_objects(report)
+            self.summary["placement_per_rank"] = gather_objects(report)
+
+    @override
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        # The second step is the first with gradients and optimizer state both alive: the model state's peak.
+        if self.batches_on_this_rank == 1 and "model_state_bytes_per_rank" not in self.summary:
+            self.summary["model_state_bytes_per_rank"] = gather_objects(model_state_bytes(pl_module, trainer.optimizers))
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -55,7 +62,7 @@ class RunSummary(L.Callback):
             best_checkpoint=_checkpoint_path(trainer, "best_model_path"),
             last_checkpoint=_checkpoint_path(trainer, "last_model_path"),
             **self._speed(trainer.world_size),
-            peak_memory_per_rank=_gather_objects(peak_memory(trainer.strategy.root_device)),
+            peak_memory_per_rank=gather_objects(peak_memory(trainer.strategy.root_device)),
         )
         self._update_metrics(trainer)
 
@@ -92,7 +99,7 @@ def peak_memory(device: torch.device) -> dict:
     return {"kind": "process_peak_rss", "bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def _gather_objects(obj: object) -> list:
+def gather_objects(obj: object) -> list:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return [obj]
     gathered = [None] * torch.distributed.get_world_size()

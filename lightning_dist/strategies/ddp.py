@@ -14,11 +14,17 @@ from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer
 class DDPStrategy(_LightningDDPStrategy):
     """Data-parallel training; registered as `ld_ddp` so it sits beside our FSDP and DeepSpeed presets.
 
-    Lightning's DDP already runs on CPU. What this adds: it resumes from FSDP and DeepSpeed checkpoint directories
-    too (consolidated on load, Adam state included), at any world size.
+    Lightning's DDP already runs on CPU. What this adds: gradients that live in DDP's buckets (one copy, not two),
+    and resuming from FSDP and DeepSpeed checkpoint directories too (consolidated on load, Adam state included),
+    at any world size.
     """
 
     strategy_name = "ld_ddp"
+
+    def __init__(self, *args: Any, gradient_as_bucket_view: bool = True, **kwargs: Any) -> None:
+        # Gradients as views of DDP's all-reduce buckets: without it every rank holds each gradient twice (in
+        # the parameter's .grad and in a bucket) and copies between them on every step.
+        super().__init__(*args, gradient_as_bucket_view=gradient_as_bucket_view, **kwargs)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

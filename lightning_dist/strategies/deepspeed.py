@@ -26,6 +26,7 @@ from lightning_dist.deepspeed_config import (
     write_effective_config,
 )
 from lightning_dist.deepspeed_config.preflight import check_offload_ready
+from lightning_dist.parallel.zero3_trace import restart_trace_at_outermost_forward
 from lightning_dist.strategies.launcher import PreflightLauncher
 
 ZERO_STAGES = (1, 2, 3)
@@ -174,6 +175,11 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
         if self.is_global_zero:
             path = write_effective_config(self.config, module.trainer.default_root_dir)
             rank_zero_info(f"DeepSpeed config in effect: {path}")
+
+    @override
+    def init_deepspeed(self) -> None:
+        super().init_deepspeed()
+        restart_trace_at_outermost_forward(self.deepspeed_engine)  # ZeRO-3 prefetch under forward redirection
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

@@ -1,0 +1,102 @@
+"""Pick the least-sharded strategy whose plan fits the devices, and say why each cheaper one did not.
+
+Less sharding means less communication, so the ladder is climbed from the bottom: DDP, then sharded gradients
+(ZeRO-2 / FSDP SHARD_GRAD_OP), then everything sharded (ZeRO-3 / FSDP FULL_SHARD), then CPU offload, then NVMe.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from lightning.pytorch.strategies import Strategy
+
+from lightning_dist.memory.layout import layout_of
+from lightning_dist.memory.model_facts import ModelFacts
+from lightning_dist.memory.planner import GB, MemoryPlan, plan_memory
+
+log = logging.getLogger(__name__)
+
+LADDERS = {
+    "deepspeed": ("ddp", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme"),
+    "fsdp": ("ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_cpu_offload", "deepspeed_stage_3_offload_nvme"),
+}
+
+
+class NothingFits(ValueError):
+    """Not even the last rung fits; the message lists every rung's shortfall."""
+
+
+@dataclass
+class Choice:
+    name: str
+    strategy: Strategy
+    plan: MemoryPlan
+    rejected: list[tuple[str, str]]  # (preset, why it does not fit)
+
+
+@dataclass
+class AutoFit:
+    """`strategy=auto_fit`: a placeholder the run replaces with the chosen preset once the model is known.
+
+    device_memory_gb: memory of one device; None reads it (CUDA device 0, or host memory / devices on CPU).
+    host_memory_gb: host memory of one node, for offload; None reads this machine's.
+    headroom: the fraction of memory a plan may use (fragmentation, allocator caches, the framework itself).
+    """
+
+    device_memory_gb: float | None = None
+    host_memory_gb: float | None = None
+    headroom: float = 0.85
+    family: str = "deepspeed"
+    nvme_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.family not in LADDERS:
+            raise ValueError(f"strategy.family: {self.family!r} is not a ladder; choose one of {', '.join(LADDERS)}")
+        if not 0 < self.headroom <= 1:
+            raise ValueError(f"strategy.headroom: {self.headroom} must be in (0, 1]")
+
+    def choose(self, facts: ModelFacts, precision: str, devices: int, num_nodes: int = 1, accelerator: str = "cpu") -> Choice:
+        from lightning_dist.strategies.presets import PRESETS
+
+        device_budget = self.headroom * (self.device_memory_gb * GB if self.device_memory_gb else _device_memory(accelerator, devices))
+        host_budget = self.headroom * (self.host_memory_gb * GB if self.host_memory_gb else _host_memory())
+        rejected: list[tuple[str, str]] = []
+        for name in LADDERS[self.family]:
+            preset = PRESETS[name]
+            kwargs = dict(preset.kwargs)
+            if "nvme_path" in kwargs:
+                if not self.nvme_path:
+                    rejected.append((name, "no strategy.nvme_path to offload to"))
+                    continue
+                kwargs["nvme_path"] = self.nvme_path
+            strategy = preset.strategy(**kwargs)
+            plan = plan_memory(facts, layout_of(strategy, name), precision, devices=devices, num_nodes=num_nodes)
+            why = _shortfall(plan, device_budget, host_budget)
+            if why is None:
+                for cheaper, reason in rejected:
+                    log.info(f"auto_fit: not {cheaper}: {reason}")
+                log.info(f"auto_fit: chose {name}: {plan.device_total / GB:.2f} GB per device of {device_budget / GB:.2f} GB usable")
+                return Choice(name, strategy, plan, rejected)
+            rejected.append((name, why))
+        raise NothingFits("strategy=auto_fit: nothing fits: " + " | ".join(f"{n}: {why}" for n, why in rejected))
+
+
+def _shortfall(plan: MemoryPlan, device_budget: float, host_budget: float) -> str | None:
+    if plan.device_total > device_budget:
+        return f"needs {plan.device_total / GB:.2f} GB per device, {device_budget / GB:.2f} GB usable"
+    if plan.host_total > host_budget:
+        return f"needs {plan.host_total / GB:.2f} GB of host memory per node, {host_budget / GB:.2f} GB usable"
+    return None
+
+
+def _device_memory(accelerator: str, devices: int) -> float:
+    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    return _host_memory() / devices  # CPU ranks share the host
+
+
+def _host_memory() -> float:
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

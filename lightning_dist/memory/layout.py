@@ -1,0 +1,66 @@
+"""What a strategy does with model state, as the planner needs it: what is sharded, what is offloaded where.
+
+Read from a strategy object (ours, as `L.Trainer` or Hydra made it), so the plan describes the run that would
+start, including a DeepSpeed config file's own stage, offload and bucket size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# DeepSpeed's own default when a config leaves the bucket size out.
+_DEEPSPEED_REDUCE_BUCKET = 500_000_000
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    engine: str                        # "torch" (DDP, FSDP) or "deepspeed": they keep different copies
+    shard_parameters: bool = False
+    shard_gradients: bool = False
+    shard_optimizer: bool = False
+    keep_gathered: bool = False        # gathered parameters held from forward to backward (SHARD_GRAD_OP)
+    offload_optimizer: str | None = None   # "cpu" or "nvme": optimizer state (and gradient partitions) live there
+    offload_parameters: str | None = None
+    activation_checkpointing: bool = False
+    reduce_bucket_elements: int = 0    # a gradient bucket allocated up front on the device (ZeRO-3)
+
+
+def layout_of(strategy: Any, name: str | None = None) -> Layout:
+    """The layout of one of our strategies (`lightning_dist.strategies`)."""
+    from lightning_dist.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+
+    name = name or type(strategy).__name__
+    if isinstance(strategy, DeepSpeedStrategy):
+        return _deepspeed_layout(strategy, name)
+    if isinstance(strategy, FSDPStrategy):
+        offload = "cpu" if strategy.cpu_offload else None
+        return Layout(
+            name, "torch", shard_parameters=True, shard_gradients=True, shard_optimizer=True,
+            keep_gathered=not strategy.reshard_after_forward, offload_optimizer=offload, offload_parameters=offload,
+            activation_checkpointing=strategy.activation_checkpointing,
+        )
+    if isinstance(strategy, DDPStrategy):
+        return Layout(name, "torch")
+    raise TypeError(f"strategy: cannot plan memory for {type(strategy).__name__}; plan one of lightning_dist's strategies")
+
+
+def _deepspeed_layout(strategy: Any, name: str) -> Layout:
+    zero = strategy.config.get("zero_optimization", {})
+    options = strategy.zero_options  # a preset's or the user's options, merged over a config file
+    stage = options.stage if options.stage is not None else int(zero.get("stage", 0))
+
+    def offload(option: str | None, key: str) -> str | None:
+        device = option or (zero.get(key) or {}).get("device")
+        return device if device in ("cpu", "nvme") else None
+
+    contiguous = zero.get("contiguous_gradients", True)
+    bucket = zero.get("reduce_bucket_size", _DEEPSPEED_REDUCE_BUCKET)
+    return Layout(
+        name, "deepspeed", shard_parameters=stage >= 3, shard_gradients=stage >= 2, shard_optimizer=stage >= 1,
+        offload_optimizer=offload(options.offload_optimizer, "offload_optimizer"),
+        offload_parameters=offload(options.offload_parameters, "offload_param") if stage >= 3 else None,
+        # ZeRO-3 allocates its gradient bucket whole when it starts; "auto" is sized from the model later.
+        reduce_bucket_elements=int(bucket) if stage >= 3 and contiguous and isinstance(bucket, (int, float)) else 0,
+    )

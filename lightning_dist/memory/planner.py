@@ -1,0 +1,127 @@
+"""How much memory a run needs, per device and per node, before it is launched.
+
+The arithmetic of ZeRO (Rajbhandari et al., 2020): mixed-precision Adam keeps per parameter 2 bytes of 16-bit
+weights, 2 of 16-bit gradients and 12 of fp32 master weights and moments; ZeRO-1 shards the 12, ZeRO-2 the
+gradients too, ZeRO-3 everything. What each engine really keeps differs by precision (`state_bytes`): DeepSpeed
+always keeps an fp32 master copy, even of fp32 weights; torch's DDP and FSDP keep fp32 weights under autocast and
+no master copy. The numbers are checked against what running ranks hold (`memory/measure.py`, tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from lightning_dist.memory.layout import Layout
+from lightning_dist.memory.model_facts import ModelFacts
+
+GB = 1e9  # decimal gigabytes, as in the ZeRO paper's and vendors' figures
+
+OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
+HALF_PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+
+class StateBytes(NamedTuple):
+    parameter: int
+    gradient: int
+    master: int       # fp32 copy the optimizer updates
+    moment: int       # per optimizer moment
+
+
+def state_bytes(engine: str, precision: str, optimizer: str = "adamw") -> tuple[StateBytes, int]:
+    """(bytes per parameter of each kind, number of optimizer moments)."""
+    if optimizer not in OPTIMIZER_MOMENTS:
+        raise ValueError(f"optimizer: {optimizer!r} is not known to the planner; choose one of {', '.join(OPTIMIZER_MOMENTS)}")
+    moments = OPTIMIZER_MOMENTS[optimizer]
+    half = precision in HALF_PRECISIONS
+    if engine == "deepspeed":
+        return (StateBytes(2, 2, 4, 4) if half else StateBytes(4, 4, 4, 4)), moments
+    if precision.endswith("-true") and half:  # the module itself in 16-bit: no fp32 copy anywhere
+        return StateBytes(2, 2, 0, 2), moments
+    return StateBytes(4, 4, 0, 4), moments  # fp32 weights; autocast computes in 16-bit
+
+
+@dataclass
+class MemoryPlan:
+    layout: Layout
+    precision: str
+    world_size: int
+    devices_per_node: int
+    device: dict[str, float] = field(default_factory=dict)   # bytes per device, by category
+    host: dict[str, float] = field(default_factory=dict)     # bytes per node in host memory (offload)
+    nvme: dict[str, float] = field(default_factory=dict)     # bytes per node on NVMe
+    activations_known: bool = True
+
+    @property
+    def model_state_per_device(self) -> float:
+        return sum(self.device.get(k, 0.0) for k in ("parameters", "gradients", "optimizer_state"))
+
+    @property
+    def device_total(self) -> float:
+        return sum(self.device.values())
+
+    @property
+    def host_total(self) -> float:
+        return sum(self.host.values())
+
+    def table(self) -> str:
+        lines = [f"Memory plan: {self.layout.name}, {self.precision}, {self.world_size} ranks "
+                 f"({self.devices_per_node} per node); GB = 1e9 bytes",
+                 "| where | category | GB |", "|---|---|---:|"]
+        for where, categories in (("per device", self.device), ("host, per node", self.host), ("NVMe, per node", self.nvme)):
+            rows = [f"| {where} | {name} | {value / GB:.3f} |" for name, value in categories.items() if value]
+            if rows:
+                lines += [*rows, f"| {where} | **total** | **{sum(categories.values()) / GB:.3f}** |"]
+        if not self.activations_known:
+            lines.append("(activations not included: no batch to trace them with)")
+        return "\n".join(lines)
+
+
+def plan_memory(
+    facts: ModelFacts,
+    layout: Layout,
+    precision: str = "32-true",
+    optimizer: str | None = None,
+    devices: int = 1,
+    num_nodes: int = 1,
+) -> MemoryPlan:
+    """The plan of one layout; `optimizer` defaults to the one the model configures."""
+    world = devices * num_nodes
+    size, moments = state_bytes(layout.engine, precision, optimizer or facts.optimizer)
+    n = facts.parameters
+
+    def shard(count: float, sharded: bool) -> float:
+        return math.ceil(count / world) if sharded else count
+
+    parameters = shard(n * size.parameter, layout.shard_parameters)
+    gradients = shard(n * size.gradient, layout.shard_gradients)
+    optimizer_state = shard(n * (size.master + moments * size.moment), layout.shard_optimizer)
+    plan = MemoryPlan(layout, precision, world, devices)
+
+    # Where each part lives: the device unless offloaded; offloaded parts add up over a node's ranks.
+    placements = (
+        ("parameters", parameters, layout.offload_parameters),
+        ("gradients", gradients, layout.offload_optimizer if layout.shard_gradients else None),
+        ("optimizer_state", optimizer_state, layout.offload_optimizer),
+    )
+    for name, value, offload in placements:
+        if offload is None:
+            plan.device[name] = value
+        else:
+            (plan.host if offload == "cpu" else plan.nvme)[name] = value * devices
+
+    compute_bytes = 2 if precision in HALF_PRECISIONS else 4
+    if layout.shard_parameters or layout.offload_parameters:
+        # Whole parameters exist only while used: one block and the next, prefetched; all of them under
+        # SHARD_GRAD_OP, which keeps them from forward to backward.
+        gathered = n if layout.keep_gathered else 2 * (facts.largest_block or n)
+        plan.device["gathered_parameters"] = min(gathered, n) * compute_bytes
+    if layout.reduce_bucket_elements:
+        plan.device["gradient_bucket"] = layout.reduce_bucket_elements * size.gradient
+    plan.device["buffers"] = facts.buffer_bytes
+    activations = facts.checkpointed_activation_bytes if layout.activation_checkpointing else facts.activation_bytes
+    plan.activations_known = activations is not None
+    # Traced in fp32; a 16-bit run saves (about) half.
+    plan.device["activations"] = (activations or 0) * compute_bytes / 4
+    return plan

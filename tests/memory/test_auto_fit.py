@@ -1,0 +1,68 @@
+"""auto_fit climbs the ladder from the least sharding and stops at the first rung that fits."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import lightning_dist  # noqa: F401
+from lightning_dist.memory import AutoFit, ModelFacts, NothingFits
+from lightning_dist.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+
+# 7B parameters in 32 blocks of 200M; one micro-batch saves 8 GB of fp32 activations (4 GB in bf16).
+SEVEN_B = ModelFacts(parameters=7_000_000_000, largest_block=200_000_000, activation_bytes=8_000_000_000,
+                     checkpointed_activation_bytes=2_000_000_000)
+TINY = ModelFacts(parameters=842_496, largest_block=198_272, activation_bytes=88_261_636)
+
+
+@pytest.mark.parametrize(("facts", "fit", "chosen", "rejected"), [
+    (TINY, AutoFit(device_memory_gb=1), "ddp", []),
+    (SEVEN_B, AutoFit(device_memory_gb=80), "deepspeed_stage_2", ["ddp"]),
+    (SEVEN_B, AutoFit(device_memory_gb=40), "deepspeed_stage_3", ["ddp", "deepspeed_stage_2"]),
+    (SEVEN_B, AutoFit(device_memory_gb=24, host_memory_gb=512), "deepspeed_stage_3_offload",
+     ["ddp", "deepspeed_stage_2", "deepspeed_stage_3"]),
+    (SEVEN_B, AutoFit(device_memory_gb=24, host_memory_gb=64, nvme_path="/local_nvme"), "deepspeed_stage_3_offload_nvme",
+     ["ddp", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload"]),
+    (SEVEN_B, AutoFit(device_memory_gb=80, family="fsdp"), "fsdp_shard_grad_op", ["ddp"]),
+    (SEVEN_B, AutoFit(device_memory_gb=40, family="fsdp"), "fsdp", ["ddp", "fsdp_shard_grad_op"]),
+])
+def test_auto_fit_picks_the_least_sharded_strategy_that_fits(facts, fit, chosen, rejected, caplog):
+    devices = 2 if facts is TINY else 4
+    with caplog.at_level(logging.INFO, logger="lightning_dist.memory.auto_fit"):
+        choice = fit.choose(facts, "bf16-mixed" if facts is SEVEN_B else "32-true", devices)
+    assert choice.name == chosen
+    assert [name for name, _ in choice.rejected] == rejected
+    expected_class = DDPStrategy if chosen == "ddp" else FSDPStrategy if chosen.startswith("fsdp") else DeepSpeedStrategy
+    assert isinstance(choice.strategy, expected_class)
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged[-1].startswith(f"auto_fit: chose {chosen}: ")
+    assert [line.split(":")[1].strip() for line in logged[:-1]] == [f"not {name}" for name in rejected]
+
+
+def test_rejections_say_what_was_needed_and_what_was_usable():
+    choice = AutoFit(device_memory_gb=40).choose(SEVEN_B, "bf16-mixed", 4)
+    assert dict(choice.rejected) == {
+        "ddp": "needs 116.00 GB per device, 34.00 GB usable",
+        "deepspeed_stage_2": "needs 42.50 GB per device, 34.00 GB usable",
+    }
+    assert choice.strategy.config["zero_optimization"]["stage"] == 3
+
+
+def test_when_nothing_fits_every_rung_is_named():
+    with pytest.raises(NothingFits) as error:
+        AutoFit(device_memory_gb=24, host_memory_gb=64).choose(SEVEN_B, "bf16-mixed", 4)
+    message = str(error.value)
+    assert message.startswith("strategy=auto_fit: nothing fits: ddp: needs")
+    assert "deepspeed_stage_3_offload: needs 112.00 GB of host memory per node, 54.40 GB usable" in message
+    assert message.endswith("deepspeed_stage_3_offload_nvme: no strategy.nvme_path to offload to")
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    ({"family": "megatron"}, "strategy.family: 'megatron' is not a ladder; choose one of deepspeed, fsdp"),
+    ({"headroom": 1.5}, "strategy.headroom: 1.5 must be in (0, 1]"),
+])
+def test_bad_options_are_named(option, message):
+    with pytest.raises(ValueError, match=None) as error:
+        AutoFit(**option)
+    assert str(error.value) == message

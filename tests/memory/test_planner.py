@@ -1,0 +1,80 @@
+"""The planner's arithmetic, on the canonical example and on models built on the meta device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightning_dist  # noqa: F401
+from lightning_dist.memory import GB, ModelFacts, layout_of, plan_memory
+from lightning_dist.models.gpt import GPTLanguageModel, TransformerBlock
+from lightning_dist.strategies.presets import PRESETS
+
+
+def preset_plan(name: str, facts: ModelFacts, precision: str = "bf16-mixed", devices: int = 4, num_nodes: int = 1):
+    preset = PRESETS[name]
+    return plan_memory(facts, layout_of(preset.strategy(**preset.kwargs), name), precision, devices=devices, num_nodes=num_nodes)
+
+
+@pytest.mark.parametrize(("name", "gigabytes"), [
+    ("ddp", 112.0),                # 16 bytes per parameter: fp32 weights and gradients under autocast, Adam's moments
+    ("deepspeed_stage_1", 49.0),   # 2 + 2 + 12/4
+    ("deepspeed_stage_2", 38.5),   # 2 + (2 + 12)/4
+    ("deepspeed_stage_3", 28.0),   # 16/4
+    ("fsdp", 28.0),                # (4 + 4 + 8)/4: fp32 shards, no separate master copy
+])
+def test_canonical_7b_mixed_precision_adam_on_4_devices(name, gigabytes):
+    plan = preset_plan(name, ModelFacts(parameters=7_000_000_000))
+    assert plan.model_state_per_device / GB == pytest.approx(gigabytes)
+
+
+def test_categories_and_offload_destinations():
+    facts = ModelFacts(parameters=7_000_000_000, largest_block=200_000_000)
+    stage_2 = preset_plan("deepspeed_stage_2", facts)
+    assert {k: v / GB for k, v in stage_2.device.items() if v} == {"parameters": 14.0, "gradients": 3.5, "optimizer_state": 21.0}
+    offload = preset_plan("deepspeed_stage_3_offload", facts, num_nodes=2)
+    # Everything sharded over 8 ranks, then moved to the host: 4 ranks of each node add up there.
+    assert {k: v / GB for k, v in offload.host.items()} == {"parameters": 7.0, "gradients": 7.0, "optimizer_state": 42.0}
+    assert offload.model_state_per_device == 0
+    assert offload.device["gathered_parameters"] / GB == pytest.approx(0.8)  # a block and the next, in bf16
+    nvme = preset_plan("deepspeed_stage_3_offload_nvme", facts)
+    assert nvme.host == {} and sum(nvme.nvme.values()) / GB == pytest.approx(112.0)
+
+
+def test_precision_changes_what_each_engine_keeps():
+    facts = ModelFacts(parameters=1_000_000_000)
+    per_parameter = {
+        (name, precision): preset_plan(name, facts, precision, devices=1).model_state_per_device / 1e9
+        for name in ("ddp", "deepspeed_stage_2") for precision in ("32-true", "bf16-mixed", "bf16-true")
+    }
+    assert per_parameter == {
+        ("ddp", "32-true"): 16, ("ddp", "bf16-mixed"): 16, ("ddp", "bf16-true"): 8,
+        # DeepSpeed keeps an fp32 master copy even of fp32 weights.
+        ("deepspeed_stage_2", "32-true"): 20, ("deepspeed_stage_2", "bf16-mixed"): 16, ("deepspeed_stage_2", "bf16-true"): 16,
+    }
+
+
+def test_model_facts_come_from_the_meta_device_and_a_traced_step():
+    batch = (torch.zeros(16, 128, dtype=torch.long), torch.zeros(16, 128, dtype=torch.long))
+    facts = ModelFacts.of(GPTLanguageModel, batch, TransformerBlock)
+    real = GPTLanguageModel()
+    assert facts.parameters == sum(p.numel() for p in real.parameters()) == 842_496  # tied head counted once
+    assert facts.largest_block == sum(p.numel() for p in real.model.blocks[0].parameters())
+    assert facts.optimizer == "adamw"
+    assert ModelFacts.of(lambda: GPTLanguageModel(optimizer="sgd")).optimizer == "sgd"
+    # Checkpointing keeps block inputs (4 x 16 x 128 x 128 floats) instead of what each block saves inside.
+    assert 0 < facts.checkpointed_activation_bytes < facts.activation_bytes / 2
+    assert facts.activation_bytes > 16 * 128 * 256 * 4  # at least the logits
+
+
+def test_zero_3_counts_its_gradient_bucket():
+    plan = preset_plan("deepspeed_stage_3", ModelFacts(parameters=1_000_000), "32-true", devices=2)
+    assert plan.device["gradient_bucket"] == 200_000_000 * 4  # allocated whole at start-up: Lightning's 2e8 elements
+
+
+def test_activation_checkpointing_shrinks_activations_in_the_plan():
+    batch = (torch.zeros(8, 128, dtype=torch.long), torch.zeros(8, 128, dtype=torch.long))
+    facts = ModelFacts.of(GPTLanguageModel, batch, TransformerBlock)
+    plain, checkpointed = (preset_plan(n, facts, "32-true", devices=2) for n in ("fsdp", "fsdp_activation_checkpointing"))
+    assert plain.device["activations"] == facts.activation_bytes
+    assert checkpointed.device["activations"] == facts.checkpointed_activation_bytes

@@ -1,0 +1,41 @@
+"""The training monitor: what it logs every step, and a NaN that stops the run at the step where it appeared."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_train
+
+pytestmark = pytest.mark.slow
+
+SHORT = ("trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=10", "test=false", "trainer.log_every_n_steps=1")
+INJECT = ("+callbacks.nan._target_=tests.probes.InjectNaN", "+callbacks.nan.module=model.blocks.1.mlp",
+          "+callbacks.nan.global_step=6", "+callbacks.nan.rank=1")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "deepspeed_stage_2"])
+def test_a_nan_stops_the_run_at_its_step_naming_the_rank_and_the_module(strategy, tmp_path, deepspeed_ops):
+    run = run_train(tmp_path, f"strategy={strategy}", *SHORT, *INJECT, "callbacks.training_monitor.locate_module=true")
+    assert run.process.returncode == 1
+    # Every rank says the same (both write to one stderr): the step, the rank, the losses, where the NaN appeared.
+    expected = ("nan) at global step 6 on rank(s) 1; first module with a non-finite output: "
+                "model.blocks.1.mlp (Sequential) on rank 1")
+    assert run.process.stderr.count("error: non-finite loss (by rank: ") == 2
+    assert run.process.stderr.count(expected) == 2, run.process.stderr[-3000:]
+    # Stopped before the NaN reached the weights: six steps logged, each with a finite loss and gradient norm.
+    rows = [row for row in run.csv_rows() if row.get("train_loss")]
+    assert [int(row["step"]) for row in rows][-1] == 5
+    assert all(float(row["monitor/grad_norm"]) < 100 for row in rows if row.get("monitor/grad_norm"))
+
+
+def test_the_monitor_logs_speed_memory_and_gradient_norm_every_step(trained_runs):
+    run = trained_runs("fsdp")  # FSDP2's gradients are sharded DTensors: the norm is reduced across ranks
+    rows = [row for row in run.csv_rows() if row.get("monitor/step_time_s")]
+    assert len(rows) == 20 // 5  # logged at the trainer's log_every_n_steps=5
+    for row in rows:
+        step_time = float(row["monitor/step_time_s"])
+        assert 0 < step_time < 60
+        assert float(row["monitor/samples_per_s"]) == pytest.approx(2 * 16 / step_time, rel=1e-4)
+        assert float(row["monitor/tokens_per_s"]) == pytest.approx(float(row["monitor/samples_per_s"]) * 128, rel=1e-4)
+        assert 0.1 < float(row["monitor/peak_memory_gb"]) < 8
+        assert 0 < float(row["monitor/grad_norm"]) < 100
