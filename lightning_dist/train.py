@@ -48,10 +48,11 @@ def build(cfg: DictConfig) -> dict[str, Any]:
             check_checkpoint_matches(cfg.ckpt_path, set(model.state_dict()))
         strategy = _instantiate(cfg.strategy, "strategy")
         if isinstance(strategy, AutoFit):
-            strategy = _auto_fit(cfg, strategy, datamodule).strategy
+            strategy = _auto_fit(cfg, strategy, _model_facts(cfg, datamodule)).strategy
         check_precision(strategy, cfg.trainer.precision, device_type(cfg.trainer.accelerator))
-        callbacks = [_instantiate(c, f"callbacks.{name}") for name, c in (cfg.get("callbacks") or {}).items()]
-        loggers = [_instantiate(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items()]
+        # `callbacks.<name>=null` switches one off.
+        callbacks = [_instantiate(c, f"callbacks.{name}") for name, c in (cfg.get("callbacks") or {}).items() if c is not None]
+        loggers = [_instantiate(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items() if c is not None]
         trainer = _instantiate(cfg.trainer, "trainer", strategy=strategy, callbacks=callbacks, logger=loggers)
     except (InstantiationException, CheckpointError, MisconfigurationException, ValueError, TypeError) as error:
         raise _config_error(error) from error
@@ -91,9 +92,9 @@ def _device_count(cfg: DictConfig) -> tuple[int, int]:
         raise ConfigError(f"trainer.devices={devices}: planning memory needs a number of devices; set trainer.devices=N") from None
 
 
-def _auto_fit(cfg: DictConfig, auto_fit: AutoFit, datamodule: Any) -> Choice:
+def _auto_fit(cfg: DictConfig, auto_fit: AutoFit, facts: ModelFacts) -> Choice:
     devices, num_nodes = _device_count(cfg)
-    return auto_fit.choose(_model_facts(cfg, datamodule), cfg.trainer.precision, devices, num_nodes, cfg.trainer.accelerator)
+    return auto_fit.choose(facts, cfg.trainer.precision, devices, num_nodes, cfg.trainer.accelerator)  # logs why
 
 
 def plan(cfg: DictConfig) -> MemoryPlan:
@@ -105,9 +106,7 @@ def plan(cfg: DictConfig) -> MemoryPlan:
         facts = _model_facts(cfg, datamodule)
         name = HydraConfig.get().runtime.choices.get("strategy") or type(strategy).__name__
         if isinstance(strategy, AutoFit):
-            choice = strategy.choose(facts, cfg.trainer.precision, devices, num_nodes, cfg.trainer.accelerator)
-            for rejected, why in choice.rejected:
-                print(f"auto_fit: not {rejected}: {why}")
+            choice = _auto_fit(cfg, strategy, facts)
             strategy, name = choice.strategy, choice.name
         memory_plan = plan_memory(facts, layout_of(strategy, name), cfg.trainer.precision, devices=devices, num_nodes=num_nodes)
     except (InstantiationException, ValueError, TypeError) as error:

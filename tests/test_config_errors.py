@@ -101,3 +101,17 @@ def test_command_line_prints_one_error_line_and_exits_2_without_spawning(overrid
     assert "Initializing distributed" not in process.stdout + process.stderr
     assert not (tmp_path / "train_ddp_process_1.log").exists()
     assert time.monotonic() - started < 60
+
+
+def test_a_callback_or_logger_set_to_null_is_switched_off(tmp_path):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["callbacks.run_summary=null", "logger.csv=null", "trainer.devices=1",
+                                          f"hydra.run.dir={tmp_path}"], return_hydra_config=True)
+    from hydra.core.hydra_config import HydraConfig
+
+    HydraConfig.instance().set_config(cfg)
+    cfg.paths.output_dir = str(tmp_path)
+    trainer = build(cfg)["trainer"]
+    names = {type(c).__name__ for c in trainer.callbacks}
+    assert "RunSummary" not in names and {"TrainingMonitor", "ModelCheckpoint"} <= names
+    assert trainer.loggers == []

@@ -18,12 +18,14 @@ from lightning_dist.parallel.placement import offload_targets, placement_report
 
 class RunSummary(L.Callback):
     """Records the strategy, world size, steps, batches trained on each rank, where each rank's parameters and
-    optimizer state were after the first step (evidence of sharding and offload), speed (median step time,
+    optimizer state were after the first step (evidence of sharding and offload), the model state each rank held at
+    the third step (`memory/measure.py`: what the memory planner is checked against), speed (median step time,
     samples and tokens per second over all ranks), peak memory per rank, and the final metrics."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.batches_on_this_rank = 0
+        self.optimizer_steps = 0
         self.step_times: list[float] = []
         self.batch_shape: tuple[int, ...] = ()
         self._step_start = 0.0
@@ -46,8 +48,10 @@ class RunSummary(L.Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
-        # The second step is the first with gradients and optimizer state both alive: the model state's peak.
-        if self.batches_on_this_rank == 1 and "model_state_bytes_per_rank" not in self.summary:
+        # Gradients and optimizer state are both alive from the second step on; by the third, ZeRO-3 has recorded
+        # its trace (after the sanity check's eval trace is dropped) and keeps its small parameters whole.
+        self.optimizer_steps += 1
+        if self.optimizer_steps == 3:
             self.summary["model_state_bytes_per_rank"] = gather_objects(model_state_bytes(pl_module, trainer.optimizers))
 
     @override

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# DeepSpeed's own default when a config leaves the bucket size out.
+# DeepSpeed's own defaults when a config leaves them out.
 _DEEPSPEED_REDUCE_BUCKET = 500_000_000
+_DEEPSPEED_PERSISTENCE_THRESHOLD = 100_000
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Layout:
     offload_parameters: str | None = None
     activation_checkpointing: bool = False
     reduce_bucket_elements: int = 0    # a gradient bucket allocated up front on the device (ZeRO-3)
+    persistence_threshold: int = 0     # ZeRO-3 keeps parameters smaller than this whole on every rank
 
 
 def layout_of(strategy: Any, name: str | None = None) -> Layout:
@@ -57,10 +59,12 @@ def _deepspeed_layout(strategy: Any, name: str) -> Layout:
 
     contiguous = zero.get("contiguous_gradients", True)
     bucket = zero.get("reduce_bucket_size", _DEEPSPEED_REDUCE_BUCKET)
+    persistence = zero.get("stage3_param_persistence_threshold", _DEEPSPEED_PERSISTENCE_THRESHOLD)
     return Layout(
         name, "deepspeed", shard_parameters=stage >= 3, shard_gradients=stage >= 2, shard_optimizer=stage >= 1,
         offload_optimizer=offload(options.offload_optimizer, "offload_optimizer"),
         offload_parameters=offload(options.offload_parameters, "offload_param") if stage >= 3 else None,
         # ZeRO-3 allocates its gradient bucket whole when it starts; "auto" is sized from the model later.
         reduce_bucket_elements=int(bucket) if stage >= 3 and contiguous and isinstance(bucket, (int, float)) else 0,
+        persistence_threshold=int(persistence) if stage >= 3 and isinstance(persistence, (int, float)) else 0,
     )

@@ -25,6 +25,7 @@ class ModelFacts:
     activation_bytes: int | None = None        # saved for backward by one micro-batch, fp32
     checkpointed_activation_bytes: int | None = None  # the same with each block recomputed in backward
     optimizer: str = "adamw"                   # what configure_optimizers returns, as the planner names it
+    parameter_sizes: tuple[int, ...] = ()      # elements of each parameter: ZeRO-3 keeps the small ones whole
 
     @classmethod
     def of(cls, build: Callable[[], nn.Module], batch: Any = None, block_class: type[nn.Module] | None = None) -> "ModelFacts":
@@ -41,6 +42,7 @@ class ModelFacts:
             activation_bytes=activations[0] if activations else None,
             checkpointed_activation_bytes=activations[1] if activations else None,
             optimizer=_optimizer_kind(module),
+            parameter_sizes=tuple(p.numel() for p in params),
         )
 
 

@@ -110,6 +110,10 @@ def plan_memory(
             plan.device[name] = value
         else:
             (plan.host if offload == "cpu" else plan.nvme)[name] = value * devices
+    if layout.persistence_threshold:
+        # Once ZeRO-3 has traced a step it keeps its small parameters whole on every rank, beside their partitions.
+        persistent = sum(numel for numel in facts.parameter_sizes if numel < layout.persistence_threshold)
+        plan.device["parameters"] = plan.device.get("parameters", 0) + persistent * size.parameter
 
     compute_bytes = 2 if precision in HALF_PRECISIONS else 4
     if layout.shard_parameters or layout.offload_parameters:

@@ -78,3 +78,13 @@ def test_activation_checkpointing_shrinks_activations_in_the_plan():
     plain, checkpointed = (preset_plan(n, facts, "32-true", devices=2) for n in ("fsdp", "fsdp_activation_checkpointing"))
     assert plain.device["activations"] == facts.activation_bytes
     assert checkpointed.device["activations"] == facts.checkpointed_activation_bytes
+
+
+def test_zero_3_keeps_parameters_under_its_persistence_threshold_whole():
+    facts = ModelFacts.of(GPTLanguageModel)  # every parameter of the tiny GPT has fewer than 1e5 elements
+    assert max(facts.parameter_sizes) < 100_000 and sum(facts.parameter_sizes) == facts.parameters
+    plan = preset_plan("deepspeed_stage_3", facts, "32-true", devices=2)
+    assert plan.device["parameters"] == facts.parameters * 4 / 2 + facts.parameters * 4  # partition + whole copy
+    big = ModelFacts.of(lambda: GPTLanguageModel(d_model=512, n_head=8))  # its 512 x 2048 matrices are partitioned only
+    persistent = sum(n for n in big.parameter_sizes if n < 100_000)
+    assert preset_plan("deepspeed_stage_3", big, "32-true", devices=2).device["parameters"] == big.parameters * 2 + persistent * 4
