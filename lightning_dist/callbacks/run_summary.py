@@ -7,6 +7,7 @@ import resource
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -34,8 +35,7 @@ class RunSummary(L.Callback):
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         self._step_start = time.perf_counter()
-        inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
-        self.batch_shape = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else ()
+        self.batch_shape = input_shape(batch)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
@@ -76,11 +76,7 @@ class RunSummary(L.Callback):
         if not times:
             return {}
         step = statistics.median(times)
-        samples = self.batch_shape[0] if self.batch_shape else 1
-        speed = {"median_step_time_s": step, "samples_per_s": samples * world_size / step}
-        if len(self.batch_shape) == 2:  # (batch, sequence) of token ids
-            speed["tokens_per_s"] = self.batch_shape[0] * self.batch_shape[1] * world_size / step
-        return speed
+        return {"median_step_time_s": step, **throughput(self.batch_shape or (1,), world_size, step)}
 
     @override
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -94,6 +90,20 @@ class RunSummary(L.Callback):
         if trainer.is_global_zero:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps(self.summary, indent=2) + "\n")
+
+
+def input_shape(batch: Any) -> tuple[int, ...]:
+    """The shape of a batch's inputs (the first element of a tuple or list batch); () when not a tensor."""
+    inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
+    return tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else ()
+
+
+def throughput(shape: tuple[int, ...], world_size: int, step_time: float) -> dict[str, float]:
+    """Samples per second over all ranks, and tokens per second when the inputs are (batch, sequence) token ids."""
+    speed = {"samples_per_s": shape[0] * world_size / step_time}
+    if len(shape) == 2:
+        speed["tokens_per_s"] = shape[0] * shape[1] * world_size / step_time
+    return speed
 
 
 def peak_memory(device: torch.device) -> dict:

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_dist.callbacks.run_summary import gather_objects, peak_memory
+from lightning_dist.callbacks.run_summary import gather_objects, input_shape, peak_memory, throughput
 
 
 class NonFiniteError(RuntimeError):
@@ -60,8 +60,7 @@ class TrainingMonitor(L.Callback):
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         self._first_nonfinite_module = None
-        inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
-        self._batch_shape = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else ()
+        self._batch_shape = input_shape(batch)
         self._step_start = time.perf_counter()
 
     @override
@@ -91,9 +90,8 @@ class TrainingMonitor(L.Callback):
                 self._check_gradient_norm(trainer, pl_module, float(norm))
         metrics = {"monitor/step_time_s": step_time, "monitor/peak_memory_gb": peak_memory(trainer.strategy.root_device)["bytes"] / 1e9}
         if self._batch_shape:
-            metrics["monitor/samples_per_s"] = self._batch_shape[0] * trainer.world_size / step_time
-            if len(self._batch_shape) == 2:  # (batch, sequence) of token ids
-                metrics["monitor/tokens_per_s"] = math.prod(self._batch_shape) * trainer.world_size / step_time
+            speed = throughput(self._batch_shape, trainer.world_size, step_time)
+            metrics.update({f"monitor/{name}": value for name, value in speed.items()})
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
 
     def _check_gradient_norm(self, trainer: L.Trainer, pl_module: L.LightningModule, norm: float) -> None:
