@@ -6,19 +6,72 @@ Hydra's own messages for these span several lines and do not list what would hav
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 class ConfigError(ValueError):
     """A configuration mistake, said in one line that names the key and the valid choices."""
+
+
+def devices_per_node(devices: object) -> int:
+    """`${ld.devices_per_node:${trainer.devices}}`: how many devices a node uses, from Lightning's `devices` (a
+    count, a list or "0,1,..." of indices). A cluster job is sized before it reaches its nodes, so "auto" and -1
+    (all devices found there) cannot size it."""
+    if isinstance(devices, Sequence) and not isinstance(devices, str):
+        count = len(devices)
+    elif isinstance(devices, str) and "," in devices:
+        count = len([index for index in devices.split(",") if index.strip()])
+    else:
+        try:
+            count = int(devices)
+        except (TypeError, ValueError):
+            count = -1
+    if count < 1:
+        raise ConfigError(
+            f"trainer.devices={devices}: a SLURM job is sized before it reaches its nodes, so it cannot use auto or -1;"
+            " set trainer.devices=N, the GPUs per node (one task each)"
+        )
+    return count
+
+
+OmegaConf.register_new_resolver("ld.devices_per_node", devices_per_node, replace=True)
+
+# Launcher keys that size a cluster job; resolved before anything is submitted, so that a mistake is one line here
+# rather than a traceback from inside Hydra's launcher.
+_JOB_SIZE_KEYS = ("nodes", "tasks_per_node", "gpus_per_node")
+
+
+def check_launcher(overrides: list[str], config_name: str = "train", conf_dir: Path = CONF_DIR) -> None:
+    """Resolve the launcher's job size as Hydra will: from the config without the swept values."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+        cfg = compose(config_name, overrides=fixed, return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    for key in _JOB_SIZE_KEYS:
+        if key not in launcher:
+            continue
+        try:
+            launcher[key]
+        except InterpolationResolutionError as error:
+            cause = _config_error_behind(error)
+            raise ConfigError(f"hydra.launcher.{key}: {cause or ' '.join(str(error).split())}") from None
+
+
+def _config_error_behind(error: BaseException | None) -> ConfigError | None:
+    """Our own ConfigError from a resolver, however deep OmegaConf has wrapped it."""
+    while error is not None and not isinstance(error, ConfigError):
+        error = error.__cause__ or error.__context__
+    return error
 
 
 def group_options(group: str, conf_dir: Path = CONF_DIR) -> list[str]:

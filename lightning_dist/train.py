@@ -26,7 +26,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from lightning_dist.callbacks import NonFiniteError
 from lightning_dist.checkpoints.autoresume import newest_complete_checkpoint
 from lightning_dist.checkpoints.formats import CheckpointError, check_checkpoint_matches
-from lightning_dist.config_check import CONF_DIR, ConfigError, check_overrides
+from lightning_dist.config_check import CONF_DIR, ConfigError, check_launcher, check_overrides
 from lightning_dist.launch import needs_isolation, run_isolated
 from lightning_dist.memory import AutoFit, Choice, MemoryPlan, ModelFacts, layout_of, plan_memory
 from lightning_dist.memory.compare import compare_presets
@@ -223,6 +223,8 @@ def main() -> None:
     if not (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.config_dir or args.config_path):
         try:
             check_overrides(args.overrides, config_name=args.config_name or "train")
+            if args.multirun:  # a launcher sizes its jobs only in a sweep
+                check_launcher(args.overrides, config_name=args.config_name or "train")
         except ConfigError as error:
             _exit_with(error)
     _hydra_entry()

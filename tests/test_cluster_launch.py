@@ -15,6 +15,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from omegaconf import OmegaConf
 
 import lightning_dist  # noqa: F401  (registers the ld_* names)
+from lightning_dist.config_check import ConfigError, check_launcher
 from tests.conftest import CONF_DIR, REPO
 
 SLURM_RANK_3_OF_4 = {
@@ -68,6 +69,41 @@ def test_slurm_launcher_config_maps_devices_to_tasks():
     launcher = resolved_launcher(cfg)
     assert launcher["_target_"] == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     assert (launcher["nodes"], launcher["tasks_per_node"], launcher["gpus_per_node"]) == (2, 4, 4)
+
+
+@pytest.mark.parametrize(("devices", "per_node"), [("8", 8), ("[0,1,2]", 3), ("'0,1'", 2)])
+def test_slurm_launcher_with_the_gpu_trainer_gets_integer_tasks_and_gpus_per_node(devices, per_node):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["hydra/launcher=slurm", "trainer=gpu", f"trainer.devices={devices}"], return_hydra_config=True)
+    launcher = resolved_launcher(cfg)
+    assert (launcher["nodes"], launcher["tasks_per_node"], launcher["gpus_per_node"]) == (1, per_node, per_node)
+
+
+@pytest.mark.parametrize("devices", [None, "-1"])
+def test_slurm_launcher_refuses_devices_it_cannot_count_in_one_line(devices):
+    overrides = ["hydra/launcher=slurm", "trainer=gpu", "strategy=fsdp,deepspeed_stage_3"]  # trainer=gpu: devices=auto
+    if devices is not None:
+        overrides.append(f"trainer.devices={devices}")
+    with pytest.raises(ConfigError) as error:
+        check_launcher(overrides)
+    assert str(error.value) == (
+        f"hydra.launcher.tasks_per_node: trainer.devices={devices or 'auto'}: a SLURM job is sized before it reaches its"
+        " nodes, so it cannot use auto or -1; set trainer.devices=N, the GPUs per node (one task each)"
+    )
+
+
+def test_a_slurm_sweep_with_devices_auto_stops_before_submitting_anything(tmp_path):
+    process = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=slurm", "trainer=gpu", "strategy=fsdp,ddp",
+         f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert process.returncode == 2
+    assert process.stderr.strip().splitlines() == [
+        "error: hydra.launcher.tasks_per_node: trainer.devices=auto: a SLURM job is sized before it reaches its nodes,"
+        " so it cannot use auto or -1; set trainer.devices=N, the GPUs per node (one task each)"
+    ]
+    assert not (tmp_path / "sweep").exists()
 
 
 def test_local_launcher_config_runs_one_task_per_job():

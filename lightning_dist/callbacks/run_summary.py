@@ -14,6 +14,7 @@ import torch
 from typing_extensions import override
 
 from lightning_dist.memory.measure import model_state_bytes
+from lightning_dist.parallel.devices import gather_numbers, gather_objects
 from lightning_dist.parallel.placement import offload_targets, placement_report
 
 
@@ -57,12 +58,12 @@ class RunSummary(L.Callback):
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Every rank must take part in the gather, so this runs before the rank-0-only write.
-        per_rank = trainer.strategy.all_gather(torch.tensor(self.batches_on_this_rank))
+        per_rank = gather_numbers([self.batches_on_this_rank], trainer.strategy.root_device, dtype=torch.int64)
         self.summary.update(
             strategy=type(trainer.strategy).__name__,
             world_size=trainer.world_size,
             global_step=trainer.global_step,
-            train_batches_per_rank=[int(n) for n in per_rank.reshape(-1)],
+            train_batches_per_rank=[n for (n,) in per_rank],
             best_checkpoint=_checkpoint_path(trainer, "best_model_path"),
             last_checkpoint=_checkpoint_path(trainer, "last_model_path"),
             **self._speed(trainer.world_size),
@@ -111,14 +112,6 @@ def peak_memory(device: torch.device) -> dict:
     if device.type == "cuda":
         return {"kind": "cuda_max_allocated", "bytes": int(torch.cuda.max_memory_allocated(device))}
     return {"kind": "process_peak_rss", "bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-
-
-def gather_objects(obj: object) -> list:
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [obj]
-    gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, obj)
-    return gathered
 
 
 def _checkpoint_path(trainer: L.Trainer, attribute: str) -> str | None:

@@ -1,10 +1,9 @@
 """Live training health: step time, throughput, peak memory and gradient norm, logged as the run goes; a run
-whose loss or gradients stop being finite is stopped at that step, on every rank, with a message saying where.
+whose loss or gradients stop being finite is stopped, on every rank, with a message saying where it happened.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -14,35 +13,46 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_dist.callbacks.run_summary import gather_objects, input_shape, peak_memory, throughput
+from lightning_dist.callbacks.finite_watch import FiniteWatch, NonFiniteError
+from lightning_dist.callbacks.run_summary import input_shape, peak_memory, throughput
 
-
-class NonFiniteError(RuntimeError):
-    """The loss or the gradient norm became NaN or infinite; training stopped before the weights took it in."""
+__all__ = ["NonFiniteError", "TrainingMonitor"]
 
 
 class TrainingMonitor(L.Callback):
     """Logs `monitor/step_time_s`, `monitor/samples_per_s`, `monitor/tokens_per_s`, `monitor/peak_memory_gb` and
     `monitor/grad_norm` every step (the logger's own interval applies).
 
-    check_finite: stop at the first non-finite loss (checked across ranks before backward, so the weights are still
-        those of the step before) or gradient norm.
-    locate_module: also name the first module whose output was not finite; costs one check per module output.
+    check_finite: stop at the first non-finite loss or gradient norm. Values are checked on the device as they
+        come (no host synchronisation); the ranks compare notes every `check_every_n_steps` steps and before every
+        checkpoint, so the run stops within that many steps, naming the step where it happened, and no checkpoint
+        ever holds the damage. Where the check falls before backward, the weights are still the last good ones.
+    check_every_n_steps: how often the ranks compare notes; default: the trainer's `log_every_n_steps` (logging
+        synchronises with the device there anyway). 1 checks every step, before backward.
+    locate_module: also name the first module whose output was not finite (one on-device check per module output).
     """
 
-    def __init__(self, check_finite: bool = True, locate_module: bool = False) -> None:
+    def __init__(self, check_finite: bool = True, locate_module: bool = False, check_every_n_steps: int | None = None) -> None:
+        if check_every_n_steps is not None and check_every_n_steps < 1:
+            raise ValueError(f"callbacks.training_monitor.check_every_n_steps: {check_every_n_steps} is not a positive number of steps; choose 1 or more, or null")
         self.check_finite = check_finite
         self.locate_module = locate_module
+        self.check_every_n_steps = check_every_n_steps
         self._step_start = 0.0
         self._batch_shape: tuple[int, ...] = ()
-        self._first_nonfinite_module: str | None = None
+        self._watch: FiniteWatch | None = None
         self._hooks: list[Any] = []
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.check_finite:
+            return
+        every = self.check_every_n_steps or trainer.log_every_n_steps or 1
+        names = [f"{name or type(module).__name__} ({type(module).__name__})" for name, module in pl_module.named_modules()]
+        self._watch = FiniteWatch(trainer.strategy.root_device, every, module_names=names if self.locate_module else [])
         if self.locate_module:
-            for name, module in pl_module.named_modules():
-                self._hooks.append(module.register_forward_hook(self._output_check(name or type(module).__name__)))
+            for index, module in enumerate(pl_module.modules()):
+                self._hooks.append(module.register_forward_hook(self._output_check(trainer, index)))
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -50,35 +60,28 @@ class TrainingMonitor(L.Callback):
             hook.remove()
         self._hooks.clear()
 
-    def _output_check(self, name: str):
+    def _output_check(self, trainer: L.Trainer, index: int):
         def check(module: nn.Module, args: Any, output: Any) -> None:
-            if self._first_nonfinite_module is None and isinstance(output, torch.Tensor) and output.is_floating_point():
-                if not bool(torch.isfinite(output).all()):
-                    self._first_nonfinite_module = f"{name} ({type(module).__name__})"
+            if trainer.training and isinstance(output, torch.Tensor) and output.is_floating_point():
+                self._watch.observe_module_output(index, output, trainer.global_step)
         return check
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        self._first_nonfinite_module = None
         self._batch_shape = input_shape(batch)
         self._step_start = time.perf_counter()
 
     @override
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        if not self.check_finite:
-            return
-        # Every rank takes part, so that all of them stop together and say the same thing.
-        losses = trainer.strategy.all_gather(loss.detach().float().reshape(1)).reshape(-1).tolist()
-        ranks = [rank for rank, value in enumerate(losses) if not math.isfinite(value)]
-        if ranks:
-            by_rank = ", ".join(f"{value:.4g}" for value in losses)
-            raise NonFiniteError(self._message(trainer, f"loss (by rank: {by_rank})", ranks))
+        if self._watch is not None:
+            self._watch.observe_loss(loss, trainer.global_step)
+            self._check_if_due(trainer)
 
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         norm = _gradient_norm(pl_module)
         if norm is not None:
-            self._check_gradient_norm(trainer, pl_module, norm)
+            self._record_gradient_norm(trainer, pl_module, norm)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -87,33 +90,41 @@ class TrainingMonitor(L.Callback):
         if engine is not None:  # DeepSpeed keeps its gradients to itself and computes their norm in its step
             norm = engine.get_global_grad_norm()
             if norm is not None:
-                self._check_gradient_norm(trainer, pl_module, float(norm))
+                self._record_gradient_norm(trainer, pl_module, torch.as_tensor(norm, device=trainer.strategy.root_device))
         metrics = {"monitor/step_time_s": step_time, "monitor/peak_memory_gb": peak_memory(trainer.strategy.root_device)["bytes"] / 1e9}
         if self._batch_shape:
             speed = throughput(self._batch_shape, trainer.world_size, step_time)
             metrics.update({f"monitor/{name}": value for name, value in speed.items()})
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
 
-    def _check_gradient_norm(self, trainer: L.Trainer, pl_module: L.LightningModule, norm: float) -> None:
+    @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Every rank builds the checkpoint, so all of them check together: damaged weights are never saved.
+        if self._watch is not None:
+            self._watch.raise_if_nonfinite(trainer.global_step)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._watch is not None:
+            self._watch.raise_if_nonfinite(trainer.global_step)
+
+    def _record_gradient_norm(self, trainer: L.Trainer, pl_module: L.LightningModule, norm: torch.Tensor) -> None:
+        # Logged as a tensor: Lightning reads it on the host only when it writes the logs.
         pl_module.log("monitor/grad_norm", norm, on_step=True, on_epoch=False, rank_zero_only=True)
-        # The norm is taken over all ranks' gradients (after their reduction), so every rank decides alike.
-        if self.check_finite and not math.isfinite(norm):
-            raise NonFiniteError(self._message(trainer, f"gradient norm ({norm})", list(range(trainer.world_size))))
+        if self._watch is not None:
+            self._watch.observe_gradient_norm(norm, trainer.global_step)
+            self._check_if_due(trainer)
 
-    def _message(self, trainer: L.Trainer, what: str, ranks: list[int]) -> str:
-        message = f"non-finite {what} at global step {trainer.global_step} on rank(s) {', '.join(map(str, ranks))}"
-        if self.locate_module:
-            modules = gather_objects(self._first_nonfinite_module)
-            message += "; first module with a non-finite output: " + ", ".join(
-                f"{module} on rank {rank}" for rank, module in enumerate(modules) if module
-            ) if any(modules) else "; no module's output was non-finite"
-        return message
+    def _check_if_due(self, trainer: L.Trainer) -> None:
+        if (trainer.global_step + 1) % self._watch.window == 0:
+            self._watch.raise_if_nonfinite(trainer.global_step)
 
 
-def _gradient_norm(module: nn.Module) -> float | None:
-    """The L2 norm of all gradients, or None where the engine keeps them (DeepSpeed). FSDP2's are sharded."""
+def _gradient_norm(module: nn.Module) -> torch.Tensor | None:
+    """The L2 norm of all gradients (on the device, unread), or None where the engine keeps them (DeepSpeed).
+    FSDP2's are sharded: the norm of the shards is reduced across ranks."""
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     if not grads:
         return None
     norm = torch.nn.utils.get_total_norm(grads)
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm

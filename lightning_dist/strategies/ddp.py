@@ -9,6 +9,7 @@ from typing_extensions import override
 
 from lightning_dist.checkpoints.formats import FILE
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
+from lightning_dist.parallel.devices import bind_device
 
 
 class DDPStrategy(_LightningDDPStrategy):
@@ -25,6 +26,11 @@ class DDPStrategy(_LightningDDPStrategy):
         # Gradients as views of DDP's all-reduce buckets: without it every rank holds each gradient twice (in
         # the parameter's .grad and in a bucket) and copies between them on every step.
         super().__init__(*args, gradient_as_bucket_view=gradient_as_bucket_view, **kwargs)
+
+    @override
+    def setup_environment(self) -> None:
+        bind_device(self.root_device)
+        super().setup_environment()
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from lightning_dist.deepspeed_config import (
     write_effective_config,
 )
 from lightning_dist.deepspeed_config.preflight import check_offload_ready
+from lightning_dist.parallel.devices import bind_device, process_group_backend
 from lightning_dist.parallel.zero3_trace import restart_trace_at_outermost_forward
 from lightning_dist.strategies.launcher import PreflightLauncher
 
@@ -130,6 +131,7 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
     @override
     def setup_environment(self) -> None:
         use_deepspeed_accelerator(self.root_device)
+        bind_device(self.root_device)
         # Lightning's DeepSpeedStrategy refuses anything but CUDA at this point; DDP's set-up is what remains.
         DDPStrategy.setup_environment(self)
 
@@ -140,6 +142,23 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
         reset_seed()
         self.set_world_ranks()
         self._init_deepspeed_distributed()
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or process_group_backend(self.root_device, host_state=self.offloads_to_host)
+
+    @property
+    def offloads_to_host(self) -> bool:
+        """Whether the file or the options put optimizer state or parameters in host memory (or on NVMe, which
+        DeepSpeed stages through host memory)."""
+        zero = self.base_config.get("zero_optimization") or {}
+        devices = {
+            self.zero_options.offload_optimizer,
+            self.zero_options.offload_parameters,
+            (zero.get("offload_optimizer") or {}).get("device"),
+            (zero.get("offload_param") or {}).get("device"),
+        }
+        return bool(devices & set(OFFLOAD_DEVICES))
 
     @override
     def _configure_launcher(self) -> None:

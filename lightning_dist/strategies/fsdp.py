@@ -28,6 +28,7 @@ from lightning_dist.parallel import (
     resolve_module_class,
     sharding_layout,
 )
+from lightning_dist.parallel.devices import bind_device, process_group_backend
 
 # LightningModule methods that run the model without going through `forward`.
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -71,10 +72,16 @@ class FSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        bind_device(self.root_device)
         # ModelParallelStrategy's mesh is (data, tensor) parallel; ours is data parallel only, 2-D for hybrid.
         self._setup_distributed()
         self._device_mesh = self._build_mesh()
         self.lightning_module._device_mesh = self._device_mesh
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        # Offloaded shards are host tensors: their gradient-norm, clipping and gather collectives need gloo.
+        return self._process_group_backend or process_group_backend(self.root_device, host_state=self.cpu_offload)
 
     def _build_mesh(self) -> DeviceMesh:
         if self.hybrid:

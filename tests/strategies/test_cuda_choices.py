@@ -1,4 +1,7 @@
-"""The CUDA path is the same code as the CPU one: with a CUDA accelerator mocked, check what each strategy picks."""
+"""The CUDA path is the same code as the CPU one: with a CUDA accelerator mocked, check what each strategy picks.
+
+What runs for real on a GPU is in tests/gpu/ (scripts/gpu_check.sh); these pin down the choices on every commit.
+"""
 
 import os
 
@@ -11,7 +14,14 @@ from lightning_dist.strategies import PRESETS
 from lightning_dist.strategies import deepspeed as deepspeed_module
 from lightning_dist.strategies import fsdp as fsdp_module
 from lightning_dist.strategies.deepspeed import use_deepspeed_accelerator
-from tests.conftest import STRATEGY_NAMES
+from tests.conftest import PRESET_NAMES, STRATEGY_NAMES
+
+# Presets that keep state in host memory: their collectives on host tensors need gloo beside nccl.
+HOST_STATE_PRESETS = {"fsdp_cpu_offload", "deepspeed_stage_2_offload", "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme"}
+
+
+def expected_backend(name: str) -> str:
+    return "cpu:gloo,cuda:nccl" if name in HOST_STATE_PRESETS else "nccl"
 
 CUDA_DEVICES = [torch.device("cuda", 0), torch.device("cuda", 1)]
 
@@ -37,10 +47,34 @@ def cuda_strategy(name: str):
     return strategy
 
 
-@pytest.mark.parametrize("name", STRATEGY_NAMES)
-def test_picks_nccl_and_the_local_ranks_gpu(name, rank_1_of_2):
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_picks_nccl_with_gloo_for_host_state_and_the_local_ranks_gpu(name, rank_1_of_2):
     strategy = cuda_strategy(name)
     assert strategy.root_device == torch.device("cuda", 1)
+    assert strategy._get_process_group_backend() == expected_backend(name)
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_every_preset_binds_the_local_ranks_gpu_before_the_process_group_starts(name, rank_1_of_2, restore_deepspeed_accelerator, monkeypatch):
+    """Our own code calls torch.cuda.set_device(local rank): Lightning's device set-up is switched off here, so
+    only ours can make the call, and it must come before the process group (NCCL binds a device when it starts)."""
+    events = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: events.append(("set_device", torch.device(device))))
+    monkeypatch.setattr(fsdp_module, "init_device_mesh", lambda *args, **kwargs: None)
+    strategy = cuda_strategy(name)
+    monkeypatch.setattr(strategy.accelerator, "setup_device", lambda device: None)
+    for method in ("setup_distributed", "_setup_distributed"):
+        monkeypatch.setattr(strategy, method, lambda: events.append(("process_group", None)), raising=False)
+    strategy._lightning_module = type("Module", (), {})()
+    strategy.setup_environment()
+    assert events == [("set_device", torch.device("cuda", 1)), ("process_group", None)]
+
+
+def test_a_deepspeed_file_with_cpu_offload_gets_gloo_beside_nccl(rank_1_of_2):
+    strategy = deepspeed_module.DeepSpeedStrategy(config={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    strategy.accelerator, strategy.parallel_devices, strategy.cluster_environment = CUDAAccelerator(), CUDA_DEVICES, LightningEnvironment()
+    assert strategy._get_process_group_backend() == "cpu:gloo,cuda:nccl"
+    strategy.base_config = {"zero_optimization": {"stage": 2}}
     assert strategy._get_process_group_backend() == "nccl"
 
 
@@ -86,8 +120,16 @@ def test_deepspeed_uses_cuda_accelerator_nccl_and_device_index(name, rank_1_of_2
     assert use_deepspeed_accelerator(strategy.root_device) == "cuda"
     assert os.environ["DS_ACCELERATOR"] == "cuda"
     strategy.setup_distributed()  # validates device indices against local ranks, as on a real node
-    assert calls == ["nccl"]
+    assert calls == [expected_backend(name)]
     assert strategy.root_device.index == 1  # what deepspeed.initialize gets as device_rank
+
+
+@pytest.mark.parametrize("name", sorted(HOST_STATE_PRESETS))
+def test_host_state_presets_use_plain_gloo_on_cpu(name, rank_1_of_2):
+    preset = PRESETS[name]
+    strategy = preset.strategy(**preset.kwargs)
+    strategy.parallel_devices, strategy.cluster_environment = [torch.device("cpu")] * 2, LightningEnvironment()
+    assert strategy._get_process_group_backend() == "gloo"
 
 
 def test_deepspeed_on_cpu_gives_each_rank_an_index(rank_1_of_2, restore_deepspeed_accelerator):
