@@ -106,3 +106,25 @@ class Zero3TraceProbe(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         (self.directory / f"zero3_trace_rank{trainer.global_rank}.json").write_text(json.dumps(self.complete))
+
+
+class StepClock(L.Callback):
+    """The global step of the training batch in progress (None outside one), for instruments outside the Trainer."""
+
+    current: int | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
+        StepClock.current = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        StepClock.current = None
+
+
+class CarelessGather(L.Callback):
+    """RunSummary's old mistake, kept for the device-discipline instruments to catch: a count gathered as a tensor
+    made without `device=`, which lands on the host (on a GPU rank, NCCL refuses it)."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import torch
+
+        trainer.strategy.all_gather(torch.tensor(trainer.global_step))

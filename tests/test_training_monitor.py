@@ -28,6 +28,19 @@ def test_a_nan_stops_the_run_at_its_step_naming_the_rank_and_the_module(strategy
     assert all(float(row["monitor/grad_norm"]) < 100 for row in rows if row.get("monitor/grad_norm"))
 
 
+def test_a_nan_found_at_a_later_check_names_its_own_step_and_is_never_saved(tmp_path):
+    """Ranks compare notes only every N steps (no host sync per step) and before every checkpoint: the NaN of step
+    6 is found when step 7's checkpoint is about to be written, and that checkpoint is not written."""
+    run = run_train(tmp_path, "strategy=ddp", *SHORT, *INJECT, "callbacks.training_monitor.locate_module=true",
+                    "callbacks.training_monitor.check_every_n_steps=10", "callbacks.model_checkpoint.every_n_train_steps=7",
+                    "callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.save_top_k=-1")
+    assert run.process.returncode == 1
+    expected = ("error: non-finite loss (by rank: 4.22, nan) at global step 6 on rank(s) 1 (found at the check of step 7);"
+                " first module with a non-finite output: model.blocks.1.mlp (Sequential) on rank 1")
+    assert run.process.stderr.count(expected) == 2, run.process.stderr[-3000:]
+    assert sorted(p.name for p in (run.run_dir / "checkpoints").glob("*")) == []
+
+
 def test_the_monitor_logs_speed_memory_and_gradient_norm_every_step(trained_runs):
     run = trained_runs("fsdp")  # FSDP2's gradients are sharded DTensors: the norm is reduced across ranks
     rows = [row for row in run.csv_rows() if row.get("monitor/step_time_s")]

@@ -39,6 +39,7 @@ class TrainingMonitor(L.Callback):
         self.locate_module = locate_module
         self.check_every_n_steps = check_every_n_steps
         self._step_start = 0.0
+        self._step_at_batch_start = 0
         self._batch_shape: tuple[int, ...] = ()
         self._watch: FiniteWatch | None = None
         self._hooks: list[Any] = []
@@ -69,28 +70,31 @@ class TrainingMonitor(L.Callback):
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_shape = input_shape(batch)
+        self._step_at_batch_start = trainer.global_step
         self._step_start = time.perf_counter()
 
     @override
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         if self._watch is not None:
             self._watch.observe_loss(loss, trainer.global_step)
-            self._check_if_due(trainer)
+            self._check_if_due(trainer.global_step)
 
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         norm = _gradient_norm(pl_module)
         if norm is not None:
-            self._record_gradient_norm(trainer, pl_module, norm)
+            self._record_gradient_norm(pl_module, norm, step=trainer.global_step)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         step_time = time.perf_counter() - self._step_start
         engine = getattr(trainer.strategy, "deepspeed_engine", None)
-        if engine is not None:  # DeepSpeed keeps its gradients to itself and computes their norm in its step
+        if engine is not None and trainer.global_step > self._step_at_batch_start:
+            # DeepSpeed keeps its gradients to itself and computes their norm in the step just taken.
             norm = engine.get_global_grad_norm()
             if norm is not None:
-                self._record_gradient_norm(trainer, pl_module, torch.as_tensor(norm, device=trainer.strategy.root_device))
+                norm = torch.as_tensor(norm, device=trainer.strategy.root_device)
+                self._record_gradient_norm(pl_module, norm, step=trainer.global_step - 1)
         metrics = {"monitor/step_time_s": step_time, "monitor/peak_memory_gb": peak_memory(trainer.strategy.root_device)["bytes"] / 1e9}
         if self._batch_shape:
             speed = throughput(self._batch_shape, trainer.world_size, step_time)
@@ -108,16 +112,16 @@ class TrainingMonitor(L.Callback):
         if self._watch is not None:
             self._watch.raise_if_nonfinite(trainer.global_step)
 
-    def _record_gradient_norm(self, trainer: L.Trainer, pl_module: L.LightningModule, norm: torch.Tensor) -> None:
+    def _record_gradient_norm(self, pl_module: L.LightningModule, norm: torch.Tensor, step: int) -> None:
         # Logged as a tensor: Lightning reads it on the host only when it writes the logs.
         pl_module.log("monitor/grad_norm", norm, on_step=True, on_epoch=False, rank_zero_only=True)
         if self._watch is not None:
-            self._watch.observe_gradient_norm(norm, trainer.global_step)
-            self._check_if_due(trainer)
+            self._watch.observe_gradient_norm(norm, step)
+            self._check_if_due(step)
 
-    def _check_if_due(self, trainer: L.Trainer) -> None:
-        if (trainer.global_step + 1) % self._watch.window == 0:
-            self._watch.raise_if_nonfinite(trainer.global_step)
+    def _check_if_due(self, step: int) -> None:
+        if (step + 1) % self._watch.window == 0:
+            self._watch.raise_if_nonfinite(step)
 
 
 def _gradient_norm(module: nn.Module) -> torch.Tensor | None:
