@@ -61,6 +61,7 @@ class RunSummary(L.Callback):
         per_rank = gather_numbers([self.batches_on_this_rank], trainer.strategy.root_device, dtype=torch.int64)
         self.summary.update(
             strategy=type(trainer.strategy).__name__,
+            process_group_backend=_process_group_backend(),
             world_size=trainer.world_size,
             global_step=trainer.global_step,
             train_batches_per_rank=[n for (n,) in per_rank],
@@ -112,6 +113,13 @@ def peak_memory(device: torch.device) -> dict:
     if device.type == "cuda":
         return {"kind": "cuda_max_allocated", "bytes": int(torch.cuda.max_memory_allocated(device))}
     return {"kind": "process_peak_rss", "bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def _process_group_backend() -> str | None:
+    """The backend(s) the run's collectives used, e.g. "nccl", "gloo", or "cpu:gloo,cuda:nccl" for host state."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return str(torch.distributed.get_backend())
+    return None
 
 
 def _checkpoint_path(trainer: L.Trainer, attribute: str) -> str | None:

@@ -1,0 +1,94 @@
+"""The GPU suite's runs: each preset trains the default model on one CUDA device (world size 1, nccl).
+
+The runs are independent processes on one GPU with a tiny model, so they go several at a time (the suite must fit
+a lent machine's 10-minute command). What they measured is written as JSON to $LD_GPU_MEASUREMENTS, which
+scripts/gpu_check.sh turns into the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PRESET_NAMES, REPO, TRAIN_ENV, TrainRun, train_command
+
+GPU = ("trainer=gpu", "trainer.devices=1", "test=false", "trainer.log_every_n_steps=1", "callbacks.progress_bar=null")
+STEPS = 20
+# Checkpoints every 10 steps (kept), for the resume tests; the probe model writes its gathered weights at the end.
+FP32_RUN = (
+    "trainer.precision=32-true", f"trainer.max_steps={STEPS}",
+    "callbacks.model_checkpoint.every_n_train_steps=10", "callbacks.model_checkpoint.monitor=null",
+    "callbacks.model_checkpoint.save_top_k=-1",
+    "model._target_=tests.models.checkpoint_probe.CheckpointProbeGPT", "+model.gathered_path=${paths.output_dir}/gathered_state.pt",
+)
+# The precision matrix's CUDA cells that CPU runs cannot reach or refuse (README.md, lightning_dist/precision.py).
+PRECISION_CELLS = [
+    ("ddp", "bf16-mixed"), ("ddp", "16-mixed"),
+    ("fsdp", "bf16-mixed"),
+    ("deepspeed_stage_2", "bf16-mixed"), ("deepspeed_stage_2", "16-mixed"),
+    ("deepspeed_stage_3", "bf16-mixed"), ("deepspeed_stage_3", "16-mixed"),
+]
+RESUMED = ["ddp", "fsdp", "deepspeed_stage_3"]
+PARALLEL = int(os.environ.get("LD_GPU_PARALLEL", "6"))
+
+
+def run_many(jobs: dict[str, tuple[Path, list[str]]], parallel: int = PARALLEL, timeout: float = 540) -> dict[str, TrainRun]:
+    """Start `train.py` for every job, `parallel` at a time; {name: TrainRun} once all have finished."""
+    pending, running, done = list(jobs.items()), {}, {}
+    while pending or running:
+        while pending and len(running) < parallel:
+            name, (run_dir, overrides) = pending.pop(0)
+            running[name] = (run_dir, subprocess.Popen(train_command(run_dir, *overrides), cwd=REPO, env=TRAIN_ENV,
+                                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        name = next(iter(running))
+        run_dir, process = running.pop(name)
+        stdout, stderr = process.communicate(timeout=timeout)
+        done[name] = TrainRun(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), run_dir)
+    return done
+
+
+def nvme_overrides(name: str, run_dir: Path) -> list[str]:
+    return [f"strategy.nvme_path={run_dir / 'nvme'}"] if name.endswith("_nvme") else []
+
+
+@pytest.fixture(scope="session")
+def measurements():
+    """What the suite measured, by section; written to $LD_GPU_MEASUREMENTS at the end of the session."""
+    found: dict[str, dict] = {"fp32": {}, "precision": {}, "resume": {}}
+    yield found
+    if os.environ.get("LD_GPU_MEASUREMENTS"):
+        Path(os.environ["LD_GPU_MEASUREMENTS"]).write_text(json.dumps(found, indent=2))
+
+
+@pytest.fixture(scope="session")
+def fp32_runs(tmp_path_factory) -> dict[str, TrainRun]:
+    jobs = {}
+    for name in PRESET_NAMES:
+        run_dir = tmp_path_factory.mktemp(f"fp32_{name}")
+        (run_dir / "nvme").mkdir()
+        jobs[name] = (run_dir, [f"strategy={name}", *GPU, *FP32_RUN, *nvme_overrides(name, run_dir)])
+    return run_many(jobs)
+
+
+@pytest.fixture(scope="session")
+def precision_runs(tmp_path_factory) -> dict[tuple[str, str], TrainRun]:
+    jobs = {
+        f"{name}|{precision}": (tmp_path_factory.mktemp(f"{name}_{precision}"),
+                                [f"strategy={name}", *GPU, f"trainer.precision={precision}", "trainer.max_steps=10"])
+        for name, precision in PRECISION_CELLS
+    }
+    return {tuple(key.split("|")): run for key, run in run_many(jobs).items()}
+
+
+@pytest.fixture(scope="session")
+def resumed_runs(tmp_path_factory, fp32_runs) -> dict[str, TrainRun]:
+    """Each family's fp32 run resumed from its own step-10 checkpoint, to step 20 again."""
+    jobs = {}
+    for name in RESUMED:
+        checkpoint = fp32_runs[name].run_dir / "checkpoints" / "step000010.ckpt"
+        jobs[name] = (tmp_path_factory.mktemp(f"resumed_{name}"), [f"strategy={name}", *GPU, *FP32_RUN, f"ckpt_path={checkpoint}"])
+    return run_many(jobs)
