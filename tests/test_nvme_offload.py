@@ -20,6 +20,9 @@ def nvme_run(tmp_path_factory, deepspeed_ops):
         "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=10", "test=false",
         "+callbacks.nvme_probe._target_=tests.probes.DirectoryProbe", f"+callbacks.nvme_probe.directory={nvme}",
         "+callbacks.nvme_probe.path=${paths.output_dir}/nvme_files.json",
+        # `last` is saved twice: DeepSpeed's copy of the offloaded tensors refuses to write over a directory.
+        "callbacks.model_checkpoint.every_n_train_steps=5", "callbacks.model_checkpoint.monitor=null",
+        "callbacks.model_checkpoint.save_top_k=-1",
     )
     return run
 
@@ -58,3 +61,17 @@ def test_unusable_directory_is_refused_before_any_rank_starts(tmp_path, problem)
     assert last_line.startswith("error: offload cannot start: zero_optimization.offload_optimizer.nvme_path=")
     assert f"nvme_path={nvme}: no such directory" in last_line
     assert not (tmp_path / "run" / "train_ddp_process_1.log").exists()
+
+
+def test_last_is_saved_again_whole_and_resumes(nvme_run, tmp_path):
+    checkpoints = nvme_run.run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step000005.ckpt", "step000010.ckpt"]
+    assert (checkpoints / "last.ckpt" / "latest").read_text().strip() == "checkpoint"
+    assert nvme_run.summary["global_step"] == 10
+    resumed = run_train(
+        tmp_path / "resumed", "strategy=deepspeed_stage_3_offload_nvme", f"strategy.nvme_path={tmp_path}",
+        "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=12", "test=false",
+        f"ckpt_path={checkpoints / 'last.ckpt'}",
+    )
+    assert resumed.process.returncode == 0, resumed.output[-3000:]
+    assert (resumed.summary["global_step"], resumed.summary["train_batches_per_rank"]) == (12, [2, 2])

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_dist.checkpoints.resume import check_deepspeed_world_size
+from lightning_dist.checkpoints.swap import write_then_swap
 from lightning_dist.deepspeed_config import (
     ZeroOptions,
     load_user_config,
@@ -199,6 +200,13 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
     def init_deepspeed(self) -> None:
         super().init_deepspeed()
         restart_trace_at_outermost_forward(self.deepspeed_engine)  # ZeRO-3 prefetch under forward redirection
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        # Saving again under one name (`last`) in place fails under NVMe offload and, cut off, would leave no
+        # complete checkpoint behind.
+        save = super().save_checkpoint
+        write_then_swap(self, self.broadcast(filepath), lambda path: save(checkpoint, path, storage_options))
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

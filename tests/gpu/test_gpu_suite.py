@@ -58,7 +58,8 @@ def test_the_monitor_logs_cuda_peak_memory_and_a_gradient_norm(fp32_runs, name):
     rows = [row for row in fp32_runs[name].csv_rows() if row.get("monitor/peak_memory_gb")]
     assert len(rows) == STEPS
     peak_gb = fp32_runs[name].summary["peak_memory_per_rank"][0]["bytes"] / 1e9
-    assert all(0 < float(row["monitor/peak_memory_gb"]) <= peak_gb + 1e-9 for row in rows)
+    # Logged values pass through float32: the run's peak (exact, in metrics.json) bounds them to rounding.
+    assert all(0 < float(row["monitor/peak_memory_gb"]) <= peak_gb * (1 + 1e-6) for row in rows)
     norms = [float(row["monitor/grad_norm"]) for row in fp32_runs[name].csv_rows() if row.get("monitor/grad_norm")]
     assert len(norms) == STEPS and all(0 < norm < 100 for norm in norms)
 
