@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 def build(cfg: DictConfig) -> dict[str, Any]:
     """Instantiate data, model, strategy, callbacks, loggers and trainer; configuration mistakes -> ConfigError."""
     try:
+        _check_accelerator(cfg.trainer.accelerator)
         datamodule = _instantiate(cfg.data, "data")
         model = _instantiate(_module_config(cfg), "model")
         if cfg.model.get("block_class"):
@@ -57,6 +58,15 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     except (InstantiationException, CheckpointError, MisconfigurationException, ValueError, TypeError) as error:
         raise _config_error(error) from error
     return {"datamodule": datamodule, "model": model, "trainer": trainer}
+
+
+# What the strategies run on: CPU processes (gloo) or CUDA GPUs (nccl); "gpu" and "auto" are Lightning's names for them.
+ACCELERATORS = ("cpu", "cuda", "gpu", "auto")
+
+
+def _check_accelerator(accelerator: Any) -> None:
+    if str(accelerator) not in ACCELERATORS:
+        raise ConfigError(f"trainer.accelerator={accelerator}: this package runs on CPU or CUDA; choose one of {', '.join(ACCELERATORS)}")
 
 
 def _config_error(error: Exception) -> ConfigError:

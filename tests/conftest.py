@@ -19,7 +19,10 @@ CONF_DIR = REPO / "conf"
 PRESET_NAMES = sorted(p.stem for p in (CONF_DIR / "strategy").glob("*.yaml") if p.stem not in ("deepspeed", "auto_fit"))
 # The NVMe preset needs a directory on a drive; it has its own tests (tests/test_nvme_offload.py).
 STRATEGY_NAMES = [name for name in PRESET_NAMES if not name.endswith("_nvme")]
-SHARED = REPO.parent / "shared"
+# Real DeepSpeed configs copied unchanged from public projects (their sources: tests/deepspeed_config/configs/README.md).
+DS_CONFIGS = REPO / "tests" / "deepspeed_config" / "configs"
+HF_ZERO2 = DS_CONFIGS / "transformers_ds_config_zero2.json"
+HF_ZERO3 = DS_CONFIGS / "transformers_ds_config_zero3.json"
 
 
 def pytest_collection_modifyitems(config, items):

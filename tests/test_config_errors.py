@@ -115,3 +115,10 @@ def test_a_callback_or_logger_set_to_null_is_switched_off(tmp_path):
     names = {type(c).__name__ for c in trainer.callbacks}
     assert "RunSummary" not in names and {"TrainingMonitor", "ModelCheckpoint"} <= names
     assert trainer.loggers == []
+
+
+@pytest.mark.parametrize("accelerator", ["tpu", "mps"])
+def test_an_accelerator_we_do_not_run_on_is_named_with_the_choices(accelerator):
+    assert build_error([f"trainer.accelerator={accelerator}"]) == (
+        f"trainer.accelerator={accelerator}: this package runs on CPU or CUDA; choose one of cpu, cuda, gpu, auto"
+    )

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from tests.conftest import SHARED, run_train
+from tests.conftest import HF_ZERO2 as ZERO2
+from tests.conftest import HF_ZERO3 as ZERO3
+from tests.conftest import REPO, run_train
 
 pytestmark = pytest.mark.slow
 
-ZERO2 = SHARED / "ds_configs" / "hf_ds_config_zero2.json"
-ZERO3 = SHARED / "ds_configs" / "hf_ds_config_zero3.json"
 ENGINE_PROBE = (
     "+callbacks.engine_probe._target_=tests.probes.DeepSpeedEngineConfigProbe",
     "+callbacks.engine_probe.path=${paths.output_dir}/engine_config.json",
@@ -80,8 +81,9 @@ def test_zero3_keys_and_explicit_optimizer_values_reach_the_engine(tmp_path, dee
     config["zero_optimization"]["reduce_bucket_size"] = "auto"
     path = tmp_path / "zero3_fp16_auto.json"
     path.write_text(json.dumps(config))
-    run = run_train(tmp_path / "run", "strategy=deepspeed", f"strategy.config={path}", *SHORT, *ENGINE_PROBE)
+    run = run_train(tmp_path / "run", "strategy=deepspeed", f"strategy.config={path}", *SHORT, *ENGINE_PROBE, "test=true")
     assert run.process.returncode == 0, run.output[-3000:]
+    assert "test_loss" in run.summary["metrics"]  # Lightning's ZeRO-3 test path ran after fit
     engine = json.loads((run.run_dir / "engine_config.json").read_text())
     zero = engine["zero"]
     assert zero["stage"] == 3 and zero["sub_group_size"] == 100_000_000_000_000
@@ -97,8 +99,8 @@ def test_zero3_keys_and_explicit_optimizer_values_reach_the_engine(tmp_path, dee
 
 @pytest.mark.parametrize("precision, message", [
     ("16-mixed", "error: trainer.precision=16-mixed: DeepSpeed's CPU accelerator has no fp16 on this CPU"),
-    ("bf16-mixed", 'error: strategy.config (hf_ds_config_zero3.json): 2 problems: fp16.enabled=true but trainer.precision=bf16-mixed (set it to "auto" or false) | ' + BUCKET_REFUSAL),
-    ("32-true", 'error: strategy.config (hf_ds_config_zero3.json): 2 problems: fp16.enabled=true but trainer.precision=32-true (set it to "auto" or false) | ' + BUCKET_REFUSAL),
+    ("bf16-mixed", 'error: strategy.config (transformers_ds_config_zero3.json): 2 problems: fp16.enabled=true but trainer.precision=bf16-mixed (set it to "auto" or false) | ' + BUCKET_REFUSAL),
+    ("32-true", 'error: strategy.config (transformers_ds_config_zero3.json): 2 problems: fp16.enabled=true but trainer.precision=32-true (set it to "auto" or false) | ' + BUCKET_REFUSAL),
 ])
 def test_zero3_file_with_hard_coded_fp16_is_refused_or_reported_before_launch(tmp_path, precision, message):
     run = run_train(tmp_path, "strategy=deepspeed", f"strategy.config={ZERO3}", f"trainer.precision={precision}", *SHORT)
@@ -112,5 +114,61 @@ def test_a_preset_as_base_reports_its_options_against_the_file_with_the_trainer(
                     "trainer.gradient_clip_val=1.0", *SHORT)
     assert run.process.returncode == 2, run.output[-2000:]
     assert run.process.stderr.strip().splitlines()[-1] == (
-        "error: strategy.config (hf_ds_config_zero2.json): 1 problem: zero_optimization.stage=2 but strategy.stage=3 (make them agree)"
+        "error: strategy.config (transformers_ds_config_zero2.json): 1 problem: zero_optimization.stage=2 but strategy.stage=3 (make them agree)"
+    )
+
+
+# DeepSpeed's own performance tools, as a user turns them on: timers, CSV monitor, flops profiler (relative paths).
+MONITORED = {
+    "steps_per_print": 5,
+    "wall_clock_breakdown": True,
+    "csv_monitor": {"enabled": True, "output_path": "ds_monitor/", "job_name": "probe"},
+    "flops_profiler": {"enabled": True, "profile_step": 2, "output_file": "flops_profile.txt"},
+}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeeds_timers_monitor_and_flops_profiler_work_and_write_into_the_run(stage, tmp_path, deepspeed_ops):
+    config = tmp_path / "monitored.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": stage}, **MONITORED}))
+    run = run_train(tmp_path / "run", "strategy=deepspeed", f"strategy.config={config}", "trainer.accelerator=cpu",
+                    "trainer.devices=2", "trainer.max_steps=10", f"test={'true' if stage == 3 else 'false'}")
+    assert run.process.returncode == 0, run.output[-3000:]
+    # Before the fix: "fwd_microstep timer has already been started" (the root module runs inside itself).
+    breakdown = [line for line in run.output.splitlines() if "time (ms) | fwd_microstep: " in line]
+    assert len(breakdown) >= 2, run.output[-3000:]
+    monitor = run.run_dir / "ds_monitor" / "probe"
+    rows = (monitor / "Train_Samples_lr.csv").read_text().splitlines()
+    assert rows[0].startswith("step") and len(rows) >= 10 and float(rows[-1].split(",")[-1]) == pytest.approx(1e-3)
+    assert (monitor / "Train_Samples_elapsed_time_ms_forward.csv").is_file()
+    profile = (run.run_dir / "flops_profile.txt").read_text()
+    assert "DeepSpeed Flops Profiler" in profile and "params per GPU" in profile
+    assert not (REPO / "ds_monitor").exists() and not (REPO / "flops_profile.txt").exists()
+    if stage == 3:  # Lightning's test path under ZeRO-3 (its inference engine) runs after fit
+        assert "test_loss" in run.summary["metrics"]
+
+
+SGD_STEP = (
+    "model._target_=tests.models.checkpoint_probe.CheckpointProbeGPT", "+model.gathered_path=${paths.output_dir}/gathered_state.pt",
+    "+model.loss_multiplier=1000", "model.optimizer=sgd", "model.lr=0.01", "model.weight_decay=0",
+    "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=1", "test=false",
+)
+
+
+def test_a_files_clipping_applies_when_the_trainer_sets_none_and_two_values_are_a_mismatch(tmp_path, deepspeed_ops):
+    config = tmp_path / "clip.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}))
+    run = run_train(tmp_path / "run", "strategy=deepspeed", f"strategy.config={config}", *SGD_STEP)
+    assert run.process.returncode == 0, run.output[-3000:]
+    assert "gradient_clipping=1 comes from strategy.config (clip.json); the Trainer sets no gradient_clip_val" in run.output
+    before, after = (torch.load(run.run_dir / name) for name in ("initial_state.pt", "gathered_state.pt"))
+    names = [n for n in after if n not in ("model.lm_head.weight", "bytes_seen") and after[n].is_floating_point()]
+    post_clip_norm = sum(float((after[n] - before[n]).double().pow(2).sum()) for n in names) ** 0.5 / 0.01
+    assert post_clip_norm == pytest.approx(1.0, abs=1e-3)  # the raw norm is in the hundreds
+
+    mismatch = run_train(tmp_path / "mismatch", "strategy=deepspeed", f"strategy.config={config}", *SGD_STEP, "trainer.gradient_clip_val=0.5")
+    assert mismatch.process.returncode == 2
+    assert mismatch.process.stderr.strip().splitlines()[-1] == (
+        "error: strategy.config (clip.json): 1 problem: gradient_clipping=1 but trainer.gradient_clip_val=0.5"
+        " (set it to \"auto\" or 0.5)"
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lightning_dist.strategies import PRESETS, REGISTRY_PREFIX
-from tests.conftest import REPO, SHARED, STRATEGY_NAMES
+from tests.conftest import HF_ZERO2, REPO, STRATEGY_NAMES
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,6 @@ def test_checkpointing_by_name_without_a_block_says_which_classes_could_be_one()
     ) in stderr
 
 
-HF_ZERO2 = SHARED / "ds_configs" / "hf_ds_config_zero2.json"
 
 
 def test_deepspeed_config_dict_with_auto_values_trains(deepspeed_ops):
@@ -72,7 +71,7 @@ def test_deepspeed_config_dict_with_auto_values_trains(deepspeed_ops):
 
 def test_unfillable_auto_is_reported_before_any_rank_starts():
     stderr = run_script(f"ds-config:{HF_ZERO2}", expect_returncode=1)
-    assert "lightning_dist.strategies.launcher.PreflightError: strategy.config (hf_ds_config_zero2.json): 2 problems: " in stderr
+    assert "lightning_dist.strategies.launcher.PreflightError: strategy.config (transformers_ds_config_zero2.json): 2 problems: " in stderr
     for key in ("betas", "eps"):
         assert f'optimizer.params.{key}="auto" cannot be filled: configure_optimizers returns SGD, which has no {key}' in stderr
     assert "Initializing distributed" not in stderr  # rank 0 never got as far as the process group

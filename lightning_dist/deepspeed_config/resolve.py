@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_dist.deepspeed_config.facts import HIDDEN_SIZE_NAMES, UNKNOWN, TrainingFacts
+from lightning_dist.deepspeed_config.outputs import missing_monitor_packages
 
 AUTO = "auto"
 _ABSENT = object()
@@ -39,6 +40,7 @@ FILLED_KEYS = (
     *(f"optimizer.params.{name}" for name in _OPTIMIZER_PARAMS),
     *(f"scheduler.params.{name}" for name in _SCHEDULER_PARAMS),
     *(f"zero_optimization.{name}" for name in _HIDDEN_SIZE_KEYS),
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
 )
 
 
@@ -62,21 +64,30 @@ class DeepSpeedConfigError(ValueError):
 
 
 def resolve_config(
-    config: dict[str, Any], facts: TrainingFacts, options: ZeroOptions = ZeroOptions(), source: str = "strategy.config"
+    config: dict[str, Any],
+    facts: TrainingFacts,
+    options: ZeroOptions = ZeroOptions(),
+    source: str = "strategy.config",
+    notes: list[str] | None = None,
 ) -> dict[str, Any]:
     """The config DeepSpeed gets: a copy with every fillable "auto" filled. Facts that are still UNKNOWN leave their
-    keys as they are, for the in-rank pass to fill."""
-    resolver = _Resolver(copy.deepcopy(config), facts)
+    keys as they are, for the in-rank pass to fill. `notes`, when given, receives one line per value the file set
+    where the Trainer left the choice open (for the caller to log)."""
+    resolver = _Resolver(copy.deepcopy(config), facts, source)
     resolver.merge_zero_options(options)
     resolver.fill_precision()
     resolver.fill_batch_sizes()
     resolver.fill_clipping()
     resolver.fill_optimizer_and_scheduler()
     resolver.fill_bucket_sizes()
+    resolver.refuse_tensor_parallel()
     resolver.report_unfillable_autos()
     resolver.validate_zero_section()
+    resolver.problems += missing_monitor_packages(resolver.config)
     if resolver.problems:
         raise DeepSpeedConfigError(source, resolver.problems)
+    if notes is not None:
+        notes.extend(resolver.notes)
     return resolver.config
 
 
@@ -95,10 +106,12 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 class _Resolver:
-    def __init__(self, config: dict[str, Any], facts: TrainingFacts) -> None:
+    def __init__(self, config: dict[str, Any], facts: TrainingFacts, source: str = "strategy.config") -> None:
         self.config = config
         self.facts = facts
+        self.source = source
         self.problems: list[str] = []
+        self.notes: list[str] = []
         self.deferred: set[str] = set()  # "auto"s whose fact is not known yet (before spawn)
         self.unfillable: set[str] = set()  # "auto"s already reported
 
@@ -209,6 +222,11 @@ class _Resolver:
             self.problems.append(
                 "trainer.gradient_clip_algorithm=value: DeepSpeed clips by norm only; choose gradient_clip_algorithm=norm"
             )
+        in_file = self.get("gradient_clipping")
+        if clip_val is None and in_file not in (_ABSENT, AUTO):
+            # The Trainer left clipping unset: the file's explicit value is a choice, not a contradiction.
+            self.notes.append(f"gradient_clipping={_show(in_file)} comes from {self.source}; the Trainer sets no gradient_clip_val")
+            return
         self.fill_match("gradient_clipping", float(clip_val or 0.0), f"trainer.gradient_clip_val={clip_val}")
 
     def fill_optimizer_and_scheduler(self) -> None:
@@ -231,6 +249,18 @@ class _Resolver:
         why = f"they follow the model's hidden size, and its hparams have none of {', '.join(HIDDEN_SIZE_NAMES)}"
         for name, rule in _HIDDEN_SIZE_KEYS.items():
             self.fill_auto(f"zero_optimization.{name}", None if hidden is None else rule(hidden), why)
+        # Only DeepSpeed's save_16bit_model reads it; our checkpoints gather (or consolidate) the fp32 weights.
+        self.fill_auto("zero_optimization.stage3_gather_16bit_weights_on_model_save", False)
+
+    def refuse_tensor_parallel(self) -> None:
+        # AutoTP needs every rank of a tensor-parallel group to see the same batch; our loaders give each rank its own.
+        size = self.get("tensor_parallel.autotp_size", 1)
+        if size not in (1, AUTO, None):
+            self.problems.append(
+                f"tensor_parallel.autotp_size={_show(size)}: tensor parallelism (DeepSpeed AutoTP) is not supported here"
+                f" (world size {self.facts.world_size}: data parallel with ZeRO only); remove the tensor_parallel block"
+                " or set autotp_size to 1"
+            )
 
     def report_unfillable_autos(self) -> None:
         for key in _auto_keys(self.config):

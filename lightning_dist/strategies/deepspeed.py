@@ -26,9 +26,10 @@ from lightning_dist.deepspeed_config import (
     training_facts,
     write_effective_config,
 )
+from lightning_dist.deepspeed_config.outputs import anchor_output_paths
 from lightning_dist.deepspeed_config.preflight import check_offload_ready
 from lightning_dist.parallel.devices import bind_device, process_group_backend
-from lightning_dist.parallel.zero3_trace import restart_trace_at_outermost_forward
+from lightning_dist.parallel.outermost_forward import run_root_hooks_once_per_forward
 from lightning_dist.strategies.launcher import PreflightLauncher
 
 ZERO_STAGES = (1, 2, 3)
@@ -177,10 +178,12 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
         config = self.resolved_config(trainer, fit_arguments.get("model"), loader, datamodule, in_rank=False)
         check_offload_ready(config)
 
-    def resolved_config(self, trainer: Any, model: Any, loader: Any = None, datamodule: Any = None, in_rank: bool = True) -> dict[str, Any]:
+    def resolved_config(
+        self, trainer: Any, model: Any, loader: Any = None, datamodule: Any = None, in_rank: bool = True, notes: list[str] | None = None
+    ) -> dict[str, Any]:
         needs_optimizer = "optimizer" in self.base_config or "scheduler" in self.base_config
         facts = training_facts(trainer, model, loader, datamodule, need_optimizer=needs_optimizer, in_rank=in_rank)
-        return resolve_config(self.base_config, facts, self.zero_options, self.config_source)
+        return resolve_config(self.base_config, facts, self.zero_options, self.config_source, notes=notes)
 
     @override
     def _format_config(self) -> None:
@@ -188,10 +191,13 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
         module = self.lightning_module
         if module is None:
             return
-        self.config = self.resolved_config(module.trainer, module)
-        if "optimizer" not in self.config:
-            # The optimizer comes from configure_optimizers; ZeRO refuses the ones it has not been tested with.
-            self.config.setdefault("zero_allow_untested_optimizer", True)
+        notes: list[str] = []
+        self.config = anchor_output_paths(self.resolved_config(module.trainer, module, notes=notes), module.trainer.default_root_dir)
+        for note in notes:
+            rank_zero_info(note)
+        # Without an optimizer block the optimizer comes from configure_optimizers, and ZeRO refuses the ones it
+        # has not tested; Lightning's test/predict path under ZeRO-3 reads this key whether or not there is a block.
+        self.config.setdefault("zero_allow_untested_optimizer", True)
         if self.is_global_zero:
             path = write_effective_config(self.config, module.trainer.default_root_dir)
             rank_zero_info(f"DeepSpeed config in effect: {path}")
@@ -199,7 +205,7 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
     @override
     def init_deepspeed(self) -> None:
         super().init_deepspeed()
-        restart_trace_at_outermost_forward(self.deepspeed_engine)  # ZeRO-3 prefetch under forward redirection
+        run_root_hooks_once_per_forward(self.deepspeed_engine)  # timers, profiler, ZeRO-3 trace: once per step
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:

@@ -16,10 +16,10 @@ from lightning_dist.deepspeed_config import (
     load_user_config,
     resolve_config,
 )
-from tests.conftest import REPO, SHARED
+from tests.conftest import HF_ZERO2 as ZERO2
+from tests.conftest import HF_ZERO3 as ZERO3
+from tests.conftest import REPO
 
-ZERO2 = SHARED / "ds_configs" / "hf_ds_config_zero2.json"
-ZERO3 = SHARED / "ds_configs" / "hf_ds_config_zero3.json"
 
 FACTS = TrainingFacts(
     precision="bf16-mixed",
@@ -55,7 +55,7 @@ def problems_of(config, run_facts=FACTS, options=ZeroOptions()) -> list[str]:
 
 def test_hf_zero2_file_every_auto_is_filled_from_the_run():
     config, source = load_user_config(ZERO2)
-    assert source == "strategy.config (hf_ds_config_zero2.json)"
+    assert source == "strategy.config (transformers_ds_config_zero2.json)"
     resolved = resolve_config(config, facts(gradient_clip_val=0.5, accumulate_grad_batches=2))
     assert auto_keys(resolved) == []
     assert resolved["train_micro_batch_size_per_gpu"] == 8
@@ -128,7 +128,6 @@ def test_strategy_options_fill_what_the_file_leaves_open():
 MISMATCHES = {
     "micro batch vs loader": ({"train_micro_batch_size_per_gpu": 4}, {}, ["train_micro_batch_size_per_gpu=4 but the train loader's batch size is 8"]),
     "accumulation": ({"gradient_accumulation_steps": 2}, {"accumulate_grad_batches": 4}, ["gradient_accumulation_steps=2 but trainer.accumulate_grad_batches=4"]),
-    "clipping vs no clipping": ({"gradient_clipping": 1.0}, {}, ["gradient_clipping=1 but trainer.gradient_clip_val=None"]),
     "clipping vs other clipping": ({"gradient_clipping": 1.0}, {"gradient_clip_val": 0.5}, ["gradient_clipping=1 but trainer.gradient_clip_val=0.5"]),
     "clipping by value": ({}, {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"}, ["trainer.gradient_clip_algorithm=value"]),
     "fp16 vs bf16-mixed": ({"fp16": {"enabled": True}}, {}, ["fp16.enabled=true but trainer.precision=bf16-mixed"]),
@@ -143,6 +142,7 @@ MISMATCHES = {
                                     ['optimizer.params.lr="auto" cannot be filled: LightningModule.configure_optimizers returns no optimizer']),
     "bucket size without a hidden size": ({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}, {"hidden_size": None},
                                           ['zero_optimization.reduce_bucket_size="auto" cannot be filled: they follow the model\'s hidden size']),
+    "tensor parallelism": ({"tensor_parallel": {"autotp_size": 2}}, {}, ["tensor_parallel.autotp_size=2: tensor parallelism (DeepSpeed AutoTP) is not supported here (world size 2: data parallel with ZeRO only); remove the tensor_parallel block or set autotp_size to 1"]),
     "auto where we fill nothing": ({"steps_per_print": "auto"}, {}, ['steps_per_print="auto" is not a value we fill']),
     "stage vs strategy.stage": ({"zero_optimization": {"stage": 2}}, {}, ["zero_optimization.stage=2 but strategy.stage=3"]),
 }
@@ -156,6 +156,14 @@ def test_each_mismatch_is_reported_by_key(case):
     for fragment in expected:
         assert any(fragment in problem for problem in problems), (fragment, problems)
     assert len(problems) == len(expected)
+
+
+def test_clipping_the_trainer_leaves_unset_comes_from_the_file_with_a_note():
+    notes = []
+    resolved = resolve_config({"gradient_clipping": 1.0}, facts(gradient_clip_val=None), source="strategy.config (ds.json)", notes=notes)
+    assert resolved["gradient_clipping"] == 1.0
+    assert notes == ["gradient_clipping=1 comes from strategy.config (ds.json); the Trainer sets no gradient_clip_val"]
+    assert resolve_config({"gradient_clipping": "auto"}, facts(gradient_clip_val=None))["gradient_clipping"] == 0.0
 
 
 def test_all_problems_come_in_one_report():
