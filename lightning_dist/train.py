@@ -66,7 +66,9 @@ ACCELERATORS = ("cpu", "cuda", "gpu", "auto")
 
 def _check_accelerator(accelerator: Any) -> None:
     if str(accelerator) not in ACCELERATORS:
-        raise ConfigError(f"trainer.accelerator={accelerator}: this package runs on CPU or CUDA; choose one of {', '.join(ACCELERATORS)}")
+        raise ConfigError(
+            f"trainer.accelerator={accelerator}: this package runs on CPU or CUDA; choose one of {', '.join(ACCELERATORS)}"
+        )
 
 
 def _config_error(error: Exception) -> ConfigError:

@@ -25,6 +25,14 @@ HF_ZERO2 = DS_CONFIGS / "transformers_ds_config_zero2.json"
 HF_ZERO3 = DS_CONFIGS / "transformers_ds_config_zero3.json"
 
 
+def cpu_has_fp16() -> bool:
+    """Whether DeepSpeed's CPU accelerator trains in fp16 here (AVX512-FP16/AMX-FP16): some cells of the precision
+    matrix and some config files train on such a CPU and are refused, with that reason, on others."""
+    from lightning_dist.deepspeed_config.facts import fp16_supported
+
+    return fp16_supported("cpu")
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests leave the run where no CUDA device is visible: deselected, so they never count as passed."""
     import torch

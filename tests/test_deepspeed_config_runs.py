@@ -9,7 +9,7 @@ import torch
 
 from tests.conftest import HF_ZERO2 as ZERO2
 from tests.conftest import HF_ZERO3 as ZERO3
-from tests.conftest import REPO, run_train
+from tests.conftest import REPO, cpu_has_fp16, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -97,10 +97,17 @@ def test_zero3_keys_and_explicit_optimizer_values_reach_the_engine(tmp_path, dee
     assert run.summary["placement_per_rank"][0]["parameters_local"] < run.summary["placement_per_rank"][0]["parameters_total"]
 
 
+ZERO3_SOURCE = "error: strategy.config (transformers_ds_config_zero3.json): "
+# The file's fp16 decides where the Trainer keeps its default 32-true; on a CPU without fp16 that is refused too.
+FILE_FP16 = ('fp16.enabled=true: this CPU has no fp16 support in DeepSpeed (its CPU accelerator needs AVX512-FP16/AMX-FP16);'
+             ' set it to "auto" or false, or run on CUDA')
+
+
 @pytest.mark.parametrize("precision, message", [
-    ("16-mixed", "error: trainer.precision=16-mixed: DeepSpeed's CPU accelerator has no fp16 on this CPU"),
-    ("bf16-mixed", 'error: strategy.config (transformers_ds_config_zero3.json): 2 problems: fp16.enabled=true but trainer.precision=bf16-mixed (set it to "auto" or false) | ' + BUCKET_REFUSAL),
-    ("32-true", 'error: strategy.config (transformers_ds_config_zero3.json): 2 problems: fp16.enabled=true but trainer.precision=32-true (set it to "auto" or false) | ' + BUCKET_REFUSAL),
+    ("16-mixed", ZERO3_SOURCE + "1 problem: " + BUCKET_REFUSAL if cpu_has_fp16()
+     else "error: trainer.precision=16-mixed: DeepSpeed's CPU accelerator has no fp16 on this CPU"),
+    ("bf16-mixed", ZERO3_SOURCE + '2 problems: fp16.enabled=true but trainer.precision=bf16-mixed (set it to "auto" or false) | ' + BUCKET_REFUSAL),
+    ("32-true", ZERO3_SOURCE + ("1 problem: " if cpu_has_fp16() else f"2 problems: {FILE_FP16} | ") + BUCKET_REFUSAL),
 ])
 def test_zero3_file_with_hard_coded_fp16_is_refused_or_reported_before_launch(tmp_path, precision, message):
     run = run_train(tmp_path, "strategy=deepspeed", f"strategy.config={ZERO3}", f"trainer.precision={precision}", *SHORT)
@@ -172,3 +179,18 @@ def test_a_files_clipping_applies_when_the_trainer_sets_none_and_two_values_are_
         "error: strategy.config (clip.json): 1 problem: gradient_clipping=1 but trainer.gradient_clip_val=0.5"
         " (set it to \"auto\" or 0.5)"
     )
+
+
+def test_a_files_precision_and_accumulation_decide_where_the_trainer_keeps_lightnings_defaults(tmp_path, deepspeed_ops):
+    config = tmp_path / "bf16_accumulate.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 2, "bf16": {"enabled": True}}))
+    run = run_train(tmp_path / "run", "strategy=deepspeed", f"strategy.config={config}", "trainer.accelerator=cpu",
+                    "trainer.devices=2", "trainer.max_steps=2", "test=false")
+    assert run.process.returncode == 0, run.output[-3000:]
+    assert "trainer.precision=bf16-mixed comes from bf16.enabled=true in strategy.config (bf16_accumulate.json); the Trainer sets none" in run.output
+    assert "trainer.accumulate_grad_batches=2 comes from gradient_accumulation_steps=2 in strategy.config (bf16_accumulate.json)" in run.output
+    summary = run.summary
+    assert (summary["global_step"], summary["train_batches_per_rank"]) == (2, [4, 4])  # two micro-batches per step
+    assert summary["placement_per_rank"][0]["parameter_dtypes"] == ["torch.bfloat16"]
+    effective = json.loads((run.run_dir / "deepspeed_config.effective.json").read_text())
+    assert (effective["gradient_accumulation_steps"], effective["train_micro_batch_size_per_gpu"], effective["bf16"]) == (2, 16, {"enabled": True})

@@ -34,7 +34,10 @@ class TrainingMonitor(L.Callback):
 
     def __init__(self, check_finite: bool = True, locate_module: bool = False, check_every_n_steps: int | None = None) -> None:
         if check_every_n_steps is not None and check_every_n_steps < 1:
-            raise ValueError(f"callbacks.training_monitor.check_every_n_steps: {check_every_n_steps} is not a positive number of steps; choose 1 or more, or null")
+            raise ValueError(
+                f"callbacks.training_monitor.check_every_n_steps: {check_every_n_steps} is not a positive number of"
+                " steps; choose 1 or more, or null"
+            )
         self.check_finite = check_finite
         self.locate_module = locate_module
         self.check_every_n_steps = check_every_n_steps

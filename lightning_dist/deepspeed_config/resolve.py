@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_dist.deepspeed_config.facts import HIDDEN_SIZE_NAMES, UNKNOWN, TrainingFacts
@@ -63,16 +63,34 @@ class DeepSpeedConfigError(ValueError):
         super().__init__(f"{source}: {count}: " + " | ".join(problems))
 
 
+# Lightning's defaults: a Trainer that still has them was not told, so a file's explicit value is a choice, not a
+# contradiction (the unset-vs-explicit rule; README's DeepSpeed section).
+UNSET_PRECISION = "32-true"
+UNSET_ACCUMULATION = 1
+
+
+@dataclass
+class Resolution:
+    """The config DeepSpeed gets, the Trainer settings the file decided, and one line per such decision."""
+
+    config: dict[str, Any]
+    trainer_settings: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
 def resolve_config(
-    config: dict[str, Any],
-    facts: TrainingFacts,
-    options: ZeroOptions = ZeroOptions(),
-    source: str = "strategy.config",
-    notes: list[str] | None = None,
+    config: dict[str, Any], facts: TrainingFacts, options: ZeroOptions = ZeroOptions(), source: str = "strategy.config"
 ) -> dict[str, Any]:
-    """The config DeepSpeed gets: a copy with every fillable "auto" filled. Facts that are still UNKNOWN leave their
-    keys as they are, for the in-rank pass to fill. `notes`, when given, receives one line per value the file set
-    where the Trainer left the choice open (for the caller to log)."""
+    """The config DeepSpeed gets (see `resolve`)."""
+    return resolve(config, facts, options, source).config
+
+
+def resolve(
+    config: dict[str, Any], facts: TrainingFacts, options: ZeroOptions = ZeroOptions(), source: str = "strategy.config"
+) -> Resolution:
+    """A copy of the config with every fillable "auto" filled, and the Trainer settings that the file's explicit
+    values decide where the Trainer left them unset. Facts that are still UNKNOWN leave their keys as they are, for
+    the in-rank pass to fill."""
     resolver = _Resolver(copy.deepcopy(config), facts, source)
     resolver.merge_zero_options(options)
     resolver.fill_precision()
@@ -86,9 +104,7 @@ def resolve_config(
     resolver.problems += missing_monitor_packages(resolver.config)
     if resolver.problems:
         raise DeepSpeedConfigError(source, resolver.problems)
-    if notes is not None:
-        notes.extend(resolver.notes)
-    return resolver.config
+    return Resolution(resolver.config, resolver.trainer_settings, resolver.notes)
 
 
 def _show(value: Any) -> str:
@@ -112,6 +128,7 @@ class _Resolver:
         self.source = source
         self.problems: list[str] = []
         self.notes: list[str] = []
+        self.trainer_settings: dict[str, Any] = {}
         self.deferred: set[str] = set()  # "auto"s whose fact is not known yet (before spawn)
         self.unfillable: set[str] = set()  # "auto"s already reported
 
@@ -187,20 +204,32 @@ class _Resolver:
         elif nvme_path and str(in_file) != str(nvme_path):
             self.problems.append(f"{key}.nvme_path={_show(in_file)} but strategy.nvme_path={nvme_path} (make them agree)")
 
+    def decide(self, setting: str, value: Any, key: str) -> None:
+        """The file's explicit `key` decides a Trainer setting the Trainer left unset."""
+        self.trainer_settings[setting] = value
+        self.notes.append(f"trainer.{setting}={value} comes from {key}={_show(self.get(key))} in {self.source}; the Trainer sets none")
+
     def fill_precision(self) -> None:
         precision = self.facts.precision
         if precision not in PRECISIONS:
             self.problems.append(f"trainer.precision={precision}: DeepSpeed trains in one of {', '.join(PRECISIONS)}")
             return
-        wants_fp16, wants_bf16 = precision.startswith("16-"), precision.startswith("bf16-")
         said = f"trainer.precision={precision}"
+        if precision == UNSET_PRECISION:
+            for key, mixed in (("fp16.enabled", "16-mixed"), ("bf16.enabled", "bf16-mixed")):
+                if self.get(key) is True:
+                    self.decide("precision", mixed, key)
+                    precision, said = mixed, f"{key}=true"
+                    break
+        wants_fp16, wants_bf16 = precision.startswith("16-"), precision.startswith("bf16-")
         # An absent flag means disabled to DeepSpeed, so only a needed one is added.
         self.fill_match("fp16.enabled", wants_fp16, said, fill_absent=wants_fp16)
         self.fill_match("bf16.enabled", wants_bf16, said, fill_absent=wants_bf16)
         if wants_fp16 and not self.facts.fp16_supported:
+            fix = "choose 32-true, bf16-mixed or bf16-true" if said.startswith("trainer.") else 'set it to "auto" or false'
             self.problems.append(
                 f"{said}: this {self.facts.device_type.upper()} has no fp16 support in DeepSpeed (its CPU accelerator"
-                " needs AVX512-FP16/AMX-FP16); choose 32-true, bf16-mixed or bf16-true, or run on CUDA"
+                f" needs AVX512-FP16/AMX-FP16); {fix}, or run on CUDA"
             )
 
     def fill_batch_sizes(self) -> None:
@@ -208,6 +237,10 @@ class _Resolver:
         micro = facts.micro_batch_size if facts.micro_batch_size is not None else 1
         self.fill_match("train_micro_batch_size_per_gpu", micro, f"the train loader's batch size is {micro}")
         accumulate = facts.accumulate_grad_batches
+        in_file = self.get("gradient_accumulation_steps")
+        if accumulate == UNSET_ACCUMULATION and isinstance(in_file, int) and not isinstance(in_file, bool) and in_file > 1:
+            self.decide("accumulate_grad_batches", in_file, "gradient_accumulation_steps")
+            accumulate = in_file
         self.fill_match("gradient_accumulation_steps", accumulate, f"trainer.accumulate_grad_batches={accumulate}")
         if micro is UNKNOWN:
             self.fill_match("train_batch_size", UNKNOWN, "")

@@ -12,6 +12,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -20,9 +21,10 @@ from typing_extensions import override
 from lightning_dist.checkpoints.resume import check_deepspeed_world_size
 from lightning_dist.checkpoints.swap import write_then_swap
 from lightning_dist.deepspeed_config import (
+    Resolution,
     ZeroOptions,
     load_user_config,
-    resolve_config,
+    resolve,
     training_facts,
     write_effective_config,
 )
@@ -175,15 +177,13 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
             loader, datamodule = None, loader
         if loader is not None and not hasattr(loader, "batch_sampler"):
             loader = None  # a list or dict of loaders: the in-rank pass reads the combined one
-        config = self.resolved_config(trainer, fit_arguments.get("model"), loader, datamodule, in_rank=False)
-        check_offload_ready(config)
+        resolution = self.resolution(trainer, fit_arguments.get("model"), loader, datamodule, in_rank=False)
+        check_offload_ready(resolution.config)
 
-    def resolved_config(
-        self, trainer: Any, model: Any, loader: Any = None, datamodule: Any = None, in_rank: bool = True, notes: list[str] | None = None
-    ) -> dict[str, Any]:
+    def resolution(self, trainer: Any, model: Any, loader: Any = None, datamodule: Any = None, in_rank: bool = True) -> Resolution:
         needs_optimizer = "optimizer" in self.base_config or "scheduler" in self.base_config
         facts = training_facts(trainer, model, loader, datamodule, need_optimizer=needs_optimizer, in_rank=in_rank)
-        return resolve_config(self.base_config, facts, self.zero_options, self.config_source, notes=notes)
+        return resolve(self.base_config, facts, self.zero_options, self.config_source)
 
     @override
     def _format_config(self) -> None:
@@ -191,16 +191,25 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
         module = self.lightning_module
         if module is None:
             return
-        notes: list[str] = []
-        self.config = anchor_output_paths(self.resolved_config(module.trainer, module, notes=notes), module.trainer.default_root_dir)
-        for note in notes:
+        resolution = self.resolution(module.trainer, module)
+        self._apply_trainer_settings(module.trainer, resolution.trainer_settings)
+        for note in resolution.notes:
             rank_zero_info(note)
+        self.config = anchor_output_paths(resolution.config, module.trainer.default_root_dir)
         # Without an optimizer block the optimizer comes from configure_optimizers, and ZeRO refuses the ones it
         # has not tested; Lightning's test/predict path under ZeRO-3 reads this key whether or not there is a block.
         self.config.setdefault("zero_allow_untested_optimizer", True)
         if self.is_global_zero:
             path = write_effective_config(self.config, module.trainer.default_root_dir)
             rank_zero_info(f"DeepSpeed config in effect: {path}")
+
+    def _apply_trainer_settings(self, trainer: Any, settings: dict[str, Any]) -> None:
+        """What the file decided where the Trainer was left unset (precision, accumulation): the Trainer follows it.
+        This runs in `setup`, before the module is converted to the precision and before the first batch."""
+        if "precision" in settings:
+            self.precision_plugin = DeepSpeedPrecision(settings["precision"])
+        if "accumulate_grad_batches" in settings:
+            trainer.accumulate_grad_batches = settings["accumulate_grad_batches"]
 
     @override
     def init_deepspeed(self) -> None:

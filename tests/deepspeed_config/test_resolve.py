@@ -14,6 +14,7 @@ from lightning_dist.deepspeed_config import (
     TrainingFacts,
     ZeroOptions,
     load_user_config,
+    resolve,
     resolve_config,
 )
 from tests.conftest import HF_ZERO2 as ZERO2
@@ -131,7 +132,8 @@ MISMATCHES = {
     "clipping vs other clipping": ({"gradient_clipping": 1.0}, {"gradient_clip_val": 0.5}, ["gradient_clipping=1 but trainer.gradient_clip_val=0.5"]),
     "clipping by value": ({}, {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"}, ["trainer.gradient_clip_algorithm=value"]),
     "fp16 vs bf16-mixed": ({"fp16": {"enabled": True}}, {}, ["fp16.enabled=true but trainer.precision=bf16-mixed"]),
-    "bf16 vs 32-true": ({"bf16": {"enabled": True}}, {"precision": "32-true"}, ["bf16.enabled=true but trainer.precision=32-true"]),
+    "bf16 vs 16-mixed": ({"bf16": {"enabled": True}}, {"precision": "16-mixed", "fp16_supported": True}, ["bf16.enabled=true but trainer.precision=16-mixed"]),
+    "file's fp16 on a CPU without it": ({"fp16": {"enabled": True}}, {"precision": "32-true"}, ['fp16.enabled=true: this CPU has no fp16 support in DeepSpeed (its CPU accelerator needs AVX512-FP16/AMX-FP16); set it to "auto" or false, or run on CUDA']),
     "fp16 off vs 16-mixed": ({"fp16": {"enabled": False}}, {"precision": "16-mixed", "fp16_supported": True}, ["fp16.enabled=false but trainer.precision=16-mixed"]),
     "fp16 on a CPU without it": ({"fp16": {"enabled": True}}, {"precision": "16-mixed"}, ["trainer.precision=16-mixed: this CPU has no fp16 support"]),
     "precision DeepSpeed has no mode for": ({}, {"precision": "64-true"}, ["trainer.precision=64-true: DeepSpeed trains in one of"]),
@@ -159,18 +161,35 @@ def test_each_mismatch_is_reported_by_key(case):
 
 
 def test_clipping_the_trainer_leaves_unset_comes_from_the_file_with_a_note():
-    notes = []
-    resolved = resolve_config({"gradient_clipping": 1.0}, facts(gradient_clip_val=None), source="strategy.config (ds.json)", notes=notes)
-    assert resolved["gradient_clipping"] == 1.0
-    assert notes == ["gradient_clipping=1 comes from strategy.config (ds.json); the Trainer sets no gradient_clip_val"]
+    resolution = resolve({"gradient_clipping": 1.0}, facts(gradient_clip_val=None), source="strategy.config (ds.json)")
+    assert resolution.config["gradient_clipping"] == 1.0 and resolution.trainer_settings == {}
+    assert resolution.notes == ["gradient_clipping=1 comes from strategy.config (ds.json); the Trainer sets no gradient_clip_val"]
     assert resolve_config({"gradient_clipping": "auto"}, facts(gradient_clip_val=None))["gradient_clipping"] == 0.0
+
+
+@pytest.mark.parametrize("key, precision", [("fp16", "16-mixed"), ("bf16", "bf16-mixed")])
+def test_a_files_precision_decides_where_the_trainer_keeps_its_default(key, precision):
+    config = {key: {"enabled": True, "loss_scale": 0}}
+    resolution = resolve(config, facts(precision="32-true", fp16_supported=True), source="strategy.config (ds.json)")
+    assert resolution.trainer_settings == {"precision": precision}
+    assert resolution.notes == [f"trainer.precision={precision} comes from {key}.enabled=true in strategy.config (ds.json); the Trainer sets none"]
+    assert resolution.config[key] == {"enabled": True, "loss_scale": 0}
+    # An explicit Trainer precision is a choice too: two different ones are a mismatch (MISMATCHES).
+    assert resolve(config, facts(precision="bf16-true", fp16_supported=True) if key == "bf16" else facts(precision="16-mixed", fp16_supported=True)).trainer_settings == {}
+
+
+def test_a_files_accumulation_decides_where_the_trainer_accumulates_nothing():
+    resolution = resolve({"gradient_accumulation_steps": 4, "train_batch_size": 64}, facts(accumulate_grad_batches=1))
+    assert resolution.trainer_settings == {"accumulate_grad_batches": 4}
+    assert resolution.config["train_batch_size"] == 64  # 8 x 4 x 2: checked against the file's accumulation
+    assert resolution.notes == ["trainer.accumulate_grad_batches=4 comes from gradient_accumulation_steps=4 in strategy.config; the Trainer sets none"]
 
 
 def test_all_problems_come_in_one_report():
     config = copy.deepcopy(json.loads(ZERO3.read_text()))
     config.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=3, gradient_clipping=2.0, train_batch_size=10)
     config["zero_optimization"]["offload_optimizer"]["device"] = "nvme"
-    problems = problems_of(config, facts(gradient_clip_val=1.0), ZeroOptions(stage=2, offload_optimizer="cpu"))
+    problems = problems_of(config, facts(gradient_clip_val=1.0, accumulate_grad_batches=2), ZeroOptions(stage=2, offload_optimizer="cpu"))
     keys = [problem.split("=")[0].split(":")[0] for problem in problems]
     assert keys == [
         "zero_optimization.stage", "zero_optimization.offload_optimizer.device", "zero_optimization.offload_optimizer.nvme_path",
