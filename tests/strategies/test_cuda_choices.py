@@ -26,15 +26,24 @@ def expected_backend(name: str) -> str:
 CUDA_DEVICES = [torch.device("cuda", 0), torch.device("cuda", 1)]
 
 
-@pytest.fixture
-def rank_1_of_2(monkeypatch):
-    """This process plays local rank 1 of two on a 2-GPU node; the environment is restored afterwards."""
+def play_local_rank(monkeypatch, rank: int):
+    """This process plays local rank `rank` of two on a 2-GPU node; the environment is restored afterwards."""
     saved = dict(os.environ)
-    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
     monkeypatch.setenv("NODE_RANK", "0")
-    yield
+    yield rank
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture
+def rank_1_of_2(monkeypatch):
+    yield from play_local_rank(monkeypatch, 1)
+
+
+@pytest.fixture(params=[0, 1], ids=["rank0", "rank1"])
+def each_rank_of_2(request, monkeypatch):
+    yield from play_local_rank(monkeypatch, request.param)
 
 
 def cuda_strategy(name: str):
@@ -55,7 +64,7 @@ def test_picks_nccl_with_gloo_for_host_state_and_the_local_ranks_gpu(name, rank_
 
 
 @pytest.mark.parametrize("name", PRESET_NAMES)
-def test_every_preset_binds_the_local_ranks_gpu_before_the_process_group_starts(name, rank_1_of_2, restore_deepspeed_accelerator, monkeypatch):
+def test_every_preset_binds_the_local_ranks_gpu_before_the_process_group_starts(name, each_rank_of_2, restore_deepspeed_accelerator, monkeypatch):
     """Our own code calls torch.cuda.set_device(local rank): Lightning's device set-up is switched off here, so
     only ours can make the call, and it must come before the process group (NCCL binds a device when it starts)."""
     events = []
@@ -67,7 +76,7 @@ def test_every_preset_binds_the_local_ranks_gpu_before_the_process_group_starts(
         monkeypatch.setattr(strategy, method, lambda: events.append(("process_group", None)), raising=False)
     strategy._lightning_module = type("Module", (), {})()
     strategy.setup_environment()
-    assert events == [("set_device", torch.device("cuda", 1)), ("process_group", None)]
+    assert events == [("set_device", torch.device("cuda", each_rank_of_2)), ("process_group", None)]
 
 
 def test_a_deepspeed_file_with_cpu_offload_gets_gloo_beside_nccl(rank_1_of_2):
