@@ -1,7 +1,8 @@
-"""Checkpoint directories written beside their final name and swapped in only when complete."""
+"""Checkpoints (files and directories) written beside their final name and swapped in only when complete."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -13,8 +14,8 @@ def partial_path(final: Path) -> Path:
 
 
 def write_then_swap(strategy: Any, final: str | Path, write: Callable[[Path], None]) -> None:
-    """Every rank writes its part of a checkpoint directory through `write(path)` into a partial directory beside
-    `final`, which then replaces `final` (a collective: call it on every rank).
+    """Every rank writes its part of a checkpoint (a file, or a directory of shards) through `write(path)` to a
+    partial path beside `final`, which then replaces `final` (a collective: call it on every rank).
 
     The save under that name before (`last`) stays whole until the new one is, so a save cut off midway never
     costs the only resumable checkpoint; and writers that refuse an existing directory (DeepSpeed copies NVMe-
@@ -23,7 +24,7 @@ def write_then_swap(strategy: Any, final: str | Path, write: Callable[[Path], No
     final = Path(final)
     partial = partial_path(final)
     if strategy.local_rank == 0 and partial.exists():
-        shutil.rmtree(partial)  # left behind by a save that was cut off
+        _remove(partial)  # left behind by a save that was cut off
     strategy.barrier()
     write(partial)
     strategy.barrier()
@@ -36,10 +37,30 @@ def write_then_swap(strategy: Any, final: str | Path, write: Callable[[Path], No
     strategy.barrier()
 
 
+class SwappedSaves:
+    """Strategy mixin (before the Lightning strategy in the bases): every save is written beside its name and swapped
+    in when complete. `last` is saved again and again under one name; a save cut off midway must not cost the
+    previous one, and DeepSpeed's NVMe offload cannot save over an earlier save at all."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None) -> None:
+        save = super().save_checkpoint  # type: ignore[misc]
+        write_then_swap(self, self.broadcast(filepath), lambda path: save(checkpoint, path, storage_options))  # type: ignore[attr-defined]
+
+
 def _swap(partial: Path, final: Path) -> None:
+    if partial.is_file() and not final.is_dir():
+        os.replace(partial, final)  # atomic: `final` is the old file or the new one, never neither
+        return
+    # A directory cannot replace a non-empty one in one step: the old one steps aside first.
     previous = final.with_name(f".{final.name}.previous")
+    if previous.exists():
+        _remove(previous)
     if final.exists():
         final.rename(previous)
     partial.rename(final)
     if previous.exists():
-        shutil.rmtree(previous) if previous.is_dir() else previous.unlink()
+        _remove(previous)
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path) if path.is_dir() else path.unlink()

@@ -9,10 +9,11 @@ from typing_extensions import override
 
 from lightning_dist.checkpoints.formats import FILE
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
+from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.parallel.devices import bind_device
 
 
-class DDPStrategy(_LightningDDPStrategy):
+class DDPStrategy(SwappedSaves, _LightningDDPStrategy):
     """Data-parallel training; registered as `ld_ddp` so it sits beside our FSDP and DeepSpeed presets.
 
     Lightning's DDP already runs on CPU. What this adds: gradients that live in DDP's buckets (one copy, not two),

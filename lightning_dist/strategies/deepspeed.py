@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_dist.checkpoints.resume import check_deepspeed_world_size
-from lightning_dist.checkpoints.swap import write_then_swap
+from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.deepspeed_config import (
     Resolution,
     ZeroOptions,
@@ -76,7 +76,7 @@ def use_deepspeed_accelerator(device: torch.device) -> str:
     return get_accelerator().device_name()
 
 
-class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
+class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
     """DeepSpeed ZeRO that also runs on CPU, and takes Hugging Face-style configs with "auto" values.
 
     Args:
@@ -215,13 +215,6 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
     def init_deepspeed(self) -> None:
         super().init_deepspeed()
         run_root_hooks_once_per_forward(self.deepspeed_engine)  # timers, profiler, ZeRO-3 trace: once per step
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        # Saving again under one name (`last`) in place fails under NVMe offload and, cut off, would leave no
-        # complete checkpoint behind.
-        save = super().save_checkpoint
-        write_then_swap(self, self.broadcast(filepath), lambda path: save(checkpoint, path, storage_options))
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

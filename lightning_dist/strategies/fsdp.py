@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from lightning_dist.checkpoints.formats import DISTRIBUTED, FILE
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
+from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.parallel import (
     apply_activation_checkpointing,
     apply_fully_shard,
@@ -34,7 +35,7 @@ from lightning_dist.parallel.devices import bind_device, process_group_backend
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-class FSDPStrategy(ModelParallelStrategy):
+class FSDPStrategy(SwappedSaves, ModelParallelStrategy):
     """Fully Sharded Data Parallel (FSDP2) on CPU (gloo) or CUDA (nccl).
 
     Args:

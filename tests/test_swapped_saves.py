@@ -1,0 +1,52 @@
+"""Saves are written beside their name and swapped in whole: a save cut off midway leaves the previous one intact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from lightning_dist.checkpoints.swap import partial_path, write_then_swap
+
+ONE_RANK = SimpleNamespace(local_rank=0, is_global_zero=True, barrier=lambda *args: None)
+
+
+def leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+
+
+def test_a_file_is_replaced_whole(tmp_path):
+    final = tmp_path / "last.ckpt"
+    final.write_text("step 5")
+    write_then_swap(ONE_RANK, final, lambda path: path.write_text("step 10"))
+    assert final.read_text() == "step 10" and leftovers(tmp_path) == []
+
+
+def test_a_save_cut_off_midway_leaves_the_previous_one_and_the_next_save_cleans_up(tmp_path):
+    final = tmp_path / "last.ckpt"
+    final.write_text("step 5")
+
+    def killed(path: Path) -> None:
+        path.write_text("step 1")  # half written, then the process dies
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_then_swap(ONE_RANK, final, killed)
+    assert final.read_text() == "step 5" and leftovers(tmp_path) == [".last.ckpt.partial"]
+    write_then_swap(ONE_RANK, final, lambda path: path.write_text("step 15"))
+    assert final.read_text() == "step 15" and leftovers(tmp_path) == []
+
+
+def test_a_directory_of_shards_is_replaced_whole(tmp_path):
+    final = tmp_path / "last.ckpt"
+    final.mkdir()
+    (final / "old_shard").write_text("old")
+
+    def write_shards(path: Path) -> None:
+        path.mkdir()
+        (path / "shard_0").write_text("new")
+
+    write_then_swap(ONE_RANK, final, write_shards)
+    assert sorted(p.name for p in final.iterdir()) == ["shard_0"] and leftovers(tmp_path) == []
+    assert partial_path(final) == tmp_path / ".last.ckpt.partial"
