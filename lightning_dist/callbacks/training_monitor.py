@@ -96,13 +96,17 @@ class TrainingMonitor(L.Callback):
             # DeepSpeed keeps its gradients to itself and computes their norm in the step just taken.
             norm = engine.get_global_grad_norm()
             if norm is not None:
-                norm = torch.as_tensor(norm, device=trainer.strategy.root_device)
+                if not isinstance(norm, torch.Tensor):  # a float: filled on the device, not copied there (a sync)
+                    norm = torch.full((), float(norm), device=trainer.strategy.root_device)
                 self._record_gradient_norm(pl_module, norm, step=trainer.global_step - 1)
         metrics = {"monitor/step_time_s": step_time, "monitor/peak_memory_gb": peak_memory(trainer.strategy.root_device)["bytes"] / 1e9}
         if self._batch_shape:
             speed = throughput(self._batch_shape, trainer.world_size, step_time)
             metrics.update({f"monitor/{name}": value for name, value in speed.items()})
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+        # Measured on the host, logged from the host: Lightning would copy a plain float to the device (a blocking
+        # copy each, every step) and read it back when writing the logs.
+        host_values = {name: torch.tensor(value, dtype=torch.float64, device="cpu") for name, value in metrics.items()}
+        pl_module.log_dict(host_values, on_step=True, on_epoch=False, rank_zero_only=True)
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:

@@ -64,3 +64,19 @@ def test_only_the_first_non_finite_module_output_is_kept():
 def test_check_interval_must_be_positive():
     with pytest.raises(ValueError, match=r"^callbacks.training_monitor.check_every_n_steps: 0 is not a positive number of steps; choose 1 or more, or null$"):
         TrainingMonitor(check_every_n_steps=0)
+
+
+def test_the_monitor_hands_lightning_host_tensors_not_floats():
+    """Lightning turns a logged float into a tensor on the module's device: a blocking host-to-device copy per value
+    per step on a GPU. The monitor's host measurements are logged as host tensors; the gradient norm stays where it
+    was computed."""
+    from types import SimpleNamespace
+
+    logged = {}
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), world_size=2, global_step=0)
+    module = SimpleNamespace(log_dict=lambda values, **kwargs: logged.update(values))
+    monitor = TrainingMonitor(check_finite=False)
+    monitor.on_train_batch_start(trainer, module, (torch.zeros(4, 8, dtype=torch.long),), 0)
+    monitor.on_train_batch_end(trainer, module, None, None, 0)
+    assert sorted(logged) == ["monitor/peak_memory_gb", "monitor/samples_per_s", "monitor/step_time_s", "monitor/tokens_per_s"]
+    assert all(isinstance(value, torch.Tensor) and value.device.type == "cpu" for value in logged.values()), logged
