@@ -46,7 +46,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         if cfg.model.get("block_class"):
             require_class_in_model(model, _block_class(cfg), "model.block_class")
         if cfg.get("ckpt_path"):
-            check_checkpoint_matches(cfg.ckpt_path, set(model.state_dict()))
+            check_checkpoint_matches(cfg.ckpt_path, set(model.state_dict()), trusted=cfg.get("trust_checkpoint", False))
         strategy = _instantiate(cfg.strategy, "strategy")
         if isinstance(strategy, AutoFit):
             strategy = _auto_fit(cfg, strategy, _model_facts(cfg, datamodule)).strategy
@@ -161,7 +161,9 @@ def _fit_and_test(cfg: DictConfig) -> dict[str, float]:
     parts = build(cfg)
     trainer: L.Trainer = parts["trainer"]
     try:
-        trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=cfg.ckpt_path)
+        # weights_only=None leaves the checkpoint to be vetted (safe_load.py); False is the user's opt-in.
+        weights_only = False if cfg.get("trust_checkpoint") else None
+        trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=cfg.ckpt_path, weights_only=weights_only)
     except PreflightError as error:  # found on this process before any other rank started
         raise ConfigError(" ".join(str(error).split())) from error
     finally:

@@ -17,26 +17,30 @@ from typing import Any
 
 import torch
 
-from lightning_dist.checkpoints.formats import DEEPSPEED, FILE, CheckpointError, checkpoint_format
+from lightning_dist.checkpoints.formats import DEEPSPEED, FILE, CheckpointError, checkpoint_format, deepspeed_tag_dir
+from lightning_dist.checkpoints.safe_load import load_file, vet_checkpoint
 
 
-def load_consolidated(path: str | Path) -> dict[str, Any]:
-    """The checkpoint at `path` as one in-memory Lightning checkpoint dict with a full fp32 `state_dict`."""
+def load_consolidated(path: str | Path, trusted: bool = False) -> dict[str, Any]:
+    """The checkpoint at `path` as one in-memory Lightning checkpoint dict with a full fp32 `state_dict`.
+    Unless `trusted`, a checkpoint whose pickles hold anything but data is refused (UnsafeCheckpointError)."""
     path = Path(path)
     kind = checkpoint_format(path)
     if kind == FILE:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return load_file(path, trusted=trusted)
+    if not trusted:
+        vet_checkpoint(path)  # DeepSpeed's and DCP's readers below unpickle freely
     if kind == DEEPSPEED:
         return _load_deepspeed(path)
     return _load_distributed(path)
 
 
-def consolidate_checkpoint(path: str | Path, output: str | Path) -> Path:
+def consolidate_checkpoint(path: str | Path, output: str | Path, trusted: bool = False) -> Path:
     """Write `path`'s checkpoint as a single plain file at `output` (which must not exist yet)."""
     output = Path(output)
     if output.exists():
         raise CheckpointError(f"output: {output} exists; consolidation never overwrites a file, choose a new path")
-    checkpoint = load_consolidated(path)
+    checkpoint = load_consolidated(path, trusted)
     output.parent.mkdir(parents=True, exist_ok=True)
     torch.save(checkpoint, output)
     return output
@@ -45,10 +49,10 @@ def consolidate_checkpoint(path: str | Path, output: str | Path) -> Path:
 def _load_deepspeed(path: Path) -> dict[str, Any]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, get_model_state_files
 
-    tag = (path / "latest").read_text().strip()
-    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
+    tag_dir = deepspeed_tag_dir(path)
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag_dir.name)
     # Lightning keeps its own state (loops, callbacks, hyper-parameters) in rank 0's model-states file.
-    client_state = torch.load(get_model_state_files(str(path / tag))[0], map_location="cpu", weights_only=False)
+    client_state = load_file(get_model_state_files(str(tag_dir))[0], trusted=True)  # vetted above
     deepspeed_keys = {"module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "skipped_steps",
                       "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
                       "buffer_names", "param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments",
@@ -60,7 +64,7 @@ def _load_deepspeed(path: Path) -> dict[str, Any]:
             state_dict[name] = tensor.float() if tensor.is_floating_point() else tensor
     checkpoint = {k: v for k, v in client_state.items() if k not in deepspeed_keys}
     checkpoint["state_dict"] = {k.removeprefix("_forward_module."): v for k, v in state_dict.items()}
-    return _with_state_by_name(checkpoint, _deepspeed_adam_state(path / tag))
+    return _with_state_by_name(checkpoint, _deepspeed_adam_state(tag_dir))
 
 
 def _deepspeed_adam_state(ds_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -69,7 +73,7 @@ def _deepspeed_adam_state(ds_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     from deepspeed.utils import zero_to_fp32 as z
 
     model_states = z.parse_model_states(z.get_model_state_files(str(ds_dir)))
-    shards = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    shards = [load_file(f, trusted=True)["optimizer_state_dict"]  # vetted by load_consolidated
               for f in z.get_optim_files(str(ds_dir))]
     stage, world_size = shards[0]["zero_stage"], len(shards)
     states = [shard["base_optimizer_state" if stage <= 2 else "optimizer_state_dict"]["state"] for shard in shards]
@@ -121,9 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Consolidate a DDP, FSDP or DeepSpeed checkpoint into one file.")
     parser.add_argument("checkpoint", type=Path, help="a .ckpt file, or a DeepSpeed or FSDP checkpoint directory")
     parser.add_argument("output", type=Path, help="the single file to write (must not exist)")
+    parser.add_argument("--trust-checkpoint", action="store_true",
+                        help="load pickled objects other than tensors and plain data (runs code the file names)")
     args = parser.parse_args(argv)
     try:
-        output = consolidate_checkpoint(args.checkpoint, args.output)
+        output = consolidate_checkpoint(args.checkpoint, args.output, trusted=args.trust_checkpoint)
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

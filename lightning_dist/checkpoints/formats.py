@@ -13,7 +13,7 @@ class CheckpointError(ValueError):
     """A checkpoint path that does not hold what was expected; the message says what would."""
 
 
-def _is_deepspeed_dir(path: Path) -> bool:
+def is_deepspeed_dir(path: Path) -> bool:
     return path.is_dir() and (path / "latest").is_file()
 
 
@@ -28,13 +28,13 @@ def checkpoint_format(path: str | Path, key: str = "ckpt_path") -> str:
         raise CheckpointError(f"{key}: no checkpoint at {path} (expected a .ckpt file or checkpoint directory)")
     if path.is_file():
         for parent in path.parents:
-            if _is_deepspeed_dir(parent) or _is_distributed_dir(parent):
-                kind = "DeepSpeed" if _is_deepspeed_dir(parent) else "distributed (FSDP)"
+            if is_deepspeed_dir(parent) or _is_distributed_dir(parent):
+                kind = "DeepSpeed" if is_deepspeed_dir(parent) else "distributed (FSDP)"
                 raise CheckpointError(
                     f"{key}: {path} is one file inside the {kind} checkpoint directory {parent}; pass the directory"
                 )
         return FILE
-    if _is_deepspeed_dir(path):
+    if is_deepspeed_dir(path):
         return DEEPSPEED
     if _is_distributed_dir(path):
         return DISTRIBUTED
@@ -44,6 +44,11 @@ def checkpoint_format(path: str | Path, key: str = "ckpt_path") -> str:
     )
 
 
+def deepspeed_tag_dir(path: Path) -> Path:
+    """The directory of the shards a DeepSpeed checkpoint's `latest` tag points at."""
+    return path / (path / "latest").read_text().strip()
+
+
 def is_complete(path: str | Path) -> bool:
     """Whether a checkpoint's save finished: the file a save writes last is present and readable."""
     import zipfile
@@ -51,34 +56,32 @@ def is_complete(path: str | Path) -> bool:
     path = Path(path)
     if path.is_file():
         return zipfile.is_zipfile(path)  # torch.save writes a zip whose directory comes last
-    if _is_deepspeed_dir(path):  # DeepSpeed writes `latest` after every rank's shards
-        tag = (path / "latest").read_text().strip()
-        return any((path / tag).glob("*model_states.pt"))
+    if is_deepspeed_dir(path):  # DeepSpeed writes `latest` after every rank's shards
+        return any(deepspeed_tag_dir(path).glob("*model_states.pt"))
     # torch.distributed.checkpoint commits `.metadata` after all shards; Lightning adds meta.pt after that.
     return _is_distributed_dir(path) and (path / "meta.pt").is_file()
 
 
-def state_dict_keys(path: str | Path) -> set[str]:
+def state_dict_keys(path: str | Path, trusted: bool = False) -> set[str]:
     """The model keys a checkpoint holds, read without loading its tensors."""
-    import torch
+    from lightning_dist.checkpoints.safe_load import load_file
 
     path = Path(path)
     kind = checkpoint_format(path)
     if kind == FILE:
-        return set(torch.load(path, map_location="cpu", mmap=True, weights_only=False)["state_dict"])
+        return set(load_file(path, mmap=True, trusted=trusted)["state_dict"])
     if kind == DISTRIBUTED:
         from torch.distributed.checkpoint import FileSystemReader
 
         metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
         return {key.removeprefix("state_dict.") for key in metadata if key.startswith("state_dict.")}
-    tag = (path / "latest").read_text().strip()
-    model_states = sorted((path / tag).glob("*model_states.pt"))[0]
-    return set(torch.load(model_states, map_location="cpu", weights_only=False)["module"])
+    model_states = sorted(deepspeed_tag_dir(path).glob("*model_states.pt"))[0]
+    return set(load_file(model_states, mmap=True, trusted=trusted)["module"])
 
 
-def check_checkpoint_matches(path: str | Path, expected_keys: set[str], key: str = "ckpt_path") -> None:
+def check_checkpoint_matches(path: str | Path, expected_keys: set[str], key: str = "ckpt_path", trusted: bool = False) -> None:
     """CheckpointError when the checkpoint is of another model (its keys differ from the model's)."""
-    found = state_dict_keys(path)
+    found = state_dict_keys(path, trusted)
     missing, unexpected = sorted(expected_keys - found), sorted(found - expected_keys)
     if missing or unexpected:
         raise CheckpointError(

@@ -9,16 +9,23 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dist.checkpoints.consolidate import load_consolidated
-from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError, checkpoint_format
+from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError, checkpoint_format, deepspeed_tag_dir
+from lightning_dist.checkpoints.safe_load import load_file, vet_checkpoint
 
 
-def load_for_resume(path: str | Path, native_formats: set[str]) -> dict[str, Any] | None:
-    """None when `path` is in one of the strategy's own formats (let it load as usual); otherwise the checkpoint
-    consolidated into one plain dict (weights, loops, and optimizer state by parameter name)."""
-    kind = checkpoint_format(path)
-    if kind in native_formats:
+def load_for_resume(path: str | Path, native_formats: set[str], weights_only: bool | None) -> dict[str, Any] | None:
+    """None when `path` is in one of the strategy's own formats (let it load as usual, once vetted); otherwise
+    the checkpoint consolidated into one plain dict (weights, loops, and optimizer state by parameter name).
+
+    `weights_only` is Lightning's: unless the user passed False, every pickle in the checkpoint must hold data
+    only (safe_load.py), whichever library reads it afterwards.
+    """
+    trusted = weights_only is False
+    if checkpoint_format(path) in native_formats:
+        if not trusted:
+            vet_checkpoint(path)
         return None
-    return load_consolidated(path)
+    return load_consolidated(path, trusted)
 
 
 def check_deepspeed_world_size(path: str | Path, world_size: int) -> None:
@@ -29,9 +36,8 @@ def check_deepspeed_world_size(path: str | Path, world_size: int) -> None:
             f"ckpt_path: DeepSpeed resumes only from its own checkpoint directory, and {path} is a"
             f" {checkpoint_format(path)} checkpoint; resume it under ddp or fsdp instead"
         )
-    tag = (path / "latest").read_text().strip()
-    model_states = sorted((path / tag).glob("*model_states.pt"))
-    saved = torch.load(model_states[0], map_location="cpu", weights_only=False).get("dp_world_size")
+    model_states = sorted(deepspeed_tag_dir(path).glob("*model_states.pt"))
+    saved = load_file(model_states[0], mmap=True).get("dp_world_size")
     if saved is not None and saved != world_size:
         raise CheckpointError(
             f"ckpt_path: this DeepSpeed checkpoint was written by {saved} ranks and DeepSpeed cannot re-partition it"

@@ -35,7 +35,7 @@ class DDPStrategy(SwappedSaves, _LightningDDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        foreign = load_for_resume(checkpoint_path, native_formats={FILE})
+        foreign = load_for_resume(checkpoint_path, native_formats={FILE}, weights_only=weights_only)
         return foreign if foreign is not None else super().load_checkpoint(checkpoint_path, weights_only)
 
     @override

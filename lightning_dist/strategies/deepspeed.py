@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_dist.checkpoints.resume import check_deepspeed_world_size
+from lightning_dist.checkpoints.safe_load import vet_checkpoint
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.deepspeed_config import (
     Resolution,
@@ -219,6 +220,8 @@ class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         check_deepspeed_world_size(self.broadcast(checkpoint_path), self.world_size)
+        if weights_only is not False:  # DeepSpeed unpickles its shards with weights_only=False
+            vet_checkpoint(checkpoint_path)
         return super().load_checkpoint(checkpoint_path, weights_only)
 
     @override
