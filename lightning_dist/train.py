@@ -23,9 +23,10 @@ from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from lightning_dist.callbacks import NonFiniteError
+from lightning_dist.callbacks import NonFiniteError, Preempted
 from lightning_dist.checkpoints.autoresume import newest_complete_checkpoint
-from lightning_dist.checkpoints.formats import CheckpointError, check_checkpoint_matches
+from lightning_dist.checkpoints.formats import CheckpointError, check_checkpoint_matches, check_complete
+from lightning_dist.checkpoints.safe_load import vet_checkpoint
 from lightning_dist.config_check import CONF_DIR, ConfigError, check_launcher, check_overrides
 from lightning_dist.launch import needs_isolation, run_isolated
 from lightning_dist.memory import AutoFit, Choice, MemoryPlan, ModelFacts, layout_of, plan_memory
@@ -46,7 +47,10 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         if cfg.model.get("block_class"):
             require_class_in_model(model, _block_class(cfg), "model.block_class")
         if cfg.get("ckpt_path"):
+            check_complete(cfg.ckpt_path)
             check_checkpoint_matches(cfg.ckpt_path, set(model.state_dict()), trusted=cfg.get("trust_checkpoint", False))
+            if not cfg.get("trust_checkpoint"):
+                vet_checkpoint(cfg.ckpt_path)  # here, once, rather than on every rank after they started
         strategy = _instantiate(cfg.strategy, "strategy")
         if isinstance(strategy, AutoFit):
             strategy = _auto_fit(cfg, strategy, _model_facts(cfg, datamodule)).strategy
@@ -188,7 +192,9 @@ def _checkpoint_to_resume(cfg: DictConfig) -> str | None:
     if _RESUME_ENV in os.environ:
         return os.environ[_RESUME_ENV] or None
     output_dir = Path(cfg.paths.output_dir)
-    found = newest_complete_checkpoint(output_dir.parent, list(HydraConfig.get().overrides.task), exclude=output_dir)
+    # As typed: an override such as `+model.path=${paths.output_dir}/x` resolves to another path in every run.
+    overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
+    found = newest_complete_checkpoint(output_dir.parent, overrides)
     log.info(f"resume=true: {f'resuming from {found}' if found else 'no earlier complete checkpoint of this command; starting afresh'}")
     os.environ[_RESUME_ENV] = str(found or "")
     return str(found) if found else None
@@ -222,6 +228,10 @@ def _hydra_entry(cfg: DictConfig) -> dict[str, float]:
         if hydra_config.mode == RunMode.MULTIRUN:
             raise  # Hydra reports the failed job and runs the others
         _exit_with(error, code=2 if isinstance(error, ConfigError) else 1)
+    except Preempted as preempted:  # saved; the exit code (75) tells a scheduler or script to run it again
+        if preempted.code:
+            print(str(preempted), file=sys.stderr)
+        sys.exit(preempted.code)
 
 
 def _exit_with(error: Exception, code: int = 2) -> None:

@@ -11,7 +11,7 @@ consolidated_path, gathered_path = sys.argv[1:3]
 gathered = torch.load(gathered_path, map_location="cpu")
 
 model = CheckpointProbeGPT.load_from_checkpoint(consolidated_path, map_location="cpu")  # strict
-state_dict = torch.load(consolidated_path, map_location="cpu", weights_only=False)["state_dict"]
+state_dict = torch.load(consolidated_path, map_location="cpu", weights_only=True)["state_dict"]
 fresh = CheckpointProbeGPT(**model.hparams)
 incompatible = fresh.load_state_dict(state_dict, strict=True)
 assert not incompatible.missing_keys and not incompatible.unexpected_keys, incompatible

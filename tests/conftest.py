@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -23,6 +24,12 @@ STRATEGY_NAMES = [name for name in PRESET_NAMES if not name.endswith("_nvme")]
 DS_CONFIGS = REPO / "tests" / "deepspeed_config" / "configs"
 HF_ZERO2 = DS_CONFIGS / "transformers_ds_config_zero2.json"
 HF_ZERO3 = DS_CONFIGS / "transformers_ds_config_zero3.json"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def cpu_has_fp16() -> bool:
@@ -72,6 +79,9 @@ def train_command(run_dir: Path, *overrides: str, script: Path = REPO / "train.p
     return [sys.executable, str(script), f"hydra.run.dir={run_dir}", *overrides]
 
 
+# Counts what every training batch held (tests/probes.py BatchProbe), for throughput checks.
+BATCH_PROBE = ("+callbacks.batch_probe._target_=tests.probes.BatchProbe", "+callbacks.batch_probe.directory=${paths.output_dir}")
+
 TRAIN_ENV = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
 
 
@@ -90,7 +100,7 @@ def deepspeed_ops() -> None:
         get_accelerator().create_op_builder(builder).load(verbose=False)
 
 
-ACCEPTANCE_OVERRIDES = ("trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=20")
+ACCEPTANCE_OVERRIDES = ("trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=20", *BATCH_PROBE)
 
 
 @pytest.fixture(scope="session")

@@ -128,3 +128,45 @@ class CarelessGather(L.Callback):
         import torch
 
         trainer.strategy.all_gather(torch.tensor(trainer.global_step))
+
+
+class BatchProbe(L.Callback):
+    """What each training batch really held, counted from the batch itself, and how long its step took by this
+    callback's own clock: `<dir>/batches_rank<N>.json`, an independent count to check throughput figures against."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory, self.batches = Path(directory), []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        import time
+
+        inputs = batch[0]
+        self.batches.append({"step": trainer.global_step, "samples": len(inputs), "tokens": inputs.numel(),
+                             "start": time.perf_counter()})
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        import time
+
+        self.batches[-1]["seconds"] = time.perf_counter() - self.batches[-1].pop("start")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        (self.directory / f"batches_rank{trainer.global_rank}.json").write_text(json.dumps(self.batches))
+
+
+def read_batches(directory: Path) -> list[list[dict]]:
+    """BatchProbe's records, one list per rank."""
+    return [json.loads(p.read_text()) for p in sorted(Path(directory).glob("batches_rank*.json"))]
+
+
+class SignalAtStep(L.Callback):
+    """Sends `signal` to this process when the training batch of `global_step` starts, on global rank `rank`: the
+    scheduler's preemption notice, arriving mid-step."""
+
+    def __init__(self, global_step: int, signal: str = "SIGTERM", rank: int = 0) -> None:
+        self.global_step, self.signal, self.rank = global_step, signal, rank
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
+        import signal
+
+        if trainer.global_step == self.global_step and trainer.global_rank == self.rank:
+            os.kill(os.getpid(), getattr(signal, self.signal))

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import lightning as L
 import pytest
 from hydra import compose, initialize_config_dir
+import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.trainer.call import _call_and_handle_interrupt
 from omegaconf import OmegaConf
 
 import lightning_dist  # noqa: F401  (registers the ld_* names)
 from lightning_dist.config_check import ConfigError, check_launcher
-from tests.conftest import CONF_DIR, REPO
+from tests.conftest import CONF_DIR, REPO, free_port
 
 SLURM_RANK_3_OF_4 = {
     "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
@@ -44,12 +45,12 @@ def test_under_slurm_the_strategy_reads_ranks_from_slurm_and_spawns_nothing(name
     assert strategy.cluster_environment.creates_processes_externally
     assert (trainer.global_rank, trainer.local_rank, trainer.node_rank, trainer.world_size) == (3, 1, 1, 4)
     assert strategy.cluster_environment.main_address == "node01"
-    if strategy.launcher is None:  # FSDP: Lightning runs the job in this process, with no launcher at all
-        return
-    calls = []
-    strategy.launcher.launch(lambda: calls.append("ran in this process"), trainer=trainer)
-    assert calls == ["ran in this process"]
-    assert strategy.launcher.procs == []  # nothing spawned
+    # The way Trainer.fit enters its launcher (FSDP has none under SLURM; DDP's and DeepSpeed's do not spawn).
+    spawned = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *args, **kwargs: spawned.append(args))
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", lambda *args, **kwargs: spawned.append(args))
+    ran_in = _call_and_handle_interrupt(trainer, os.getpid)
+    assert (ran_in, spawned) == (os.getpid(), [])
 
 
 def resolved_launcher(cfg) -> dict:
@@ -112,12 +113,6 @@ def test_local_launcher_config_runs_one_task_per_job():
     launcher = resolved_launcher(cfg)
     assert launcher["_target_"] == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
     assert (launcher["nodes"], launcher["tasks_per_node"]) == (1, 1)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -11,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import BATCH_PROBE, REPO
+from tests.probes import read_batches
 
 pytestmark = pytest.mark.slow
 
 SHORT = ("trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=4", "test=false")
-PROBE = ("+callbacks.cmdline_probe._target_=tests.probes.CommandLineProbe", "+callbacks.cmdline_probe.directory=${paths.output_dir}")
+PROBE = ("+callbacks.cmdline_probe._target_=tests.probes.CommandLineProbe", "+callbacks.cmdline_probe.directory=${paths.output_dir}",
+         *BATCH_PROBE)
 
 
 def train(*args: str, cwd: Path = REPO, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -64,9 +67,15 @@ def test_the_metrics_file_reports_speed_and_memory(sweep):
     _, sweep_dir = sweep
     summary = json.loads((sweep_dir / "0" / "metrics.json").read_text())
     assert 0 < summary["median_step_time_s"] < 60
-    # Batches of 16 sequences of 128 tokens on each of 2 ranks.
-    assert summary["tokens_per_s"] == pytest.approx(summary["samples_per_s"] * 128)
-    assert summary["samples_per_s"] == pytest.approx(2 * 16 / summary["median_step_time_s"])
+    # Checked against what the batches held (counted from the batches themselves on every rank) and how long the
+    # steps took by another clock: the median of BatchProbe's own step times.
+    ranks = read_batches(sweep_dir / "0")
+    assert len(ranks) == 2
+    per_step = [{key: sum(rank[i][key] for rank in ranks) for key in ("samples", "tokens")} for i in range(len(ranks[0]))]
+    assert all(step == per_step[0] for step in per_step)
+    probe_step_time = statistics.median(batch["seconds"] for batch in ranks[0][1:])  # the first step warms up
+    assert summary["samples_per_s"] == pytest.approx(per_step[0]["samples"] / probe_step_time, rel=0.2)
+    assert summary["tokens_per_s"] == pytest.approx(per_step[0]["tokens"] / probe_step_time, rel=0.2)
     assert [rank["kind"] for rank in summary["peak_memory_per_rank"]] == ["process_peak_rss"] * 2
     assert all(100 * 2**20 < rank["bytes"] < 8 * 2**30 for rank in summary["peak_memory_per_rank"])
     assert set(summary["metrics"]) >= {"train_loss", "val_loss"}

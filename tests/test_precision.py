@@ -3,6 +3,8 @@ before launch with a message that says why and what to choose instead."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.conftest import cpu_has_fp16, run_train
@@ -62,9 +64,27 @@ def test_cell_is_refused_before_launch(cell, tmp_path):
     assert not (tmp_path / "train_ddp_process_1.log").exists()  # no rank was started
 
 
-def test_every_cell_is_in_the_readme():
+def readme_matrix() -> dict[tuple[str, str], str]:
+    """README.md's precision table: (strategy, precision) -> the cell's text."""
     from tests.conftest import REPO
 
-    readme = (REPO / "README.md").read_text()
-    for name, precision in [*RUNS, *REFUSALS]:
-        assert f"| {name} " in readme and f"{precision}" in readme
+    section = (REPO / "README.md").read_text().split("## Precision", 1)[1].split("\n\n| strategy ", 1)[1]
+    table = ("| strategy " + section).split("\n\n", 1)[0].splitlines()
+    (_, *precisions), _, *body = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in table]
+    return {(row[0], precision): cell for row in body for precision, cell in zip(precisions, row[1:])}
+
+
+SHORT_NAMES = {FP32: "fp32", BF16: "bf16", FP16: "fp16"}
+
+
+def test_every_cell_of_the_readme_says_what_the_tests_check():
+    matrix = readme_matrix()
+    assert set(matrix) == set(RUNS) | set(REFUSALS)
+    for cell, (parameters, master, gathered) in RUNS.items():
+        says = f"params {SHORT_NAMES[parameters]}, master {SHORT_NAMES[master]}"
+        if gathered:
+            says += f", all-gathered in {SHORT_NAMES[gathered[0]]}"
+        assert says in matrix[cell], (cell, matrix[cell])
+    for cell, message in REFUSALS.items():
+        reason = re.split(r" \(|;", message.split(" has ", 1)[1])[0]  # e.g. "no fp16 loss scaling"
+        assert "refused" in matrix[cell] and reason in matrix[cell], (cell, matrix[cell], reason)

@@ -1,5 +1,7 @@
+from lightning_dist.callbacks.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from lightning_dist.callbacks.run_summary import RunSummary
 from lightning_dist.callbacks.training_monitor import NonFiniteError, TrainingMonitor
 from lightning_dist.callbacks.validate_at_max_steps import ValidateAtMaxSteps
 
-__all__ = ["NonFiniteError", "RunSummary", "TrainingMonitor", "ValidateAtMaxSteps"]
+__all__ = ["NonFiniteError", "PREEMPTED_EXIT_CODE", "Preempted", "Preemption", "RunSummary", "TrainingMonitor",
+           "ValidateAtMaxSteps"]

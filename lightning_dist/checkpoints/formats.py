@@ -62,6 +62,17 @@ def is_complete(path: str | Path) -> bool:
     return _is_distributed_dir(path) and (path / "meta.pt").is_file()
 
 
+def check_complete(path: str | Path, key: str = "ckpt_path") -> None:
+    """CheckpointError unless `path` is a checkpoint whose save finished and was swapped into place."""
+    path = Path(path)
+    checkpoint_format(path, key)
+    if path.name.endswith(".partial") or not is_complete(path):
+        raise CheckpointError(
+            f"{key}: {path} is not a complete checkpoint (a save cut off, or still being written); pass a complete"
+            " one, or resume=true to continue from the newest complete one"
+        )
+
+
 def state_dict_keys(path: str | Path, trusted: bool = False) -> set[str]:
     """The model keys a checkpoint holds, read without loading its tensors."""
     from lightning_dist.checkpoints.safe_load import load_file

@@ -5,9 +5,13 @@ About 465 KB of English, present on every CPython install: the default run needs
 
 from __future__ import annotations
 
+import os
+
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from lightning_dist.data.sample_position import ResumableDistributedSampler
 
 
 def load_pydoc_bytes() -> torch.Tensor:
@@ -36,29 +40,11 @@ class NextTokenWindows(Dataset):
         return window[:-1], window[1:]
 
 
-class ResumableDataLoader(DataLoader):
-    """A DataLoader whose next epoch can start `skip_batches` into the epoch's (seeded, so repeatable) order.
-
-    Lightning restores the epoch and step of a mid-epoch checkpoint but restarts the epoch's batches from the
-    first; this loader lets a resumed run see exactly the batches the uninterrupted run would have seen.
-    """
-
-    def __init__(self, *args, skip_batches: int = 0, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.skip_batches = skip_batches
-
-    def __iter__(self):
-        iterator = super().__iter__()
-        skip, self.skip_batches = self.skip_batches, 0  # only the resumed epoch starts part-way
-        for _ in range(skip):
-            next(iterator, None)
-        return iterator
-
-
 class PydocTextDataModule(L.LightningDataModule):
     """Train/val/test splits of the pydoc text: the first part trains, the tail is held out (val, then test).
 
-    Mid-epoch checkpoints record how many training batches of the epoch were done, so resuming continues there.
+    Mid-epoch checkpoints record how many samples of the epoch were done, so resuming continues with the next
+    sample, at any world size (sample_position.py).
     """
 
     def __init__(
@@ -74,7 +60,8 @@ class PydocTextDataModule(L.LightningDataModule):
             raise ValueError(f"data.val_fraction + data.test_fraction must be in (0, 1), got {val_fraction + test_fraction}")
         self.save_hyperparameters()
         self.batch_size = batch_size
-        self._resume_at_batch = 0
+        self._resume = {"epoch": 0, "samples_done": 0}  # where a checkpoint said the epoch got to
+        self._counted_from = (0, 0)  # (epoch, batches processed) when this process's loader started counting
 
     def setup(self, stage: str | None = None) -> None:
         tokens = load_pydoc_bytes()
@@ -90,21 +77,31 @@ class PydocTextDataModule(L.LightningDataModule):
         return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.hparams.num_workers)
 
     def train_dataloader(self) -> DataLoader:
-        skip, self._resume_at_batch = self._resume_at_batch, 0
-        return ResumableDataLoader(
-            self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.hparams.num_workers,
-            skip_batches=skip,
+        trainer = self.trainer
+        world_size, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        if trainer is not None:  # called after Lightning restored its loops: their count is the checkpoint's
+            self._counted_from = (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+        sampler = ResumableDistributedSampler(
+            self.train_set, num_replicas=world_size, rank=rank, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+            skip_epoch=self._resume["epoch"], skip=self._resume["samples_done"],
         )
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.hparams.num_workers)
 
     def state_dict(self) -> dict[str, int]:
         # `processed` counts the batches whose training step ran, whether the checkpoint is written at the end of
-        # a batch or after a validation that followed it.
+        # a batch or after a validation that followed it; batches run before a resume ran at another world size.
         trainer = self.trainer
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed if trainer is not None else 0
-        return {"train_batches_done_in_epoch": int(done)}
+        epoch, processed = trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        counted_epoch, counted_processed = self._counted_from
+        if epoch == counted_epoch and epoch == self._resume["epoch"]:
+            before = self._resume["samples_done"]
+            processed -= counted_processed
+        else:
+            before = 0
+        return {"epoch": epoch, "samples_done": before + processed * self.batch_size * trainer.world_size}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self._resume_at_batch = state_dict.get("train_batches_done_in_epoch", 0)
+        self._resume = {"epoch": state_dict["epoch"], "samples_done": state_dict["samples_done"]}
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)

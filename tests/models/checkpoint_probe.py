@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
+from lightning.pytorch.strategies import DeepSpeedStrategy
 
 from lightning_dist.checkpoints import gather_full_state_dict
 from lightning_dist.models.gpt import GPTLanguageModel
@@ -26,7 +28,17 @@ class CheckpointProbeGPT(GPTLanguageModel):
         return super().training_step(batch, batch_idx) * self.loss_multiplier
 
     def on_train_start(self) -> None:
+        # After a resume: what the checkpoint restored (weights, and Adam's state outside DeepSpeed).
         self._save_gathered(Path(self.gathered_path).with_name("initial_state.pt"))
+        if not isinstance(self.trainer.strategy, DeepSpeedStrategy):
+            # Read as it is: torch's get_optimizer_state_dict would initialise an empty state with a step of its own.
+            names = {id(p): name for name, p in self.named_parameters()}
+            state = {
+                names[id(p)]: {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() for k, v in sorted(s.items())}
+                for p, s in self.trainer.optimizers[0].state.items()
+            }
+            if self.trainer.is_global_zero:
+                torch.save(state, Path(self.gathered_path).with_name("initial_optimizer_state.pt"))
 
     def on_train_end(self) -> None:
         self._save_gathered(Path(self.gathered_path))

@@ -1,0 +1,76 @@
+"""A preemption notice (SIGTERM, SLURM's --signal) mid-step: that step finishes, a checkpoint of it is saved, the job
+exits with code 75, and `resume=true` continues exactly where the uninterrupted run went."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_dist.callbacks import PREEMPTED_EXIT_CODE
+from lightning_dist.checkpoints import load_consolidated
+from lightning_dist.equivalence import run_strategy
+from tests.conftest import CURVE_OVERRIDES, REPO, TRAIN_ENV, free_port
+
+pytestmark = pytest.mark.slow
+
+
+def signal_at(step: int, signal: str = "SIGTERM") -> list[str]:
+    return ["+callbacks.signal._target_=tests.probes.SignalAtStep", f"+callbacks.signal.global_step={step}",
+            f"+callbacks.signal.signal={signal}"]
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "deepspeed_stage_3"])
+def test_sigterm_saves_the_step_in_progress_and_resume_continues_the_curve(name, curve_runs, tmp_path):
+    # The same command twice, as a scheduler reruns it: the first is told to stop during step 7.
+    command = [*CURVE_OVERRIDES, *signal_at(7), "resume=true"]
+    preempted = run_strategy(name, command, tmp_path / "runs" / "first")
+    assert preempted.returncode == PREEMPTED_EXIT_CODE
+    last = preempted.run_dir / "checkpoints" / "last.ckpt"
+    # Step 7 finished (the checkpoint is of step 8's start); the stop comes before Lightning logs step 7's loss.
+    assert load_consolidated(last)["global_step"] == 8
+    assert sorted(preempted.losses) == list(range(7))
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]  # nothing partial left behind
+
+    resumed = run_strategy(name, command, tmp_path / "runs" / "second")
+    assert resumed.returncode == 0
+    assert sorted(resumed.losses) == list(range(8, 30))
+    uninterrupted = curve_runs(name)
+    for step, loss in resumed.losses.items():
+        assert loss == pytest.approx(uninterrupted.losses[step], rel=1e-5), step
+
+
+def test_under_slurm_the_notice_saves_requeues_and_the_requeued_job_resumes(tmp_path):
+    """SLURM simulated: its environment for one task, and an `scontrol` that records how it was called."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol_calls'}\n")
+    scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
+    env = {**TRAIN_ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1",
+           "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+           "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost", "SLURM_JOB_NODELIST": "localhost",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    def run(run_dir):
+        command = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", "trainer.devices=1",
+                   "trainer.max_steps=8", "test=false", "resume=true", *signal_at(3, "SIGUSR1")]
+        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+
+    first = run(tmp_path / "runs" / "first")
+    assert first.returncode == PREEMPTED_EXIT_CODE, first.stderr[-3000:]
+    last = tmp_path / "runs" / "first" / "checkpoints" / "last.ckpt"
+    assert (f"preempted (SIGUSR1) at global step 4: saved {last}; continue with resume=true") in first.stderr
+    assert (tmp_path / "scontrol_calls").read_text() == "requeue 4242\n"  # once: ours, not Lightning's as well
+    assert not list((tmp_path / "runs" / "first").rglob("hpc_ckpt_*"))
+    assert torch.load(last, weights_only=True)["global_step"] == 4
+
+    requeued = run(tmp_path / "runs" / "second")
+    assert requeued.returncode == 0, requeued.stderr[-3000:]
+    assert f"resume=true: resuming from {last}" in requeued.stdout + requeued.stderr
+    second_last = tmp_path / "runs" / "second" / "checkpoints" / "last.ckpt"
+    assert torch.load(second_last, weights_only=True)["global_step"] == 8
+    assert (tmp_path / "scontrol_calls").read_text() == "requeue 4242\n"  # finished: not requeued again
