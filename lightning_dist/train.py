@@ -32,6 +32,7 @@ from lightning_dist.launch import needs_isolation, run_isolated
 from lightning_dist.memory import AutoFit, Choice, MemoryPlan, ModelFacts, layout_of, plan_memory
 from lightning_dist.memory.compare import compare_presets
 from lightning_dist.parallel import require_class_in_model, resolve_module_class
+from lightning_dist.parallel.collective_timeout import CollectiveTimeout, explain_collective_timeout
 from lightning_dist.precision import check_precision, device_type
 from lightning_dist.strategies.launcher import PreflightError
 
@@ -170,6 +171,11 @@ def _fit_and_test(cfg: DictConfig) -> dict[str, float]:
         trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=cfg.ckpt_path, weights_only=weights_only)
     except PreflightError as error:  # found on this process before any other rank started
         raise ConfigError(" ".join(str(error).split())) from error
+    except RuntimeError as error:
+        timeout = explain_collective_timeout(error, trainer)
+        if timeout is None:
+            raise
+        raise timeout from error
     finally:
         os.environ.pop(_RESUME_ENV, None)  # the next job of a sweep in this interpreter decides for itself
     metrics = _metrics(trainer)
@@ -224,7 +230,7 @@ def _hydra_entry(cfg: DictConfig) -> dict[str, float]:
             plan(cfg)
             return {}
         return train(cfg)
-    except (ConfigError, NonFiniteError) as error:
+    except (ConfigError, NonFiniteError, CollectiveTimeout) as error:
         if hydra_config.mode == RunMode.MULTIRUN:
             raise  # Hydra reports the failed job and runs the others
         _exit_with(error, code=2 if isinstance(error, ConfigError) else 1)

@@ -170,3 +170,17 @@ class SignalAtStep(L.Callback):
 
         if trainer.global_step == self.global_step and trainer.global_rank == self.rank:
             os.kill(os.getpid(), getattr(signal, self.signal))
+
+
+class SleepAtStep(L.Callback):
+    """Rank `rank` stalls for `seconds` at the start of the training batch of `global_step`: a rank stuck mid-step
+    while the others wait for it in the step's collectives."""
+
+    def __init__(self, global_step: int, seconds: float, rank: int = 1) -> None:
+        self.global_step, self.seconds, self.rank = global_step, seconds, rank
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
+        import time
+
+        if trainer.global_step == self.global_step and trainer.global_rank == self.rank:
+            time.sleep(self.seconds)

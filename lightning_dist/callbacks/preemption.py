@@ -55,6 +55,9 @@ class Preemption(L.Callback):
 
     def _note(self, signum: int, _frame: Any) -> None:
         # Only a flag: this runs between two bytecodes of whatever the rank was doing, collectives included.
+        if self.received is not None:  # told twice (a rank that never reaches the step's end): die as asked
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
         self.received = signum
 
     def _install(self) -> None:

@@ -9,8 +9,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dist.checkpoints.consolidate import load_consolidated
-from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError, checkpoint_format, deepspeed_tag_dir
-from lightning_dist.checkpoints.safe_load import load_file, vet_checkpoint
+from lightning_dist.checkpoints.formats import CheckpointError, checkpoint_format
+from lightning_dist.checkpoints.safe_load import vet_checkpoint
 
 
 def load_for_resume(path: str | Path, native_formats: set[str], weights_only: bool | None) -> dict[str, Any] | None:
@@ -26,23 +26,6 @@ def load_for_resume(path: str | Path, native_formats: set[str], weights_only: bo
             vet_checkpoint(path)
         return None
     return load_consolidated(path, trusted)
-
-
-def check_deepspeed_world_size(path: str | Path, world_size: int) -> None:
-    """DeepSpeed cannot re-partition ZeRO optimizer state to a new world size: say so before it fails deep inside."""
-    path = Path(path)
-    if checkpoint_format(path) != DEEPSPEED:
-        raise CheckpointError(
-            f"ckpt_path: DeepSpeed resumes only from its own checkpoint directory, and {path} is a"
-            f" {checkpoint_format(path)} checkpoint; resume it under ddp or fsdp instead"
-        )
-    model_states = sorted(deepspeed_tag_dir(path).glob("*model_states.pt"))
-    saved = load_file(model_states[0], mmap=True).get("dp_world_size")
-    if saved is not None and saved != world_size:
-        raise CheckpointError(
-            f"ckpt_path: this DeepSpeed checkpoint was written by {saved} ranks and DeepSpeed cannot re-partition it"
-            f" for {world_size}; resume with {saved} ranks, or under ddp or fsdp (which consolidate it)"
-        )
 
 
 def restore_optimizer_by_name(module: torch.nn.Module, optimizers: list, checkpoint: dict[str, Any]) -> None:

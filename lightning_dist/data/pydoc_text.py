@@ -101,6 +101,10 @@ class PydocTextDataModule(L.LightningDataModule):
         return {"epoch": epoch, "samples_done": before + processed * self.batch_size * trainer.world_size}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        if "samples_done" not in state_dict:  # written before positions were samples: batches, at the same world size
+            world_size = self.trainer.world_size if self.trainer is not None else 1
+            state_dict = {"epoch": self.trainer.current_epoch if self.trainer is not None else 0,
+                          "samples_done": state_dict.get("train_batches_done_in_epoch", 0) * self.batch_size * world_size}
         self._resume = {"epoch": state_dict["epoch"], "samples_done": state_dict["samples_done"]}
 
     def val_dataloader(self) -> DataLoader:

@@ -8,9 +8,11 @@ NCCL refuses host tensors. Everything the package hands to a collective is made 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 # Host state under CUDA (FSDP's offloaded shards, DeepSpeed's offloaded partitions) is reduced with gloo, device
 # state with nccl: one process group with a backend per device type, as torchtitan does.
@@ -22,6 +24,28 @@ def process_group_backend(device: torch.device, host_state: bool = False) -> str
     if device.type == "cuda":
         return CUDA_WITH_HOST_STATE_BACKEND if host_state else "nccl"
     return "gloo"
+
+
+def process_group_timeout(timeout: timedelta | float | None) -> timedelta:
+    """How long a collective waits for every rank before it fails (then the job ends, naming the step): a
+    timedelta, or seconds as a config file gives them; None is torch's default, 30 minutes."""
+    if timeout is None:
+        return default_pg_timeout
+    if isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"strategy.timeout={timeout!r}: give the seconds a collective may wait, a number > 0 (default 1800)")
+    return timedelta(seconds=timeout)
+
+
+def use_timeout_for_every_group(timeout: timedelta) -> None:
+    """Make `timeout` the default of every process group created from now on in this process, not just the
+    world group's: DeepSpeed (ZeRO's data-parallel groups) and others call `new_group` without a timeout, which
+    then falls back to torch's 30 minutes (10 for NCCL) and a stuck rank would hang them that long."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
 
 
 def bind_device(device: torch.device) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
@@ -10,7 +11,8 @@ from typing_extensions import override
 from lightning_dist.checkpoints.formats import FILE
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
 from lightning_dist.checkpoints.swap import SwappedSaves
-from lightning_dist.parallel.devices import bind_device
+from lightning_dist.parallel.devices import bind_device, process_group_timeout, use_timeout_for_every_group
+from lightning_dist.strategies.launcher import GuardedLauncher
 
 
 class DDPStrategy(SwappedSaves, _LightningDDPStrategy):
@@ -23,14 +25,25 @@ class DDPStrategy(SwappedSaves, _LightningDDPStrategy):
 
     strategy_name = "ld_ddp"
 
-    def __init__(self, *args: Any, gradient_as_bucket_view: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, gradient_as_bucket_view: bool = True, timeout: timedelta | float | None = None, **kwargs: Any
+    ) -> None:
         # Gradients as views of DDP's all-reduce buckets: without it every rank holds each gradient twice (in
         # the parameter's .grad and in a bucket) and copies between them on every step.
-        super().__init__(*args, gradient_as_bucket_view=gradient_as_bucket_view, **kwargs)
+        super().__init__(
+            *args, gradient_as_bucket_view=gradient_as_bucket_view, timeout=process_group_timeout(timeout), **kwargs
+        )
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._launcher is not None:
+            self._launcher = GuardedLauncher(self._launcher)
 
     @override
     def setup_environment(self) -> None:
         bind_device(self.root_device)
+        use_timeout_for_every_group(self._timeout)
         super().setup_environment()
 
     @override

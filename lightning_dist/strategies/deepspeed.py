@@ -18,8 +18,9 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpee
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_dist.checkpoints.resume import check_deepspeed_world_size
+from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError, checkpoint_format
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
+from lightning_dist.checkpoints.universal import ensure_universal, saved_world_size
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.deepspeed_config import (
     Resolution,
@@ -31,9 +32,11 @@ from lightning_dist.deepspeed_config import (
 )
 from lightning_dist.deepspeed_config.outputs import anchor_output_paths
 from lightning_dist.deepspeed_config.preflight import check_offload_ready
-from lightning_dist.parallel.devices import bind_device, process_group_backend
+from lightning_dist.parallel.devices import (
+    bind_device, process_group_backend, process_group_timeout, use_timeout_for_every_group,
+)
 from lightning_dist.parallel.outermost_forward import run_root_hooks_once_per_forward
-from lightning_dist.strategies.launcher import PreflightLauncher
+from lightning_dist.strategies.launcher import GuardedLauncher
 
 ZERO_STAGES = (1, 2, 3)
 OFFLOAD_DEVICES = ("cpu", "nvme")
@@ -102,7 +105,7 @@ class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
         nvme_path: str | Path | None = None,
         config: str | Path | dict[str, Any] | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
     ) -> None:
         validate_zero_options(stage, offload_optimizer, offload_parameters)
         if config is None:
@@ -122,7 +125,7 @@ class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
             nvme_path=str(nvme_path or ""),
             config=user_config,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=process_group_timeout(timeout),
         )
         self.base_config = self.config  # the file, or the config built from the options; never modified
 
@@ -137,6 +140,7 @@ class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
     def setup_environment(self) -> None:
         use_deepspeed_accelerator(self.root_device)
         bind_device(self.root_device)
+        use_timeout_for_every_group(self._timeout)
         # Lightning's DeepSpeedStrategy refuses anything but CUDA at this point; DDP's set-up is what remains.
         DDPStrategy.setup_environment(self)
 
@@ -169,7 +173,7 @@ class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if self._launcher is not None:
-            self._launcher = PreflightLauncher(self._launcher, self.preflight)
+            self._launcher = GuardedLauncher(self._launcher, self.preflight)
 
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
         """On the launching process: resolve the config with what is known before `setup` and check offload."""
@@ -219,10 +223,26 @@ class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        check_deepspeed_world_size(self.broadcast(checkpoint_path), self.world_size)
+        checkpoint_path = self.broadcast(checkpoint_path)
+        if checkpoint_format(checkpoint_path) != DEEPSPEED:
+            raise CheckpointError(
+                f"ckpt_path: DeepSpeed resumes only from its own checkpoint directory, and {checkpoint_path} is a"
+                f" {checkpoint_format(checkpoint_path)} checkpoint; resume it under ddp or fsdp instead"
+            )
         if weights_only is not False:  # DeepSpeed unpickles its shards with weights_only=False
             vet_checkpoint(checkpoint_path)
-        return super().load_checkpoint(checkpoint_path, weights_only)
+        if saved_world_size(checkpoint_path) in (None, self.world_size):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        # Written by another number of ranks: DeepSpeed re-partitions its universal form (made once, by rank 0).
+        if self.is_global_zero:
+            ensure_universal(checkpoint_path)
+        self.barrier("universal checkpoint")
+        config = self.deepspeed_engine._config
+        config.load_universal_checkpoint = True
+        try:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        finally:
+            config.load_universal_checkpoint = False  # saves stay in the regular format
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:

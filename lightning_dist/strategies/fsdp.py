@@ -29,7 +29,10 @@ from lightning_dist.parallel import (
     resolve_module_class,
     sharding_layout,
 )
-from lightning_dist.parallel.devices import bind_device, process_group_backend
+from lightning_dist.parallel.devices import (
+    bind_device, process_group_backend, process_group_timeout, use_timeout_for_every_group,
+)
+from lightning_dist.strategies.launcher import GuardedLauncher
 
 # LightningModule methods that run the model without going through `forward`.
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -58,12 +61,12 @@ class FSDPStrategy(SwappedSaves, ModelParallelStrategy):
         cpu_offload: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=process_group_timeout(timeout),
         )
         self.reshard_after_forward, self.hybrid = sharding_layout(sharding_strategy)
         self.sharding_strategy = str(sharding_strategy).upper()
@@ -72,8 +75,15 @@ class FSDPStrategy(SwappedSaves, ModelParallelStrategy):
         self.cpu_offload = cpu_offload
 
     @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._launcher is not None:
+            self._launcher = GuardedLauncher(self._launcher)
+
+    @override
     def setup_environment(self) -> None:
         bind_device(self.root_device)
+        use_timeout_for_every_group(self._timeout)
         # ModelParallelStrategy's mesh is (data, tensor) parallel; ours is data parallel only, 2-D for hybrid.
         self._setup_distributed()
         self._device_mesh = self._build_mesh()

@@ -1,8 +1,11 @@
-"""A launcher that checks a run on the launching process before any rank starts, then launches as before."""
+"""A launcher that checks a run on the launching process before any rank starts, launches as before, and ends the
+ranks it started when its own rank stops early."""
 
 from __future__ import annotations
 
 import inspect
+import subprocess
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -10,19 +13,37 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerFn
 
 
+# How long the ranks this process started get to leave on their own after it stopped early: they see the same
+# error, preemption or NaN at the same step and exit within seconds unless stuck.
+CHILD_EXIT_GRACE_S = 15
+
+
+def end_processes(processes: list[subprocess.Popen], grace_s: float = CHILD_EXIT_GRACE_S) -> None:
+    """Wait up to `grace_s` for `processes` to exit, then SIGKILL the rest (SIGTERM cannot stop a rank blocked
+    in a collective)."""
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 class PreflightError(ValueError):
     """A run that cannot start, found before any rank was spawned; the message names what to change."""
 
 
-class PreflightLauncher(_Launcher):
-    """Wraps Lightning's launcher: `preflight(trainer, fit_arguments)` runs first when fitting.
+class GuardedLauncher(_Launcher):
+    """Wraps Lightning's launcher: `preflight(trainer, fit_arguments)`, if given, runs first when fitting, and the
+    ranks it started end with this one when it stops early (`end_processes`).
 
     Lightning spawns the other ranks at the start of `trainer.fit`; a mistake found after that costs every rank
     its start-up and prints one traceback per rank, so the checks that need only the Trainer, the module and the
     data run here, once.
     """
 
-    def __init__(self, launcher: _Launcher, preflight: Callable[[Any, dict[str, Any]], None]) -> None:
+    def __init__(self, launcher: _Launcher, preflight: Callable[[Any, dict[str, Any]], None] | None = None) -> None:
         self.launcher = launcher
         self.preflight = preflight
 
@@ -31,13 +52,19 @@ class PreflightLauncher(_Launcher):
         return self.launcher.is_interactive_compatible
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+        if self.preflight is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             arguments = inspect.signature(function).bind(*args, **kwargs).arguments
             try:
                 self.preflight(trainer, arguments)
             except (ValueError, TypeError) as error:
                 raise PreflightError(str(error)) from error
-        return self.launcher.launch(function, *args, trainer=trainer, **kwargs)
+        try:
+            return self.launcher.launch(function, *args, trainer=trainer, **kwargs)
+        except BaseException:
+            # This rank's run ended early (an error, a timed-out collective, a preemption): the ranks it started
+            # may be stuck in a collective that will never complete, or asleep, and would outlive the job.
+            end_processes(getattr(self.launcher, "procs", []))
+            raise
 
     def kill(self, signum: Any) -> None:
         self.launcher.kill(signum)

@@ -1,0 +1,36 @@
+"""A rank stuck inside a step: the others give up after `strategy.timeout`, the job ends soon after, naming the
+step, and no rank is left behind."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from tests.conftest import run_train
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 30
+
+
+def stall(rank: int) -> tuple[str, ...]:
+    return ("+callbacks.stall._target_=tests.probes.SleepAtStep", "+callbacks.stall.global_step=3",
+            "+callbacks.stall.seconds=100000", f"+callbacks.stall.rank={rank}")
+
+
+@pytest.mark.parametrize("name, stuck_rank", [("ddp", 1), ("fsdp", 1), ("deepspeed_stage_2", 0)])
+def test_a_stuck_rank_ends_the_job_within_a_minute_of_the_timeout(name, stuck_rank, tmp_path, deepspeed_ops):
+    started = time.monotonic()
+    run = run_train(tmp_path, f"strategy={name}", "trainer.max_steps=10", "test=false", f"strategy.timeout={TIMEOUT_S}",
+                    *stall(stuck_rank), timeout=600)
+    elapsed = time.monotonic() - started
+    waiting_rank = 1 - stuck_rank
+    assert run.process.returncode != 0
+    assert (f"rank {waiting_rank} waited in a collective at global step 3 longer than strategy.timeout=30 s:"
+            " another rank did not reach it (stuck, or slower than the timeout)") in run.output
+    # Start-up and three steps take well under 30 s here; the timeout is 30 s; the job must be over 60 s after that.
+    assert elapsed < 30 + TIMEOUT_S + 60, elapsed
+    left = subprocess.run(["pgrep", "-f", f"hydra.run.dir={tmp_path}"], capture_output=True, text=True).stdout
+    assert left == "", f"ranks outlived the job: {left}"
