@@ -110,3 +110,14 @@ def test_checkpoint_of_another_model_is_refused_before_spawning(curve_runs, tmp_
             " (e.g. -) and 25 are not in this model (e.g. bytes_seen, model.blocks.2.attn.proj.bias,"
             " model.blocks.2.attn.proj.weight)") in run.process.stderr
     assert "Initializing distributed" not in run.output
+
+
+def test_only_deepspeed_directories_convert_to_universal(tmp_path, capsys):
+    from lightning_dist.checkpoints.universal import main as universal_main
+
+    plain = tmp_path / "model.ckpt"
+    torch.save({"state_dict": {}}, plain)
+    assert universal_main([str(plain)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: ckpt_path: {plain} is not a DeepSpeed checkpoint directory; only those convert to universal\n"
+    )

@@ -57,9 +57,10 @@ def test_two_rank_checkpoint_resumes_on_one_rank(name, curve_runs, one_rank_runs
     assert sorted(resumed.losses) == list(range(15, 30))
     for step in (15, 16, 17):
         assert resumed.losses[step] == pytest.approx(uninterrupted.losses[step], rel=1e-4), step
-    # 15 more Adam steps land on the uninterrupted run's weights only with its moments and its samples: a fresh
-    # Adam state or one other batch moves weights by ~1e-3.
-    assert_same_weights(weights(resumed), weights(uninterrupted), atol=1e-5)
+    # 15 more Adam steps land on the 2-rank run's own weights only with its moments, hyper-parameters and
+    # samples (only the reduction order differs): a fresh Adam state, a weight decay on the wrong parameter
+    # group or one other batch moves weights by 3e-4 or more (measured).
+    assert_same_weights(weights(resumed), weights(source), atol=1e-5)
 
 
 @pytest.mark.parametrize("name", STAGES)
@@ -72,7 +73,7 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(name, curve_runs, one_rank_run
     assert sorted(resumed.losses) == list(range(15, 30))
     for step in (15, 16, 17):  # rank 0's half of the batch, in both
         assert resumed.losses[step] == pytest.approx(uninterrupted.losses[step], rel=1e-4), step
-    assert_same_weights(weights(resumed), weights(uninterrupted), atol=1e-5)
+    assert_same_weights(weights(resumed), weights(source), atol=1e-5)  # as above: the run it resumed, continued
     # The conversion stays beside the checkpoint it came from; the saved tag is untouched.
     checkpoint = source.run_dir / "checkpoints" / "step000015.ckpt"
     assert (checkpoint / "latest").read_text().strip() == "checkpoint"

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
+
+import torch
 
 from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError, checkpoint_format, deepspeed_tag_dir
 from lightning_dist.checkpoints.safe_load import load_file
@@ -37,16 +42,60 @@ def ensure_universal(path: str | Path) -> Path:
         return output
     if output.exists():
         shutil.rmtree(output)  # a conversion that was cut off
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal, parse_arguments
-
-    # Our models carry no Megatron-style `universal_checkpoint_info`: DeepSpeed injects the plain default.
-    argv = ["--input_folder", str(tag_dir), "--output_folder", str(output), "--inject_missing_state", "--num_extract_workers", "1"]
-    saved_argv, sys.argv = sys.argv, [sys.argv[0], *argv]
-    try:
-        ds_to_universal(parse_arguments())
-    finally:
-        sys.argv = saved_argv
+    # In a process of its own: the converter forks worker processes, and forking a training rank (gloo's and
+    # BLAS's threads holding locks) can deadlock them. Our models carry no Megatron-style
+    # `universal_checkpoint_info`: DeepSpeed injects the plain default.
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
+               "--output_folder", str(output), "--inject_missing_state"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode or not (path / LATEST_UNIVERSAL).is_file():
+        last_line = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
+        raise CheckpointError(f"ckpt_path: DeepSpeed could not convert {path} to its universal format: {last_line}")
     return output
+
+
+def convert_on_rank_zero(strategy: Any, path: str | Path) -> None:
+    """Global rank 0 converts (`ensure_universal`); every rank returns once it is done, or raises its error."""
+    failure = None
+    if strategy.is_global_zero:
+        try:
+            ensure_universal(path)
+        except CheckpointError as error:
+            failure = str(error)
+    failure = strategy.broadcast(failure)  # also the other ranks' wait for the conversion
+    if failure:
+        raise CheckpointError(failure)
+
+
+@contextmanager
+def loading_universal(engine: Any, path: str | Path) -> Iterator[None]:
+    """The DeepSpeed engine loads the universal form of `path` (tag `latest_universal`) within; saves stay regular."""
+    config = engine._config  # read by engine.load_checkpoint, and by saves: set only for this load
+    config.load_universal_checkpoint = True
+    try:
+        yield
+    finally:
+        config.load_universal_checkpoint = False
+    if engine.zero_optimization_stage() == 3 and engine.optimizer is not None:
+        _repair_zero3_load(engine.optimizer.optimizer, Path(path))
+
+
+def _repair_zero3_load(optimizer: Any, path: Path) -> None:
+    """Undo two slips of DeepSpeed's ZeRO-3 universal loader (0.19): it gives every parameter group the first
+    group's hyper-parameters (a no-decay group of biases and norms would start decaying), and one `step` tensor
+    to all groups, which Adam then advances once per group and step (bias correction drifts)."""
+    universal = path / (path / LATEST_UNIVERSAL).read_text().strip()
+    saved = load_file(universal / "zero" / "optimizer_state.pt")["optimizer_state_dict"]["param_groups"]
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"ckpt_path: {path} has {len(saved)} optimizer parameter groups and this optimizer has"
+            f" {len(optimizer.param_groups)}; resume with the optimizer the checkpoint was saved with"
+        )
+    for group, saved_group in zip(optimizer.param_groups, saved):
+        group.update({key: value for key, value in saved_group.items() if key != "params"})
+    for state in optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
 
 
 def main(argv: list[str] | None = None) -> int:

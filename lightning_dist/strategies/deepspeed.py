@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError, checkpoint_format
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
-from lightning_dist.checkpoints.universal import ensure_universal, saved_world_size
+from lightning_dist.checkpoints.universal import convert_on_rank_zero, loading_universal, saved_world_size
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.deepspeed_config import (
     Resolution,
@@ -233,16 +233,10 @@ class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
             vet_checkpoint(checkpoint_path)
         if saved_world_size(checkpoint_path) in (None, self.world_size):
             return super().load_checkpoint(checkpoint_path, weights_only)
-        # Written by another number of ranks: DeepSpeed re-partitions its universal form (made once, by rank 0).
-        if self.is_global_zero:
-            ensure_universal(checkpoint_path)
-        self.barrier("universal checkpoint")
-        config = self.deepspeed_engine._config
-        config.load_universal_checkpoint = True
-        try:
+        # Written by another number of ranks: DeepSpeed re-partitions its universal form.
+        convert_on_rank_zero(self, checkpoint_path)
+        with loading_universal(self.deepspeed_engine, checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only)
-        finally:
-            config.load_universal_checkpoint = False  # saves stay in the regular format
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
