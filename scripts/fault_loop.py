@@ -1,5 +1,5 @@
-"""Kill -9 every rank of a training run at random moments during its saves, resume with `resume=true`, again and
-again, until the run finishes; then its weights must equal an uninterrupted run's.
+"""Kill -9 every rank of a training run at random moments during its saves (every 2 steps), resume with
+`resume=true`, again and again, until the run finishes; then its weights must equal an uninterrupted run's.
 
     python -m scripts.fault_loop --strategy fsdp --kills 20 --workdir /tmp/faults
 
@@ -14,7 +14,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +27,7 @@ OVERRIDES = (
     "callbacks.model_checkpoint.save_top_k=1",
     "callbacks.model_checkpoint.monitor=null",
     "resume=true",
+    "+callbacks.kill._target_=tests.probes.KillDuringSave",  # the kill -9 itself (armed through the environment)
 )
 
 
@@ -38,43 +38,31 @@ class FaultLoop:
     kills: list[str] = field(default_factory=list)  # what was being written at each kill
 
 
-def _saving(run_dir: Path) -> list[str]:
-    checkpoints = run_dir / "checkpoints"
-    return sorted(p.name for p in checkpoints.glob(".*.partial")) if checkpoints.is_dir() else []
-
-
 def train_through_kills(strategy: str, runs_root: Path, kills: int, seed: int = 0, timeout_s: float = 600) -> FaultLoop:
-    """Start the run, let 0-3 saves pass, SIGKILL its whole process group a random 0-30 ms into the next one (a
-    `.partial` exists), `kills` times, then let the last attempt finish."""
+    """Run, and have every rank SIGKILLed 0-15 ms into the run's save number 0-3 (counted from its start), `kills`
+    times, each time starting the same command again; then let the last attempt finish. The kill comes from a
+    timer inside the run (tests/probes.py KillDuringSave): polling from outside misses saves that last 10 ms."""
     rng = random.Random(seed)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
     done = []
     for attempt in range(kills + 1):
         run_dir = runs_root / f"attempt{attempt:02d}"
+        armed = {"FAULT_KILL_AT_SAVE": str(rng.randint(0, 3)), "FAULT_KILL_DELAY_S": f"{rng.uniform(0, 0.015):.4f}"}
+        env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", **(armed if attempt < kills else {})}
         command = [sys.executable, str(REPO / "train.py"), f"strategy={strategy}", f"hydra.run.dir={run_dir}", *OVERRIDES]
         with open(runs_root / f"attempt{attempt:02d}.log", "w") as log:
             process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            deadline = time.monotonic() + timeout_s
-            let_pass, seen, was_saving = rng.randint(0, 3), 0, False
-            while attempt < kills and process.poll() is None and time.monotonic() < deadline:
-                saving = _saving(run_dir)
-                if saving and not was_saving:
-                    seen += 1
-                was_saving = bool(saving)
-                if saving and seen > let_pass:
-                    time.sleep(rng.uniform(0, 0.03))
-                    os.killpg(process.pid, signal.SIGKILL)  # every rank at once, mid-save
-                    done.append(f"attempt {attempt}: after {let_pass} saves, during {', '.join(saving)}")
-                    break
-                time.sleep(0.002)
             try:
-                returncode = process.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                raise
-        _reap(process.pid)
-        if returncode == 0:  # finished (before its kill, if the loop asked for more kills than saves were left)
+                returncode = process.wait(timeout=timeout_s)
+            finally:
+                _reap(process.pid)
+        if returncode == -signal.SIGKILL:
+            cut_off = sorted(p.name for p in (run_dir / "checkpoints").glob(".*.partial"))
+            done.append(f"attempt {attempt}: save {armed['FAULT_KILL_AT_SAVE']} + {armed['FAULT_KILL_DELAY_S']} s"
+                        f" (left behind: {', '.join(cut_off) or 'nothing, the save had finished'})")
+        elif returncode == 0:  # finished before its kill, if the loop asked for more kills than saves were left
             break
+        else:
+            raise RuntimeError(f"attempt {attempt} failed with exit code {returncode}: see {log.name}")
     return FaultLoop(returncode, run_dir, done)
 
 

@@ -184,3 +184,23 @@ class SleepAtStep(L.Callback):
 
         if trainer.global_step == self.global_step and trainer.global_rank == self.rank:
             time.sleep(self.seconds)
+
+
+class KillDuringSave(L.Callback):
+    """SIGKILLs this run's whole process group (every rank at once) `FAULT_KILL_DELAY_S` seconds after save number
+    `FAULT_KILL_AT_SAVE` of this process began, from a timer thread: a kill -9 that lands inside the save, however
+    briefly the save lasts. Set by the fault loop through the environment (the command stays the same, so that
+    `resume=true` recognises the runs as one); inert where unset."""
+
+    def __init__(self) -> None:
+        self.at_save = int(os.environ.get("FAULT_KILL_AT_SAVE", -1))
+        self.delay_s = float(os.environ.get("FAULT_KILL_DELAY_S", 0))
+        self.saves = 0
+
+    def on_save_checkpoint(self, trainer: L.Trainer, *args) -> None:
+        import signal
+        import threading
+
+        if trainer.is_global_zero and self.saves == self.at_save:
+            threading.Timer(self.delay_s, os.killpg, (os.getpgid(0), signal.SIGKILL)).start()
+        self.saves += 1

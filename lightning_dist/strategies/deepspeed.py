@@ -20,8 +20,8 @@ from typing_extensions import override
 
 from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError, checkpoint_format
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
-from lightning_dist.checkpoints.universal import convert_on_rank_zero, loading_universal, saved_world_size
 from lightning_dist.checkpoints.swap import SwappedSaves
+from lightning_dist.checkpoints.universal import convert_on_rank_zero, loading_universal, saved_world_size
 from lightning_dist.deepspeed_config import (
     Resolution,
     ZeroOptions,

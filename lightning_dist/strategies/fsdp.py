@@ -149,7 +149,8 @@ class FSDPStrategy(SwappedSaves, ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         # Our own formats (sharded directories at any world size, full files) load through Lightning; a DeepSpeed
         # directory is consolidated first and its weights are scattered into the shards.
-        foreign = load_for_resume(self.broadcast(checkpoint_path), native_formats={DISTRIBUTED, FILE}, weights_only=weights_only)
+        checkpoint_path = self.broadcast(checkpoint_path)
+        foreign = load_for_resume(checkpoint_path, native_formats={DISTRIBUTED, FILE}, weights_only=weights_only)
         if foreign is None:
             return super().load_checkpoint(checkpoint_path, weights_only)
         _load_raw_module_state(foreign.pop("state_dict"), self.model, strict=self.lightning_module.strict_loading)
