@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager, nullcontext
 import os
 import sys
 from pathlib import Path
@@ -32,6 +33,7 @@ from lightning_dist.launch import needs_isolation, run_isolated
 from lightning_dist.memory import AutoFit, Choice, MemoryPlan, ModelFacts, layout_of, plan_memory
 from lightning_dist.memory.compare import compare_presets
 from lightning_dist.parallel import require_class_in_model, resolve_module_class
+from lightning_dist.parallel.sharded_init import parameters_on_meta
 from lightning_dist.parallel.collective_timeout import CollectiveTimeout, explain_collective_timeout
 from lightning_dist.precision import check_precision, device_type
 from lightning_dist.strategies.launcher import PreflightError
@@ -44,18 +46,20 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     try:
         _check_accelerator(cfg.trainer.accelerator)
         datamodule = _instantiate(cfg.data, "data")
-        model = _instantiate(_module_config(cfg), "model")
-        if cfg.model.get("block_class"):
-            require_class_in_model(model, _block_class(cfg), "model.block_class")
+        block_class = _block_class(cfg)  # the strategy reads it too: report it under the key the user set
+        strategy = _instantiate(cfg.strategy, "strategy")
+        if isinstance(strategy, AutoFit):
+            strategy = _auto_fit(cfg, strategy, _model_facts(cfg, datamodule)).strategy
+        check_precision(strategy, cfg.trainer.precision, device_type(cfg.trainer.accelerator))
+        with _construction(strategy):
+            model = _instantiate(_module_config(cfg), "model")
+        if block_class is not None:
+            require_class_in_model(model, block_class, "model.block_class")
         if cfg.get("ckpt_path"):
             check_complete(cfg.ckpt_path)
             check_checkpoint_matches(cfg.ckpt_path, set(model.state_dict()), trusted=cfg.get("trust_checkpoint", False))
             if not cfg.get("trust_checkpoint"):
                 vet_checkpoint(cfg.ckpt_path)  # here, once, rather than on every rank after they started
-        strategy = _instantiate(cfg.strategy, "strategy")
-        if isinstance(strategy, AutoFit):
-            strategy = _auto_fit(cfg, strategy, _model_facts(cfg, datamodule)).strategy
-        check_precision(strategy, cfg.trainer.precision, device_type(cfg.trainer.accelerator))
         # `callbacks.<name>=null` switches one off.
         callbacks = [_instantiate(c, f"callbacks.{name}") for name, c in (cfg.get("callbacks") or {}).items() if c is not None]
         loggers = [_instantiate(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items() if c is not None]
@@ -67,6 +71,12 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
 # What the strategies run on: CPU processes (gloo) or CUDA GPUs (nccl); "gpu" and "auto" are Lightning's names for them.
 ACCELERATORS = ("cpu", "cuda", "gpu", "auto")
+
+
+def _construction(strategy: Any) -> AbstractContextManager:
+    """Where the strategy shards parameters, the model is built without weights (on the meta device) and every
+    rank initialises only its own shards after launch: no process ever holds the whole model."""
+    return parameters_on_meta() if getattr(strategy, "initializes_shards", False) else nullcontext()
 
 
 def _check_accelerator(accelerator: Any) -> None:
@@ -118,6 +128,7 @@ def plan(cfg: DictConfig) -> MemoryPlan:
     """`plan=true`: print the memory plan of this run and of every preset, and train nothing."""
     try:
         datamodule = _instantiate(cfg.data, "data")
+        block_class = _block_class(cfg)  # the strategy reads it too: report it under the key the user set
         strategy = _instantiate(cfg.strategy, "strategy")
         devices, num_nodes = _device_count(cfg)
         facts = _model_facts(cfg, datamodule)

@@ -22,6 +22,10 @@ def gather_full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def _plain_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def plain_name(name: str) -> str:
     # Activation checkpointing inserts a wrapper into every block's parameter names; checkpoints never carry it.
-    return {k.replace("._checkpoint_wrapped_module", ""): v for k, v in state_dict.items()}
+    return name.replace("._checkpoint_wrapped_module", "")
+
+
+def _plain_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {plain_name(k): v for k, v in state_dict.items()}

@@ -1,4 +1,9 @@
-"""Resuming from a checkpoint that another strategy (or world size) wrote."""
+"""Resuming from a checkpoint that another strategy (or world size) wrote.
+
+Only global rank 0 reads and consolidates it: the weights and Adam state reach the other ranks by broadcast, each
+rank keeping its shard (FSDP) or its replica (DDP), so a model that fits only when sharded resumes without a full
+copy on every rank.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +12,22 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
 from lightning_dist.checkpoints.consolidate import load_consolidated
 from lightning_dist.checkpoints.formats import CheckpointError, checkpoint_format
+from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
 
+# The tensors of a consolidated checkpoint: read on rank 0 only, then broadcast as they are loaded.
+_TENSOR_KEYS = ("state_dict", "optimizer_state_by_name")
+_FROM_RANK_ZERO = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
-def load_for_resume(path: str | Path, native_formats: set[str], weights_only: bool | None) -> dict[str, Any] | None:
+
+def load_for_resume(strategy: Any, path: str | Path, native_formats: set[str], weights_only: bool | None) -> dict[str, Any] | None:
     """None when `path` is in one of the strategy's own formats (let it load as usual, once vetted); otherwise
-    the checkpoint consolidated into one plain dict (weights, loops, and optimizer state by parameter name).
+    the checkpoint consolidated into one plain dict: on rank 0 with its weights and optimizer state by parameter
+    name, on the other ranks with None in their place. A failure on rank 0 is raised on every rank.
 
     `weights_only` is Lightning's: unless the user passed False, every pickle in the checkpoint must hold data
     only (safe_load.py), whichever library reads it afterwards.
@@ -25,24 +37,44 @@ def load_for_resume(path: str | Path, native_formats: set[str], weights_only: bo
         if not trusted:
             vet_checkpoint(path)
         return None
-    return load_consolidated(path, trusted)
+    checkpoint, shared = None, None
+    if strategy.is_global_zero:
+        try:
+            checkpoint = load_consolidated(path, trusted)
+            shared = {k: (None if k in _TENSOR_KEYS else v) for k, v in checkpoint.items()}
+        except CheckpointError as error:
+            shared = error
+    shared = strategy.broadcast(shared)
+    if isinstance(shared, Exception):
+        raise shared
+    return checkpoint if strategy.is_global_zero else shared
 
 
-def restore_optimizer_by_name(module: torch.nn.Module, optimizers: list, checkpoint: dict[str, Any]) -> None:
-    """Load per-parameter-name optimizer state (from `load_for_resume`) into the live optimizer, whatever its
-    parameter groups or sharding: torch's state-dict API maps names onto plain and FSDP2 parameters alike."""
+def load_weights_from_rank_zero(module: torch.nn.Module, checkpoint: dict[str, Any], strict: bool) -> None:
+    """Rank 0's full `state_dict` into `module` on every rank, tensor by tensor (FSDP shards keep their part)."""
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    set_model_state_dict(module, checkpoint.pop("state_dict", None) or {}, options=options)
+
+
+def restore_optimizer_by_name(strategy: Any, module: torch.nn.Module, optimizers: list, checkpoint: dict[str, Any]) -> None:
+    """Load rank 0's per-parameter-name optimizer state (from `load_for_resume`) into the live optimizer on every
+    rank, whatever its parameter groups or sharding: torch's state-dict API maps names onto plain and FSDP2
+    parameters alike, and broadcasts one tensor at a time."""
     state_by_name = checkpoint.pop("optimizer_state_by_name", None)
-    if not state_by_name or len(optimizers) != 1:
+    usable = strategy.broadcast(bool(state_by_name) and len(optimizers) == 1)
+    if not usable:
         rank_zero_warn("The checkpoint's optimizer state cannot be mapped onto this optimizer: it starts afresh.")
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
-
     optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
-    options = StateDictOptions(full_state_dict=True)
-    current = get_optimizer_state_dict(module, optimizer, options=options)  # param_groups keyed by name
-    names = [name for group in current["param_groups"] for name in group["params"]]
-    missing = [name for name in names if name not in state_by_name]
+    names = {id(p): plain_name(name) for name, p in module.named_parameters()}
+    groups = [{**group, "params": [names[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
+    missing = None
+    if strategy.is_global_zero:
+        missing = [name for group in groups for name in group["params"] if name not in state_by_name]
+    missing = strategy.broadcast(missing)
     if missing:
         raise CheckpointError(f"ckpt_path: the checkpoint has no optimizer state for {', '.join(missing[:3])}")
-    current["state"] = {name: state_by_name[name] for name in names}
-    set_optimizer_state_dict(module, optimizer, optim_state_dict=current, options=options)
+    full = {}
+    if strategy.is_global_zero:
+        full = {"state": {name: state_by_name[name] for group in groups for name in group["params"]}, "param_groups": groups}
+    set_optimizer_state_dict(module, optimizer, optim_state_dict=full, options=_FROM_RANK_ZERO)

@@ -15,6 +15,8 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
+from lightning_dist.parallel.sharded_init import draw_init_seed, initialize_parameters
+
 
 # AdamW trains it; plain SGD makes an update proportional to the gradient, which is how tests see clipping.
 OPTIMIZERS = ("adamw", "sgd")
@@ -28,6 +30,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head = n_head
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
+        self.proj.residual_projection = True
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -48,6 +51,7 @@ class TransformerBlock(nn.Module):
         self.attn = CausalSelfAttention(d_model, n_head, dropout)
         self.ln_mlp = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        self.mlp[2].residual_projection = True
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,6 +64,8 @@ class GPT(nn.Module):
 
     def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, d_model: int, dropout: float):
         super().__init__()
+        self.init_seed = draw_init_seed()  # before any layer: layers built on the meta device draw nothing
+        self.n_layer = n_layer
         self.block_size = block_size
         self.token_embedding = nn.Embedding(vocab_size, d_model)
         self.position_embedding = nn.Embedding(block_size, d_model)
@@ -67,16 +73,15 @@ class GPT(nn.Module):
         self.ln_out = nn.LayerNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self.lm_head.weight = self.token_embedding.weight  # weight tying, as in GPT-2
-        self.apply(self._init_weights)
-        # GPT-2's scaled init of residual projections keeps the residual stream's variance flat with depth.
-        for name, param in self.named_parameters():
-            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
-                nn.init.normal_(param, std=0.02 / math.sqrt(2 * n_layer))
+        # Module by module, seeded by name: a sharding strategy that built this on the meta device initialises
+        # its shards with the same function later, and gets the same weights (lightning_dist/parallel/sharded_init.py).
+        initialize_parameters(self)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
+            # GPT-2's scaled init of residual projections keeps the residual stream's variance flat with depth.
+            scale = math.sqrt(2 * self.n_layer) if getattr(module, "residual_projection", False) else 1.0
+            nn.init.normal_(module.weight, std=0.02 / scale)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 

@@ -2,12 +2,15 @@
 
 from lightning_dist.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_dist.parallel.classes import infer_block_class, require_class_in_model, resolve_module_class
-from lightning_dist.parallel.fsdp import apply_fully_shard, mixed_precision_policy, offload_policy, sharding_layout
+from lightning_dist.parallel.fsdp import (
+    apply_fully_shard, materialize_shards, mixed_precision_policy, offload_policy, sharding_layout,
+)
 
 __all__ = [
     "apply_activation_checkpointing",
     "apply_fully_shard",
     "infer_block_class",
+    "materialize_shards",
     "mixed_precision_policy",
     "offload_policy",
     "require_class_in_model",

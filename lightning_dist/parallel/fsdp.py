@@ -17,6 +17,8 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
+from lightning_dist.parallel.sharded_init import initialize_parameters
+
 # FSDP1 sharding-strategy names and what they mean for FSDP2: whether to free gathered parameters after forward
 # (ZeRO-3 style) or keep them until backward (ZeRO-2 style), and whether shards are replicated across nodes.
 SHARDING_STRATEGIES: dict[str, tuple[bool, bool]] = {
@@ -92,3 +94,23 @@ def apply_fully_shard(
         for method in forward_methods:
             register_fsdp_forward_method(model, method)
     return sum(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def materialize_shards(model: nn.Module, device: torch.device, seed: int) -> int:
+    """After `fully_shard` on a model built on the meta device: allocate each rank's shards on `device` and
+    initialise them (sharded_init.py), one module's full weights at a time. Returns the parameters initialised."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    meta = [p for p in model.parameters() if p.is_meta]
+    # Through the root, so that FSDP re-points its padded shard storage at the new tensors; real tensors stay.
+    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+
+    def keep_local_shard(param: nn.Parameter, full: torch.Tensor) -> None:
+        if not isinstance(param, DTensor):  # a parameter outside every FSDP unit
+            param.data.copy_(full)
+            return
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        param.to_local().copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+
+    return initialize_parameters(model, keep_local_shard, seed, params=meta)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from collections.abc import Mapping
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
@@ -48,12 +49,18 @@ class DDPStrategy(SwappedSaves, _LightningDDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        foreign = load_for_resume(checkpoint_path, native_formats={FILE}, weights_only=weights_only)
+        foreign = load_for_resume(self, checkpoint_path, native_formats={FILE}, weights_only=weights_only)
         return foreign if foreign is not None else super().load_checkpoint(checkpoint_path, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if checkpoint.get("state_dict") is not None:
+            super().load_model_state_dict(checkpoint, strict)
+        # Else a foreign checkpoint consolidated on rank 0 only: DDP broadcasts rank 0's weights as it wraps the model.
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         if "optimizer_state_by_name" in checkpoint:  # consolidated from another strategy's checkpoint
-            restore_optimizer_by_name(self.lightning_module, self.optimizers, checkpoint)
+            restore_optimizer_by_name(self, self.lightning_module, self.optimizers, checkpoint)
         else:
             super().load_optimizer_state_dict(checkpoint)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -13,12 +15,14 @@ from lightning.fabric.strategies.deepspeed import _validate_device_index_selecti
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError, checkpoint_format
+from lightning_dist.checkpoints.formats import DEEPSPEED, checkpoint_format
+from lightning_dist.checkpoints.into_deepspeed import load_into_engine
+from lightning_dist.checkpoints.resume import load_for_resume
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.checkpoints.universal import convert_on_rank_zero, loading_universal, saved_world_size
@@ -36,6 +40,9 @@ from lightning_dist.parallel.devices import (
     bind_device, process_group_backend, process_group_timeout, use_timeout_for_every_group,
 )
 from lightning_dist.parallel.outermost_forward import run_root_hooks_once_per_forward
+from lightning_dist.parallel.sharded_init import (
+    Keep, give_memory, has_meta_parameters, initialize_parameters, parameters_on_meta,
+)
 from lightning_dist.strategies.launcher import GuardedLauncher
 
 ZERO_STAGES = (1, 2, 3)
@@ -216,19 +223,50 @@ class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
         if "accumulate_grad_batches" in settings:
             trainer.accumulate_grad_batches = settings["accumulate_grad_batches"]
 
+    @property
+    def initializes_shards(self) -> bool:
+        """ZeRO-3 partitions parameters: `train.py`, `trainer.init_module()` and `configure_model` build the model
+        without weights, and each rank initialises its partitions in `init_deepspeed`."""
+        stage = self.zero_options.stage or (self.base_config.get("zero_optimization") or {}).get("stage")
+        return stage == 3
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        if not self.initializes_shards or empty_init is False:  # Lightning refuses False under ZeRO-3; we build eagerly
+            with Strategy.tensor_init_context(self, empty_init):
+                yield
+            return
+        with parameters_on_meta(), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Iterator[None]:
+        # Lightning's deepspeed.zero.Init here would need the resolved config (its "auto" values) before `setup`;
+        # `tensor_init_context` defers the weights instead, and `init_deepspeed` partitions them.
+        yield
+
     @override
     def init_deepspeed(self) -> None:
+        if has_meta_parameters(self.model):
+            if self.lightning_module.trainer.training and "optimizer" not in self.config:
+                # configure_optimizers must see the parameters' shapes: once partitioned, each one reads (0,).
+                self._optimizer_before_partitioning = self._init_optimizers()
+            seed = self.broadcast(torch.initial_seed())
+            meta = [p for p in self.model.parameters() if p.is_meta]
+            keep = zero3_partitioner(self.config) if self.zero_stage_3 else whole_on(self.root_device)
+            initialize_parameters(self.model, keep, seed, params=meta)
         super().init_deepspeed()
         run_root_hooks_once_per_forward(self.deepspeed_engine)  # timers, profiler, ZeRO-3 trace: once per step
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint_path = self.broadcast(checkpoint_path)
-        if checkpoint_format(checkpoint_path) != DEEPSPEED:
-            raise CheckpointError(
-                f"ckpt_path: DeepSpeed resumes only from its own checkpoint directory, and {checkpoint_path} is a"
-                f" {checkpoint_format(checkpoint_path)} checkpoint; resume it under ddp or fsdp instead"
-            )
+        if checkpoint_format(checkpoint_path) != DEEPSPEED:  # a DDP or FSDP checkpoint: consolidated on rank 0
+            checkpoint = load_for_resume(self, checkpoint_path, native_formats=set(), weights_only=weights_only)
+            load_into_engine(self, checkpoint, strict=self.lightning_module.strict_loading)
+            return checkpoint
         if weights_only is not False:  # DeepSpeed unpickles its shards with weights_only=False
             vet_checkpoint(checkpoint_path)
         if saved_world_size(checkpoint_path) in (None, self.world_size):
@@ -251,6 +289,9 @@ class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
 
     @override
     def _init_optimizers(self):
+        built, self._optimizer_before_partitioning = getattr(self, "_optimizer_before_partitioning", None), None
+        if built is not None:
+            return built
         optimizer, scheduler_config = super()._init_optimizers()
         if not self.offloads_optimizer:
             return optimizer, scheduler_config
@@ -264,6 +305,30 @@ class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
             self.config["zero_force_ds_cpu_optimizer"] = False
             rank_zero_info(f"Optimizer offload: {type(optimizer).__name__} steps on the CPU (no DeepSpeed kernel for it)")
         return optimizer, scheduler_config
+
+
+def zero3_partitioner(config: dict[str, Any]) -> Keep:
+    """Hands each initialised parameter to ZeRO-3, which keeps this rank's partition (on the device, the host or
+    NVMe, as the config's `offload_param` says) and frees the rest: what `deepspeed.zero.Init` does at the end of
+    each module's constructor."""
+    import deepspeed
+
+    offload = ((config.get("zero_optimization") or {}).get("offload_param") or {}).get("device")
+    # Not entered: only its conversion is used, not its patching of every module class's constructor.
+    zero_init = deepspeed.zero.Init(config_dict_or_path=config, remote_device=offload if offload in OFFLOAD_DEVICES else None)
+
+    def partition(param: torch.nn.Parameter, full: torch.Tensor) -> None:
+        give_memory(param, full)
+        zero_init._convert_to_zero_parameters([param])
+
+    return partition
+
+
+def whole_on(device: torch.device) -> Keep:
+    def keep(param: torch.nn.Parameter, full: torch.Tensor) -> None:
+        give_memory(param, full.to(device))
+
+    return keep
 
 
 def _as_deepspeed_cpu_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.model_parallel import _load_raw_module_state
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -17,18 +18,20 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from typing_extensions import override
 
 from lightning_dist.checkpoints.formats import DISTRIBUTED, FILE
-from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
+from lightning_dist.checkpoints.resume import load_for_resume, load_weights_from_rank_zero, restore_optimizer_by_name
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.parallel import (
     apply_activation_checkpointing,
     apply_fully_shard,
     infer_block_class,
+    materialize_shards,
     mixed_precision_policy,
     offload_policy,
     require_class_in_model,
     resolve_module_class,
     sharding_layout,
 )
+from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
 from lightning_dist.parallel.devices import (
     bind_device, process_group_backend, process_group_timeout, use_timeout_for_every_group,
 )
@@ -106,14 +109,32 @@ class FSDPStrategy(SwappedSaves, ModelParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
+    # `train.py` and `trainer.init_module()` build the model without weights under this strategy.
+    initializes_shards = True
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """`trainer.init_module()` and `configure_model`: parameters on the meta device (buffers stay real); `setup`
+        shards them and each rank initialises its own shards. `empty_init=False` builds the whole model eagerly."""
+        deferred = nullcontext() if empty_init is False else parameters_on_meta()
+        with deferred, self.precision_plugin.tensor_init_context():
+            yield
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.parallelize(self.model)
+        if has_meta_parameters(self.model):
+            # The order torchtitan uses: shard the model while it has no memory, then initialise the shards.
+            self.parallelize(self.model)
+            shard_device = torch.device("cpu") if self.cpu_offload else self.root_device
+            materialize_shards(self.model, shard_device, seed=self.broadcast(torch.initial_seed()))
+            self.model_to_device()  # the buffers
+        else:
+            self.model_to_device()
+            self.parallelize(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -148,14 +169,14 @@ class FSDPStrategy(SwappedSaves, ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         # Our own formats (sharded directories at any world size, full files) load through Lightning; a DeepSpeed
-        # directory is consolidated first and its weights are scattered into the shards.
+        # directory is consolidated on rank 0 and its weights are broadcast into the shards.
         checkpoint_path = self.broadcast(checkpoint_path)
-        foreign = load_for_resume(checkpoint_path, native_formats={DISTRIBUTED, FILE}, weights_only=weights_only)
+        foreign = load_for_resume(self, checkpoint_path, {DISTRIBUTED, FILE}, weights_only)
         if foreign is None:
             return super().load_checkpoint(checkpoint_path, weights_only)
-        _load_raw_module_state(foreign.pop("state_dict"), self.model, strict=self.lightning_module.strict_loading)
+        load_weights_from_rank_zero(self.model, foreign, strict=self.lightning_module.strict_loading)
         if self.optimizers:  # fitting: restore Adam's moments into the shards too
-            restore_optimizer_by_name(self.model, self.optimizers, foreign)
+            restore_optimizer_by_name(self, self.model, self.optimizers, foreign)
         return foreign
 
     @override

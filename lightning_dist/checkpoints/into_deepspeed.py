@@ -1,0 +1,123 @@
+"""Resuming DeepSpeed (any ZeRO stage) from a DDP or FSDP checkpoint.
+
+The checkpoint is consolidated on rank 0 (resume.py). Parameter by parameter, rank 0 broadcasts the full tensor and
+every rank keeps its part through DeepSpeed's own API for partitioned state (`deepspeed.utils.safe_set_full_*`):
+the module's weight (its ZeRO-3 partition), the fp32 master weight and Adam's two moments. So no rank holds more
+than one full parameter beyond its partitions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_dist.checkpoints.formats import CheckpointError
+from lightning_dist.checkpoints.gather import plain_name
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def load_into_engine(strategy: Any, checkpoint: dict[str, Any], strict: bool) -> None:
+    """Rank 0's consolidated `checkpoint` (weights and optimizer state by name) into the running DeepSpeed engine."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    module, engine = strategy.lightning_module, strategy.deepspeed_engine
+    weights, states = checkpoint.pop("state_dict", None), checkpoint.pop("optimizer_state_by_name", None)
+    tensors = [(plain_name(n), t) for n, t in (*module.named_parameters(), *module.named_buffers())]
+    absent = _absent_on_rank_zero(strategy, weights, [name for name, _ in tensors], strict)
+    optimizer = engine.optimizer if strategy.lightning_module.trainer.training else None
+    with_moments = strategy.broadcast(bool(states) and optimizer is not None)
+    if optimizer is not None and not with_moments:
+        rank_zero_warn("The checkpoint has no Adam state for this optimizer: it starts afresh.")
+    if with_moments:
+        _create_adam_state(optimizer)
+    for name, tensor in tensors:
+        if name in absent:
+            continue
+        value = _from_rank_zero(strategy, weights.get(name) if weights else None, tensor)
+        _set_weight(tensor, value)
+        if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad and optimizer is not None:
+            safe_set_full_fp32_param(tensor, value.float())
+            if with_moments:
+                for key in _MOMENTS:
+                    state = states[name][key] if states else None
+                    safe_set_full_optimizer_state(tensor, _from_rank_zero(strategy, state, tensor).float(), key)
+    if with_moments:
+        step = strategy.broadcast(_step_of(states) if strategy.is_global_zero else None)
+        _set_step(optimizer, step)
+
+
+def _absent_on_rank_zero(strategy: Any, weights: dict | None, names: list[str], strict: bool) -> set[str]:
+    """The names rank 0's checkpoint lacks, known on every rank; an error for any under strict loading."""
+    absent = strategy.broadcast([n for n in names if n not in weights] if strategy.is_global_zero else None)
+    if absent and strict:
+        raise CheckpointError(f"ckpt_path: the checkpoint has no weights for {', '.join(absent[:3])} (of {len(absent)})")
+    return set(absent)
+
+
+def _full_shape(tensor: torch.Tensor) -> torch.Size:
+    return getattr(tensor, "ds_shape", tensor.shape)  # a ZeRO-3 parameter's own shape reads (0,)
+
+
+def _from_rank_zero(strategy: Any, value: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    # Collectives take tensors on the root device (nccl refuses host tensors); every rank gets the full tensor.
+    device = strategy.root_device
+    if strategy.is_global_zero:
+        buffer = value.to(device=device, dtype=like.dtype).contiguous()
+    else:
+        buffer = torch.empty(_full_shape(like), dtype=like.dtype, device=device)
+    dist.broadcast(buffer, src=0)
+    return buffer
+
+
+def _set_weight(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    if hasattr(tensor, "ds_id"):  # a ZeRO-3 partition: gather, set on rank 0, and partition again from there
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0):
+            if dist.get_rank() == 0:
+                tensor.data.copy_(value.view(_full_shape(tensor)))
+        return
+    with torch.no_grad():
+        tensor.copy_(value.to(tensor.device))
+
+
+def _create_adam_state(optimizer: Any) -> None:
+    """Adam creates its moments at its first step, and DeepSpeed's setters write into them: create them now, zero,
+    for each flat fp32 partition the base optimizer steps (ZeRO-3 hands it one sub-group at a time)."""
+    base = optimizer.optimizer
+    partitions = getattr(optimizer, "fp32_partitioned_groups_flat", None) or [
+        p for group in base.param_groups for p in group["params"]
+    ]
+    # DeepSpeed's own Adam kernels count steps in a plain int; torch's Adam in a tensor.
+    counts_in_int = type(base).__module__.startswith("deepspeed")
+    for partition in partitions:
+        state = base.state[partition]
+        if "exp_avg" not in state:
+            state["step"] = 0 if counts_in_int else torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(partition)
+            state["exp_avg_sq"] = torch.zeros_like(partition)
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2: point each parameter at its slices
+        optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def _step_of(states: dict[str, dict[str, Any]]) -> float:
+    step = next(iter(states.values()))["step"]
+    return float(step)
+
+
+def _set_step(optimizer: Any, step: float) -> None:
+    """Adam's step count on every state of the base optimizer (ZeRO keeps one per flat partition), and on its
+    parameter groups where the optimizer counts there (DeepSpeed's FusedAdam)."""
+    base = optimizer.optimizer
+    for state in base.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"].fill_(step)
+        elif "step" in state:
+            state["step"] = int(step)
+    if type(base).__name__ == "FusedAdam":
+        for group in base.param_groups:
+            group["step"] = int(step)

@@ -1,0 +1,144 @@
+"""Building a model without its weights, then initialising only what each rank keeps.
+
+Construction under `parameters_on_meta()` puts every parameter on the meta device: it holds a shape and no memory.
+Buffers stay real: they are small, and often computed (masks, frequencies) rather than drawn at random. A sharding
+strategy then shards the meta model and calls `initialize_parameters` with what to keep of each full tensor.
+
+`initialize_parameters` visits the modules in order and draws one module's parameters at a time, full size, on the
+CPU, with a generator seeded by the module's name; the rank keeps its part and drops the rest. So no rank ever
+holds more than one module's full weights, and the values do not depend on sharding, world size or device: a
+model that initialises itself eagerly through the same function (our GPT does) starts from the same weights under
+ddp as under fsdp or ZeRO-3, for the same seed.
+
+A module is initialised by its own `reset_parameters()` (torch's convention), then by `_init_weights(module)` of
+the nearest enclosing module that defines one (Hugging Face's, and our GPT's). The seed is the `init_seed`
+attribute of the nearest enclosing module that has one, else the one the caller passes.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+# What to keep of an initialised full tensor (CPU, float32 or the parameter's dtype): a shard, a partition, all.
+Keep = Callable[[nn.Parameter, torch.Tensor], None]
+
+# Module names that wrappers (activation checkpointing) insert between a model and its layers; a layer's seed must
+# not depend on them.
+_WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Parameters registered inside this context live on the meta device (no memory); buffers stay where they are."""
+    register_parameter = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register_parameter(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register_parameter
+
+
+def has_meta_parameters(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+def draw_init_seed() -> int:
+    """A seed for `initialize_parameters` from the global generator: the same after the same `seed_everything`,
+    different for each model built in a row."""
+    return int(torch.randint(0, 2**62, (), device="cpu"))
+
+
+def initialize_parameters(
+    model: nn.Module, keep: Keep | None = None, seed: int = 0, params: Iterable[nn.Parameter] | None = None
+) -> int:
+    """Initialise `params` (default: all of `model`'s) module by module; returns how many were initialised.
+
+    Each full value goes to `keep` (default: copied into the parameter, for eager construction). A parameter shared
+    by two modules is initialised by the first. A module with parameters to initialise and no way to do it is an
+    error, not uninitialised memory.
+    """
+    pending = {id(p) for p in (model.parameters() if params is None else params)}
+    done: set[int] = set()
+    for name, module in model.named_modules():
+        params_here = {n: p for n, p in module._parameters.items() if p is not None}
+        todo = {n: p for n, p in params_here.items() if id(p) in pending and id(p) not in done}
+        if not todo:
+            continue
+        owner_seed, relative_name, init_weights = _initialiser_of(model, name, seed)
+        if not callable(getattr(module, "reset_parameters", None)) and init_weights is None:
+            raise ValueError(
+                f"model: {name or type(model).__name__} ({type(module).__name__}) has parameters"
+                f" ({', '.join(todo)}) but no reset_parameters() and no enclosing _init_weights(module) to initialise"
+                " them after sharding; add one, or build the model eagerly (outside init_module/configure_model)"
+            )
+        full = {n: torch.empty(p.shape, dtype=_init_dtype(p), device="cpu") for n, p in params_here.items()}
+        with _swapped_parameters(module, full), torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(_module_seed(owner_seed, relative_name))
+            if callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+            if init_weights is not None:
+                init_weights(module)
+        with torch.no_grad():  # a DTensor's to_local() is a copy, not a view, where autograd records it
+            for n, param in todo.items():
+                (keep or _copy_into)(param, full[n].to(param.dtype))
+                done.add(id(param))
+    return len(done)
+
+
+def give_memory(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Make a meta parameter hold `value`, keeping the parameter object (optimizers and tied modules refer to it)."""
+    if param.is_meta:  # `param.data = value` refuses a change from meta to a real device
+        torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+    else:
+        param.data = value
+
+
+def _copy_into(param: nn.Parameter, value: torch.Tensor) -> None:
+    param.copy_(value)
+
+
+def _init_dtype(param: nn.Parameter) -> torch.dtype:
+    # Drawn in float32 and then cast, as eager construction does before a precision plugin converts the model.
+    return torch.float32 if param.is_floating_point() else param.dtype
+
+
+def _initialiser_of(model: nn.Module, name: str, default_seed: int) -> tuple[int, str, Callable | None]:
+    """(seed, the module's name relative to the seed's owner, the nearest `_init_weights`) for module `name`."""
+    parts = name.split(".") if name else []
+    seed, relative, init_weights = default_seed, parts, None
+    owner = model
+    for depth in range(len(parts) + 1):
+        if depth:
+            owner = getattr(owner, parts[depth - 1])
+        if isinstance(getattr(owner, "init_seed", None), int):
+            seed, relative = owner.init_seed, parts[depth:]
+        if callable(getattr(owner, "_init_weights", None)):
+            init_weights = owner._init_weights
+    return seed, ".".join(p for p in relative if p not in _WRAPPER_NAMES), init_weights
+
+
+def _module_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+
+
+@contextmanager
+def _swapped_parameters(module: nn.Module, values: dict[str, torch.Tensor]) -> Iterator[None]:
+    """The module's own parameters replaced by plain full-size ones for its initialisers to write into."""
+    original = dict(module._parameters)
+    for n, value in values.items():
+        module._parameters[n] = nn.Parameter(value, requires_grad=original[n].requires_grad)
+    try:
+        yield
+    finally:
+        module._parameters.update(original)
