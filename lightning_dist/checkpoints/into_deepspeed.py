@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.checkpoints.gather import plain_name
+from lightning_dist.checkpoints.resume import optimizer_state_by_name
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -25,11 +26,15 @@ def load_into_engine(strategy: Any, checkpoint: dict[str, Any], strict: bool) ->
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     module, engine = strategy.lightning_module, strategy.deepspeed_engine
-    weights, states = checkpoint.pop("state_dict", None), checkpoint.pop("optimizer_state_by_name", None)
+    names = getattr(strategy, "param_group_names", [])
+    states = optimizer_state_by_name(checkpoint, names) if strategy.is_global_zero else None
+    weights = checkpoint.pop("state_dict", None)
+    checkpoint.pop("optimizer_state_by_name", None), checkpoint.pop("optimizer_states", None)
     tensors = [(plain_name(n), t) for n, t in (*module.named_parameters(), *module.named_buffers())]
     absent = _absent_on_rank_zero(strategy, weights, [name for name, _ in tensors], strict)
     optimizer = engine.optimizer if strategy.lightning_module.trainer.training else None
-    with_moments = strategy.broadcast(bool(states) and optimizer is not None)
+    adam_states = bool(states) and all("exp_avg" in state for state in states.values())
+    with_moments = strategy.broadcast(adam_states and optimizer is not None)
     if optimizer is not None and not with_moments:
         rank_zero_warn("The checkpoint has no Adam state for this optimizer: it starts afresh.")
     if with_moments:

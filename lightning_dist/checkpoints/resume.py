@@ -20,7 +20,7 @@ from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
 
 # The tensors of a consolidated checkpoint: read on rank 0 only, then broadcast as they are loaded.
-_TENSOR_KEYS = ("state_dict", "optimizer_state_by_name")
+_TENSOR_KEYS = ("state_dict", "optimizer_state_by_name", "optimizer_states")
 _FROM_RANK_ZERO = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
@@ -56,18 +56,45 @@ def load_weights_from_rank_zero(module: torch.nn.Module, checkpoint: dict[str, A
     set_model_state_dict(module, checkpoint.pop("state_dict", None) or {}, options=options)
 
 
+def group_names(module: torch.nn.Module, param_groups: list[dict[str, Any]]) -> list[list[str]]:
+    """The parameter names of each optimizer parameter group, as checkpoints name them."""
+    names = {id(p): plain_name(name) for name, p in module.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in param_groups]
+
+
+def optimizer_state_by_name(checkpoint: dict[str, Any], groups: list[list[str]]) -> dict[str, dict] | None:
+    """Per-parameter-name optimizer state: consolidated already (another strategy's checkpoint), or the single
+    optimizer state of a plain file, keyed by name (FSDP wrote it) or by position in the parameter groups (DDP
+    did: mapped onto `groups`, the names of this optimizer's groups, which must have the same sizes)."""
+    if checkpoint.get("optimizer_state_by_name"):
+        return checkpoint["optimizer_state_by_name"]
+    saved = checkpoint.get("optimizer_states") or []
+    if len(saved) != 1:
+        return None
+    state, saved_groups = saved[0]["state"], saved[0]["param_groups"]
+    if all(isinstance(key, str) for key in state):
+        return state
+    if [len(g["params"]) for g in saved_groups] != [len(names) for names in groups]:
+        return None
+    return {
+        name: state[index]
+        for group, names in zip(saved_groups, groups) for index, name in zip(group["params"], names) if index in state
+    }
+
+
 def restore_optimizer_by_name(strategy: Any, module: torch.nn.Module, optimizers: list, checkpoint: dict[str, Any]) -> None:
     """Load rank 0's per-parameter-name optimizer state (from `load_for_resume`) into the live optimizer on every
     rank, whatever its parameter groups or sharding: torch's state-dict API maps names onto plain and FSDP2
     parameters alike, and broadcasts one tensor at a time."""
-    state_by_name = checkpoint.pop("optimizer_state_by_name", None)
-    usable = strategy.broadcast(bool(state_by_name) and len(optimizers) == 1)
-    if not usable:
+    optimizer = getattr(optimizers[0], "_optimizer", optimizers[0]) if len(optimizers) == 1 else None
+    names = group_names(module, optimizer.param_groups) if optimizer is not None else []
+    state_by_name = optimizer_state_by_name(checkpoint, names) if strategy.is_global_zero and optimizer else None
+    for key in _TENSOR_KEYS[1:]:
+        checkpoint.pop(key, None)
+    if not strategy.broadcast(bool(state_by_name)):
         rank_zero_warn("The checkpoint's optimizer state cannot be mapped onto this optimizer: it starts afresh.")
         return
-    optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
-    names = {id(p): plain_name(name) for name, p in module.named_parameters()}
-    groups = [{**group, "params": [names[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
+    groups = [{**group, "params": params} for group, params in zip(optimizer.param_groups, names)]
     missing = None
     if strategy.is_global_zero:
         missing = [name for group in groups for name in group["params"] if name not in state_by_name]

@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_dist.checkpoints.formats import DEEPSPEED, checkpoint_format
 from lightning_dist.checkpoints.into_deepspeed import load_into_engine
-from lightning_dist.checkpoints.resume import load_for_resume
+from lightning_dist.checkpoints.resume import group_names, load_for_resume
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.checkpoints.universal import convert_on_rank_zero, loading_universal, saved_world_size
@@ -248,6 +248,12 @@ class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
         yield
 
     @override
+    def teardown(self) -> None:
+        if self.lightning_module is not None and has_meta_parameters(self.lightning_module):
+            self._lightning_module = None  # the run ended before setup built it: nothing to move back to the CPU
+        super().teardown()
+
+    @override
     def init_deepspeed(self) -> None:
         if has_meta_parameters(self.model):
             if self.lightning_module.trainer.training and "optimizer" not in self.config:
@@ -293,6 +299,8 @@ class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
         if built is not None:
             return built
         optimizer, scheduler_config = super()._init_optimizers()
+        # Before ZeRO flattens them: how a DDP checkpoint's optimizer state (by position) maps onto names.
+        self.param_group_names = group_names(self.lightning_module, optimizer.param_groups)
         if not self.offloads_optimizer:
             return optimizer, scheduler_config
         if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from typing_extensions import override
 
-from lightning_dist.checkpoints.formats import DISTRIBUTED, FILE
+from lightning_dist.checkpoints.formats import DISTRIBUTED
 from lightning_dist.checkpoints.resume import load_for_resume, load_weights_from_rank_zero, restore_optimizer_by_name
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.parallel import (
@@ -31,10 +31,10 @@ from lightning_dist.parallel import (
     resolve_module_class,
     sharding_layout,
 )
-from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
 from lightning_dist.parallel.devices import (
     bind_device, process_group_backend, process_group_timeout, use_timeout_for_every_group,
 )
+from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
 from lightning_dist.strategies.launcher import GuardedLauncher
 
 # LightningModule methods that run the model without going through `forward`.
@@ -122,6 +122,12 @@ class FSDPStrategy(SwappedSaves, ModelParallelStrategy):
             yield
 
     @override
+    def teardown(self) -> None:
+        if self.lightning_module is not None and has_meta_parameters(self.lightning_module):
+            self._lightning_module = None  # the run ended before setup built it: nothing to move back to the CPU
+        super().teardown()
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -168,10 +174,10 @@ class FSDPStrategy(SwappedSaves, ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        # Our own formats (sharded directories at any world size, full files) load through Lightning; a DeepSpeed
-        # directory is consolidated on rank 0 and its weights are broadcast into the shards.
+        # Sharded directories (at any world size) load through Lightning, each rank reading its part; a full file
+        # or a DeepSpeed directory is read by rank 0, and its weights are broadcast into the shards.
         checkpoint_path = self.broadcast(checkpoint_path)
-        foreign = load_for_resume(self, checkpoint_path, {DISTRIBUTED, FILE}, weights_only)
+        foreign = load_for_resume(self, checkpoint_path, {DISTRIBUTED}, weights_only)
         if foreign is None:
             return super().load_checkpoint(checkpoint_path, weights_only)
         load_weights_from_rank_zero(self.model, foreign, strict=self.lightning_module.strict_loading)

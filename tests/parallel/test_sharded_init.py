@@ -1,0 +1,108 @@
+"""Building without weights and initialising module by module gives eager construction's weights; and a model of
+400M parameters never has a full copy on any rank under fsdp or ZeRO-3, whichever way it is built."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dist.models.gpt import GPT
+from lightning_dist.parallel.sharded_init import give_memory, initialize_parameters, parameters_on_meta
+from tests.conftest import REPO, free_port
+
+
+def gpt_on_meta(seed: int) -> GPT:
+    torch.manual_seed(seed)
+    with parameters_on_meta():
+        return GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=0.0)
+
+
+def test_meta_construction_then_initialisation_equals_eager_construction():
+    torch.manual_seed(7)
+    eager = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=0.0)
+    deferred = gpt_on_meta(7)
+    assert all(p.is_meta for p in deferred.parameters())
+    kept = []
+    initialized = initialize_parameters(deferred, lambda p, full: (kept.append(p), give_memory(p, full)), seed=0)
+    assert initialized == len(list(eager.parameters())) == len(kept)
+    for (name, value), (_, expected) in zip(deferred.state_dict().items(), eager.state_dict().items()):
+        torch.testing.assert_close(value, expected, rtol=0, atol=0, msg=name)
+    assert deferred.lm_head.weight is deferred.token_embedding.weight  # tied, and initialised once
+    # The scaled residual init and the biases are what GPT's own _init_weights gives, not torch's defaults.
+    assert abs(deferred.blocks[0].attn.proj.weight.std().item() - 0.02 / 2) < 2e-3
+    assert deferred.blocks[0].mlp[0].bias.abs().max().item() == 0
+
+
+def test_another_seed_gives_other_weights_and_the_global_generator_is_untouched():
+    first, second = gpt_on_meta(1), gpt_on_meta(2)
+    for model in (first, second):
+        state = torch.random.get_rng_state()
+        initialize_parameters(model, give_memory, seed=0)
+        assert torch.equal(torch.random.get_rng_state(), state)
+    assert not torch.equal(first.blocks[0].attn.qkv.weight, second.blocks[0].attn.qkv.weight)
+
+
+def test_buffers_stay_real_under_meta_construction():
+    with parameters_on_meta():
+        norm = nn.BatchNorm1d(4)
+    assert norm.weight.is_meta and not norm.running_var.is_meta
+    assert torch.equal(norm.running_var, torch.ones(4))
+
+
+def test_a_module_that_cannot_initialise_itself_is_named():
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gain = nn.Parameter(torch.ones(3))
+
+    with parameters_on_meta():
+        model = nn.Sequential(nn.Linear(3, 3), Scale())
+    with pytest.raises(ValueError) as error:
+        initialize_parameters(model, give_memory, seed=0)
+    assert str(error.value).startswith("model: 1 (Scale) has parameters (gain) but no reset_parameters()")
+
+
+# d_model 2048, 8 blocks: 403.5M parameters, 1.61 GB in fp32.
+FULL_COPY_BYTES = 4 * (8 * 12 * 2048**2 + 8 * 13 * 2048 + (256 + 64) * 2048 + 2 * 2048)
+
+
+@pytest.fixture(scope="module")
+def setup_memory(tmp_path_factory, deepspeed_ops) -> dict:
+    output = tmp_path_factory.mktemp("memory") / "growth.json"
+    command = ["torchrun", "--nproc_per_node", "2", f"--master_port={free_port()}", "-m", "tests.sharded_init_memory", str(output)]
+    process = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert process.returncode == 0, process.stderr[-3000:]
+    results = json.loads(output.read_text())
+    print(f"\nfull fp32 copy: {FULL_COPY_BYTES / 1e9:.2f} GB; peak RSS growth per rank, as a share of it:")
+    for case, figures in results.items():
+        shares = [f"{g / FULL_COPY_BYTES:.0%}" for g in figures["growth"]]
+        at_init = [f"{g / FULL_COPY_BYTES:.0%}" for g in figures["at_init"] if g is not None]
+        print(f"  {case:32s} end of setup {shares}" + (f", partitions initialised {at_init}" if at_init else ""))
+    return results
+
+
+@pytest.mark.slow
+def test_ddp_holds_the_full_copy_on_every_rank(setup_memory):
+    # The control: eager construction, the whole model (and DDP's gradient buckets) on each rank.
+    assert all(growth > 0.95 * FULL_COPY_BYTES for growth in setup_memory["ddp/hydra"]["growth"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["hydra", "configure_model", "init_module"])
+def test_fsdp_never_holds_the_whole_model(setup_memory, path):
+    # Its shard (half) and one module's full weights at a time, through setup.
+    assert all(growth < 0.75 * FULL_COPY_BYTES for growth in setup_memory[f"fsdp/{path}"]["growth"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["hydra", "configure_model", "init_module"])
+def test_zero3_builds_its_partitions_without_the_whole_model(setup_memory, path):
+    figures = setup_memory[f"deepspeed_stage_3/{path}"]
+    assert all(growth < 0.75 * FULL_COPY_BYTES for growth in figures["at_init"])
+    # What deepspeed.initialize adds afterwards (printed above as "end of setup") is optimizer state, not the model:
+    # its fp32 master copy of the partitions, a defragmented copy of them, and its reduce buckets (issue 16).
