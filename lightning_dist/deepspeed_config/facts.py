@@ -132,6 +132,11 @@ def _total_steps(trainer: Any, in_rank: bool) -> int | None:
     return int(trainer.estimated_stepping_batches) if fitting else UNKNOWN
 
 
+def hidden_size_of(model: Any) -> int | None:
+    """The hidden size a model's hyper-parameters (or its Hugging Face `config`) name, if any."""
+    return _hidden_size(model, getattr(model, "hparams", None) or {})
+
+
 def _hidden_size(model: Any, hparams: Any) -> int | None:
     sources = [hparams, getattr(getattr(model, "config", None), "__dict__", {})]
     for source in sources:

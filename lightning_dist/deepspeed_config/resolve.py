@@ -25,7 +25,7 @@ _ABSENT = object()
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
 _OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay")
 _SCHEDULER_PARAMS = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")
-_HIDDEN_SIZE_KEYS = {  # HF's rules: per-bucket element counts from the hidden size h
+HIDDEN_SIZE_RULES = {  # HF's rules: per-bucket element counts from the hidden size h
     "reduce_bucket_size": lambda h: h * h,
     "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
     "stage3_param_persistence_threshold": lambda h: 10 * h,
@@ -39,7 +39,7 @@ FILLED_KEYS = (
     "bf16.enabled",
     *(f"optimizer.params.{name}" for name in _OPTIMIZER_PARAMS),
     *(f"scheduler.params.{name}" for name in _SCHEDULER_PARAMS),
-    *(f"zero_optimization.{name}" for name in _HIDDEN_SIZE_KEYS),
+    *(f"zero_optimization.{name}" for name in HIDDEN_SIZE_RULES),
     "zero_optimization.stage3_gather_16bit_weights_on_model_save",
 )
 
@@ -52,6 +52,17 @@ class ZeroOptions:
     offload_optimizer: str | None = None
     offload_parameters: str | None = None
     nvme_path: str | None = None
+
+
+def buckets_sized_by_model(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with ZeRO-3's bucket sizes set to "auto", so they follow the model's hidden size by the rule of
+    Hugging Face's files (`HIDDEN_SIZE_RULES`) rather than DeepSpeed's fixed defaults: a 2e8-element reduce bucket
+    is 800 MB per rank in fp32, whatever the model's size."""
+    config = copy.deepcopy(config)
+    zero = config.setdefault("zero_optimization", {})
+    if zero.get("stage") == 3:
+        zero.update({name: AUTO for name in HIDDEN_SIZE_RULES})
+    return config
 
 
 class DeepSpeedConfigError(ValueError):
@@ -280,7 +291,7 @@ class _Resolver:
     def fill_bucket_sizes(self) -> None:
         hidden = self.facts.hidden_size
         why = f"they follow the model's hidden size, and its hparams have none of {', '.join(HIDDEN_SIZE_NAMES)}"
-        for name, rule in _HIDDEN_SIZE_KEYS.items():
+        for name, rule in HIDDEN_SIZE_RULES.items():
             self.fill_auto(f"zero_optimization.{name}", None if hidden is None else rule(hidden), why)
         # Only DeepSpeed's save_16bit_model reads it; our checkpoints gather (or consolidate) the fp32 weights.
         self.fill_auto("zero_optimization.stage3_gather_16bit_weights_on_model_save", False)

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from lightning_dist.deepspeed_config.facts import hidden_size_of
+
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -26,6 +28,7 @@ class ModelFacts:
     checkpointed_activation_bytes: int | None = None  # the same with each block recomputed in backward
     optimizer: str = "adamw"                   # what configure_optimizers returns, as the planner names it
     parameter_sizes: tuple[int, ...] = ()      # elements of each parameter: ZeRO-3 keeps the small ones whole
+    hidden_size: int | None = None             # from the hyper-parameters: ZeRO-3 presets size buckets by it
 
     @classmethod
     def of(cls, build: Callable[[], nn.Module], batch: Any = None, block_class: type[nn.Module] | None = None) -> "ModelFacts":
@@ -43,6 +46,7 @@ class ModelFacts:
             checkpointed_activation_bytes=activations[1] if activations else None,
             optimizer=_optimizer_kind(module),
             parameter_sizes=tuple(p.numel() for p in params),
+            hidden_size=hidden_size_of(module),
         )
 
 

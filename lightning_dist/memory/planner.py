@@ -10,9 +10,10 @@ no master copy. The numbers are checked against what running ranks hold (`memory
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from lightning_dist.deepspeed_config.resolve import HIDDEN_SIZE_RULES
 from lightning_dist.memory.layout import Layout
 from lightning_dist.memory.model_facts import ModelFacts
 
@@ -110,6 +111,8 @@ def plan_memory(
             plan.device[name] = value
         else:
             (plan.host if offload == "cpu" else plan.nvme)[name] = value * devices
+    if layout.sized_by_hidden_size and facts.hidden_size:
+        layout = replace(layout, persistence_threshold=HIDDEN_SIZE_RULES["stage3_param_persistence_threshold"](facts.hidden_size))
     if layout.persistence_threshold:
         # Once ZeRO-3 has traced a step it keeps its small parameters whole on every rank, beside their partitions.
         persistent = sum(numel for numel in facts.parameter_sizes if numel < layout.persistence_threshold)
@@ -121,8 +124,11 @@ def plan_memory(
         # SHARD_GRAD_OP, which keeps them from forward to backward.
         gathered = n if layout.keep_gathered else 2 * (facts.largest_block or n)
         plan.device["gathered_parameters"] = min(gathered, n) * compute_bytes
-    if layout.reduce_bucket_elements:
-        plan.device["gradient_bucket"] = layout.reduce_bucket_elements * size.gradient
+    bucket = layout.reduce_bucket_elements
+    if layout.sized_by_hidden_size and facts.hidden_size:
+        bucket = HIDDEN_SIZE_RULES["reduce_bucket_size"](facts.hidden_size)
+    if bucket:
+        plan.device["gradient_bucket"] = bucket * size.gradient
     plan.device["buffers"] = facts.buffer_bytes
     activations = facts.checkpointed_activation_bytes if layout.activation_checkpointing else facts.activation_bytes
     plan.activations_known = activations is not None

@@ -62,13 +62,16 @@ def draw_init_seed() -> int:
 def initialize_parameters(
     model: nn.Module, keep: Keep | None = None, seed: int = 0, params: Iterable[nn.Parameter] | None = None
 ) -> int:
-    """Initialise `params` (default: all of `model`'s) module by module; returns how many were initialised.
+    """Initialise `params` module by module; returns how many were initialised.
 
-    Each full value goes to `keep` (default: copied into the parameter, for eager construction). A parameter shared
-    by two modules is initialised by the first. A module with parameters to initialise and no way to do it is an
-    error, not uninitialised memory.
+    Each full value goes to `keep`; without one it is copied into the parameter (eager construction), and `params`
+    defaults to those that hold memory (a model built on the meta device, e.g. to plan its memory, is left alone).
+    A parameter shared by two modules is initialised by the first. A module with parameters to initialise and no
+    way to do it is an error, not uninitialised memory.
     """
-    pending = {id(p) for p in (model.parameters() if params is None else params)}
+    if params is None:
+        params = [p for p in model.parameters() if keep is not None or not p.is_meta]
+    pending = {id(p) for p in params}
     done: set[int] = set()
     for name, module in model.named_modules():
         params_here = {n: p for n, p in module._parameters.items() if p is not None}

@@ -36,6 +36,7 @@ from lightning_dist.deepspeed_config import (
 )
 from lightning_dist.deepspeed_config.outputs import anchor_output_paths
 from lightning_dist.deepspeed_config.preflight import check_offload_ready
+from lightning_dist.deepspeed_config.resolve import buckets_sized_by_model
 from lightning_dist.parallel.devices import (
     bind_device, process_group_backend, process_group_timeout, use_timeout_for_every_group,
 )
@@ -48,6 +49,11 @@ from lightning_dist.strategies.launcher import GuardedLauncher
 ZERO_STAGES = (1, 2, 3)
 OFFLOAD_DEVICES = ("cpu", "nvme")
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
+# ZeRO-Infinity's host memory, in elements. Lightning's defaults make a rank's whole partition one swap group
+# (sub_group_size 1e12) and keep up to 1e9 parameters in host memory besides (max_in_cpu): a 2B-parameter model then
+# needed over 12 GB of host memory per rank, which is what NVMe offload exists to avoid. 1e8 each: 1.6 GB to swap
+# a group in (fp32 master, two moments, gradient), 0.4 GB of parameters kept in host memory.
+NVME_HOST_MEMORY = {"sub_group_size": 100_000_000}
 
 
 def validate_zero_options(stage: int | None, offload_optimizer: str | None, offload_parameters: str | None) -> None:
@@ -130,6 +136,7 @@ class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
             offload_parameters=offload_parameters is not None,
             offload_params_device=offload_parameters or "cpu",
             nvme_path=str(nvme_path or ""),
+            **(NVME_HOST_MEMORY if "nvme" in (offload_optimizer, offload_parameters) else {}),
             config=user_config,
             process_group_backend=process_group_backend,
             timeout=process_group_timeout(timeout),
@@ -195,7 +202,10 @@ class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
     def resolution(self, trainer: Any, model: Any, loader: Any = None, datamodule: Any = None, in_rank: bool = True) -> Resolution:
         needs_optimizer = "optimizer" in self.base_config or "scheduler" in self.base_config
         facts = training_facts(trainer, model, loader, datamodule, need_optimizer=needs_optimizer, in_rank=in_rank)
-        return resolve(self.base_config, facts, self.zero_options, self.config_source)
+        config = self.base_config
+        if self.config_source == "strategy" and facts.hidden_size:  # a preset: no file chose the bucket sizes
+            config = buckets_sized_by_model(config)
+        return resolve(config, facts, self.zero_options, self.config_source)
 
     @override
     def _format_config(self) -> None:
