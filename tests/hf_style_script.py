@@ -93,7 +93,9 @@ class FineTune(L.LightningModule):
 
 def main(out_dir: str, strategy: str) -> None:
     L.seed_everything(0)
-    tokens = torch.randint(0, 256, (64, 17), generator=torch.Generator().manual_seed(1))
+    # Counting sequences from random starts: next token = this one + 1, learnable in a few steps.
+    starts = torch.randint(0, 256, (64, 1), generator=torch.Generator().manual_seed(1))
+    tokens = (starts + torch.arange(17)) % 256
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=4)
     module = FineTune()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=6, logger=False,

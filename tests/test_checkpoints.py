@@ -62,6 +62,20 @@ def test_consolidation_never_overwrites(tmp_path, capsys):
     assert capsys.readouterr().err.startswith(f"error: output: {output} exists;")
 
 
+def test_consolidation_that_memory_cannot_hold_is_refused_up_front(tmp_path, capsys, monkeypatch):
+    from lightning_dist.checkpoints import consolidate
+
+    source, output = tmp_path / "a.ckpt", tmp_path / "b.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(1000)}}, source)
+    monkeypatch.setattr(consolidate, "_available_memory", lambda: 1000)
+    assert consolidate_main([str(source), str(output)]) == 2
+    needed = consolidate.memory_needed(source)
+    assert needed == 2 * source.stat().st_size
+    assert capsys.readouterr().err.startswith(
+        f"error: checkpoint: consolidating {source} needs about {needed / 1e9:.1f} GB of memory and 0.0 GB is available;")
+    assert not output.exists()
+
+
 def step_15(curve) -> str:
     return str(curve.run_dir / "checkpoints" / "step000015.ckpt")
 

@@ -21,7 +21,8 @@ def hf_runs(tmp_path_factory, deepspeed_ops) -> dict[str, dict]:
     for strategy in ("ld_fsdp", "ld_deepspeed_stage_3"):
         out = tmp_path_factory.mktemp(strategy)
         process = subprocess.run([sys.executable, str(REPO / "tests" / "hf_style_script.py"), str(out), strategy],
-                                 cwd=REPO, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
+                                 cwd=REPO, env={**TRAIN_ENV, "PYTHONPATH": str(REPO)}, capture_output=True,
+                                 text=True, timeout=600)
         assert process.returncode == 0, process.stderr[-3000:]
         runs[strategy] = json.loads((out / "rank0.json").read_text())
     return runs

@@ -40,10 +40,38 @@ def consolidate_checkpoint(path: str | Path, output: str | Path, trusted: bool =
     output = Path(output)
     if output.exists():
         raise CheckpointError(f"output: {output} exists; consolidation never overwrites a file, choose a new path")
+    check_memory_for(path)
     checkpoint = load_consolidated(path, trusted)
     output.parent.mkdir(parents=True, exist_ok=True)
     torch.save(checkpoint, output)
     return output
+
+
+def memory_needed(path: str | Path) -> int:
+    """About how many bytes consolidating `path` holds at once: every tensor it saved, weights and optimizer state,
+    is in memory together (rank files are read whole, and the merged copy is built beside them)."""
+    path = Path(path)
+    saved = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return 2 * saved
+
+
+def check_memory_for(path: str | Path) -> None:
+    """Refuse up front, naming the figures, a consolidation that this machine's memory cannot hold."""
+    needed, available = memory_needed(path), _available_memory()
+    if available is not None and needed > available:
+        raise CheckpointError(
+            f"checkpoint: consolidating {path} needs about {needed / 1e9:.1f} GB of memory and {available / 1e9:.1f} GB"
+            " is available; run it on a machine with more memory, or resume the checkpoint directly (each strategy"
+            " reads it on rank 0 only)"
+        )
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
 
 
 def _load_deepspeed(path: Path) -> dict[str, Any]:

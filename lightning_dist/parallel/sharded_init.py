@@ -10,13 +10,15 @@ holds more than one module's full weights, and the values do not depend on shard
 model that initialises itself eagerly through the same function (our GPT does) starts from the same weights under
 ddp as under fsdp or ZeRO-3, for the same seed.
 
-A module is initialised by its own `reset_parameters()` (torch's convention), then by `_init_weights(module)` of
-the nearest enclosing module that defines one (Hugging Face's, and our GPT's). The seed is the `init_seed`
+A module is initialised by its own `reset_parameters()` (torch's convention; `_reset_parameters()` for its
+attention), then by `_init_weights(module)` of the nearest enclosing module that defines one (Hugging Face's, and
+our GPT's). The seed is the `init_seed`
 attribute of the nearest enclosing module that has one, else the one the caller passes.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -66,8 +68,8 @@ def initialize_parameters(
 
     Each full value goes to `keep`; without one it is copied into the parameter (eager construction), and `params`
     defaults to those that hold memory (a model built on the meta device, e.g. to plan its memory, is left alone).
-    A parameter shared by two modules is initialised by the first. A module with parameters to initialise and no
-    way to do it is an error, not uninitialised memory.
+    A parameter shared by two modules is initialised by the first. A parameter that no initialiser writes is an
+    error, not uninitialised memory.
     """
     if params is None:
         params = [p for p in model.parameters() if keep is not None or not p.is_meta]
@@ -79,19 +81,22 @@ def initialize_parameters(
         if not todo:
             continue
         owner_seed, relative_name, init_weights = _initialiser_of(model, name, seed)
-        if not callable(getattr(module, "reset_parameters", None)) and init_weights is None:
-            raise ValueError(
-                f"model: {name or type(model).__name__} ({type(module).__name__}) has parameters"
-                f" ({', '.join(todo)}) but no reset_parameters() and no enclosing _init_weights(module) to initialise"
-                " them after sharding; add one, or build the model eagerly (outside init_module/configure_model)"
-            )
-        full = {n: torch.empty(p.shape, dtype=_init_dtype(p), device="cpu") for n, p in params_here.items()}
+        reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)  # torch's MHA
+        # NaN until an initialiser writes it: what none writes is found below, not trained as uninitialised memory.
+        full = {n: _unwritten(p) for n, p in params_here.items()}
         with _swapped_parameters(module, full), torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(_module_seed(owner_seed, relative_name))
-            if callable(getattr(module, "reset_parameters", None)):
-                module.reset_parameters()
+            if callable(reset):
+                reset()
             if init_weights is not None:
                 init_weights(module)
+        untouched = [n for n in todo if full[n].is_floating_point() and full[n].isnan().any()]
+        if untouched:
+            raise ValueError(
+                f"model: {name or type(model).__name__} ({type(module).__name__}) has parameters ({', '.join(untouched)})"
+                " that neither its reset_parameters() nor an enclosing _init_weights(module) initialises; add one,"
+                " or build the model eagerly (outside init_module/configure_model)"
+            )
         with torch.no_grad():  # a DTensor's to_local() is a copy, not a view, where autograd records it
             for n, param in todo.items():
                 (keep or _copy_into)(param, full[n].to(param.dtype))
@@ -111,9 +116,11 @@ def _copy_into(param: nn.Parameter, value: torch.Tensor) -> None:
     param.copy_(value)
 
 
-def _init_dtype(param: nn.Parameter) -> torch.dtype:
+def _unwritten(param: nn.Parameter) -> torch.Tensor:
     # Drawn in float32 and then cast, as eager construction does before a precision plugin converts the model.
-    return torch.float32 if param.is_floating_point() else param.dtype
+    if param.is_floating_point():
+        return torch.full(param.shape, math.nan, dtype=torch.float32)
+    return torch.zeros(param.shape, dtype=param.dtype)
 
 
 def _initialiser_of(model: nn.Module, name: str, default_seed: int) -> tuple[int, str, Callable | None]:

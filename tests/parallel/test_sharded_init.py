@@ -64,7 +64,8 @@ def test_a_module_that_cannot_initialise_itself_is_named():
         model = nn.Sequential(nn.Linear(3, 3), Scale())
     with pytest.raises(ValueError) as error:
         initialize_parameters(model, give_memory, seed=0)
-    assert str(error.value).startswith("model: 1 (Scale) has parameters (gain) but no reset_parameters()")
+    assert str(error.value).startswith(
+        "model: 1 (Scale) has parameters (gain) that neither its reset_parameters() nor an enclosing _init_weights")
 
 
 # d_model 2048, 8 blocks: 403.5M parameters, 1.61 GB in fp32.
