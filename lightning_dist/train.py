@@ -8,9 +8,9 @@
 from __future__ import annotations
 
 import logging
-from contextlib import AbstractContextManager, nullcontext
 import os
 import sys
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +33,8 @@ from lightning_dist.launch import needs_isolation, run_isolated
 from lightning_dist.memory import AutoFit, Choice, MemoryPlan, ModelFacts, layout_of, plan_memory
 from lightning_dist.memory.compare import compare_presets
 from lightning_dist.parallel import require_class_in_model, resolve_module_class
-from lightning_dist.parallel.sharded_init import parameters_on_meta
 from lightning_dist.parallel.collective_timeout import CollectiveTimeout, explain_collective_timeout
+from lightning_dist.parallel.sharded_init import parameters_on_meta
 from lightning_dist.precision import check_precision, device_type
 from lightning_dist.strategies.launcher import PreflightError
 
@@ -128,7 +128,7 @@ def plan(cfg: DictConfig) -> MemoryPlan:
     """`plan=true`: print the memory plan of this run and of every preset, and train nothing."""
     try:
         datamodule = _instantiate(cfg.data, "data")
-        block_class = _block_class(cfg)  # the strategy reads it too: report it under the key the user set
+        _block_class(cfg)  # the strategy reads it too: reported under the key the user set
         strategy = _instantiate(cfg.strategy, "strategy")
         devices, num_nodes = _device_count(cfg)
         facts = _model_facts(cfg, datamodule)

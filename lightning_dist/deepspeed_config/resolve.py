@@ -55,13 +55,15 @@ class ZeroOptions:
 
 
 def buckets_sized_by_model(config: dict[str, Any]) -> dict[str, Any]:
-    """`config` with ZeRO-3's bucket sizes set to "auto", so they follow the model's hidden size by the rule of
-    Hugging Face's files (`HIDDEN_SIZE_RULES`) rather than DeepSpeed's fixed defaults: a 2e8-element reduce bucket
-    is 800 MB per rank in fp32, whatever the model's size."""
+    """`config` with ZeRO-3's reduce bucket set to "auto", so it follows the model's hidden size by the rule of
+    Hugging Face's files (`HIDDEN_SIZE_RULES`) rather than DeepSpeed's fixed default: a 2e8-element bucket is
+    allocated whole, 800 MB per rank in fp32, whatever the model's size. (The prefetch bucket and persistence
+    threshold keep DeepSpeed's values: sized by the same rule, DeepSpeed 0.19.8 tried to re-partition a parameter
+    still being prefetched when validation followed training.)"""
     config = copy.deepcopy(config)
     zero = config.setdefault("zero_optimization", {})
     if zero.get("stage") == 3:
-        zero.update({name: AUTO for name in HIDDEN_SIZE_RULES})
+        zero["reduce_bucket_size"] = AUTO
     return config
 
 

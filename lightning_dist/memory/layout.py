@@ -27,7 +27,7 @@ class Layout:
     activation_checkpointing: bool = False
     reduce_bucket_elements: int = 0    # a gradient bucket allocated up front on the device (ZeRO-3)
     persistence_threshold: int = 0     # ZeRO-3 keeps parameters smaller than this whole on every rank
-    sized_by_hidden_size: bool = False  # a ZeRO-3 preset: bucket and threshold follow the model's hidden size
+    sized_by_hidden_size: bool = False  # a ZeRO-3 preset: its reduce bucket follows the model's hidden size
 
 
 def layout_of(strategy: Any, name: str | None = None) -> Layout:
@@ -68,6 +68,6 @@ def _deepspeed_layout(strategy: Any, name: str) -> Layout:
         # ZeRO-3 allocates its gradient bucket whole when it starts; "auto" is sized from the model later.
         reduce_bucket_elements=int(bucket) if stage >= 3 and contiguous and isinstance(bucket, (int, float)) else 0,
         persistence_threshold=int(persistence) if stage >= 3 and isinstance(persistence, (int, float)) else 0,
-        # A preset's ZeRO-3 buckets follow the model's hidden size when it has one (DeepSpeedStrategy.resolution).
+        # A preset's ZeRO-3 reduce bucket follows the model's hidden size when it has one (DeepSpeedStrategy.resolution).
         sized_by_hidden_size=stage >= 3 and strategy.config_source == "strategy",
     )

@@ -10,7 +10,7 @@ no master copy. The numbers are checked against what running ranks hold (`memory
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from lightning_dist.deepspeed_config.resolve import HIDDEN_SIZE_RULES
@@ -111,8 +111,6 @@ def plan_memory(
             plan.device[name] = value
         else:
             (plan.host if offload == "cpu" else plan.nvme)[name] = value * devices
-    if layout.sized_by_hidden_size and facts.hidden_size:
-        layout = replace(layout, persistence_threshold=HIDDEN_SIZE_RULES["stage3_param_persistence_threshold"](facts.hidden_size))
     if layout.persistence_threshold:
         # Once ZeRO-3 has traced a step it keeps its small parameters whole on every rank, beside their partitions.
         persistent = sum(numel for numel in facts.parameter_sizes if numel < layout.persistence_threshold)

@@ -12,8 +12,8 @@ ddp as under fsdp or ZeRO-3, for the same seed.
 
 A module is initialised by its own `reset_parameters()` (torch's convention; `_reset_parameters()` for its
 attention), then by `_init_weights(module)` of the nearest enclosing module that defines one (Hugging Face's, and
-our GPT's). The seed is the `init_seed`
-attribute of the nearest enclosing module that has one, else the one the caller passes.
+our GPT's). The seed is the `init_seed` attribute of the nearest enclosing module that has one, else the one the
+caller passes.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-# What to keep of an initialised full tensor (CPU, float32 or the parameter's dtype): a shard, a partition, all.
+# What to keep of an initialised full tensor (on the CPU, in the parameter's dtype): a shard, a partition, all.
 Keep = Callable[[nn.Parameter, torch.Tensor], None]
 
 # Module names that wrappers (activation checkpointing) insert between a model and its layers; a layer's seed must
@@ -119,8 +119,8 @@ def _copy_into(param: nn.Parameter, value: torch.Tensor) -> None:
 def _unwritten(param: nn.Parameter) -> torch.Tensor:
     # Drawn in float32 and then cast, as eager construction does before a precision plugin converts the model.
     if param.is_floating_point():
-        return torch.full(param.shape, math.nan, dtype=torch.float32)
-    return torch.zeros(param.shape, dtype=param.dtype)
+        return torch.full(param.shape, math.nan, dtype=torch.float32, device="cpu")
+    return torch.zeros(param.shape, dtype=param.dtype, device="cpu")
 
 
 def _initialiser_of(model: nn.Module, name: str, default_seed: int) -> tuple[int, str, Callable | None]:

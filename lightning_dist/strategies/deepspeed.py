@@ -336,7 +336,9 @@ def zero3_partitioner(config: dict[str, Any]) -> Keep:
     zero_init = deepspeed.zero.Init(config_dict_or_path=config, remote_device=offload if offload in OFFLOAD_DEVICES else None)
 
     def partition(param: torch.nn.Parameter, full: torch.Tensor) -> None:
-        give_memory(param, full)
+        # In the config's dtype (bf16, fp16), as a module built under zero.Init would be: DeepSpeed's own cast of the
+        # module cannot reach partitions.
+        give_memory(param, full.to(zero_init.dtype) if full.is_floating_point() else full)
         zero_init._convert_to_zero_parameters([param])
 
     return partition

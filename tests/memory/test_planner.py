@@ -84,14 +84,10 @@ def test_activation_checkpointing_shrinks_activations_in_the_plan():
 
 
 def test_zero_3_keeps_parameters_under_its_persistence_threshold_whole():
-    # A preset's threshold is 10 x the hidden size (128 here): the biases and norms stay whole, matrices are split.
-    facts = ModelFacts.of(GPTLanguageModel)
-    assert facts.hidden_size == 128 and sum(facts.parameter_sizes) == facts.parameters
-    persistent = sum(n for n in facts.parameter_sizes if n < 1280)
-    assert 0 < persistent < facts.parameters / 10
+    facts = ModelFacts.of(GPTLanguageModel)  # every parameter of the tiny GPT has fewer than 1e5 elements
+    assert max(facts.parameter_sizes) < 100_000 and sum(facts.parameter_sizes) == facts.parameters
     plan = preset_plan("deepspeed_stage_3", facts, "32-true", devices=2)
-    assert plan.device["parameters"] == facts.parameters * 4 / 2 + persistent * 4  # partition + whole copy
-    # Without a hidden size, DeepSpeed's default threshold (1e5 elements): every parameter of the tiny GPT is whole.
-    unsized = ModelFacts(parameters=facts.parameters, parameter_sizes=facts.parameter_sizes)
-    assert max(facts.parameter_sizes) < 100_000
-    assert preset_plan("deepspeed_stage_3", unsized, "32-true", devices=2).device["parameters"] == facts.parameters * 4 * 1.5
+    assert plan.device["parameters"] == facts.parameters * 4 / 2 + facts.parameters * 4  # partition + whole copy
+    big = ModelFacts.of(lambda: GPTLanguageModel(d_model=512, n_head=8))  # its 512 x 2048 matrices are partitioned only
+    persistent = sum(n for n in big.parameter_sizes if n < 100_000)
+    assert preset_plan("deepspeed_stage_3", big, "32-true", devices=2).device["parameters"] == big.parameters * 2 + persistent * 4
