@@ -1,7 +1,7 @@
 """Train a GPT whose model states exceed this machine's memory: ZeRO-Infinity (ZeRO-3 with parameters and
 optimizer state on NVMe) on 2 CPU ranks.
 
-    python benchmarks/beyond_memory.py --nvme /path/on/a/local/disk [--steps 4] [--d-model 2560 --n-layer 26]
+    python benchmarks/beyond_memory.py --nvme /path/on/a/local/disk [--steps 4] [--d-model 2560 --n-layer 26] [--lr 1e-6]
 
 The default model has 2.05B parameters: its fp32 Adam model states (weights, gradients, master copy, two moments:
 16 bytes per parameter) come to 32.8 GB, against 24 GiB of RAM. First the memory plan and auto_fit for the same
@@ -28,6 +28,7 @@ def train_command(nvme: Path, args: argparse.Namespace, *extra: str) -> list[str
         sys.executable, str(REPO / "train.py"),
         "trainer.accelerator=cpu", "trainer.devices=2", f"trainer.max_steps={args.steps}",
         f"model.d_model={args.d_model}", f"model.n_layer={args.n_layer}", f"model.n_head={args.d_model // 128}",
+        f"model.lr={args.lr}",
         "model.block_size=64", "data.block_size=64", "data.batch_size=1", "test=false", "trainer.log_every_n_steps=1",
         "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0",
         "callbacks.model_checkpoint=null", "callbacks.validate_at_max_steps=null",
@@ -49,6 +50,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=2560)
     parser.add_argument("--n-layer", type=int, default=26)
+    # The bundled GPT's 1e-3 is for its small sizes; with no warm-up, 26 blocks of width 2560 went from loss 6.1 to
+    # 10.7 in one Adam step at 5e-6.
+    parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "beyond_memory")
     args = parser.parse_args()
     shutil.rmtree(args.nvme, ignore_errors=True)

@@ -109,6 +109,7 @@ def main(out_dir: str, strategy: str) -> None:
         "layer_norm": [float(initial["model.layers.1.ln_1.weight"].min()), float(initial["model.layers.1.ln_1.bias"].abs().max())],
         "tied": bool(torch.equal(initial["model.lm_head.weight"], initial["model.embed_tokens.weight"])),
         "checksum": float(sum(t.double().sum() for t in initial.values())),
+        "linear": torch.nn.functional.linear.__name__,
     }
     Path(out_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(summary))
 

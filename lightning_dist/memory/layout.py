@@ -12,6 +12,9 @@ from typing import Any
 # DeepSpeed's own defaults when a config leaves them out.
 _DEEPSPEED_REDUCE_BUCKET = 500_000_000
 _DEEPSPEED_PERSISTENCE_THRESHOLD = 100_000
+_DEEPSPEED_SUB_GROUP_SIZE = 1_000_000_000
+_DEEPSPEED_OFFLOAD_PARAM = {"buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000}
+_DEEPSPEED_OPTIMIZER_SWAP_BUFFERS = 4
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,13 @@ class Layout:
     reduce_bucket_elements: int = 0    # a gradient bucket allocated up front on the device (ZeRO-3)
     persistence_threshold: int = 0     # ZeRO-3 keeps parameters smaller than this whole on every rank
     sized_by_hidden_size: bool = False  # a ZeRO-3 preset: its reduce bucket follows the model's hidden size
+    sub_group_size: int = 0            # ZeRO-3's optimizer tile: it steps on one flat group of this many at a time
+    # ZeRO-Infinity's host buffers. The parameter swap pool (buffers, elements each): a file's, or None for a
+    # preset's, sized from the model at run time; partitions kept in host memory besides it (max_in_cpu); how many
+    # sub-groups of optimizer state are swapped in at once.
+    parameter_swap_pool: tuple[int, int] | None = None
+    parameters_in_host: int = 0
+    optimizer_swap_buffers: int = 0
 
 
 def layout_of(strategy: Any, name: str | None = None) -> Layout:
@@ -58,6 +68,9 @@ def _deepspeed_layout(strategy: Any, name: str) -> Layout:
         device = option or (zero.get(key) or {}).get("device")
         return device if device in ("cpu", "nvme") else None
 
+    preset = strategy.config_source == "strategy"
+    param_swap = {**_DEEPSPEED_OFFLOAD_PARAM, **(zero.get("offload_param") or {})}
+    optimizer_swaps = (zero.get("offload_optimizer") or {}).get("buffer_count", _DEEPSPEED_OPTIMIZER_SWAP_BUFFERS)
     contiguous = zero.get("contiguous_gradients", True)
     bucket = zero.get("reduce_bucket_size", _DEEPSPEED_REDUCE_BUCKET)
     persistence = zero.get("stage3_param_persistence_threshold", _DEEPSPEED_PERSISTENCE_THRESHOLD)
@@ -69,5 +82,10 @@ def _deepspeed_layout(strategy: Any, name: str) -> Layout:
         reduce_bucket_elements=int(bucket) if stage >= 3 and contiguous and isinstance(bucket, (int, float)) else 0,
         persistence_threshold=int(persistence) if stage >= 3 and isinstance(persistence, (int, float)) else 0,
         # A preset's ZeRO-3 reduce bucket follows the model's hidden size when it has one (DeepSpeedStrategy.resolution).
-        sized_by_hidden_size=stage >= 3 and strategy.config_source == "strategy",
+        sized_by_hidden_size=stage >= 3 and preset,
+        # A preset's NVMe pool is sized from the model and keeps no partitions in host memory (swap_buffers.py).
+        parameter_swap_pool=None if preset else (int(param_swap["buffer_count"]), int(param_swap["buffer_size"])),
+        parameters_in_host=0 if preset else int(param_swap["max_in_cpu"]),
+        sub_group_size=int(zero.get("sub_group_size", _DEEPSPEED_SUB_GROUP_SIZE)) if stage >= 3 else 0,
+        optimizer_swap_buffers=int(optimizer_swaps),
     )

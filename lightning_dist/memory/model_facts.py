@@ -29,6 +29,7 @@ class ModelFacts:
     optimizer: str = "adamw"                   # what configure_optimizers returns, as the planner names it
     parameter_sizes: tuple[int, ...] = ()      # elements of each parameter: ZeRO-3 keeps the small ones whole
     hidden_size: int | None = None             # from the hyper-parameters: ZeRO-3 presets size buckets by it
+    most_parameters_per_module: int = 1        # fetched together: ZeRO-Infinity's swap pool must hold them at once
 
     @classmethod
     def of(cls, build: Callable[[], nn.Module], batch: Any = None, block_class: type[nn.Module] | None = None) -> "ModelFacts":
@@ -47,6 +48,7 @@ class ModelFacts:
             optimizer=_optimizer_kind(module),
             parameter_sizes=tuple(p.numel() for p in params),
             hidden_size=hidden_size_of(module),
+            most_parameters_per_module=max(len(list(m.parameters(recurse=False))) for m in module.modules()),
         )
 
 

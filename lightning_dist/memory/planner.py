@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from lightning_dist.deepspeed_config.resolve import HIDDEN_SIZE_RULES
+from lightning_dist.deepspeed_config.swap_buffers import parameter_swap_pool
 from lightning_dist.memory.layout import Layout
 from lightning_dist.memory.model_facts import ModelFacts
 
@@ -100,10 +101,12 @@ def plan_memory(
     optimizer_state = shard(n * (size.master + moments * size.moment), layout.shard_optimizer)
     plan = MemoryPlan(layout, precision, world, devices)
 
-    # Where each part lives: the device unless offloaded; offloaded parts add up over a node's ranks.
+    # Where each part lives: the device unless offloaded; offloaded parts add up over a node's ranks. DeepSpeed
+    # keeps gradient partitions in host memory when the optimizer state is on NVMe: it swaps only the latter.
+    gradients_offload = layout.offload_optimizer if layout.shard_gradients else None
     placements = (
         ("parameters", parameters, layout.offload_parameters),
-        ("gradients", gradients, layout.offload_optimizer if layout.shard_gradients else None),
+        ("gradients", gradients, "cpu" if gradients_offload == "nvme" else gradients_offload),
         ("optimizer_state", optimizer_state, layout.offload_optimizer),
     )
     for name, value, offload in placements:
@@ -111,6 +114,7 @@ def plan_memory(
             plan.device[name] = value
         else:
             (plan.host if offload == "cpu" else plan.nvme)[name] = value * devices
+    plan.host.update(_swap_buffers(facts, layout, size, world, devices))
     if layout.persistence_threshold:
         # Once ZeRO-3 has traced a step it keeps its small parameters whole on every rank, beside their partitions.
         persistent = sum(numel for numel in facts.parameter_sizes if numel < layout.persistence_threshold)
@@ -122,14 +126,43 @@ def plan_memory(
         # SHARD_GRAD_OP, which keeps them from forward to backward.
         gathered = n if layout.keep_gathered else 2 * (facts.largest_block or n)
         plan.device["gathered_parameters"] = min(gathered, n) * compute_bytes
+    if layout.engine == "torch" and not layout.shard_gradients:
+        # DDP rebuilds its gradient buckets at the start of the second step, in the order gradients arrived: the
+        # new buckets are allocated while the old ones (the gradients themselves, as bucket views) still exist.
+        plan.device["bucket_rebuild"] = n * size.gradient
     bucket = layout.reduce_bucket_elements
     if layout.sized_by_hidden_size and facts.hidden_size:
         bucket = HIDDEN_SIZE_RULES["reduce_bucket_size"](facts.hidden_size)
     if bucket:
         plan.device["gradient_bucket"] = bucket * size.gradient
+    if layout.sub_group_size and not layout.offload_optimizer:
+        # ZeRO-3 steps on one flat fp32 group at a time: a copy of its gradients, and torch Adam's temporaries
+        # (sqrt of the second moment, divided), each the size of the group. (Offloaded, DeepSpeed's CPU Adam needs
+        # no temporaries, and the copy is made in host memory.)
+        tile = min(layout.sub_group_size, math.ceil(n / world))
+        plan.device["optimizer_step"] = tile * (size.master + 2 * size.moment)
     plan.device["buffers"] = facts.buffer_bytes
     activations = facts.checkpointed_activation_bytes if layout.activation_checkpointing else facts.activation_bytes
     plan.activations_known = activations is not None
     # Traced in fp32; a 16-bit run saves (about) half.
     plan.device["activations"] = (activations or 0) * compute_bytes / 4
     return plan
+
+
+def _swap_buffers(facts: ModelFacts, layout: Layout, size: StateBytes, world: int, devices: int) -> dict[str, float]:
+    """ZeRO-Infinity's host memory per node: the buffers partitions are swapped through, and the parameter
+    partitions a config keeps in host memory besides (`max_in_cpu`)."""
+    host: dict[str, float] = {}
+    partition = math.ceil(facts.parameters / world)
+    if layout.offload_parameters == "nvme":
+        pool = layout.parameter_swap_pool
+        if pool is None:
+            sized = parameter_swap_pool(facts.parameter_sizes, facts.most_parameters_per_module, world, size.parameter,
+                                        layout.persistence_threshold)
+            pool = (sized.buffer_count, sized.buffer_size) if sized else (0, 0)
+        host["parameter_swap_buffers"] = pool[0] * pool[1] * size.parameter * devices
+        host["parameters_kept_in_host"] = min(layout.parameters_in_host, partition) * size.parameter * devices
+    if layout.offload_optimizer == "nvme":
+        tile = min(layout.sub_group_size, partition)
+        host["optimizer_swap_buffers"] = layout.optimizer_swap_buffers * tile * size.master * devices
+    return host

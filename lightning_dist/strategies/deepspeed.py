@@ -36,11 +36,14 @@ from lightning_dist.deepspeed_config import (
 )
 from lightning_dist.deepspeed_config.outputs import anchor_output_paths
 from lightning_dist.deepspeed_config.preflight import check_offload_ready
+from lightning_dist.deepspeed_config.gathering import gathering_sized_by_model
 from lightning_dist.deepspeed_config.resolve import buckets_sized_by_model
+from lightning_dist.deepspeed_config.swap_buffers import swap_buffers_sized_by_model
 from lightning_dist.parallel.devices import (
     bind_device, process_group_backend, process_group_timeout, use_timeout_for_every_group,
 )
 from lightning_dist.parallel.outermost_forward import run_root_hooks_once_per_forward
+from lightning_dist.parallel.zero3_runtime import swap_in_each_parameter_once, use_memory_efficient_linear
 from lightning_dist.parallel.sharded_init import (
     Keep, give_memory, has_meta_parameters, initialize_parameters, parameters_on_meta,
 )
@@ -49,11 +52,12 @@ from lightning_dist.strategies.launcher import GuardedLauncher
 ZERO_STAGES = (1, 2, 3)
 OFFLOAD_DEVICES = ("cpu", "nvme")
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
-# ZeRO-Infinity's host memory, in elements. Lightning's defaults make a rank's whole partition one swap group
-# (sub_group_size 1e12) and keep up to 1e9 parameters in host memory besides (max_in_cpu): a 2B-parameter model then
-# needed over 12 GB of host memory per rank, which is what NVMe offload exists to avoid. 1e8 each: 1.6 GB to swap
-# a group in (fp32 master, two moments, gradient), 0.4 GB of parameters kept in host memory.
-NVME_HOST_MEMORY = {"sub_group_size": 100_000_000}
+# ZeRO-3's optimizer tile (`sub_group_size`), in elements: the optimizer steps on one flat fp32 group at a time,
+# with a gradient copy and Adam's temporaries the size of the group. Lightning's 1e12 makes a rank's whole
+# partition one group: 2.4 GB of transients per rank for a 400M-parameter model in fp32 and, under NVMe offload,
+# the whole optimizer partition swapped in at once (over 12 GB of host memory per rank for 2B parameters).
+# 2.5e7: 0.3 GB of transients, 0.4 GB per group swapped in.
+OPTIMIZER_TILE = 25_000_000
 
 
 def validate_zero_options(stage: int | None, offload_optimizer: str | None, offload_parameters: str | None) -> None:
@@ -136,7 +140,7 @@ class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
             offload_parameters=offload_parameters is not None,
             offload_params_device=offload_parameters or "cpu",
             nvme_path=str(nvme_path or ""),
-            **(NVME_HOST_MEMORY if "nvme" in (offload_optimizer, offload_parameters) else {}),
+            sub_group_size=OPTIMIZER_TILE,
             config=user_config,
             process_group_backend=process_group_backend,
             timeout=process_group_timeout(timeout),
@@ -205,7 +209,11 @@ class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
         config = self.base_config
         if self.config_source == "strategy" and facts.hidden_size:  # a preset: no file chose the bucket sizes
             config = buckets_sized_by_model(config)
-        return resolve(config, facts, self.zero_options, self.config_source)
+        resolution = resolve(config, facts, self.zero_options, self.config_source)
+        if self.config_source == "strategy" and model is not None:  # nor how much is gathered, nor the NVMe pool
+            config = gathering_sized_by_model(resolution.config, model.modules())
+            resolution.config = swap_buffers_sized_by_model(config, model.modules(), self.world_size)
+        return resolution
 
     @override
     def _format_config(self) -> None:
@@ -273,6 +281,10 @@ class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
             meta = [p for p in self.model.parameters() if p.is_meta]
             keep = zero3_partitioner(self.config) if self.zero_stage_3 else whole_on(self.root_device)
             initialize_parameters(self.model, keep, seed, params=meta)
+        if self.zero_stage_3:
+            if (self.config.get("zero_optimization") or {}).get("memory_efficient_linear", True):
+                use_memory_efficient_linear()
+            swap_in_each_parameter_once()
         super().init_deepspeed()
         run_root_hooks_once_per_forward(self.deepspeed_engine)  # timers, profiler, ZeRO-3 trace: once per step
 

@@ -38,7 +38,27 @@ def test_categories_and_offload_destinations():
     assert offload.model_state_per_device == 0
     assert offload.device["gathered_parameters"] / GB == pytest.approx(0.8)  # a block and the next, in bf16
     nvme = preset_plan("deepspeed_stage_3_offload_nvme", facts)
-    assert nvme.host == {} and sum(nvme.nvme.values()) / GB == pytest.approx(112.0)
+    # On the drive: parameters and optimizer state. In host memory: the gradient partitions (DeepSpeed swaps only
+    # the optimizer state) and the buffers optimizer state is swapped through: 4 of one 2.5e7-element sub-group.
+    assert sum(nvme.nvme.values()) / GB == pytest.approx(98.0)
+    assert {k: v / GB for k, v in nvme.host.items() if v} == {"gradients": 14.0, "optimizer_swap_buffers": pytest.approx(1.6)}
+
+
+def test_planned_nvme_swap_pool_is_the_one_the_run_gets():
+    from lightning_dist.deepspeed_config.swap_buffers import swap_buffers_sized_by_model
+
+    size = {"d_model": 2560, "n_layer": 26, "n_head": 20, "block_size": 64}
+    facts = ModelFacts.of(lambda: GPTLanguageModel(**size))
+    plan = preset_plan("deepspeed_stage_3_offload_nvme", facts, "32-true", devices=2)
+    with torch.device("meta"):
+        model = GPTLanguageModel(**size)
+    preset = PRESETS["deepspeed_stage_3_offload_nvme"]
+    config = swap_buffers_sized_by_model(preset.strategy(**preset.kwargs).config, model.modules(), world_size=2)
+    pool = config["zero_optimization"]["offload_param"]
+    # The largest partition is half an MLP matrix (4 x 2560 x 2560 / 2); the pool holds the reuse window's worth.
+    assert pool["buffer_size"] == 4 * 2560 * 2560 // 2 and pool["max_in_cpu"] == 0
+    assert plan.host["parameter_swap_buffers"] == pool["buffer_count"] * pool["buffer_size"] * 4 * 2
+    assert plan.host["parameters_kept_in_host"] == 0
 
 
 def test_precision_changes_what_each_engine_keeps():
