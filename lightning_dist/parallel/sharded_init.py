@@ -55,6 +55,16 @@ def has_meta_parameters(module: nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters())
 
 
+class ForgetsUnbuiltModel:
+    """Strategy mixin: a run that ends before `setup` built the model (its parameters still on the meta device)
+    has nothing to move back to the CPU at teardown, which would fail on meta tensors."""
+
+    def teardown(self) -> None:
+        if self.lightning_module is not None and has_meta_parameters(self.lightning_module):
+            self._lightning_module = None
+        super().teardown()
+
+
 def draw_init_seed() -> int:
     """A seed for `initialize_parameters` from the global generator: the same after the same `seed_everything`,
     different for each model built in a row."""

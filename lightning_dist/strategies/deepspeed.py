@@ -45,7 +45,7 @@ from lightning_dist.parallel.devices import (
 from lightning_dist.parallel.outermost_forward import run_root_hooks_once_per_forward
 from lightning_dist.parallel.zero3_runtime import swap_in_each_parameter_once, use_memory_efficient_linear
 from lightning_dist.parallel.sharded_init import (
-    Keep, give_memory, has_meta_parameters, initialize_parameters, parameters_on_meta,
+    ForgetsUnbuiltModel, Keep, give_memory, has_meta_parameters, initialize_parameters, parameters_on_meta,
 )
 from lightning_dist.strategies.launcher import GuardedLauncher
 
@@ -97,7 +97,7 @@ def use_deepspeed_accelerator(device: torch.device) -> str:
     return get_accelerator().device_name()
 
 
-class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
+class DeepSpeedStrategy(SwappedSaves, ForgetsUnbuiltModel, _LightningDeepSpeedStrategy):
     """DeepSpeed ZeRO that also runs on CPU, and takes Hugging Face-style configs with "auto" values.
 
     Args:
@@ -264,12 +264,6 @@ class DeepSpeedStrategy(SwappedSaves, _LightningDeepSpeedStrategy):
         # Lightning's deepspeed.zero.Init here would need the resolved config (its "auto" values) before `setup`;
         # `tensor_init_context` defers the weights instead, and `init_deepspeed` partitions them.
         yield
-
-    @override
-    def teardown(self) -> None:
-        if self.lightning_module is not None and has_meta_parameters(self.lightning_module):
-            self._lightning_module = None  # the run ended before setup built it: nothing to move back to the CPU
-        super().teardown()
 
     @override
     def init_deepspeed(self) -> None:

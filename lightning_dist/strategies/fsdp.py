@@ -34,14 +34,14 @@ from lightning_dist.parallel import (
 from lightning_dist.parallel.devices import (
     bind_device, process_group_backend, process_group_timeout, use_timeout_for_every_group,
 )
-from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
+from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel, has_meta_parameters, parameters_on_meta
 from lightning_dist.strategies.launcher import GuardedLauncher
 
 # LightningModule methods that run the model without going through `forward`.
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-class FSDPStrategy(SwappedSaves, ModelParallelStrategy):
+class FSDPStrategy(SwappedSaves, ForgetsUnbuiltModel, ModelParallelStrategy):
     """Fully Sharded Data Parallel (FSDP2) on CPU (gloo) or CUDA (nccl).
 
     Args:
@@ -120,12 +120,6 @@ class FSDPStrategy(SwappedSaves, ModelParallelStrategy):
         deferred = nullcontext() if empty_init is False else parameters_on_meta()
         with deferred, self.precision_plugin.tensor_init_context():
             yield
-
-    @override
-    def teardown(self) -> None:
-        if self.lightning_module is not None and has_meta_parameters(self.lightning_module):
-            self._lightning_module = None  # the run ended before setup built it: nothing to move back to the CPU
-        super().teardown()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
