@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.checkpoints.gather import plain_name
-from lightning_dist.checkpoints.resume import optimizer_state_by_name
+from lightning_dist.checkpoints.resume import OPTIMIZER_KEYS, optimizer_state_by_name
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -29,7 +29,8 @@ def load_into_engine(strategy: Any, checkpoint: dict[str, Any], strict: bool) ->
     names = getattr(strategy, "param_group_names", [])
     states = optimizer_state_by_name(checkpoint, names) if strategy.is_global_zero else None
     weights = checkpoint.pop("state_dict", None)
-    checkpoint.pop("optimizer_state_by_name", None), checkpoint.pop("optimizer_states", None)
+    for key in OPTIMIZER_KEYS:
+        checkpoint.pop(key, None)
     tensors = [(plain_name(n), t) for n, t in (*module.named_parameters(), *module.named_buffers())]
     absent = _absent_on_rank_zero(strategy, weights, [name for name, _ in tensors], strict)
     optimizer = engine.optimizer if strategy.lightning_module.trainer.training else None
@@ -53,6 +54,24 @@ def load_into_engine(strategy: Any, checkpoint: dict[str, Any], strict: bool) ->
     if with_moments:
         step = strategy.broadcast(_step_of(states) if strategy.is_global_zero else None)
         _set_step(optimizer, step)
+
+
+def engine_reads_natively(saved_config: dict[str, Any], config: dict[str, Any]) -> bool:
+    """Whether DeepSpeed's own loader takes a checkpoint written under `saved_config` into an engine configured by
+    `config`. It does not across ZeRO-3 and ZeRO-1/2, which write different files (a model-states file per rank, or
+    one for all), nor into an offloaded optimizer (DeepSpeedCPUAdam) from a torch one, whose param groups lack its
+    `bias_correction`. Those checkpoints load like foreign ones: consolidated, then partitioned (load_into_engine).
+    """
+    if not saved_config:  # written by a DeepSpeed that did not record its config
+        return True
+    saved, ours = saved_config.get("zero_optimization") or {}, config.get("zero_optimization") or {}
+    if (int(saved.get("stage", 0)) == 3) != (int(ours.get("stage", 0)) == 3):
+        return False
+    return _offloads_optimizer(saved) or not _offloads_optimizer(ours)
+
+
+def _offloads_optimizer(zero_optimization: dict[str, Any]) -> bool:
+    return ((zero_optimization.get("offload_optimizer") or {}).get("device") or "none") != "none"
 
 
 def _absent_on_rank_zero(strategy: Any, weights: dict | None, names: list[str], strict: bool) -> set[str]:

@@ -20,7 +20,8 @@ from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
 
 # The tensors of a consolidated checkpoint: read on rank 0 only, then broadcast as they are loaded.
-_TENSOR_KEYS = ("state_dict", "optimizer_state_by_name", "optimizer_states")
+OPTIMIZER_KEYS = ("optimizer_state_by_name", "optimizer_states")
+_TENSOR_KEYS = ("state_dict", *OPTIMIZER_KEYS)
 _FROM_RANK_ZERO = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
@@ -89,7 +90,7 @@ def restore_optimizer_by_name(strategy: Any, module: torch.nn.Module, optimizers
     optimizer = getattr(optimizers[0], "_optimizer", optimizers[0]) if len(optimizers) == 1 else None
     names = group_names(module, optimizer.param_groups) if optimizer is not None else []
     state_by_name = optimizer_state_by_name(checkpoint, names) if strategy.is_global_zero and optimizer else None
-    for key in _TENSOR_KEYS[1:]:
+    for key in OPTIMIZER_KEYS:
         checkpoint.pop(key, None)
     if not strategy.broadcast(bool(state_by_name)):
         rank_zero_warn("The checkpoint's optimizer state cannot be mapped onto this optimizer: it starts afresh.")

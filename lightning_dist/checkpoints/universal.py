@@ -25,10 +25,12 @@ from lightning_dist.checkpoints.safe_load import load_file
 LATEST_UNIVERSAL = "latest_universal"  # written last by ds_to_universal: its presence means a finished conversion
 
 
-def saved_world_size(path: str | Path) -> int | None:
-    """The number of data-parallel ranks that wrote the DeepSpeed checkpoint at `path` (None if it does not say)."""
+def saved_run(path: str | Path) -> tuple[int | None, dict[str, Any]]:
+    """The number of data-parallel ranks that wrote the DeepSpeed checkpoint at `path` (None if it does not say)
+    and the DeepSpeed config they ran with ({} if absent)."""
     model_states = sorted(deepspeed_tag_dir(Path(path)).glob("*model_states.pt"))
-    return load_file(model_states[0], mmap=True).get("dp_world_size")
+    saved = load_file(model_states[0], mmap=True)
+    return saved.get("dp_world_size"), saved.get("ds_config") or {}
 
 
 def ensure_universal(path: str | Path) -> Path:

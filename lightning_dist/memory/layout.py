@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_dist.deepspeed_config.swap_buffers import DEFAULT_PERSISTENCE_THRESHOLD
+
 # DeepSpeed's own defaults when a config leaves them out.
 _DEEPSPEED_REDUCE_BUCKET = 500_000_000
-_DEEPSPEED_PERSISTENCE_THRESHOLD = 100_000
 _DEEPSPEED_SUB_GROUP_SIZE = 1_000_000_000
 _DEEPSPEED_OFFLOAD_PARAM = {"buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000}
 _DEEPSPEED_OPTIMIZER_SWAP_BUFFERS = 4
@@ -73,7 +74,7 @@ def _deepspeed_layout(strategy: Any, name: str) -> Layout:
     optimizer_swaps = (zero.get("offload_optimizer") or {}).get("buffer_count", _DEEPSPEED_OPTIMIZER_SWAP_BUFFERS)
     contiguous = zero.get("contiguous_gradients", True)
     bucket = zero.get("reduce_bucket_size", _DEEPSPEED_REDUCE_BUCKET)
-    persistence = zero.get("stage3_param_persistence_threshold", _DEEPSPEED_PERSISTENCE_THRESHOLD)
+    persistence = zero.get("stage3_param_persistence_threshold", DEFAULT_PERSISTENCE_THRESHOLD)
     return Layout(
         name, "deepspeed", shard_parameters=stage >= 3, shard_gradients=stage >= 2, shard_optimizer=stage >= 1,
         offload_optimizer=offload(options.offload_optimizer, "offload_optimizer"),

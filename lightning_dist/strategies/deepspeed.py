@@ -21,11 +21,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_dist.checkpoints.formats import DEEPSPEED, checkpoint_format
-from lightning_dist.checkpoints.into_deepspeed import load_into_engine
+from lightning_dist.checkpoints.into_deepspeed import engine_reads_natively, load_into_engine
 from lightning_dist.checkpoints.resume import group_names, load_for_resume
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
 from lightning_dist.checkpoints.swap import SwappedSaves
-from lightning_dist.checkpoints.universal import convert_on_rank_zero, loading_universal, saved_world_size
+from lightning_dist.checkpoints.universal import convert_on_rank_zero, loading_universal, saved_run
 from lightning_dist.deepspeed_config import (
     Resolution,
     ZeroOptions,
@@ -285,13 +285,17 @@ class DeepSpeedStrategy(SwappedSaves, ForgetsUnbuiltModel, _LightningDeepSpeedSt
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint_path = self.broadcast(checkpoint_path)
-        if checkpoint_format(checkpoint_path) != DEEPSPEED:  # a DDP or FSDP checkpoint: consolidated on rank 0
+        native = checkpoint_format(checkpoint_path) == DEEPSPEED
+        if native:
+            if weights_only is not False:  # DeepSpeed unpickles its shards with weights_only=False
+                vet_checkpoint(checkpoint_path)
+            saved_world_size, saved_config = saved_run(checkpoint_path)
+            native = engine_reads_natively(saved_config, self.config)
+        if not native:  # DDP, FSDP, or another ZeRO layout: consolidated on rank 0, then partitioned
             checkpoint = load_for_resume(self, checkpoint_path, native_formats=set(), weights_only=weights_only)
             load_into_engine(self, checkpoint, strict=self.lightning_module.strict_loading)
             return checkpoint
-        if weights_only is not False:  # DeepSpeed unpickles its shards with weights_only=False
-            vet_checkpoint(checkpoint_path)
-        if saved_world_size(checkpoint_path) in (None, self.world_size):
+        if saved_world_size in (None, self.world_size):
             return super().load_checkpoint(checkpoint_path, weights_only)
         # Written by another number of ranks: DeepSpeed re-partitions its universal form.
         convert_on_rank_zero(self, checkpoint_path)
