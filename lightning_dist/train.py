@@ -32,7 +32,7 @@ from lightning_dist.config_check import CONF_DIR, ConfigError, check_launcher, c
 from lightning_dist.launch import needs_isolation, run_isolated
 from lightning_dist.memory import AutoFit, Choice, MemoryPlan, ModelFacts, layout_of, plan_memory
 from lightning_dist.memory.compare import compare_presets
-from lightning_dist.parallel import require_class_in_model, resolve_module_class
+from lightning_dist.parallel import BlockClasses, require_classes_in_model, resolve_block_classes
 from lightning_dist.parallel.collective_timeout import CollectiveTimeout, explain_collective_timeout
 from lightning_dist.parallel.sharded_init import parameters_on_meta
 from lightning_dist.precision import check_precision, device_type
@@ -46,15 +46,15 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     try:
         _check_accelerator(cfg.trainer.accelerator)
         datamodule = _instantiate(cfg.data, "data")
-        block_class = _block_class(cfg)  # the strategy reads it too: report it under the key the user set
+        block_classes = _block_classes(cfg)  # the strategy reads it too: report it under the key the user set
         strategy = _instantiate(cfg.strategy, "strategy")
         if isinstance(strategy, AutoFit):
             strategy = _auto_fit(cfg, strategy, _model_facts(cfg, datamodule)).strategy
         check_precision(strategy, cfg.trainer.precision, device_type(cfg.trainer.accelerator))
         with _construction(strategy):
             model = _instantiate(_module_config(cfg), "model")
-        if block_class is not None:
-            require_class_in_model(model, block_class, "model.block_class")
+        if block_classes:
+            require_classes_in_model(model, block_classes, "model.block_class")
         if cfg.get("ckpt_path"):
             check_complete(cfg.ckpt_path)
             check_checkpoint_matches(cfg.ckpt_path, set(model.state_dict()), trusted=cfg.get("trust_checkpoint", False))
@@ -98,15 +98,15 @@ def _module_config(cfg: DictConfig) -> DictConfig:
     return OmegaConf.create(module_cfg)
 
 
-def _block_class(cfg: DictConfig) -> type | None:
-    return resolve_module_class(cfg.model.block_class, "model.block_class") if cfg.model.get("block_class") else None
+def _block_classes(cfg: DictConfig) -> BlockClasses:
+    return resolve_block_classes(cfg.model.block_class, "model.block_class") if cfg.model.get("block_class") else ()
 
 
 def _model_facts(cfg: DictConfig, datamodule: Any) -> ModelFacts:
     """The model built on the meta device, its activations traced with one real training batch's shapes."""
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
-    return ModelFacts.of(lambda: instantiate(_module_config(cfg), _convert_="all"), batch, _block_class(cfg))
+    return ModelFacts.of(lambda: instantiate(_module_config(cfg), _convert_="all"), batch, _block_classes(cfg))
 
 
 def _device_count(cfg: DictConfig) -> tuple[int, int]:
@@ -128,7 +128,7 @@ def plan(cfg: DictConfig) -> MemoryPlan:
     """`plan=true`: print the memory plan of this run and of every preset, and train nothing."""
     try:
         datamodule = _instantiate(cfg.data, "data")
-        _block_class(cfg)  # the strategy reads it too: reported under the key the user set
+        _block_classes(cfg)  # the strategy reads it too: reported under the key the user set
         strategy = _instantiate(cfg.strategy, "strategy")
         devices, num_nodes = _device_count(cfg)
         facts = _model_facts(cfg, datamodule)

@@ -3,17 +3,23 @@
     python tests/plain_trainer_script.py OUT_DIR ld_fsdp              # a registered name, Lightning's BoringModel
     python tests/plain_trainer_script.py OUT_DIR FSDPStrategy-ac      # a class instance: FSDP + activation checkpointing
     python tests/plain_trainer_script.py OUT_DIR ld_fsdp_activation_checkpointing encoder  # torch's TransformerEncoder
+    python tests/plain_trainer_script.py OUT_DIR ld_fsdp_activation_checkpointing encoder_decoder  # Lightning's demo
     python tests/plain_trainer_script.py OUT_DIR ds-config:PATH      # DeepSpeedStrategy(config=PATH)
     python tests/plain_trainer_script.py OUT_DIR ds-dict:PATH        # DeepSpeedStrategy(config=dict), betas etc. set
 """
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.demos.transformer import LightningTransformer, Transformer
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dist
 from lightning_dist.parallel.placement import parameter_numel
@@ -38,6 +44,43 @@ class EncoderModel(RecordingBoringModel):
         return self.layer(x.unsqueeze(1)).squeeze(1)
 
 
+class DemoTransformer(LightningTransformer):
+    """Lightning's own demo LightningTransformer, an nn.Transformer with an encoder and a decoder stack, unchanged but
+    for its size, no dropout (losses are compared across strategies) and random tokens instead of a download."""
+
+    def __init__(self, vocab_size: int = 64):
+        super().__init__(vocab_size)
+        self.model = Transformer(vocab_size=vocab_size, ninp=32, nhead=2, nhid=64, nlayers=2, dropout=0.0)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses = [*getattr(self, "losses", []), float(loss)]
+        return loss
+
+    def prepare_data(self):
+        pass  # the demo downloads WikiText-2 here
+
+    def train_dataloader(self):
+        tokens = torch.randint(0, self.model.vocab_size, (2, 64, 12), generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(*tokens), batch_size=4)
+
+
+class MixedListModel(RecordingBoringModel):
+    """An nn.ModuleList of two classes: which one is the block cannot be inferred."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.ModuleList([torch.nn.Linear(32, 32), torch.nn.Linear(32, 2), torch.nn.ReLU()])
+
+    def forward(self, x):
+        for layer in self.layer:
+            x = layer(x)
+        return x
+
+
+MODELS = {"boring": RecordingBoringModel, "encoder": EncoderModel, "encoder_decoder": DemoTransformer, "mixed": MixedListModel}
+
+
 def main(out_dir: str, choice: str, model_name: str = "boring") -> None:
     strategy = choice
     if choice == "FSDPStrategy-ac":
@@ -50,7 +93,7 @@ def main(out_dir: str, choice: str, model_name: str = "boring") -> None:
         config["optimizer"]["params"].update(betas=[0.9, 0.999], eps=1e-8, weight_decay=0.0)
         strategy = lightning_dist.DeepSpeedStrategy(config=config)
     L.seed_everything(0)
-    model = EncoderModel() if model_name == "encoder" else RecordingBoringModel()
+    model = MODELS[model_name]()
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=2, max_steps=4, limit_val_batches=0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -66,6 +109,8 @@ def main(out_dir: str, choice: str, model_name: str = "boring") -> None:
         "losses": model.losses,
         "parameters_local": local,
         "parameters_total": total,
+        "checkpointed": Counter(type(m._checkpoint_wrapped_module).__name__ for m in model.modules() if isinstance(m, CheckpointWrapper)),
+        "fsdp_units": sum(isinstance(m, FSDPModule) for m in model.modules()),
         "deepspeed_config": getattr(trainer.strategy, "config", None) if choice.startswith("ds-") else None,
     }))
 

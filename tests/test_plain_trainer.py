@@ -53,11 +53,31 @@ def test_strategy_instance_with_block_class_given_as_a_class():
 def test_checkpointing_by_name_without_a_block_says_which_classes_could_be_one():
     stderr = run_script("ld_fsdp_activation_checkpointing", "boring", expect_returncode=1)
     assert (
-        "ValueError: strategy.block_class: activation checkpointing needs the block class and the model has no"
+        "PreflightError: strategy.block_class: activation checkpointing needs the block class and the model has no"
         " nn.ModuleList to infer it from; set it to one of: Linear, RecordingBoringModel"
     ) in stderr
+    assert "Initializing distributed" not in stderr  # refused before any rank started
 
 
+def test_ambiguous_block_class_is_refused_before_launch_naming_the_candidates():
+    stderr = run_script("ld_fsdp", "mixed", expect_returncode=1)
+    assert (
+        "PreflightError: strategy.block_class: cannot infer the model's block class: an nn.ModuleList mixes Linear,"
+        " ReLU; set it to the layer class, or a list of them"
+    ) in stderr
+    assert "Initializing distributed" not in stderr
+
+
+def test_lightnings_demo_transformer_checkpoints_both_stacks(deepspeed_ops):
+    # Lightning's LightningTransformer: an nn.Transformer, whose encoder and decoder layers are two block classes.
+    checkpointed = run_script("ld_fsdp_activation_checkpointing", "encoder_decoder")
+    reference = run_script("ld_ddp", "encoder_decoder")
+    for rank, result in enumerate(checkpointed):
+        assert result["checkpointed"] == {"TransformerEncoderLayer": 2, "TransformerDecoderLayer": 2}
+        assert result["fsdp_units"] == 5  # four blocks, then the root
+        assert result["global_step"] == 4
+        assert result["losses"] == pytest.approx(reference[rank]["losses"], rel=1e-5)
+    assert reference[0]["checkpointed"] == {} and reference[0]["losses"] != reference[1]["losses"]
 
 
 def test_deepspeed_config_dict_with_auto_values_trains(deepspeed_ops):

@@ -32,12 +32,12 @@ class ModelFacts:
     most_parameters_per_module: int = 1        # fetched together: ZeRO-Infinity's swap pool must hold them at once
 
     @classmethod
-    def of(cls, build: Callable[[], nn.Module], batch: Any = None, block_class: type[nn.Module] | None = None) -> "ModelFacts":
+    def of(cls, build: Callable[[], nn.Module], batch: Any = None, block_classes: tuple[type[nn.Module], ...] = ()) -> "ModelFacts":
         """`build()` runs under the meta device; `batch` (one training batch, any device) sizes the activations."""
         with torch.device("meta"):
             module = build()
         params = [p for p in _unique_parameters(module) if p.requires_grad]
-        blocks = [m for m in module.modules() if block_class is not None and isinstance(m, block_class)]
+        blocks = [m for m in module.modules() if isinstance(m, block_classes)]
         activations = _trace_activations(module, batch, blocks) if batch is not None else None
         return cls(
             parameters=sum(p.numel() for p in params),

@@ -1,7 +1,9 @@
 """Parallelism mechanics as plain functions: usable and testable without a Trainer."""
 
 from lightning_dist.parallel.activation_checkpoint import apply_activation_checkpointing
-from lightning_dist.parallel.classes import infer_block_class, require_class_in_model, resolve_module_class
+from lightning_dist.parallel.classes import (
+    BlockClasses, infer_block_classes, require_classes_in_model, resolve_block_classes, resolve_module_class,
+)
 from lightning_dist.parallel.fsdp import (
     apply_fully_shard, materialize_shards, mixed_precision_policy, offload_policy, sharding_layout,
 )
@@ -9,11 +11,13 @@ from lightning_dist.parallel.fsdp import (
 __all__ = [
     "apply_activation_checkpointing",
     "apply_fully_shard",
-    "infer_block_class",
+    "BlockClasses",
+    "infer_block_classes",
     "materialize_shards",
     "mixed_precision_policy",
     "offload_policy",
-    "require_class_in_model",
+    "require_classes_in_model",
+    "resolve_block_classes",
     "resolve_module_class",
     "sharding_layout",
 ]

@@ -6,8 +6,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 
 
-def apply_activation_checkpointing(model: nn.Module, block_class: type[nn.Module]) -> int:
-    """Wrap every `block_class` submodule of `model` in a non-reentrant checkpoint wrapper, in place.
+def apply_activation_checkpointing(model: nn.Module, block_classes: tuple[type[nn.Module], ...]) -> int:
+    """Wrap every submodule of `model` of one of `block_classes` in a non-reentrant checkpoint wrapper, in place.
 
     Idempotent: Lightning calls strategy set-up again for `trainer.test()` after `fit()` on the same model, and a
     block wrapped twice would be recomputed twice. Returns how many blocks are wrapped afterwards.
@@ -16,6 +16,6 @@ def apply_activation_checkpointing(model: nn.Module, block_class: type[nn.Module
         if isinstance(parent, CheckpointWrapper):
             continue
         for name, child in parent.named_children():
-            if isinstance(child, block_class):
+            if isinstance(child, block_classes):
                 parent.register_module(name, checkpoint_wrapper(child))
     return sum(isinstance(m, CheckpointWrapper) for m in model.modules())

@@ -1,9 +1,11 @@
-"""Resolving the block class a model names in its config ("package.module.ClassName") to the class itself."""
+"""The block classes of a model: named in its config ("package.module.ClassName", one or several) or inferred from
+the `nn.ModuleList`s that hold its layers."""
 
 from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Iterable
 
 from torch import nn
 
@@ -31,22 +33,54 @@ def resolve_module_class(spec: str | type[nn.Module], key: str) -> type[nn.Modul
     return found
 
 
-def require_class_in_model(model: nn.Module, block_class: type[nn.Module], key: str) -> int:
-    """Count the instances of `block_class` in `model`; zero is a configuration error naming the model's classes."""
-    count = sum(isinstance(module, block_class) for module in model.modules())
-    if count == 0:
-        present = sorted({type(module).__name__ for module in model.modules()})
-        raise ValueError(
-            f"{key}: the model has no {block_class.__qualname__} module; classes in the model: {', '.join(present)}"
-        )
-    return count
+BlockClasses = tuple[type[nn.Module], ...]
 
 
-def infer_block_class(model: nn.Module) -> type[nn.Module] | None:
-    """The class of the repeated layers, when the model keeps them in `nn.ModuleList`s of a single class.
+def resolve_block_classes(spec: str | type[nn.Module] | Iterable[str | type[nn.Module]], key: str) -> BlockClasses:
+    """One class (or dotted path), or several: an encoder-decoder model has an encoder layer and a decoder layer."""
+    specs = [spec] if isinstance(spec, (str, type)) else list(spec)
+    if not specs:
+        raise ValueError(f"{key}: an empty list names no block class; name one class or several, or leave it unset")
+    return tuple(dict.fromkeys(resolve_module_class(one, key) for one in specs))
 
-    This is how transformer implementations hold their layers (HF `model.layers`, nanoGPT `transformer.h`), so it
-    finds the block without configuration; None when there is no such list or the lists mix classes.
+
+def require_classes_in_model(model: nn.Module, classes: BlockClasses, key: str) -> int:
+    """Count the instances of `classes` in `model`; a class with none is a configuration error naming the model's."""
+    for block_class in classes:
+        if not any(isinstance(module, block_class) for module in model.modules()):
+            present = sorted({type(module).__name__ for module in model.modules()})
+            raise ValueError(
+                f"{key}: the model has no {block_class.__qualname__} module; classes in the model: {', '.join(present)}"
+            )
+    return sum(isinstance(module, classes) for module in model.modules())
+
+
+def infer_block_classes(model: nn.Module, key: str = "strategy.block_class") -> BlockClasses:
+    """The classes of the model's layer stacks: every `nn.ModuleList` of one class is a stack (HF `model.layers`,
+    nanoGPT `transformer.h`; an encoder's and a decoder's layers), except lists inside another stack's layers (a T5
+    block's sub-layers, a block's experts). () when the model has none.
+
+    A list that mixes classes outside any stack could hold layers of several kinds or parts that are no layers at
+    all; rather than guess, a ValueError names its classes and `key`.
     """
-    classes = {type(child) for module in model.modules() if isinstance(module, nn.ModuleList) for child in module}
-    return classes.pop() if len(classes) == 1 else None
+    containers = (nn.ModuleList, nn.ModuleDict)  # a list of lists (stages of blocks): its inner lists are the stacks
+    lists = [
+        m for m in model.modules()
+        if isinstance(m, nn.ModuleList) and len(m) and not any(isinstance(child, containers) for child in m)
+    ]
+    single = {type(child) for mlist in lists if _one_class(mlist) for child in mlist}
+    inside = {id(inner) for m in model.modules() if isinstance(m, tuple(single)) for inner in m.modules() if inner is not m}
+    outer = [mlist for mlist in lists if id(mlist) not in inside]
+    mixed = sorted({type(child).__qualname__ for mlist in outer if not _one_class(mlist) for child in mlist})
+    if mixed:
+        stacks = sorted({cls.__qualname__ for mlist in outer if _one_class(mlist) for cls in (type(mlist[0]),)})
+        raise ValueError(
+            f"{key}: cannot infer the model's block class: an nn.ModuleList mixes {', '.join(mixed)}"
+            + (f" (single-class stacks: {', '.join(stacks)})" if stacks else "")
+            + "; set it to the layer class, or a list of them"
+        )
+    return tuple(dict.fromkeys(type(mlist[0]) for mlist in outer))
+
+
+def _one_class(mlist: nn.ModuleList) -> bool:
+    return len({type(child) for child in mlist}) == 1

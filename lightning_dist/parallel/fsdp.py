@@ -52,7 +52,7 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def _block_units(model: nn.Module, block_class: type[nn.Module]) -> list[nn.Module]:
+def _block_units(model: nn.Module, block_classes: tuple[type[nn.Module], ...]) -> list[nn.Module]:
     """Each block, or its activation-checkpoint wrapper where it has one: FSDP must shard the wrapper (as torchtitan
     does) so that the parameters are gathered before backward recomputes the block."""
     wrapped = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, CheckpointWrapper)}
@@ -60,7 +60,7 @@ def _block_units(model: nn.Module, block_class: type[nn.Module]) -> list[nn.Modu
         module
         for module in model.modules()
         if id(module) not in wrapped
-        and isinstance(module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module, block_class)
+        and isinstance(module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module, block_classes)
     ]
 
 
@@ -68,13 +68,13 @@ def apply_fully_shard(
     model: nn.Module,
     *,
     mesh: DeviceMesh,
-    block_class: type[nn.Module] | None,
+    block_classes: tuple[type[nn.Module], ...],
     reshard_after_forward: bool,
     offload: OffloadPolicy,
     mixed_precision: MixedPrecisionPolicy | None = None,
     forward_methods: Iterable[str] = (),
 ) -> int:
-    """Shard each `block_class` submodule as its own unit, then the root; returns the number of FSDP units.
+    """Shard each submodule of one of `block_classes` as its own unit, then the root; returns the number of FSDP units.
 
     Blocks go first because `fully_shard` claims the parameters not yet claimed by a sharded descendant: the root
     is left with what lies outside the blocks (embeddings, head). Already-sharded modules are left alone, so calling
@@ -84,10 +84,9 @@ def apply_fully_shard(
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
     if mixed_precision is not None:
         kwargs["mp_policy"] = mixed_precision
-    if block_class is not None:
-        for unit in _block_units(model, block_class):
-            if not isinstance(unit, FSDPModule):
-                fully_shard(unit, **kwargs)
+    for unit in _block_units(model, block_classes):
+        if not isinstance(unit, FSDPModule):
+            fully_shard(unit, **kwargs)
     if not isinstance(model, FSDPModule):
         # The root stays gathered after forward: backward needs it at once, so freeing it would only re-gather.
         fully_shard(model, **{**kwargs, "reshard_after_forward": False})

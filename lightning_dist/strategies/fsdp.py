@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
@@ -21,14 +21,15 @@ from lightning_dist.checkpoints.formats import DISTRIBUTED
 from lightning_dist.checkpoints.resume import load_for_resume, load_weights_from_rank_zero, restore_optimizer_by_name
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.parallel import (
+    BlockClasses,
     apply_activation_checkpointing,
     apply_fully_shard,
-    infer_block_class,
+    infer_block_classes,
     materialize_shards,
     mixed_precision_policy,
     offload_policy,
-    require_class_in_model,
-    resolve_module_class,
+    require_classes_in_model,
+    resolve_block_classes,
     sharding_layout,
 )
 from lightning_dist.parallel.devices import (
@@ -47,8 +48,9 @@ class FSDPStrategy(SwappedSaves, ForgetsUnbuiltModel, ModelParallelStrategy):
     Args:
         sharding_strategy: FULL_SHARD (ZeRO-3 like), SHARD_GRAD_OP (ZeRO-2 like) or HYBRID_SHARD (shard within a
             node, replicate across nodes).
-        block_class: the repeated layer (class or dotted path) that becomes one FSDP unit each, and what activation
-            checkpointing wraps. Unset: the class of the model's `nn.ModuleList` layers, if there is exactly one.
+        block_class: the repeated layer (class or dotted path, or a list of them: an encoder's and a decoder's) that
+            becomes one FSDP unit each, and what activation checkpointing wraps. Unset: the classes of the model's
+            layer stacks (`nn.ModuleList`s of one class).
         activation_checkpointing: recompute each block's activations in backward instead of storing them.
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
         save_distributed_checkpoint: each rank writes its shard (a checkpoint directory); False gathers one file.
@@ -59,7 +61,7 @@ class FSDPStrategy(SwappedSaves, ForgetsUnbuiltModel, ModelParallelStrategy):
     def __init__(
         self,
         sharding_strategy: str = "FULL_SHARD",
-        block_class: str | type[nn.Module] | None = None,
+        block_class: str | type[nn.Module] | Sequence[str | type[nn.Module]] | None = None,
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
         save_distributed_checkpoint: bool = True,
@@ -73,7 +75,7 @@ class FSDPStrategy(SwappedSaves, ForgetsUnbuiltModel, ModelParallelStrategy):
         )
         self.reshard_after_forward, self.hybrid = sharding_layout(sharding_strategy)
         self.sharding_strategy = str(sharding_strategy).upper()
-        self.block_class = None if block_class is None else resolve_module_class(block_class, "strategy.block_class")
+        self.block_classes = () if block_class is None else resolve_block_classes(block_class, "strategy.block_class")
         self.activation_checkpointing = activation_checkpointing
         self.cpu_offload = cpu_offload
 
@@ -81,7 +83,27 @@ class FSDPStrategy(SwappedSaves, ForgetsUnbuiltModel, ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if self._launcher is not None:
-            self._launcher = GuardedLauncher(self._launcher)
+            self._launcher = GuardedLauncher(self._launcher, self.preflight)
+
+    def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
+        """On the launching process: a model already built (eagerly or on meta) must say what its blocks are."""
+        model = fit_arguments.get("model")
+        if isinstance(model, nn.Module) and next(model.parameters(), None) is not None:
+            self.block_classes_of(model)
+
+    def block_classes_of(self, model: nn.Module) -> BlockClasses:
+        """The configured block classes, each present in `model`, or those inferred from its layer stacks."""
+        if self.block_classes:
+            require_classes_in_model(model, self.block_classes, "strategy.block_class")
+            return self.block_classes
+        classes = infer_block_classes(model, "strategy.block_class")
+        if not classes and self.activation_checkpointing:
+            present = sorted({type(m).__name__ for m in model.modules()})
+            raise ValueError(
+                "strategy.block_class: activation checkpointing needs the block class and the model has no"
+                f" nn.ModuleList to infer it from; set it to one of: {', '.join(present)}"
+            )
+        return classes
 
     @override
     def setup_environment(self) -> None:
@@ -145,21 +167,13 @@ class FSDPStrategy(SwappedSaves, ForgetsUnbuiltModel, ModelParallelStrategy):
     def parallelize(self, model: nn.Module) -> None:
         """Activation checkpointing first, then sharding: FSDP shards the checkpoint wrapper of each block, so the
         block's parameters are gathered before backward recomputes it."""
-        block_class = self.block_class or infer_block_class(model)
-        if block_class is not None:
-            require_class_in_model(model, block_class, "strategy.block_class")
-        elif self.activation_checkpointing:
-            present = sorted({type(m).__name__ for m in model.modules()})
-            raise ValueError(
-                "strategy.block_class: activation checkpointing needs the block class and the model has no"
-                f" nn.ModuleList to infer it from; set it to one of: {', '.join(present)}"
-            )
+        block_classes = self.block_classes_of(model)
         if self.activation_checkpointing:
-            apply_activation_checkpointing(model, block_class)
+            apply_activation_checkpointing(model, block_classes)
         apply_fully_shard(
             model,
             mesh=self.device_mesh,
-            block_class=block_class,
+            block_classes=block_classes,
             reshard_after_forward=self.reshard_after_forward,
             offload=offload_policy(self.cpu_offload, self.root_device),
             mixed_precision=mixed_precision_policy(self.precision_plugin.precision),

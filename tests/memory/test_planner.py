@@ -76,7 +76,7 @@ def test_precision_changes_what_each_engine_keeps():
 
 def test_model_facts_come_from_the_meta_device_and_a_traced_step():
     batch = (torch.zeros(16, 128, dtype=torch.long), torch.zeros(16, 128, dtype=torch.long))
-    facts = ModelFacts.of(GPTLanguageModel, batch, TransformerBlock)
+    facts = ModelFacts.of(GPTLanguageModel, batch, (TransformerBlock,))
     real = GPTLanguageModel()
     assert facts.parameters == sum(p.numel() for p in real.parameters()) == 842_496  # tied head counted once
     assert facts.largest_block == sum(p.numel() for p in real.model.blocks[0].parameters())
@@ -97,7 +97,7 @@ def test_zero_3_counts_its_gradient_bucket():
 
 def test_activation_checkpointing_shrinks_activations_in_the_plan():
     batch = (torch.zeros(8, 128, dtype=torch.long), torch.zeros(8, 128, dtype=torch.long))
-    facts = ModelFacts.of(GPTLanguageModel, batch, TransformerBlock)
+    facts = ModelFacts.of(GPTLanguageModel, batch, (TransformerBlock,))
     plain, checkpointed = (preset_plan(n, facts, "32-true", devices=2) for n in ("fsdp", "fsdp_activation_checkpointing"))
     assert plain.device["activations"] == facts.activation_bytes
     assert checkpointed.device["activations"] == facts.checkpointed_activation_bytes

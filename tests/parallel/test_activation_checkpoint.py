@@ -12,8 +12,8 @@ def tiny_gpt(n_layer: int = 3) -> GPT:
 
 def test_one_wrapper_per_block_even_when_applied_twice():
     model = tiny_gpt(n_layer=3)
-    assert apply_activation_checkpointing(model, TransformerBlock) == 3
-    assert apply_activation_checkpointing(model, TransformerBlock) == 3  # fit, then test: set-up runs again
+    assert apply_activation_checkpointing(model, (TransformerBlock,)) == 3
+    assert apply_activation_checkpointing(model, (TransformerBlock,)) == 3  # fit, then test: set-up runs again
     wrappers = [m for m in model.modules() if isinstance(m, CheckpointWrapper)]
     assert len(wrappers) == 3
     assert all(not isinstance(m, CheckpointWrapper) for w in wrappers for m in w._checkpoint_wrapped_module.modules())
@@ -22,7 +22,7 @@ def test_one_wrapper_per_block_even_when_applied_twice():
 def test_blocks_are_recomputed_in_backward_with_identical_gradients(block_forwards):
     tokens = torch.randint(0, 32, (2, 8))
     plain, checkpointed = tiny_gpt(), tiny_gpt()
-    apply_activation_checkpointing(checkpointed, TransformerBlock)
+    apply_activation_checkpointing(checkpointed, (TransformerBlock,))
 
     plain(tokens).sum().backward()
     assert block_forwards[0] == 3  # forward only

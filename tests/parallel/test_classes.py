@@ -3,7 +3,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 
 from lightning_dist.models.gpt import GPT, TransformerBlock
-from lightning_dist.parallel import infer_block_class, require_class_in_model, resolve_module_class
+from lightning_dist.parallel import infer_block_classes, require_classes_in_model, resolve_block_classes, resolve_module_class
 
 
 def test_resolves_dotted_path_and_class():
@@ -34,16 +34,53 @@ def test_not_a_module_class():
         resolve_module_class(int, "strategy.block_class")
 
 
+def test_block_classes_one_or_several():
+    assert resolve_block_classes("lightning_dist.models.gpt.TransformerBlock", "k") == (TransformerBlock,)
+    both = ["torch.nn.TransformerEncoderLayer", nn.TransformerDecoderLayer, nn.TransformerDecoderLayer]
+    assert resolve_block_classes(both, "k") == (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+    with pytest.raises(ValueError, match=r"^strategy.block_class: an empty list names no block class"):
+        resolve_block_classes([], "strategy.block_class")
+
+
 def test_block_must_be_in_the_model():
     gpt = GPT(32, 8, 2, 2, 16, 0.0)
-    assert require_class_in_model(gpt, TransformerBlock, "k") == 2
+    assert require_classes_in_model(gpt, (TransformerBlock,), "k") == 2
     with pytest.raises(ValueError, match=r"strategy.block_class: the model has no Conv2d module; classes in the model: .*GPT"):
-        require_class_in_model(gpt, nn.Conv2d, "strategy.block_class")
+        require_classes_in_model(gpt, (TransformerBlock, nn.Conv2d), "strategy.block_class")
 
 
 def test_infers_block_class_from_module_lists():
-    assert infer_block_class(GPT(32, 8, 2, 2, 16, 0.0)) is TransformerBlock
-    assert infer_block_class(BoringModel()) is None
-    mixed = nn.Module()
-    mixed.layers = nn.ModuleList([nn.Linear(2, 2), nn.ReLU()])
-    assert infer_block_class(mixed) is None
+    assert infer_block_classes(GPT(32, 8, 2, 2, 16, 0.0)) == (TransformerBlock,)
+    assert infer_block_classes(BoringModel()) == ()
+
+
+def test_infers_both_stacks_of_an_encoder_decoder():
+    model = nn.Transformer(8, 2, num_encoder_layers=2, num_decoder_layers=3, dim_feedforward=16, batch_first=True)
+    assert infer_block_classes(model) == (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+
+class SubLayers(nn.Module):
+    """A T5-style block: its own sub-layers of different classes in an nn.ModuleList."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.ModuleList([nn.Linear(4, 4), nn.LayerNorm(4)])
+        self.experts = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+
+def test_lists_inside_a_block_and_lists_of_lists_are_no_stacks():
+    model = nn.Module()
+    model.stages = nn.ModuleList([nn.ModuleList([SubLayers(), SubLayers()]), nn.ModuleList([SubLayers()])])
+    assert infer_block_classes(model) == (SubLayers,)
+
+
+def test_a_list_mixing_classes_is_refused_naming_them():
+    model = nn.Module()
+    model.blocks = nn.ModuleList([TransformerBlock(8, 2, 0.0) for _ in range(2)])
+    model.head = nn.ModuleList([nn.Linear(2, 2), nn.ReLU()])
+    with pytest.raises(ValueError) as error:
+        infer_block_classes(model, "strategy.block_class")
+    assert str(error.value) == (
+        "strategy.block_class: cannot infer the model's block class: an nn.ModuleList mixes Linear, ReLU"
+        " (single-class stacks: TransformerBlock); set it to the layer class, or a list of them"
+    )

@@ -48,7 +48,7 @@ def test_offload_policy_pins_memory_only_for_cuda():
 
 
 def shard(model, mesh, **overrides):
-    kwargs = dict(mesh=mesh, block_class=TransformerBlock, reshard_after_forward=True, offload=OffloadPolicy())
+    kwargs = dict(mesh=mesh, block_classes=(TransformerBlock,), reshard_after_forward=True, offload=OffloadPolicy())
     return apply_fully_shard(model, **{**kwargs, **overrides})
 
 
@@ -62,7 +62,7 @@ def test_one_unit_per_block_plus_root_and_idempotent(mesh):
 def test_checkpointed_blocks_are_sharded_through_their_wrapper_and_recomputed(mesh, block_forwards):
     tokens = torch.randint(0, 32, (2, 8))
     reference, model = tiny_gpt(), tiny_gpt()
-    apply_activation_checkpointing(model, TransformerBlock)
+    apply_activation_checkpointing(model, (TransformerBlock,))
     assert shard(model, mesh) == 4
     assert all(isinstance(block, CheckpointWrapper) and isinstance(block, FSDPModule) for block in model.blocks)
 
@@ -77,5 +77,5 @@ def test_checkpointed_blocks_are_sharded_through_their_wrapper_and_recomputed(me
 
 def test_root_only_without_block_class(mesh):
     model = tiny_gpt()
-    assert shard(model, mesh, block_class=None) == 1
+    assert shard(model, mesh, block_classes=()) == 1
     assert isinstance(model, FSDPModule) and not isinstance(model.blocks[0], FSDPModule)
