@@ -74,8 +74,18 @@ def _config_error_behind(error: BaseException | None) -> ConfigError | None:
     return error
 
 
-def group_options(group: str, conf_dir: Path = CONF_DIR) -> list[str]:
-    return sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+def group_options(group: str, conf_dir: Path | list[Path] = CONF_DIR) -> list[str]:
+    conf_dirs = conf_dir if isinstance(conf_dir, list) else [conf_dir]
+    return sorted({p.stem for directory in conf_dirs for p in (directory / group).glob("*.yaml")})
+
+
+def _config_dirs(parsed: list, conf_dir: Path) -> list[Path]:
+    """`conf_dir` and the directories a `hydra.searchpath=[file://...]` override adds (a recipe's configs)."""
+    dirs = [conf_dir]
+    for override in parsed:
+        if override.key_or_group == "hydra.searchpath" and isinstance(override.value(), list):
+            dirs += [Path(str(entry).removeprefix("file://")) for entry in override.value() if str(entry).startswith("file://")]
+    return dirs
 
 
 def check_overrides(overrides: list[str], config_name: str = "train", conf_dir: Path = CONF_DIR) -> DictConfig | None:
@@ -83,17 +93,20 @@ def check_overrides(overrides: list[str], config_name: str = "train", conf_dir: 
 
     Sweeps (`strategy=ddp,fsdp`) get their group choices checked; each swept job is composed by Hydra itself.
     """
-    groups = {p.name for p in conf_dir.iterdir() if p.is_dir()}
     parsed = OverridesParser.create().parse_overrides(overrides)
+    conf_dirs = _config_dirs(parsed, conf_dir)
+    groups = {p.name for directory in conf_dirs if directory.is_dir() for p in directory.iterdir() if p.is_dir()}
     for override in parsed:
         key = override.key_or_group.split("@")[0]
         if key in groups and not override.is_delete():
             values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
-            _check_group_choice(key, values, conf_dir)
+            _check_group_choice(key, values, conf_dirs)
     if any(override.is_sweep_override() for override in parsed):
         return None
 
-    group_overrides = [o.input_line for o in parsed if o.key_or_group.split("@")[0] in groups]
+    group_overrides = [
+        o.input_line for o in parsed if o.key_or_group.split("@")[0] in groups or o.key_or_group == "hydra.searchpath"
+    ]
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
         base = compose(config_name, overrides=group_overrides)
         for override in parsed:
@@ -107,8 +120,8 @@ def check_overrides(overrides: list[str], config_name: str = "train", conf_dir: 
             raise ConfigError(" ".join(str(error).split())) from None
 
 
-def _check_group_choice(group: str, values: list, conf_dir: Path) -> None:
-    choices = group_options(group, conf_dir)
+def _check_group_choice(group: str, values: list, conf_dirs: list[Path]) -> None:
+    choices = group_options(group, conf_dirs)
     for choice in values:
         if choice is not None and str(choice) not in choices:
             raise ConfigError(f"{group}={choice}: no such option; choose one of: {', '.join(choices)}")

@@ -22,6 +22,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_dist.callbacks import NonFiniteError, Preempted
@@ -190,7 +191,9 @@ def _fit_and_test(cfg: DictConfig) -> dict[str, float]:
     finally:
         os.environ.pop(_RESUME_ENV, None)  # the next job of a sweep in this interpreter decides for itself
     metrics = _metrics(trainer)
-    if cfg.get("test"):
+    if cfg.get("test") and not is_overridden("test_step", parts["model"]):
+        log.info("test=true, but %s has no test_step: no test run", type(parts["model"]).__name__)
+    elif cfg.get("test"):
         trainer.test(parts["model"], datamodule=parts["datamodule"])
         metrics.update(_metrics(trainer))
     if trainer.is_global_zero:
@@ -260,12 +263,17 @@ def main() -> None:
     from hydra._internal.utils import get_args_parser  # Hydra's own command-line grammar
 
     args = get_args_parser().parse_args(sys.argv[1:])
-    # Checked against our conf/ only; help, inspection and other config directories go straight to Hydra.
-    if not (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.config_dir or args.config_path):
+    # Checked against conf/ and the directories added to it (a recipe's); help, inspection and a replaced primary
+    # config directory go straight to Hydra.
+    if not (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.config_path):
+        overrides = args.overrides
+        if args.config_dir and not any(o.startswith("hydra.searchpath=") for o in overrides):
+            # --config-dir adds a directory to the search path, as this override does
+            overrides = [*overrides, f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]"]
         try:
-            check_overrides(args.overrides, config_name=args.config_name or "train")
+            check_overrides(overrides, config_name=args.config_name or "train")
             if args.multirun:  # a launcher sizes its jobs only in a sweep
-                check_launcher(args.overrides, config_name=args.config_name or "train")
+                check_launcher(overrides, config_name=args.config_name or "train")
         except ConfigError as error:
             _exit_with(error)
     _hydra_entry()

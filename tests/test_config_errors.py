@@ -29,6 +29,17 @@ def test_unknown_option_inside_a_sweep():
     assert error_of(["strategy=ddp,fdsp"]).startswith("strategy=fdsp: no such option; choose one of: auto_fit, ddp, deepspeed,")
 
 
+def test_a_recipes_config_directory_adds_its_options():
+    search = f"hydra.searchpath=[file://{REPO / 'recipes' / 'hf_causal_lm' / 'conf'}]"
+    assert error_of([search, "model=hf_gpt3"]) == (
+        "model=hf_gpt3: no such option; choose one of: gpt_medium, gpt_small, gpt_tiny, hf_bart, hf_gpt2"
+    )
+    assert error_of([search, "model=hf_bart", "model.confg.d_model=8"]).startswith(
+        "model.confg: no such key; did you mean model.config? valid keys under model: _target_, block_class, model_type,"
+    )
+    assert check_overrides([search, "model=hf_bart"]).model.config.encoder_layers == 2
+
+
 def test_misspelled_key_suggests_the_real_one():
     message = error_of(["trainer.max_stepz=20"])
     assert message.startswith("trainer.max_stepz: no such key; did you mean trainer.max_steps? valid keys under trainer:")

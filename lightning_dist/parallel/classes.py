@@ -8,6 +8,7 @@ import inspect
 from collections.abc import Iterable
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 
 def resolve_module_class(spec: str | type[nn.Module], key: str) -> type[nn.Module]:
@@ -68,19 +69,30 @@ def infer_block_classes(model: nn.Module, key: str = "strategy.block_class") -> 
         m for m in model.modules()
         if isinstance(m, nn.ModuleList) and len(m) and not any(isinstance(child, containers) for child in m)
     ]
-    single = {type(child) for mlist in lists if _one_class(mlist) for child in mlist}
+    single = {_layer_class(child) for mlist in lists if _one_class(mlist) for child in mlist}
     inside = {id(inner) for m in model.modules() if isinstance(m, tuple(single)) for inner in m.modules() if inner is not m}
     outer = [mlist for mlist in lists if id(mlist) not in inside]
-    mixed = sorted({type(child).__qualname__ for mlist in outer if not _one_class(mlist) for child in mlist})
+    mixed = sorted({_layer_class(child).__qualname__ for mlist in outer if not _one_class(mlist) for child in mlist})
     if mixed:
-        stacks = sorted({cls.__qualname__ for mlist in outer if _one_class(mlist) for cls in (type(mlist[0]),)})
+        stacks = sorted({_layer_class(mlist[0]).__qualname__ for mlist in outer if _one_class(mlist)})
         raise ValueError(
             f"{key}: cannot infer the model's block class: an nn.ModuleList mixes {', '.join(mixed)}"
             + (f" (single-class stacks: {', '.join(stacks)})" if stacks else "")
             + "; set it to the layer class, or a list of them"
         )
-    return tuple(dict.fromkeys(type(mlist[0]) for mlist in outer))
+    return tuple(dict.fromkeys(_layer_class(mlist[0]) for mlist in outer))
 
 
 def _one_class(mlist: nn.ModuleList) -> bool:
-    return len({type(child) for child in mlist}) == 1
+    return len({_layer_class(child) for child in mlist}) == 1
+
+
+def _layer_class(module: nn.Module) -> type[nn.Module]:
+    """The class a layer was built as, under what a strategy has made of it: Lightning sets a strategy up again
+    for `trainer.test()` after `fit()`, and by then each block is in a checkpoint wrapper and is an FSDP module
+    (FSDP2 swaps in a subclass of the block's own class)."""
+    module = getattr(module, "_checkpoint_wrapped_module", module)
+    cls = type(module)
+    if isinstance(module, FSDPModule):
+        cls = next(base for base in cls.__bases__ if base is not FSDPModule)
+    return cls

@@ -34,6 +34,9 @@ Keep = Callable[[nn.Parameter, torch.Tensor], None]
 _WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
 
+_REGISTER_PARAMETER = nn.Module.register_parameter  # torch's own, whatever a context below has patched in since
+
+
 @contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Parameters registered inside this context live on the meta device (no memory); buffers stay where they are."""
@@ -49,6 +52,19 @@ def parameters_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = register_parameter
+
+
+@contextmanager
+def parameters_in_memory() -> Iterator[None]:
+    """Inside `parameters_on_meta`, parameters registered here hold memory again: for weights loaded from disk
+    (`from_pretrained`), which a sharding strategy would otherwise initialise afresh. Each rank then holds them
+    whole, on the CPU, until the strategy shards them."""
+    patched = nn.Module.register_parameter
+    nn.Module.register_parameter = _REGISTER_PARAMETER
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = patched
 
 
 def has_meta_parameters(module: nn.Module) -> bool:

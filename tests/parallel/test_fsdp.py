@@ -10,7 +10,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, OffloadPolicy
 
 from lightning_dist.models.gpt import TransformerBlock
-from lightning_dist.parallel import apply_activation_checkpointing, apply_fully_shard, offload_policy, sharding_layout
+from lightning_dist.parallel import (
+    apply_activation_checkpointing, apply_fully_shard, infer_block_classes, offload_policy, sharding_layout,
+)
 
 from tests.parallel.test_activation_checkpoint import tiny_gpt
 
@@ -79,3 +81,14 @@ def test_root_only_without_block_class(mesh):
     model = tiny_gpt()
     assert shard(model, mesh, block_classes=()) == 1
     assert isinstance(model, FSDPModule) and not isinstance(model.blocks[0], FSDPModule)
+
+
+def test_set_up_again_after_fit_infers_the_same_blocks(mesh):
+    # Lightning sets the strategy up again for trainer.test() after fit(): each block is by then a checkpoint
+    # wrapper and an FSDP module, and must neither be taken for a new block class nor be wrapped twice.
+    model = tiny_gpt(n_layer=3)
+    for _ in range(2):
+        classes = infer_block_classes(model)
+        assert classes == (TransformerBlock,)
+        assert apply_activation_checkpointing(model, classes) == 3
+        assert shard(model, mesh, block_classes=classes) == 4

@@ -1,0 +1,50 @@
+"""A checkpoint of any strategy (DDP file, FSDP or DeepSpeed directory) as a `save_pretrained` folder.
+
+    python -m recipes.hf_causal_lm.export CHECKPOINT OUT_DIR
+
+The checkpoint is consolidated (lightning_dist.checkpoints), the model rebuilt without memory from the
+hyper-parameters the checkpoint saved, given the weights, and written by transformers itself; so
+`AutoModelForCausalLM.from_pretrained(OUT_DIR)` (or Seq2SeqLM) loads it, tied embeddings tied.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from lightning_dist.checkpoints.consolidate import load_consolidated
+from recipes.hf_causal_lm.language_model import build_language_model
+
+PREFIX = "model."  # LanguageModel keeps the transformers model as `self.model`
+
+
+def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    saved = load_consolidated(checkpoint)
+    hparams = saved["hyper_parameters"]
+    weights = {name.removeprefix(PREFIX): tensor for name, tensor in saved["state_dict"].items() if name.startswith(PREFIX)}
+    with torch.device("meta"):
+        model = build_language_model(hparams["model_type"], hparams.get("config"), hparams.get("pretrained"))
+    tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    model.load_state_dict(weights, strict=True, assign=True)  # assign: the meta parameters take the saved tensors
+    if tied:
+        model.tie_weights()  # assign replaced both tied parameters: one again
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"out_dir: {out_dir} is not empty; pass a new folder (nothing there is overwritten)")
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("out_dir")
+    args = parser.parse_args(argv)
+    print(f"save_pretrained folder: {export(args.checkpoint, args.out_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

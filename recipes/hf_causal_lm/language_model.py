@@ -1,0 +1,86 @@
+"""A Hugging Face `transformers` language model as a LightningModule: built from its config (random init) or loaded
+from a local `save_pretrained` folder, trained on next-token prediction with AdamW. A causal LM (GPT-2, Llama)
+predicts every next token; an encoder-decoder (BART, T5) reads the first half of each window and continues it.
+
+Nothing here is strategy-specific: FSDP finds the blocks itself (the model's `nn.ModuleList` of layers) and ZeRO-3
+partitions whatever it is given.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+from lightning_dist.parallel.sharded_init import draw_init_seed, initialize_parameters, parameters_in_memory
+
+
+def build_language_model(model_type: str, config: dict[str, Any] | None = None, pretrained: str | None = None) -> torch.nn.Module:
+    """`pretrained` (a local folder) loads its weights; otherwise a random model of `model_type` with `config`.
+
+    A random model is initialised module by module from one seed (lightning_dist's sharded initialisation), not in
+    transformers' single pass over the global generator: a strategy that builds it on the meta device and
+    initialises only its shards then starts from the very weights an eager build has.
+    """
+    hf_config = AutoConfig.from_pretrained(pretrained) if pretrained else AutoConfig.for_model(model_type, **(config or {}))
+    auto_class = AutoModelForSeq2SeqLM if hf_config.is_encoder_decoder else AutoModelForCausalLM
+    if pretrained:
+        # Weights from disk, whole on every rank (on the CPU) until the strategy shards them: under a sharding
+        # preset the model is otherwise built on the meta device and initialised afresh.
+        with parameters_in_memory():
+            return auto_class.from_pretrained(pretrained)
+    seed = draw_init_seed()  # before any layer: built on meta, the layers draw nothing
+    model = auto_class.from_config(hf_config)
+    model.init_seed = seed
+    initialize_parameters(model)  # eager build: re-drawn here; on meta: left for the strategy
+    return model
+
+
+class LanguageModel(L.LightningModule):
+    def __init__(
+        self,
+        model_type: str = "gpt2",
+        config: dict[str, Any] | None = None,
+        pretrained: str | None = None,
+        lr: float = 1e-3,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.95),
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = build_language_model(model_type, config, pretrained)
+
+    def forward(self, tokens: torch.Tensor, decoder_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        if decoder_tokens is None:
+            return self.model(input_ids=tokens).logits
+        return self.model(input_ids=tokens, decoder_input_ids=decoder_tokens).logits
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch  # targets are the inputs shifted by one token
+        if self.model.config.is_encoder_decoder:
+            half = inputs.shape[1] // 2
+            logits, targets = self(inputs[:, :half], inputs[:, half:]), targets[:, half:]
+        else:
+            logits = self(inputs)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        hp = self.hparams
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))

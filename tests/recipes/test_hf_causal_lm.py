@@ -1,0 +1,85 @@
+"""recipes/hf_causal_lm at tiny size: a transformers GPT-2 and BART, built from their configs, trained through
+`train.py` under several presets on 2 CPU ranks, and a checkpoint exported as a `save_pretrained` folder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_dist.checkpoints.consolidate import load_consolidated
+from lightning_dist.equivalence import run_strategy
+from tests.conftest import REPO
+
+transformers = pytest.importorskip("transformers", reason="the hf extra: pip install -e '.[hf]'")
+
+pytestmark = pytest.mark.slow
+
+RECIPE = REPO / "recipes" / "hf_causal_lm"
+SHORT = (f"hydra.searchpath=[file://{RECIPE / 'conf'}]", "trainer.max_steps=4", "trainer.num_sanity_val_steps=0")
+GPT2_PRESETS = ["ddp", "fsdp", "fsdp_activation_checkpointing", "deepspeed_stage_2", "deepspeed_stage_3_offload"]
+
+
+@pytest.fixture(scope="module")
+def gpt2_runs(tmp_path_factory, deepspeed_ops):
+    workdir = tmp_path_factory.mktemp("hf_gpt2")
+    return {name: run_strategy(name, [*SHORT, "model=hf_gpt2"], workdir / name) for name in GPT2_PRESETS}
+
+
+@pytest.mark.parametrize("name", GPT2_PRESETS[1:])
+def test_gpt2_trains_under_each_preset_as_under_ddp(gpt2_runs, name):
+    reference, run = gpt2_runs["ddp"], gpt2_runs[name]
+    assert (reference.returncode, run.returncode) == (0, 0)
+    assert sorted(run.losses) == [0, 1, 2, 3]
+    assert run.losses[3] < run.losses[0]
+    for step, loss in reference.losses.items():
+        assert run.losses[step] == pytest.approx(loss, rel=1e-5), step
+
+
+@pytest.fixture(scope="module")
+def exported(gpt2_runs, tmp_path_factory):
+    from recipes.hf_causal_lm.export import main as export
+
+    checkpoint = gpt2_runs["deepspeed_stage_3_offload"].run_dir / "checkpoints" / "last.ckpt"
+    folder = tmp_path_factory.mktemp("exported") / "gpt2"
+    assert export([str(checkpoint), str(folder)]) == 0
+    return checkpoint, folder
+
+
+def test_export_loads_with_from_pretrained_tied_and_with_the_same_logits(exported):
+    from recipes.hf_causal_lm.export import main as export
+    from recipes.hf_causal_lm.language_model import LanguageModel
+
+    checkpoint, folder = exported
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    saved = load_consolidated(checkpoint)
+    trained = LanguageModel(**saved["hyper_parameters"])
+    trained.load_state_dict(saved["state_dict"])
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        difference = (model(input_ids=tokens).logits - trained.eval()(tokens)).abs().max().item()
+    assert difference <= 1e-5
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert not torch.equal(model.lm_head.weight, LanguageModel(**saved["hyper_parameters"]).model.lm_head.weight)
+    with pytest.raises(FileExistsError, match="out_dir: .* is not empty"):
+        export([str(checkpoint), str(folder)])
+
+
+def test_pretrained_weights_are_what_a_sharding_preset_starts_from(gpt2_runs, exported, tmp_path):
+    # Built on the meta device and initialised afresh, they would be lost: the step-0 loss shows which weights ran.
+    pretrained = [*SHORT[:1], "model=hf_gpt2", f"model.pretrained={exported[1]}", "trainer.max_steps=1"]
+    runs = {name: run_strategy(name, pretrained, tmp_path / name) for name in ("ddp", "fsdp")}
+    assert runs["fsdp"].losses == pytest.approx(runs["ddp"].losses, rel=1e-6)
+    assert runs["ddp"].losses[0] < 0.9 * gpt2_runs["ddp"].losses[0]  # trained weights, not a fresh draw
+
+
+def test_bart_checkpoints_both_stacks_under_fsdp(tmp_path, deepspeed_ops):
+    runs = {name: run_strategy(name, [*SHORT, "model=hf_bart"], tmp_path / name) for name in ("ddp", "fsdp_activation_checkpointing")}
+    checkpointed = runs["fsdp_activation_checkpointing"]
+    assert checkpointed.returncode == 0
+    placement = json.loads((checkpointed.run_dir / "metrics.json").read_text())["placement_per_rank"]
+    # Two BartEncoderLayers and two BartDecoderLayers: each checkpointed and an FSDP unit, then the root.
+    assert [(rank["checkpointed_blocks"], rank["fsdp_units"]) for rank in placement] == [(4, 5), (4, 5)]
+    for step, loss in runs["ddp"].losses.items():
+        assert checkpointed.losses[step] == pytest.approx(loss, rel=1e-5), step
