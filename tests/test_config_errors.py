@@ -32,7 +32,7 @@ def test_unknown_option_inside_a_sweep():
 def test_a_recipes_config_directory_adds_its_options():
     search = f"hydra.searchpath=[file://{REPO / 'recipes' / 'hf_causal_lm' / 'conf'}]"
     assert error_of([search, "model=hf_gpt3"]) == (
-        "model=hf_gpt3: no such option; choose one of: gpt_medium, gpt_small, gpt_tiny, hf_bart, hf_gpt2"
+        "model=hf_gpt3: no such option; choose one of: gpt_medium, gpt_small, gpt_tiny, hf_bart, hf_gpt2, hf_llama"
     )
     assert error_of([search, "model=hf_bart", "model.confg.d_model=8"]).startswith(
         "model.confg: no such key; did you mean model.config? valid keys under model: _target_, block_class, model_type,"
