@@ -7,12 +7,12 @@ import json
 
 import pytest
 import torch
+import transformers  # the hf extra: the README's test command installs it
 
 from lightning_dist.checkpoints.consolidate import load_consolidated
 from lightning_dist.equivalence import run_strategy
 from tests.conftest import REPO
 
-transformers = pytest.importorskip("transformers", reason="the hf extra: pip install -e '.[hf]'")
 
 pytestmark = pytest.mark.slow
 
