@@ -309,7 +309,7 @@ class _Resolver:
             )
 
     def report_unfillable_autos(self) -> None:
-        for key in _auto_keys(self.config):
+        for key in auto_keys(self.config):
             if key not in self.deferred | self.unfillable:
                 self.problems.append(f'{key}="auto" is not a value we fill; "auto" works for: {", ".join(FILLED_KEYS)}')
 
@@ -317,7 +317,7 @@ class _Resolver:
     def validate_zero_section(self) -> None:
         """DeepSpeed's own validation of `zero_optimization`, run here so its refusals come before launch, by key."""
         zero = self.config.get("zero_optimization")
-        if not isinstance(zero, dict) or _auto_keys(zero):
+        if not isinstance(zero, dict) or auto_keys(zero):
             return
         import deepspeed
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -343,7 +343,8 @@ def _copied_from(optimizer: Any, name: str) -> tuple[Any, str | None]:
     return (list(value) if isinstance(value, tuple) else value), None
 
 
-def _auto_keys(node: Any, prefix: str = "") -> list[str]:
+def auto_keys(node: Any, prefix: str = "") -> list[str]:
+    """The dotted keys whose value is "auto" in a DeepSpeed config (or a part of one)."""
     if isinstance(node, dict):
-        return [key for name, value in node.items() for key in _auto_keys(value, f"{prefix}{name}.")]
+        return [key for name, value in node.items() for key in auto_keys(value, f"{prefix}{name}.")]
     return [prefix.rstrip(".")] if node == AUTO else []

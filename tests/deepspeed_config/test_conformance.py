@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from lightning_dist.deepspeed_config.resolve import _auto_keys as auto_keys
+from lightning_dist.deepspeed_config.resolve import auto_keys
 from tests.conftest import DS_CONFIGS, cpu_has_fp16, run_train
 
 pytestmark = pytest.mark.slow

@@ -42,7 +42,7 @@ def facts(**changes) -> TrainingFacts:
     return dataclasses.replace(FACTS, **changes)
 
 
-from lightning_dist.deepspeed_config.resolve import _auto_keys as auto_keys  # noqa: E402
+from lightning_dist.deepspeed_config.resolve import auto_keys  # noqa: E402
 
 
 def problems_of(config, run_facts=FACTS, options=ZeroOptions()) -> list[str]:

@@ -1,0 +1,34 @@
+"""What each "auto" of a DeepSpeed config became in a run: the file as written beside the config in effect.
+
+    python -m recipes.bring_your_ds_config.show_auto ds_config.json RUN_DIR/deepspeed_config.effective.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from functools import reduce
+from pathlib import Path
+
+from lightning_dist.deepspeed_config.resolve import auto_keys
+
+
+def filled_autos(source: dict, effective: dict) -> dict[str, object]:
+    """{dotted key: the value the run used} for every "auto" in `source`."""
+    return {key: reduce(lambda node, part: node[part], key.split("."), effective) for key in auto_keys(source)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("source", type=Path)
+    parser.add_argument("effective", type=Path)
+    args = parser.parse_args(argv)
+    filled = filled_autos(json.loads(args.source.read_text()), json.loads(args.effective.read_text()))
+    width = max(map(len, filled), default=0)
+    for key, value in filled.items():
+        print(f"{key:<{width}}  auto -> {json.dumps(value)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
