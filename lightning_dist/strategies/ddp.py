@@ -13,7 +13,7 @@ from lightning_dist.checkpoints.formats import FILE
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.parallel.devices import bind_device, process_group_timeout, use_timeout_for_every_group
-from lightning_dist.strategies.launcher import GuardedLauncher
+from lightning_dist.strategies.launcher import guarded
 
 
 class DDPStrategy(SwappedSaves, _LightningDDPStrategy):
@@ -38,8 +38,7 @@ class DDPStrategy(SwappedSaves, _LightningDDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if self._launcher is not None:
-            self._launcher = GuardedLauncher(self._launcher)
+        self._launcher = guarded(self, self._launcher)
 
     @override
     def setup_environment(self) -> None:

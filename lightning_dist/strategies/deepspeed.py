@@ -47,7 +47,7 @@ from lightning_dist.parallel.sharded_init import (
     ForgetsUnbuiltModel, Keep, give_memory, has_meta_parameters, initialize_parameters, parameters_on_meta,
 )
 from lightning_dist.parallel.zero3_runtime import swap_in_each_parameter_once, use_memory_efficient_linear
-from lightning_dist.strategies.launcher import GuardedLauncher
+from lightning_dist.strategies.launcher import guarded
 
 ZERO_STAGES = (1, 2, 3)
 OFFLOAD_DEVICES = ("cpu", "nvme")
@@ -190,8 +190,7 @@ class DeepSpeedStrategy(SwappedSaves, ForgetsUnbuiltModel, _LightningDeepSpeedSt
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if self._launcher is not None:
-            self._launcher = GuardedLauncher(self._launcher, self.preflight)
+        self._launcher = guarded(self, self._launcher, self.preflight)
 
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
         """On the launching process: resolve the config with what is known before `setup` and check offload."""

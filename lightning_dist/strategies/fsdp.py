@@ -36,7 +36,7 @@ from lightning_dist.parallel.devices import (
     bind_device, process_group_backend, process_group_timeout, use_timeout_for_every_group,
 )
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel, has_meta_parameters, parameters_on_meta
-from lightning_dist.strategies.launcher import GuardedLauncher
+from lightning_dist.strategies.launcher import guarded
 
 # LightningModule methods that run the model without going through `forward`.
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -82,8 +82,7 @@ class FSDPStrategy(SwappedSaves, ForgetsUnbuiltModel, ModelParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if self._launcher is not None:
-            self._launcher = GuardedLauncher(self._launcher, self.preflight)
+        self._launcher = guarded(self, self._launcher, self.preflight)
 
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
         """On the launching process: a model already built (eagerly or on meta) must say what its blocks are."""

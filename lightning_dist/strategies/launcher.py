@@ -1,15 +1,18 @@
 """A launcher that checks a run on the launching process before any rank starts, launches as before, and ends the
-ranks it started when its own rank stops early."""
+ranks it started when its own rank stops early. In Jupyter, the ranks are forked from the kernel instead."""
 
 from __future__ import annotations
 
 import inspect
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 
 
@@ -18,16 +21,59 @@ from lightning.pytorch.trainer.states import TrainerFn
 CHILD_EXIT_GRACE_S = 15
 
 
-def end_processes(processes: list[subprocess.Popen], grace_s: float = CHILD_EXIT_GRACE_S) -> None:
-    """Wait up to `grace_s` for `processes` to exit, then SIGKILL the rest (SIGTERM cannot stop a rank blocked
-    in a collective)."""
+def end_processes(processes: list, grace_s: float = CHILD_EXIT_GRACE_S) -> None:
+    """Wait up to `grace_s` for `processes` (started by script or forked) to exit, then SIGKILL the rest (SIGTERM
+    cannot stop a rank blocked in a collective)."""
     deadline = time.monotonic() + grace_s
     for process in processes:
-        try:
-            process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        remaining = max(0.0, deadline - time.monotonic())
+        if isinstance(process, subprocess.Popen):
+            try:
+                process.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            continue
+        process.join(remaining)
+        if process.is_alive():
             process.kill()
-            process.wait()
+            process.join()
+
+
+def guarded(strategy: Any, launcher: _Launcher | None, preflight: Callable | None = None) -> _Launcher | None:
+    """`launcher` wrapped in a GuardedLauncher; in an interactive session, ranks forked from it instead of the
+    script re-run that Lightning's launcher would do (in Jupyter the "script" is the kernel)."""
+    if launcher is None:
+        return None
+    if isinstance(launcher, _SubprocessScriptLauncher) and in_interactive_session():
+        launcher = ForkedRanks(strategy)
+    return GuardedLauncher(launcher, preflight)
+
+
+def in_interactive_session() -> bool:
+    """Jupyter, IPython or `python -i`: Lightning's own test, read now rather than when Lightning was imported."""
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive)
+
+
+class ForkedRanks(_MultiProcessingLauncher):
+    """Every preset's ranks, forked from a notebook's kernel (Lightning offers only `ddp_notebook` there).
+
+    Constraints, as for Lightning's `ddp_notebook`: nothing may have touched CUDA in the kernel before `fit`
+    (a forked process cannot use the parent's CUDA context); one `fit` per Trainer. The trained weights stay with
+    the ranks (a sharded model's would have to be gathered first): read them from the run's checkpoint. What the
+    kernel gets back is the Trainer's state and `callback_metrics`. A rank that fails ends the others, and its
+    traceback is raised in the cell.
+    """
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy, start_method="fork")
+
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> _WorkerOutput | None:
+        if self._strategy.local_rank != 0:
+            return None
+        checkpoint = trainer.checkpoint_callback
+        best_model_path = getattr(checkpoint, "best_model_path", None) if checkpoint else None
+        return _WorkerOutput(best_model_path, None, trainer.state, results, self.get_extra_results(trainer))
 
 
 class PreflightError(ValueError):
