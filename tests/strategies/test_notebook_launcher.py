@@ -12,9 +12,11 @@ import pytest
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 import lightning_dist  # noqa: F401  registers the ld_* names
+from lightning_dist.strategies import REGISTRY_PREFIX
 from lightning_dist.strategies.launcher import ForkedRanks, end_processes
+from tests.conftest import STRATEGY_NAMES
 
-NAMES = ["ld_ddp", "ld_fsdp", "ld_deepspeed_stage_3"]
+NAMES = [REGISTRY_PREFIX + name for name in STRATEGY_NAMES]
 
 
 def launcher_of(name: str):
