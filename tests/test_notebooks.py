@@ -22,6 +22,9 @@ NOTEBOOKS = REPO / "notebooks"
 @pytest.fixture(autouse=True)
 def kernel_finds_the_package(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    # Two OpenMP threads in the kernel, as after any in-process Lightning run sets OMP_NUM_THREADS: forked ranks
+    # once hung on the kernel's thread pool then.
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
 
 
 def execute(notebook, timeout: int = 600):

@@ -4,12 +4,14 @@ ranks it started when its own rank stops early. In Jupyter, the ranks are forked
 from __future__ import annotations
 
 import inspect
+import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -59,7 +61,7 @@ class ForkedRanks(_MultiProcessingLauncher):
     """Every preset's ranks, forked from a notebook's kernel (Lightning offers only `ddp_notebook` there).
 
     Constraints, as for Lightning's `ddp_notebook`: nothing may have touched CUDA in the kernel before `fit`
-    (a forked process cannot use the parent's CUDA context); one `fit` per Trainer. The trained weights stay with
+    (a forked process cannot use the parent's CUDA context); one `fit` per Trainer; one CPU thread per rank. The trained weights stay with
     the ranks (a sharded model's would have to be gathered first): read them from the run's checkpoint. What the
     kernel gets back is the Trainer's state and `callback_metrics`. A rank that fails ends the others, and its
     traceback is raised in the cell.
@@ -67,6 +69,14 @@ class ForkedRanks(_MultiProcessingLauncher):
 
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy, start_method="fork")
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        # GNU OpenMP's threads do not survive a fork: a rank that starts a parallel region on the pool the kernel
+        # already used waits for them forever. One intra-op thread per rank (what Lightning picks anyway when the
+        # ranks fill the cores); on a GPU the work is not on these threads.
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"  # Lightning's own thread setting then leaves it alone
+        super()._wrapping_function(*args, **kwargs)
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> _WorkerOutput | None:
         if self._strategy.local_rank != 0:

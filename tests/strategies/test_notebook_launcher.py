@@ -4,6 +4,8 @@ re-run, as Lightning does."""
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
 import sys
 import time
 
@@ -14,7 +16,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 import lightning_dist  # noqa: F401  registers the ld_* names
 from lightning_dist.strategies import REGISTRY_PREFIX
 from lightning_dist.strategies.launcher import ForkedRanks, end_processes
-from tests.conftest import STRATEGY_NAMES
+from tests.conftest import REPO, STRATEGY_NAMES
 
 NAMES = [REGISTRY_PREFIX + name for name in STRATEGY_NAMES]
 
@@ -50,3 +52,28 @@ def test_forked_ranks_that_will_not_leave_are_killed_after_the_grace():
     end_processes([process], grace_s=0.5)
     assert not process.is_alive() and process.exitcode == -9
     assert time.monotonic() - started < 5
+
+
+AFTER_THE_KERNEL_USED_ITS_THREADS = """
+import sys
+sys.ps1 = ">>> "  # as in Jupyter
+import lightning as L, torch
+import lightning_dist
+from lightning_dist.data.pydoc_text import PydocTextDataModule
+from lightning_dist.models.gpt import GPTLanguageModel
+(torch.randn(4_000_000) * 2).long().sum()  # the kernel's OpenMP threads have run
+trainer = L.Trainer(strategy="ld_ddp", accelerator="cpu", devices=2, max_steps=2, limit_val_batches=0, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False)
+trainer.fit(GPTLanguageModel(n_layer=1, d_model=32, block_size=32), datamodule=PydocTextDataModule(block_size=32))
+print("trained", trainer.state.status)
+"""
+
+
+@pytest.mark.slow
+def test_forked_ranks_do_not_wait_for_the_kernels_openmp_threads(tmp_path):
+    # GNU OpenMP's pool does not survive a fork: with two threads per rank, the ranks' first parallel region hung.
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-c", AFTER_THE_KERNEL_USED_ITS_THREADS], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "trained TrainerStatus.FINISHED" in run.stdout
