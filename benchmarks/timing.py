@@ -1,5 +1,4 @@
-"""The Lightning side's clock: the start of one training batch to the start of the next, as `raw_loop.py` times
-(data loading, every hook and callback included; what follows the last batch, validation and saving, is not)."""
+"""Clocks for benchmarks, as callbacks `train.py` takes on the command line (`+callbacks.<name>._target_=...`)."""
 
 from __future__ import annotations
 
@@ -11,6 +10,9 @@ import lightning as L
 
 
 class IterationTimer(L.Callback):
+    """The start of one training batch to the start of the next, as `raw_loop.py` times (data loading, every hook
+    and callback included; what follows the last batch, validation and saving, is not)."""
+
     def __init__(self, path: str) -> None:
         self.path = Path(path)
         self.starts: list[float] = []
@@ -21,3 +23,24 @@ class IterationTimer(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         iterations = [b - a for a, b in zip(self.starts, self.starts[1:])]
         self.path.with_name(f"{self.path.stem}_rank{trainer.global_rank}.json").write_text(json.dumps(iterations))
+
+
+class Milestones(L.Callback):
+    """Rank 0's wall-clock times (`time.time()`, comparable with the launching shell's) of the moments a person
+    waits for: setup done, the first training batch begun, the first optimizer step done."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.times: dict[str, float] = {}
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.times["setup_done"] = time.time()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.times.setdefault("first_batch", time.time())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if "first_step" not in self.times and trainer.global_step >= 1:
+            self.times["first_step"] = time.time()
+            if trainer.is_global_zero:
+                self.path.write_text(json.dumps(self.times))

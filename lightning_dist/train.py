@@ -29,6 +29,7 @@ from lightning_dist.callbacks import NonFiniteError, Preempted
 from lightning_dist.checkpoints.autoresume import newest_complete_checkpoint
 from lightning_dist.checkpoints.formats import CheckpointError, check_checkpoint_matches, check_complete
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
+from lightning_dist.console import is_rank_zero, quiet_console
 from lightning_dist.config_check import CONF_DIR, ConfigError, check_launcher, check_overrides
 from lightning_dist.launch import needs_isolation, run_isolated
 from lightning_dist.memory import AutoFit, Choice, MemoryPlan, ModelFacts, layout_of, plan_memory
@@ -147,7 +148,7 @@ def plan(cfg: DictConfig) -> MemoryPlan:
 
 
 def _instantiate(node: DictConfig, key: str, **runtime_objects: Any) -> Any:
-    log.info(f"Instantiating {key} <{node.get('_target_')}>")
+    log.debug(f"Instantiating {key} <{node.get('_target_')}>")
     # _convert_=all: strategies receive plain dicts and lists (a DeepSpeed config must be a real dict).
     return instantiate(node, _convert_="all", **runtime_objects)
 
@@ -173,10 +174,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 
 def _fit_and_test(cfg: DictConfig) -> dict[str, float]:
-    L.seed_everything(cfg.seed, workers=True)
+    L.seed_everything(cfg.seed, workers=True, verbose=is_rank_zero())
     cfg.ckpt_path = _checkpoint_to_resume(cfg)
     parts = build(cfg)
     trainer: L.Trainer = parts["trainer"]
+    log.info(_describe(cfg, parts["model"], trainer))
     try:
         # weights_only=None leaves the checkpoint to be vetted (safe_load.py); False is the user's opt-in.
         weights_only = False if cfg.get("trust_checkpoint") else None
@@ -220,6 +222,17 @@ def _checkpoint_to_resume(cfg: DictConfig) -> str | None:
     return str(found) if found else None
 
 
+def _describe(cfg: DictConfig, model: Any, trainer: L.Trainer) -> str:
+    """One line for what ten "Instantiating ..." lines used to say: what trains, on what, and where it writes."""
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    parameters = sum(p.numel() for p in model.parameters())
+    count = trainer.num_devices * trainer.num_nodes
+    ranks = f"{count} {cfg.trainer.accelerator} rank{'s' if count > 1 else ''}"
+    return (f"Training {choices.get('model') or type(model).__name__} ({parameters / 1e6:.2f}M parameters) on "
+            f"{choices.get('data') or 'data'} with {choices.get('strategy') or type(trainer.strategy).__name__}, "
+            f"{ranks}, {cfg.trainer.precision}; outputs in {cfg.paths.output_dir}")
+
+
 def _metrics(trainer: L.Trainer) -> dict[str, float]:
     # The training monitor's per-step readings are in the logs; the final metrics are the model's.
     return {name: float(value) for name, value in trainer.callback_metrics.items() if not name.startswith("monitor/")}
@@ -235,6 +248,9 @@ def _report(cfg: DictConfig, trainer: L.Trainer, metrics: dict[str, float]) -> N
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def _hydra_entry(cfg: DictConfig) -> dict[str, float]:
+    quiet_console()
+    if cfg.trainer.accelerator == "cpu":  # said, so DeepSpeed need not detect it (and warn on every rank it did)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     hydra_config = HydraConfig.get()
     if needs_isolation(hydra_config, cfg.trainer):
         # A sweep job with ranks: run it as a single run in a process of its own (lightning_dist/launch/).

@@ -82,7 +82,7 @@ def train_command(run_dir: Path, *overrides: str, script: Path = REPO / "train.p
 # Counts what every training batch held (tests/probes.py BatchProbe), for throughput checks.
 BATCH_PROBE = ("+callbacks.batch_probe._target_=tests.probes.BatchProbe", "+callbacks.batch_probe.directory=${paths.output_dir}")
 
-TRAIN_ENV = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+TRAIN_ENV = dict(os.environ)  # no warning filters: the tests see the console a user sees
 
 
 def run_train(run_dir: Path, *overrides: str, timeout: float = 600, script: Path = REPO / "train.py") -> TrainRun:

@@ -47,6 +47,7 @@ from lightning_dist.parallel.sharded_init import (
     ForgetsUnbuiltModel, Keep, give_memory, has_meta_parameters, initialize_parameters, parameters_on_meta,
 )
 from lightning_dist.parallel.zero3_runtime import swap_in_each_parameter_once, use_memory_efficient_linear
+from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation
 from lightning_dist.strategies.launcher import guarded
 
 ZERO_STAGES = (1, 2, 3)
@@ -168,7 +169,10 @@ class DeepSpeedStrategy(SwappedSaves, ForgetsUnbuiltModel, _LightningDeepSpeedSt
             _validate_device_index_selection(self.parallel_devices)
         reset_seed()
         self.set_world_ranks()
-        self._init_deepspeed_distributed()
+        import deepspeed.comm
+
+        if not (torch.distributed.is_initialized() and deepspeed.comm.is_initialized()):  # `test` after `fit`: up already
+            self._init_deepspeed_distributed()
 
     @override
     def _get_process_group_backend(self) -> str:
@@ -278,6 +282,7 @@ class DeepSpeedStrategy(SwappedSaves, ForgetsUnbuiltModel, _LightningDeepSpeedSt
             if (self.config.get("zero_optimization") or {}).get("memory_efficient_linear", True):
                 use_memory_efficient_linear()
             swap_in_each_parameter_once()
+        import_muon_with_deferred_compilation()
         super().init_deepspeed()
         run_root_hooks_once_per_forward(self.deepspeed_engine)  # timers, profiler, ZeRO-3 trace: once per step
 

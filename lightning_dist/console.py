@@ -1,0 +1,47 @@
+"""What `python train.py` prints: each line a person needs, once, before the progress bar.
+
+Lightning starts the other ranks by running the script again, so without this every rank repeats the run's set-up
+log; and libraries print what nobody running a job can act on (a deprecation inside Lightning itself, an advert)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+# Warnings raised inside the libraries we pin, about their own code: nothing a user of this package can change.
+LIBRARY_WARNINGS = (
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",  # torch 2.13 about Lightning 2.6.6's pytree helper
+    r"`torch\.distributed\.\w+` is deprecated",  # torch 2.13 about the collectives DeepSpeed 0.19.8 calls
+)
+# Lines Lightning logs that advertise a product rather than describe the run.
+ADVERTS = ("💡 Tip:",)
+# Loggers whose INFO lines describe the whole run: printed by rank 0 alone.
+RUN_LOGGERS = ("lightning_dist", "lightning.pytorch", "lightning.fabric")
+# Loggers whose INFO lines are another tool's internals: the compiler commands DeepSpeed's op builders try.
+TOOL_LOGGERS = ("compilers",)
+
+
+def quiet_console() -> None:
+    """Idempotent; warnings and errors still reach the console from every rank."""
+    for message in LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropAdverts) for f in logger.filters):
+            logger.addFilter(_DropAdverts())
+    for name in TOOL_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    if rank_zero_only.rank != 0:
+        for name in RUN_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def is_rank_zero() -> bool:
+    return rank_zero_only.rank == 0
+
+
+class _DropAdverts(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(ADVERTS)
