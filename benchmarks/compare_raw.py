@@ -1,12 +1,14 @@
 """Ours against the same engine driven by hand: median iteration time, throughput and peak memory per rank.
 
-    python benchmarks/compare_raw.py                      # ddp, fsdp, deepspeed_stage_2, deepspeed_stage_3
-    python benchmarks/compare_raw.py --steps 60 --repeats 3 ddp
+    python benchmarks/compare_raw.py                                  # every row, both models (about 35 min)
+    python benchmarks/compare_raw.py --models gpt_tiny --repeats 3 ddp fsdp
 
-Runs alternate (ours, raw, raw, ours, ...), so a machine that slows down over time does not favour either side.
-Both sides train the default model (tiny GPT, 2 CPU ranks, batch 16 x 128 per rank) on the same data with the same
-AdamW; DeepSpeed's raw loop uses the very config our strategy resolved. Our side is `train.py` as users run it:
-progress bar, CSV logging and the training monitor (with its per-step NaN check) all on.
+Runs alternate (ours, raw, then raw, ours, ...), so a machine that slows down over time favours neither side. Both
+sides train the same model on the same data with the same AdamW, 2 CPU ranks: the default model (tiny GPT, 0.84M
+parameters, batch 16 x 128 per rank) and gpt_medium (57M parameters, batch 2 x 128 per rank, where the framework's
+share of an iteration is smaller). DeepSpeed's raw loop uses the very config our strategy resolved. Our side is
+`train.py` as users run it: progress bar, CSV logging, the run summary and the training monitor (with its per-step
+NaN check) all on.
 """
 
 from __future__ import annotations
@@ -14,21 +16,46 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WARMUP = 3  # iterations left out of the median: allocation, JIT, first collectives
-ENGINE = {"ddp": "ddp", "fsdp": "fsdp", "deepspeed_stage_2": "deepspeed", "deepspeed_stage_3": "deepspeed"}
+STRATEGIES = ("ddp", "fsdp", "fsdp_activation_checkpointing", "fsdp_cpu_offload", "deepspeed_stage_1",
+              "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3", "deepspeed_stage_3_offload")
+RAW_FLAGS = {"fsdp_activation_checkpointing": ["--activation-checkpointing"], "fsdp_cpu_offload": ["--cpu-offload"]}
 
 
-def run_ours(strategy: str, steps: int, out: Path) -> dict:
+@dataclass(frozen=True)
+class Model:
+    overrides: tuple[str, ...]  # train.py's
+    hyper_parameters: tuple[str, ...]  # raw_loop.py's --model, the same values
+    batch_size: int
+    steps: int
+    strategies: tuple[str, ...] = STRATEGIES  # the default rows
+
+
+MODELS = {
+    "gpt_tiny": Model((), (), batch_size=16, steps=40),
+    # Seconds a step on 2 CPU cores: the engines the targets name, in 10 steps a run.
+    "gpt_medium": Model(("model=gpt_medium", "data.batch_size=2"), ("n_layer=8", "d_model=768", "n_head=12", "lr=3e-4"),
+                        batch_size=2, steps=10, strategies=("ddp", "fsdp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")),
+}
+
+
+def engine(strategy: str) -> str:
+    return "deepspeed" if strategy.startswith("deepspeed") else "fsdp" if strategy.startswith("fsdp") else "ddp"
+
+
+def run_ours(strategy: str, model: Model, out: Path) -> dict:
     run_dir = out / f"ours_{strategy}"
     command = [
-        sys.executable, str(REPO / "train.py"), f"strategy={strategy}", f"trainer.max_steps={steps}", "test=false",
-        "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0", f"hydra.run.dir={run_dir}",
+        sys.executable, str(REPO / "train.py"), f"strategy={strategy}", *model.overrides, f"trainer.max_steps={model.steps}",
+        "test=false", "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0", f"hydra.run.dir={run_dir}",
         "+callbacks.iteration_timer._target_=benchmarks.timing.IterationTimer",
         f"+callbacks.iteration_timer.path={run_dir}/iterations.json",
     ]
@@ -38,11 +65,14 @@ def run_ours(strategy: str, steps: int, out: Path) -> dict:
     return {"iterations": iterations, "peaks": peaks}
 
 
-def run_raw(strategy: str, steps: int, out: Path) -> dict:
+def run_raw(strategy: str, model: Model, out: Path) -> dict:
     result = out / f"raw_{strategy}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(REPO / "benchmarks" / "raw_loop.py"), "--strategy", ENGINE[strategy], "--steps", str(steps), "--out", str(result)]
-    if ENGINE[strategy] == "deepspeed":
+               str(REPO / "benchmarks" / "raw_loop.py"), "--strategy", engine(strategy), "--steps", str(model.steps),
+               "--batch-size", str(model.batch_size), "--out", str(result), *RAW_FLAGS.get(strategy, [])]
+    if model.hyper_parameters:
+        command += ["--model", *model.hyper_parameters]
+    if engine(strategy) == "deepspeed":
         command += ["--deepspeed-config", str(out / f"ours_{strategy}" / "deepspeed_config.effective.json")]
     _run(command)
     ranks = json.loads(result.read_text())
@@ -51,7 +81,7 @@ def run_raw(strategy: str, steps: int, out: Path) -> dict:
 
 def _run(command: list[str]) -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
-    process = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    process = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if process.returncode:
         raise SystemExit(f"failed ({process.returncode}): {' '.join(command)}\n{process.stderr[-3000:]}")
 
@@ -62,35 +92,58 @@ def median_iteration(runs: list[dict]) -> float:
     return statistics.median(t for times in per_run for t in times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("strategies", nargs="*", default=list(ENGINE))
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    import deepspeed
+    import lightning
+    import torch
 
-    results = {name: {"ours": [], "raw": []} for name in args.strategies}
-    for repeat in range(args.repeats):
-        for name in args.strategies:
-            # Ours first on even repeats (its DeepSpeed config feeds the raw loop), raw first on odd ones.
-            for side in ("ours", "raw") if repeat % 2 == 0 else ("raw", "ours"):
-                runner = run_ours if side == "ours" else run_raw
-                results[name][side].append(runner(name, args.steps, args.out))
-                print(f"repeat {repeat + 1}/{args.repeats}: {name} {side} done", flush=True)
+    return (f"{cpu}, {os.cpu_count()} cores, {memory_gib:.0f} GiB; Python {platform.python_version()}, torch "
+            f"{torch.__version__}, Lightning {lightning.__version__}, DeepSpeed {deepspeed.__version__}")
 
-    samples = 2 * 16  # per iteration, over both ranks
-    print("\n| strategy | ours median iteration (ms) | raw (ms) | ours/raw | ours samples/s | raw samples/s | "
-          "ours peak RSS per rank (MB) | raw (MB) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+
+def table(name: str, model: Model, results: dict[str, dict[str, list[dict]]]) -> tuple[str, dict]:
+    samples = 2 * model.batch_size  # per iteration, over both ranks
+    lines = [f"{name}, batch {model.batch_size} x 128 per rank:", "",
+             "| strategy | ours median iteration (ms) | raw (ms) | ours/raw | ours samples/s | raw samples/s | "
+             "ours peak RSS per rank (MB) | raw (MB) | ours/raw |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     summary = {}
-    for name, sides in results.items():
+    for strategy, sides in results.items():
         ours, raw = median_iteration(sides["ours"]), median_iteration(sides["raw"])
         peak = {side: max(max(run["peaks"]) for run in sides[side]) / 1e6 for side in sides}
-        summary[name] = {"ours_s": ours, "raw_s": raw, "ratio": ours / raw, "peak_mb": peak}
-        print(f"| {name} | {ours * 1e3:.1f} | {raw * 1e3:.1f} | {ours / raw:.3f} | {samples / ours:.1f} | "
-              f"{samples / raw:.1f} | {peak['ours']:.0f} | {peak['raw']:.0f} |")
+        summary[strategy] = {"ours_s": ours, "raw_s": raw, "ratio": ours / raw, "peak_mb": peak}
+        lines.append(f"| {strategy} | {ours * 1e3:.1f} | {raw * 1e3:.1f} | {ours / raw:.3f} | {samples / ours:.1f} | "
+                     f"{samples / raw:.1f} | {peak['ours']:.0f} | {peak['raw']:.0f} | {peak['ours'] / peak['raw']:.3f} |")
+    return "\n".join(lines), summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("strategies", nargs="*", help="default: each model's rows (MODELS)")
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "compare_raw")
+    args = parser.parse_args()
+
+    print(f"Machine: {machine()}", flush=True)
+    report, summary = [], {}
+    for name in args.models:
+        model, out = MODELS[name], args.out / name
+        out.mkdir(parents=True, exist_ok=True)
+        strategies = args.strategies or model.strategies
+        results = {strategy: {"ours": [], "raw": []} for strategy in strategies}
+        for repeat in range(args.repeats):
+            for strategy in strategies:
+                # Ours first on even repeats (its DeepSpeed config feeds the raw loop), raw first on odd ones.
+                for side in ("ours", "raw") if repeat % 2 == 0 else ("raw", "ours"):
+                    runner = run_ours if side == "ours" else run_raw
+                    results[strategy][side].append(runner(strategy, model, out))
+                    print(f"{name} repeat {repeat + 1}/{args.repeats}: {strategy} {side} done", flush=True)
+        text, summary[name] = table(name, model, results)
+        report.append(text)
+        print("\n" + text + "\n", flush=True)
+    print("\n\n".join(report))
     (args.out / "compare_raw.json").write_text(json.dumps(summary, indent=2))
 
 

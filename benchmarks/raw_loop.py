@@ -2,9 +2,13 @@
 
     DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 benchmarks/raw_loop.py --strategy ddp --steps 40 --out raw.json
 
-One loop per engine: torch DDP, torch FSDP2 (`fully_shard` per block, then the root, as our strategy does), and
-`deepspeed.initialize` with the very config our DeepSpeed strategy resolved (`--deepspeed-config`). Each iteration
-is timed from the start of one to the start of the next, data loading included, as the Lightning side is.
+One loop per engine: torch DDP, torch FSDP2 (`fully_shard` per block, then the root, as our strategy does; with
+`--activation-checkpointing` each block in torch's checkpoint wrapper first, with `--cpu-offload` torch's
+`CPUOffloadPolicy`), and `deepspeed.initialize` with the very config our DeepSpeed strategy resolved
+(`--deepspeed-config`; with its optimizer offloaded, DeepSpeed's CPU Adam with the same hyper-parameters, as ours
+swaps in). `--model key=value ...` are the model's hyper-parameters and `--batch-size` the per-rank batch, as
+train.py's `model.*` and `data.batch_size`. Each iteration is timed from the start of one to the start of the next,
+data loading included, as the Lightning side is.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
+from benchmarks.timing import PROFILED_STEPS, profiler_table
 from lightning_dist.data.pydoc_text import PydocTextDataModule
-from lightning_dist.models.gpt import GPTLanguageModel, TransformerBlock
+from lightning_dist.models.gpt import GPTLanguageModel
 
 
 def main() -> None:
@@ -29,22 +34,36 @@ def main() -> None:
     parser.add_argument("--strategy", choices=("ddp", "fsdp", "deepspeed"), required=True)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--deepspeed-config", type=Path)
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--cpu-offload", action="store_true")
+    parser.add_argument("--model", nargs="*", default=[], help="hyper-parameters, key=value (integers)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--profile", type=Path, help="torch.profiler's operator table of rank 0's PROFILED_STEPS")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(42)
-    module = GPTLanguageModel()  # its configure_optimizers is plain torch: the same AdamW and groups
-    data = PydocTextDataModule()
+    hyper_parameters = {key: float(value) if "." in value or "e" in value else int(value)
+                        for key, value in (item.split("=", 1) for item in args.model)}
+    module = GPTLanguageModel(**hyper_parameters)  # its configure_optimizers is plain torch: the same AdamW and groups
+    data = PydocTextDataModule(batch_size=args.batch_size)
     data.setup("fit")
     sampler = DistributedSampler(data.train_set, num_replicas=world, rank=rank, shuffle=True, seed=42)
-    loader = DataLoader(data.train_set, batch_size=data.batch_size, sampler=sampler)
+    loader = DataLoader(data.train_set, batch_size=args.batch_size, sampler=sampler)
     step = _engine(args, module)
 
-    starts = []
+    starts, profiler = [], None
     for index, (inputs, targets) in enumerate(loader):
         starts.append(time.perf_counter())
+        if args.profile and rank == 0 and index in (PROFILED_STEPS.start, PROFILED_STEPS.stop):
+            if profiler is None:
+                profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                profiler.__enter__()
+            else:
+                profiler.__exit__(None, None, None)
+                profiler_table(profiler, args.profile)
         if index == args.steps:
             break
         step(inputs, targets)
@@ -66,7 +85,14 @@ def _engine(args, module: GPTLanguageModel):
         import deepspeed
 
         config = json.loads(args.deepspeed_config.read_text())
-        engine, _, _, _ = deepspeed.initialize(model=module.model, optimizer=module.configure_optimizers(), config=config)
+        optimizer = module.configure_optimizers()
+        if (config["zero_optimization"].get("offload_optimizer") or {}).get("device") in ("cpu", "nvme"):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            defaults = optimizer.defaults
+            optimizer = DeepSpeedCPUAdam(optimizer.param_groups, lr=defaults["lr"], betas=defaults["betas"],
+                                         eps=defaults["eps"], weight_decay=defaults["weight_decay"], adamw_mode=True)
+        engine, _, _, _ = deepspeed.initialize(model=module.model, optimizer=optimizer, config=config)
 
         def step(inputs, targets):
             loss = loss_of(engine, inputs, targets)
@@ -77,14 +103,18 @@ def _engine(args, module: GPTLanguageModel):
     if args.strategy == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(module.model, gradient_as_bucket_view=True)
     else:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for block in module.model.modules():
-            if isinstance(block, TransformerBlock):
-                fully_shard(block, mesh=mesh)
-        model = fully_shard(module.model, mesh=mesh, reshard_after_forward=False)
+        offload = CPUOffloadPolicy(pin_memory=False) if args.cpu_offload else OffloadPolicy()
+        blocks = module.model.blocks
+        for index, block in enumerate(blocks):
+            if args.activation_checkpointing:
+                block = blocks[index] = checkpoint_wrapper(block)
+            fully_shard(block, mesh=mesh, offload_policy=offload)
+        model = fully_shard(module.model, mesh=mesh, reshard_after_forward=False, offload_policy=offload)
     optimizer = module.configure_optimizers()
 
     def step(inputs, targets):

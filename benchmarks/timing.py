@@ -44,3 +44,32 @@ class Milestones(L.Callback):
             self.times["first_step"] = time.time()
             if trainer.is_global_zero:
                 self.path.write_text(json.dumps(self.times))
+
+
+PROFILED_STEPS = range(10, 20)  # after warm-up; the same iterations on both sides
+
+
+def profiler_table(profiler, path: Path) -> None:
+    """What each side spent its CPU on, by operator (self time first): compared to find the framework's share."""
+    averages = profiler.key_averages()
+    path.write_text(averages.table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=70))
+    profiler.export_chrome_trace(str(path.with_suffix(".trace.json")))
+
+
+class StepProfiler(L.Callback):
+    """torch.profiler over `PROFILED_STEPS` on rank 0; the operator table goes to `path`, the trace beside it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.profiler = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.is_global_zero and batch_idx == PROFILED_STEPS.start:
+            import torch
+
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=False)
+            self.profiler.__enter__()
+        elif self.profiler is not None and batch_idx == PROFILED_STEPS.stop:
+            self.profiler.__exit__(None, None, None)
+            profiler_table(self.profiler, self.path)
+            self.profiler = None

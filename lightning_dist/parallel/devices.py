@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 
 # Host state under CUDA (FSDP's offloaded shards, DeepSpeed's offloaded partitions) is reduced with gloo, device
 # state with nccl: one process group with a backend per device type, as torchtitan does.
@@ -53,6 +54,15 @@ def bind_device(device: torch.device) -> None:
     without an explicit index use the rank's own GPU instead of cuda:0. Nothing to do elsewhere."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+def share_the_cores(processes_per_node: int) -> None:
+    """Each rank its share of the node's cores as intra-op threads, unless OMP_NUM_THREADS says otherwise.
+
+    Lightning's launcher does this for the rank it runs in, but only after it has started the others, which keep
+    torch's default of every core: on 2 cores, rank 1 computed on 2 threads beside rank 0's one, and every
+    collective waited for the slower rank (FSDP 20% behind a torchrun loop, whose ranks get one thread each)."""
+    _set_num_threads_if_needed(num_processes=processes_per_node)
 
 
 def gather_numbers(values: Sequence[float], device: torch.device, dtype: torch.dtype = torch.float64) -> list[list[float]]:
