@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,9 @@ def test_both_ranks_train_every_step(strategy_run):
     assert summary["process_group_backend"] == "gloo"  # host state or not: on CPU every tensor is a host tensor
     assert summary["global_step"] == 20
     assert summary["train_batches_per_rank"] == [20, 20]
+    # Each rank its share of the cores (Lightning set it only for the rank it runs in, after starting the others).
+    share = int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, len(os.sched_getaffinity(0)) // 2)
+    assert summary["intra_op_threads_per_rank"] == [share, share]
 
 
 def test_validation_loss_falls(strategy_run):

@@ -58,13 +58,15 @@ class RunSummary(L.Callback):
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Every rank must take part in the gather, so this runs before the rank-0-only write.
-        per_rank = gather_numbers([self.batches_on_this_rank], trainer.strategy.root_device, dtype=torch.int64)
+        mine = [self.batches_on_this_rank, torch.get_num_threads()]
+        per_rank = gather_numbers(mine, trainer.strategy.root_device, dtype=torch.int64)
         self.summary.update(
             strategy=type(trainer.strategy).__name__,
             process_group_backend=_process_group_backend(),
             world_size=trainer.world_size,
             global_step=trainer.global_step,
-            train_batches_per_rank=[n for (n,) in per_rank],
+            train_batches_per_rank=[batches for batches, _ in per_rank],
+            intra_op_threads_per_rank=[threads for _, threads in per_rank],
             best_checkpoint=_checkpoint_path(trainer, "best_model_path"),
             last_checkpoint=_checkpoint_path(trainer, "last_model_path"),
             **self._speed(trainer.world_size),

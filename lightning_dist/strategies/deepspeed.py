@@ -39,6 +39,7 @@ from lightning_dist.deepspeed_config.outputs import anchor_output_paths
 from lightning_dist.deepspeed_config.preflight import check_offload_ready
 from lightning_dist.deepspeed_config.resolve import buckets_sized_by_model
 from lightning_dist.deepspeed_config.swap_buffers import swap_buffers_sized_by_model
+from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation
 from lightning_dist.parallel.devices import (
     bind_device, process_group_backend, process_group_timeout, share_the_cores, use_timeout_for_every_group,
 )
@@ -47,7 +48,6 @@ from lightning_dist.parallel.sharded_init import (
     ForgetsUnbuiltModel, Keep, give_memory, has_meta_parameters, initialize_parameters, parameters_on_meta,
 )
 from lightning_dist.parallel.zero3_runtime import swap_in_each_parameter_once, use_memory_efficient_linear
-from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation
 from lightning_dist.strategies.launcher import guarded
 
 ZERO_STAGES = (1, 2, 3)

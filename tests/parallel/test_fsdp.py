@@ -92,3 +92,38 @@ def test_set_up_again_after_fit_infers_the_same_blocks(mesh):
         assert classes == (TransformerBlock,)
         assert apply_activation_checkpointing(model, classes) == 3
         assert shard(model, mesh, block_classes=classes) == 4
+
+
+class _StepModule(torch.nn.Module):
+    """A Lightning-shaped root: its step method calls `forward`, as `training_step` usually does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = tiny_gpt(n_layer=2)
+
+    def forward(self, tokens):
+        return self.model(tokens)
+
+    def training_step(self, tokens):
+        return self(tokens).float().pow(2).mean()
+
+
+def test_a_step_method_that_calls_forward_gathers_the_root_once_a_step(mesh, monkeypatch):
+    """FSDP2 ends its pass at the nested `forward`, and the step method's end then freed the root's parameters
+    (kept after forward), so backward gathered them again: two gathers of the root per step instead of one."""
+    module = _StepModule()
+    apply_fully_shard(module, mesh=mesh, block_classes=(TransformerBlock,), reshard_after_forward=True,
+                      offload=OffloadPolicy(), forward_methods=["training_step"])
+    (root,) = module._get_fsdp_state()._fsdp_param_groups
+    gathers = []
+    to_unsharded = root._to_unsharded
+    monkeypatch.setattr(root, "_to_unsharded", lambda: gathers.append(1) or to_unsharded())
+    tokens = torch.randint(0, 32, (2, 8))
+    losses = []
+    for _ in range(3):
+        loss = module.training_step(tokens)
+        loss.backward()
+        losses.append(loss.item())
+        assert all(p.grad is not None for p in module.parameters())  # the root's gradients still reach its shards
+    assert len(gathers) == 3
+    assert losses[0] == losses[1] == losses[2]  # no optimizer: the same weights, gathered right each time
