@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import TRAIN_ENV
+
 pytestmark = pytest.mark.slow
 
 N_LAYER = 4  # conf/model/gpt_tiny.yaml
@@ -26,7 +28,8 @@ def test_both_ranks_train_every_step(strategy_run):
     assert summary["global_step"] == 20
     assert summary["train_batches_per_rank"] == [20, 20]
     # Each rank its share of the cores (Lightning set it only for the rank it runs in, after starting the others).
-    share = int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, len(os.sched_getaffinity(0)) // 2)
+    # The environment the runs were started with: in-process Lightning runs later in a session set OMP_NUM_THREADS.
+    share = int(TRAIN_ENV.get("OMP_NUM_THREADS", 0)) or max(1, len(os.sched_getaffinity(0)) // 2)
     assert summary["intra_op_threads_per_rank"] == [share, share]
 
 
