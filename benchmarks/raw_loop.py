@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--deepspeed-config", type=Path)
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--cpu-offload", action="store_true")
-    parser.add_argument("--model", nargs="*", default=[], help="hyper-parameters, key=value (integers)")
+    parser.add_argument("--model", nargs="*", default=[], help="hyper-parameters, key=value (numbers)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--profile", type=Path, help="torch.profiler's operator table of rank 0's PROFILED_STEPS")
     parser.add_argument("--out", type=Path, required=True)
@@ -84,14 +84,12 @@ def _engine(args, module: GPTLanguageModel):
     if args.strategy == "deepspeed":
         import deepspeed
 
+        from lightning_dist.strategies.deepspeed import _as_deepspeed_cpu_adam
+
         config = json.loads(args.deepspeed_config.read_text())
         optimizer = module.configure_optimizers()
         if (config["zero_optimization"].get("offload_optimizer") or {}).get("device") in ("cpu", "nvme"):
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            defaults = optimizer.defaults
-            optimizer = DeepSpeedCPUAdam(optimizer.param_groups, lr=defaults["lr"], betas=defaults["betas"],
-                                         eps=defaults["eps"], weight_decay=defaults["weight_decay"], adamw_mode=True)
+            optimizer = _as_deepspeed_cpu_adam(optimizer)  # the swap our strategy makes, the same function
         engine, _, _, _ = deepspeed.initialize(model=module.model, optimizer=optimizer, config=config)
 
         def step(inputs, targets):
