@@ -28,7 +28,7 @@ def train_command(nvme: Path, args: argparse.Namespace, *extra: str) -> list[str
         sys.executable, str(REPO / "train.py"),
         "trainer.accelerator=cpu", "trainer.devices=2", f"trainer.max_steps={args.steps}",
         f"model.d_model={args.d_model}", f"model.n_layer={args.n_layer}", f"model.n_head={args.d_model // 128}",
-        f"model.lr={args.lr}",
+        f"model.optimizer.lr={args.lr}",
         "model.block_size=64", "data.block_size=64", "data.batch_size=1", "test=false", "trainer.log_every_n_steps=1",
         "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0",
         "callbacks.model_checkpoint=null", "callbacks.validate_at_max_steps=null",

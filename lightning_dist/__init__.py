@@ -1,7 +1,21 @@
-"""lightning-dist: pick DDP, FSDP2 or DeepSpeed ZeRO by name; the same LightningModule trains on CPU or CUDA."""
+"""lightning-dist: pick DDP, FSDP2 or DeepSpeed ZeRO by name; the same LightningModule trains on CPU or CUDA.
 
-from lightning_dist.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, register_presets
+`import lightning_dist` registers the `ld_*` strategy names with Lightning (now, or when Lightning is imported) and
+imports nothing heavy itself: the strategy classes load on first use.
+"""
 
-register_presets()
+from typing import Any
+
+from lightning_dist.registration import register_presets_with_lightning
+
+register_presets_with_lightning()
 
 __all__ = ["DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from lightning_dist import strategies
+
+        return getattr(strategies, name)
+    raise AttributeError(f"module 'lightning_dist' has no attribute {name!r}")

@@ -6,6 +6,7 @@ Hydra's own messages for these span several lines and do not list what would hav
 from __future__ import annotations
 
 import difflib
+import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -105,13 +106,15 @@ def check_overrides(overrides: list[str], config_name: str = "train", conf_dir: 
         return None
 
     group_overrides = [
-        o.input_line for o in parsed if o.key_or_group.split("@")[0] in groups or o.key_or_group == "hydra.searchpath"
+        o.input_line for o in parsed
+        if o.key_or_group.split("@")[0] in groups or o.key_or_group == "hydra.searchpath" or o.key_or_group.startswith("hydra/")
     ]
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
         base = compose(config_name, overrides=group_overrides)
         for override in parsed:
             key = override.key_or_group
-            if key.split("@")[0] in groups or key.startswith("hydra.") or override.is_add() or override.is_delete():
+            # Hydra's own keys and groups (hydra/launcher=..., with options of Hydra's and ours) are Hydra's to check.
+            if key.split("@")[0] in groups or key.startswith(("hydra.", "hydra/")) or override.is_add() or override.is_delete():
                 continue
             _check_key_exists(base, key)
         try:
@@ -120,11 +123,36 @@ def check_overrides(overrides: list[str], config_name: str = "train", conf_dir: 
             raise ConfigError(" ".join(str(error).split())) from None
 
 
+# Options that need a package the base install does not bring: the modules they import, and how to get them.
+_LOGGERS_EXTRA = 'pip install -e ".[loggers]"'
+OPTION_PACKAGES: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
+    ("logger", "tensorboard"): (("tensorboard",), _LOGGERS_EXTRA),
+    ("logger", "wandb"): (("wandb",), _LOGGERS_EXTRA),
+    ("logger", "mlflow"): (("mlflow",), _LOGGERS_EXTRA),
+    ("logger", "many_loggers"): (("tensorboard", "wandb", "mlflow"), _LOGGERS_EXTRA),
+    ("callbacks", "rich_progress_bar"): (("rich",), "pip install rich"),
+    ("hparams_search", "optuna"): (("hydra_plugins.hydra_optuna_sweeper",), 'pip install -e ".[optuna]"'),
+}
+
+
 def _check_group_choice(group: str, values: list, conf_dirs: list[Path]) -> None:
     choices = group_options(group, conf_dirs)
-    for choice in values:
+    # A list selects several options at once (logger=[csv,tensorboard]); Hydra merges them.
+    flat = [choice for value in values for choice in (value if isinstance(value, list) else [value])]
+    for choice in flat:
         if choice is not None and str(choice) not in choices:
             raise ConfigError(f"{group}={choice}: no such option; choose one of: {', '.join(choices)}")
+        modules, install = OPTION_PACKAGES.get((group, str(choice)), ((), ""))
+        missing = [module for module in modules if not _installed(module)]
+        if missing:
+            raise ConfigError(f"{group}={choice}: needs {', '.join(m.split('.')[-1] for m in missing)}, not installed here; {install}")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def _check_key_exists(cfg: DictConfig, key: str) -> None:

@@ -10,11 +10,12 @@ far each curve is from the reference one, step by step.
 from __future__ import annotations
 
 import argparse
-import csv
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from lightning_dist.summary_file import curve, read_summary
 
 TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "train.py"
 # Per-step losses, and nothing that does not change the training trajectory.
@@ -36,12 +37,8 @@ class StrategyCurve:
 
 
 def read_train_losses(run_dir: Path) -> dict[int, float]:
-    """{step: train_loss} from the run's CSV log."""
-    path = Path(run_dir) / "csv" / "metrics.csv"
-    if not path.exists():
-        return {}
-    with open(path) as handle:
-        return {int(row["step"]): float(row["train_loss"]) for row in csv.DictReader(handle) if row.get("train_loss")}
+    """{step: train_loss} from the run's summary (`metrics.json`), whichever loggers it had."""
+    return curve(read_summary(run_dir), "train_loss")
 
 
 def run_strategy(strategy: str, overrides: list[str], run_dir: Path, script: Path = TRAIN_SCRIPT) -> StrategyCurve:

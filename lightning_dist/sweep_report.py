@@ -6,12 +6,12 @@
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from lightning_dist.summary_file import curve, read_summary
 
 REPORT_NAME = "sweep_report"
 
@@ -43,9 +43,8 @@ def read_jobs(sweep_dir: Path) -> list[Job]:
     for overrides_file in sorted(sweep_dir.glob("*/.hydra/overrides.yaml"), key=lambda p: _job_order(p.parents[1].name)):
         directory = overrides_file.parents[1]
         job = Job(directory, yaml.safe_load(overrides_file.read_text()) or [])
-        if (directory / "metrics.json").exists():
-            job.summary = json.loads((directory / "metrics.json").read_text())
-        job.val_loss, job.train_loss = _curves(directory / "csv" / "metrics.csv")
+        job.summary = read_summary(directory)
+        job.val_loss, job.train_loss = (curve(job.summary, name) for name in ("val_loss", "train_loss"))
         jobs.append(job)
     if not jobs:
         raise SystemExit(f"error: {sweep_dir}: no job directories (with .hydra/overrides.yaml) in it; is it a multirun directory?")
@@ -54,18 +53,6 @@ def read_jobs(sweep_dir: Path) -> list[Job]:
 
 def _job_order(name: str) -> tuple[int, str]:
     return (int(name), name) if name.isdigit() else (1 << 30, name)
-
-
-def _curves(metrics_csv: Path) -> tuple[dict[int, float], dict[int, float]]:
-    val, train = {}, {}
-    if metrics_csv.exists():
-        with open(metrics_csv) as handle:
-            for row in csv.DictReader(handle):
-                if row.get("val_loss"):
-                    val[int(row["step"])] = float(row["val_loss"])
-                if row.get("train_loss"):
-                    train[int(row["step"])] = float(row["train_loss"])
-    return val, train
 
 
 def labels(jobs: list[Job]) -> list[str]:

@@ -1,4 +1,5 @@
-"""Train and test a LightningModule with the strategy, model, data and trainer that `conf/` composes.
+"""Train and test a LightningModule with the strategy, model, data and trainer that `conf/` composes: the job that
+`python train.py` runs (the command line itself is `lightning_dist/cli.py`).
 
     python train.py                                   # the embedded default: tiny GPT on pydoc text, DDP, 2 CPU ranks
     python train.py strategy=deepspeed_stage_3_offload
@@ -7,19 +8,21 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
+import math
 import os
+import shutil
 import sys
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -30,15 +33,16 @@ from lightning_dist.checkpoints.autoresume import newest_complete_checkpoint
 from lightning_dist.checkpoints.formats import CheckpointError, check_checkpoint_matches, check_complete
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
 from lightning_dist.console import is_rank_zero, quiet_console
-from lightning_dist.config_check import CONF_DIR, ConfigError, check_launcher, check_overrides
-from lightning_dist.launch import needs_isolation, run_isolated
+from lightning_dist.cli import exit_with
+from lightning_dist.config_check import ConfigError
+from lightning_dist.launch import JobFailed, needs_isolation, run_isolated
 from lightning_dist.memory import AutoFit, Choice, MemoryPlan, ModelFacts, layout_of, plan_memory
 from lightning_dist.memory.compare import compare_presets
 from lightning_dist.parallel import BlockClasses, require_classes_in_model, resolve_block_classes
 from lightning_dist.parallel.collective_timeout import CollectiveTimeout, explain_collective_timeout
 from lightning_dist.parallel.sharded_init import parameters_on_meta
 from lightning_dist.precision import check_precision, device_type
-from lightning_dist.strategies.launcher import PreflightError
+from lightning_dist.strategies.launcher import PreflightError, preflight
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +54,10 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         datamodule = _instantiate(cfg.data, "data")
         block_classes = _block_classes(cfg)  # the strategy reads it too: report it under the key the user set
         strategy = _instantiate(cfg.strategy, "strategy")
+        strategy_name = _choices().get("strategy") or type(strategy).__name__
         if isinstance(strategy, AutoFit):
-            strategy = _auto_fit(cfg, strategy, _model_facts(cfg, datamodule)).strategy
+            choice = _auto_fit(cfg, strategy, _model_facts(cfg, datamodule))
+            strategy, strategy_name = choice.strategy, choice.name
         check_precision(strategy, cfg.trainer.precision, device_type(cfg.trainer.accelerator))
         with _construction(strategy):
             model = _instantiate(_module_config(cfg), "model")
@@ -68,7 +74,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         trainer = _instantiate(cfg.trainer, "trainer", strategy=strategy, callbacks=callbacks, logger=loggers)
     except (InstantiationException, CheckpointError, MisconfigurationException, ValueError, TypeError) as error:
         raise _config_error(error) from error
-    return {"datamodule": datamodule, "model": model, "trainer": trainer}
+    return {"datamodule": datamodule, "model": model, "trainer": trainer, "strategy_name": strategy_name}
 
 
 # What the strategies run on: CPU processes (gloo) or CUDA GPUs (nccl); "gpu" and "auto" are Lightning's names for them.
@@ -94,10 +100,40 @@ def _config_error(error: Exception) -> ConfigError:
     return ConfigError(" ".join(str(cause).split()))
 
 
+# Placed under `model` by their config groups (lightning-hydra-template's layout); a module built without them uses
+# its own choice.
+FACTORY_GROUPS = ("optimizer", "scheduler")
+
+
 def _module_config(cfg: DictConfig) -> DictConfig:
     module_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     module_cfg.pop("block_class", None)  # describes the model's structure; not a constructor argument
+    unused = [group for group in FACTORY_GROUPS if group in module_cfg and not _takes(module_cfg["_target_"], group)]
+    for group in unused:
+        chosen = [o for o in _task_overrides() if o.split("=")[0].lstrip("+~") in (group, f"model.{group}")]
+        if chosen:
+            raise ConfigError(
+                f"{chosen[0]}: {module_cfg['_target_']} takes no `{group}` argument, so it would be ignored; accept one"
+                f" (lightning_dist.optim.ConfiguredOptimizers shows how) or leave {group} unset"
+            )
+        del module_cfg[group]
     return OmegaConf.create(module_cfg)
+
+
+def _takes(target: str, argument: str) -> bool:
+    try:
+        parameters = inspect.signature(get_object(target)).parameters
+    except (ImportError, ValueError, TypeError):
+        return True  # let instantiation report it
+    return argument in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def _task_overrides() -> list[str]:
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def _choices() -> dict[str, Any]:
+    return dict(HydraConfig.get().runtime.choices) if HydraConfig.initialized() else {}
 
 
 def _block_classes(cfg: DictConfig) -> BlockClasses:
@@ -178,13 +214,16 @@ def _fit_and_test(cfg: DictConfig) -> dict[str, float]:
     cfg.ckpt_path = _checkpoint_to_resume(cfg)
     parts = build(cfg)
     trainer: L.Trainer = parts["trainer"]
-    log.info(_describe(cfg, parts["model"], trainer))
+    try:
+        # On this process, before any other rank starts and before anything is said about the run.
+        preflight(trainer, model=parts["model"], datamodule=parts["datamodule"])
+    except PreflightError as error:
+        raise ConfigError(" ".join(str(error).split())) from error
+    log.info(_describe(cfg, parts["model"], trainer, parts["strategy_name"]))
     try:
         # weights_only=None leaves the checkpoint to be vetted (safe_load.py); False is the user's opt-in.
         weights_only = False if cfg.get("trust_checkpoint") else None
         trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=cfg.ckpt_path, weights_only=weights_only)
-    except PreflightError as error:  # found on this process before any other rank started
-        raise ConfigError(" ".join(str(error).split())) from error
     except RuntimeError as error:
         timeout = explain_collective_timeout(error, trainer)
         if timeout is None:
@@ -222,15 +261,15 @@ def _checkpoint_to_resume(cfg: DictConfig) -> str | None:
     return str(found) if found else None
 
 
-def _describe(cfg: DictConfig, model: Any, trainer: L.Trainer) -> str:
+def _describe(cfg: DictConfig, model: Any, trainer: L.Trainer, strategy_name: str) -> str:
     """One line for what ten "Instantiating ..." lines used to say: what trains, on what, and where it writes."""
-    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    choices = _choices()
     parameters = sum(p.numel() for p in model.parameters())
     count = trainer.num_devices * trainer.num_nodes
     ranks = f"{count} {cfg.trainer.accelerator} rank{'s' if count > 1 else ''}"
     return (f"Training {choices.get('model') or type(model).__name__} ({parameters / 1e6:.2f}M parameters) on "
-            f"{choices.get('data') or 'data'} with {choices.get('strategy') or type(trainer.strategy).__name__}, "
-            f"{ranks}, {cfg.trainer.precision}; outputs in {cfg.paths.output_dir}")
+            f"{choices.get('data') or 'data'} with {strategy_name}, {ranks}, {cfg.trainer.precision}; outputs in "
+            f"{cfg.paths.output_dir}")
 
 
 def _metrics(trainer: L.Trainer) -> dict[str, float]:
@@ -241,59 +280,56 @@ def _metrics(trainer: L.Trainer) -> dict[str, float]:
 def _report(cfg: DictConfig, trainer: L.Trainer, metrics: dict[str, float]) -> None:
     print(f"\nOutputs: {cfg.paths.output_dir}")
     checkpoint = trainer.checkpoint_callback
-    if checkpoint is not None and checkpoint.last_model_path:
+    if checkpoint is not None and checkpoint.last_model_path and Path(checkpoint.last_model_path).exists():
         print(f"Last checkpoint: {checkpoint.last_model_path}")
     print("Final metrics: " + ", ".join(f"{name}={value:.4f}" for name, value in sorted(metrics.items())))
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
-def _hydra_entry(cfg: DictConfig) -> dict[str, float]:
+def run_job(cfg: DictConfig) -> Any:
+    """The job `python train.py` runs: a training run, a memory plan, or a sweep job in a process of its own.
+    Returns the final metrics, or the one Hydra's optimizing sweepers minimise (`optimized_metric`)."""
     quiet_console()
     if cfg.trainer.accelerator == "cpu":  # said, so DeepSpeed need not detect it (and warn on every rank it did)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     hydra_config = HydraConfig.get()
-    if needs_isolation(hydra_config, cfg.trainer):
-        # A sweep job with ranks: run it as a single run in a process of its own (lightning_dist/launch/).
-        return run_isolated(hydra_config)
+    multirun = hydra_config.mode == RunMode.MULTIRUN
     try:
-        if cfg.get("plan"):
+        if needs_isolation(hydra_config, cfg.trainer):
+            # A sweep job with ranks: run it as a single run in a process of its own (lightning_dist/launch/).
+            metrics = run_isolated(hydra_config)
+        elif cfg.get("plan"):
             plan(cfg)
             return {}
-        return train(cfg)
-    except (ConfigError, NonFiniteError, CollectiveTimeout) as error:
-        if hydra_config.mode == RunMode.MULTIRUN:
+        else:
+            metrics = train(cfg)
+    except (ConfigError, NonFiniteError, CollectiveTimeout, JobFailed) as error:
+        if not multirun:
+            if isinstance(error, ConfigError):
+                _discard_run_dir(Path(hydra_config.runtime.output_dir), hydra_config.job.name)
+            exit_with(error, code=2 if isinstance(error, ConfigError) else 1)
+        if cfg.get("optimized_metric") is None:
             raise  # Hydra reports the failed job and runs the others
-        _exit_with(error, code=2 if isinstance(error, ConfigError) else 1)
+        log.error(f"{error}: this trial counts as failed")
+        return math.nan  # an optimizing sweeper records a failed trial and goes on
     except Preempted as preempted:  # saved; the exit code (75) tells a scheduler or script to run it again
         if preempted.code:
             print(str(preempted), file=sys.stderr)
         sys.exit(preempted.code)
+    return _objective(cfg, metrics)
 
 
-def _exit_with(error: Exception, code: int = 2) -> None:
-    print(f"error: {error}", file=sys.stderr)
-    sys.exit(code)
+def _objective(cfg: DictConfig, metrics: dict[str, float]) -> Any:
+    name = cfg.get("optimized_metric")
+    if name is None:
+        return metrics
+    if name not in metrics:
+        raise ConfigError(f"optimized_metric={name}: the run reported no such metric; it reported {', '.join(sorted(metrics))}")
+    return metrics[name]
 
 
-def main() -> None:
-    from hydra._internal.utils import get_args_parser  # Hydra's own command-line grammar
-
-    args = get_args_parser().parse_args(sys.argv[1:])
-    # Checked against conf/ and the directories added to it (a recipe's); help, inspection and a replaced primary
-    # config directory go straight to Hydra.
-    if not (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.config_path):
-        overrides = args.overrides
-        if args.config_dir and not any(o.startswith("hydra.searchpath=") for o in overrides):
-            # --config-dir adds a directory to the search path, as this override does
-            overrides = [*overrides, f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]"]
-        try:
-            check_overrides(overrides, config_name=args.config_name or "train")
-            if args.multirun:  # a launcher sizes its jobs only in a sweep
-                check_launcher(overrides, config_name=args.config_name or "train")
-        except ConfigError as error:
-            _exit_with(error)
-    _hydra_entry()
-
-
-if __name__ == "__main__":
-    main()
+def _discard_run_dir(output_dir: Path, job_name: str) -> None:
+    """A refused configuration leaves no run directory behind: what Hydra wrote for it (`.hydra/`, the job's log) is
+    removed, and the directory with it when nothing else is in it (a directory that held something before, stays)."""
+    ours = {".hydra", f"{job_name}.log"}
+    if output_dir.is_dir() and {entry.name for entry in output_dir.iterdir()} <= ours:
+        shutil.rmtree(output_dir)

@@ -35,7 +35,7 @@ def test_a_recipes_config_directory_adds_its_options():
         "model=hf_gpt3: no such option; choose one of: gpt_medium, gpt_small, gpt_tiny, hf_bart, hf_gpt2, hf_llama"
     )
     assert error_of([search, "model=hf_bart", "model.confg.d_model=8"]).startswith(
-        "model.confg: no such key; did you mean model.config? valid keys under model: _target_, block_class, model_type,"
+        "model.confg: no such key; did you mean model.config? valid keys under model: optimizer, _target_, block_class, model_type,"
     )
     assert check_overrides([search, "model=hf_bart"]).model.config.encoder_layers == 2
 

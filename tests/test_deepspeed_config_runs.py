@@ -157,7 +157,7 @@ def test_deepspeeds_timers_monitor_and_flops_profiler_work_and_write_into_the_ru
 
 SGD_STEP = (
     "model._target_=tests.models.checkpoint_probe.CheckpointProbeGPT", "+model.gathered_path=${paths.output_dir}/gathered_state.pt",
-    "+model.loss_multiplier=1000", "model.optimizer=sgd", "model.lr=0.01", "model.weight_decay=0",
+    "+model.loss_multiplier=1000", "optimizer=sgd", "model.optimizer.lr=0.01", "model.optimizer.momentum=0",
     "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=1", "test=false",
 )
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 # the gradient by its own running magnitude.
 PROBE = ("model._target_=tests.models.checkpoint_probe.CheckpointProbeGPT",
          "+model.gathered_path=${paths.output_dir}/gathered_state.pt",
-         "model.optimizer=sgd", "model.lr=0.1", "model.weight_decay=0",
+         "optimizer=sgd", "model.optimizer.lr=0.1", "model.optimizer.momentum=0",
          "trainer.max_steps=6", "test=false")
 
 

@@ -20,7 +20,7 @@ EXPLODING_SGD_STEP = (
     "model._target_=tests.models.checkpoint_probe.CheckpointProbeGPT",
     "+model.gathered_path=${paths.output_dir}/gathered_state.pt",
     "+model.loss_multiplier=1000",  # raw gradient norm in the hundreds
-    "model.optimizer=sgd", f"model.lr={LR}", "model.weight_decay=0",
+    "optimizer=sgd", f"model.optimizer.lr={LR}", "model.optimizer.momentum=0",
     "trainer.max_steps=1", "test=false", "trainer.gradient_clip_val=1.0", "trainer.gradient_clip_algorithm=norm",
 )
 

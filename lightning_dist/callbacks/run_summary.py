@@ -22,10 +22,15 @@ class RunSummary(L.Callback):
     """Records the strategy, world size, steps, batches trained on each rank, where each rank's parameters and
     optimizer state were after the first step (evidence of sharding and offload), the model state each rank held at
     the third step (`memory/measure.py`: what the memory planner is checked against), speed (median step time,
-    samples and tokens per second over all ranks), peak memory per rank, and the final metrics."""
+    samples and tokens per second over all ranks), peak memory per rank, the final metrics, and the curves of
+    `curves` (per logging step and per validation, step labels as the loggers write them), whichever loggers are on:
+    the sweep report and the equivalence check read them from here."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, curves: tuple[str, ...] = ("train_loss", "val_loss")) -> None:
         self.path = Path(path)
+        self.curve_names = tuple(curves)
+        self.curves: dict[str, dict[int, float]] = {name: {} for name in self.curve_names}
+        self._recorded_step = -1
         self.batches_on_this_rank = 0
         self.optimizer_steps = 0
         self.step_times: list[float] = []
@@ -42,6 +47,11 @@ class RunSummary(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         self.step_times.append(time.perf_counter() - self._step_start)
         self.batches_on_this_rank += 1
+        stepped = trainer.global_step != self._recorded_step  # the last micro-batch of an accumulated step
+        logging_step = trainer.log_every_n_steps and trainer.global_step % trainer.log_every_n_steps == 0
+        if stepped and (logging_step or trainer.should_stop):  # the loggers' cadence, and the last step
+            self._record(trainer, trainer.global_step - 1, validation=False)
+        self._recorded_step = trainer.global_step
         if self.batches_on_this_rank == 1:  # optimizer state exists from the first step on
             report = placement_report(pl_module, trainer.optimizers)
             report["offload"] = offload_targets(trainer.strategy.model)
@@ -54,6 +64,17 @@ class RunSummary(L.Callback):
         self.optimizer_steps += 1
         if self.optimizer_steps == 3:
             self.summary["model_state_bytes_per_rank"] = gather_objects(model_state_bytes(pl_module, trainer.optimizers))
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Labelled as the loggers label it: the optimizer steps before the last one; the sanity check is step 0.
+        self._record(trainer, 0 if trainer.sanity_checking else max(0, trainer.global_step - 1), validation=True)
+
+    def _record(self, trainer: L.Trainer, step: int, validation: bool) -> None:
+        for name in self.curve_names:
+            value = trainer.callback_metrics.get(name)
+            if value is not None and name.startswith("val") == validation:
+                self.curves[name][step] = float(value)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -71,6 +92,7 @@ class RunSummary(L.Callback):
             last_checkpoint=_checkpoint_path(trainer, "last_model_path"),
             **self._speed(trainer.world_size),
             peak_memory_per_rank=gather_objects(peak_memory(trainer.strategy.root_device)),
+            curves=self.curves,
         )
         self._update_metrics(trainer)
 

@@ -59,6 +59,7 @@ def job_command(hydra_config: Any) -> list[str]:
     return [
         *command,
         *hydra_config.overrides.task,
+        "hydra.mode=RUN",  # one run, even when the config asks for a sweep (hparams_search sets hydra.mode)
         f"hydra.run.dir={output_dir}",
         f"hydra.job.name={JOB_LOG_NAME}",
         "hydra.output_subdir=null",  # the sweep has written the job's .hydra/ already

@@ -4,7 +4,7 @@ A script file rather than `python -m lightning_dist.train`, so that the job's co
 for the ranks it starts) holds no `-m`; the same in a submitit worker, whose own command line is submitit's.
 """
 
-from lightning_dist.train import main
+from lightning_dist.cli import main
 
 if __name__ == "__main__":
     main()

@@ -15,11 +15,9 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
+from lightning_dist.optim import ConfiguredOptimizers
+from lightning_dist.optim.configured import OptimizerFactory, SchedulerFactory
 from lightning_dist.parallel.sharded_init import draw_init_seed, initialize_parameters
-
-
-# AdamW trains it; plain SGD makes an update proportional to the gradient, which is how tests see clipping.
-OPTIMIZERS = ("adamw", "sgd")
 
 
 class CausalSelfAttention(nn.Module):
@@ -93,8 +91,12 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_out(x))
 
 
-class GPTLanguageModel(L.LightningModule):
-    """Next-byte prediction with AdamW; logs loss and perplexity (synced across ranks by torchmetrics)."""
+class GPTLanguageModel(ConfiguredOptimizers, L.LightningModule):
+    """Next-byte prediction; logs loss and perplexity (synced across ranks by torchmetrics).
+
+    `optimizer` and `scheduler` are what the `optimizer/` and `scheduler/` config groups give (partials called with
+    the parameter groups and the optimizer); without them, AdamW at a constant rate (`DEFAULT_OPTIMIZER`).
+    """
 
     def __init__(
         self,
@@ -104,15 +106,13 @@ class GPTLanguageModel(L.LightningModule):
         n_head: int = 4,
         d_model: int = 128,
         dropout: float = 0.0,
-        lr: float = 1e-3,
-        weight_decay: float = 0.01,
-        betas: tuple[float, float] = (0.9, 0.95),
-        optimizer: str = "adamw",
+        optimizer: OptimizerFactory | None = None,
+        scheduler: SchedulerFactory | None = None,
     ) -> None:
         super().__init__()
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"model.optimizer: {optimizer!r} is not supported; choose one of {', '.join(OPTIMIZERS)}")
-        self.save_hyperparameters()
+        # The factories are code, not data: kept out of the checkpoint's hyper-parameters, which load as data only.
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.model = GPT(vocab_size, block_size, n_layer, n_head, d_model, dropout)
         self.val_loss = MeanMetric()
         self.val_perplexity = Perplexity()
@@ -149,17 +149,8 @@ class GPTLanguageModel(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         # Lightning drops what is logged during the sanity check; we keep it as the curve's step-0 point so a
         # run shows its validation loss before training and after.
-        if self.trainer.sanity_checking and self.logger is not None:
+        if self.trainer.sanity_checking and self.loggers:
             initial = {"val_loss": self.val_loss.compute().item(), "val_ppl": self.val_perplexity.compute().item()}
             if self.trainer.is_global_zero:
-                self.logger.log_metrics(initial, step=0)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        hp = self.hparams
-        # Decay matrices only: biases and LayerNorm gains are excluded, as in GPT-2.
-        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        if hp.optimizer == "sgd":
-            return torch.optim.SGD(groups, lr=hp.lr)
-        return torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+                for logger in self.loggers:
+                    logger.log_metrics(initial, step=0)

@@ -90,9 +90,18 @@ class PreflightError(ValueError):
     """A run that cannot start, found before any rank was spawned; the message names what to change."""
 
 
+def preflight(trainer: Any, **fit_arguments: Any) -> None:
+    """Run the strategy's pre-launch checks now, with `trainer.fit`'s arguments (`model`, `datamodule`, ...), rather
+    than inside `fit`: a caller that says something about the run once it is accepted (train.py) says it only then.
+    Raises PreflightError; `fit` does not check again."""
+    launcher = getattr(trainer.strategy, "launcher", None)
+    if isinstance(launcher, GuardedLauncher):
+        launcher.check(trainer, fit_arguments)
+
+
 class GuardedLauncher(_Launcher):
-    """Wraps Lightning's launcher: `preflight(trainer, fit_arguments)`, if given, runs first when fitting, and the
-    ranks it started end with this one when it stops early (`end_processes`).
+    """Wraps Lightning's launcher: `preflight(trainer, fit_arguments)`, if given, runs first when fitting (unless it
+    ran already, through `check`), and the ranks it started end with this one when it stops early (`end_processes`).
 
     Lightning spawns the other ranks at the start of `trainer.fit`; a mistake found after that costs every rank
     its start-up and prints one traceback per rank, so the checks that need only the Trainer, the module and the
@@ -102,18 +111,24 @@ class GuardedLauncher(_Launcher):
     def __init__(self, launcher: _Launcher, preflight: Callable[[Any, dict[str, Any]], None] | None = None) -> None:
         self.launcher = launcher
         self.preflight = preflight
+        self.checked = False
 
     @property
     def is_interactive_compatible(self) -> bool:
         return self.launcher.is_interactive_compatible
 
-    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        if self.preflight is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            arguments = inspect.signature(function).bind(*args, **kwargs).arguments
+    def check(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
+        if self.preflight is not None:
             try:
-                self.preflight(trainer, arguments)
+                self.preflight(trainer, fit_arguments)
             except (ValueError, TypeError) as error:
                 raise PreflightError(str(error)) from error
+        self.checked = True
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if not self.checked and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self.check(trainer, inspect.signature(function).bind(*args, **kwargs).arguments)
+        self.checked = False  # a later fit with this strategy is checked again
         try:
             return self.launcher.launch(function, *args, trainer=trainer, **kwargs)
         except BaseException:

@@ -1,5 +1,5 @@
 """A Hugging Face `transformers` language model as a LightningModule: built from its config (random init) or loaded
-from a local `save_pretrained` folder, trained on next-token prediction with AdamW. A causal LM (GPT-2, Llama)
+from a local `save_pretrained` folder, trained on next-token prediction. A causal LM (GPT-2, Llama)
 predicts every next token; an encoder-decoder (BART, T5) reads the first half of each window and continues it.
 
 Nothing here is strategy-specific: FSDP finds the blocks itself (the model's `nn.ModuleList` of layers) and ZeRO-3
@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
+from lightning_dist.optim import ConfiguredOptimizers
+from lightning_dist.optim.configured import OptimizerFactory, SchedulerFactory
 from lightning_dist.parallel.sharded_init import draw_init_seed, initialize_parameters, parameters_in_memory
 
 
@@ -39,18 +41,20 @@ def build_language_model(model_type: str, config: dict[str, Any] | None = None, 
     return model
 
 
-class LanguageModel(L.LightningModule):
+class LanguageModel(ConfiguredOptimizers, L.LightningModule):
+    """`optimizer` and `scheduler` come from the `optimizer/` and `scheduler/` config groups (AdamW by default)."""
+
     def __init__(
         self,
         model_type: str = "gpt2",
         config: dict[str, Any] | None = None,
         pretrained: str | None = None,
-        lr: float = 1e-3,
-        weight_decay: float = 0.01,
-        betas: tuple[float, float] = (0.9, 0.95),
+        optimizer: OptimizerFactory | None = None,
+        scheduler: SchedulerFactory | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.model = build_language_model(model_type, config, pretrained)
 
     def forward(self, tokens: torch.Tensor, decoder_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,10 +81,3 @@ class LanguageModel(L.LightningModule):
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.log("test_loss", self._loss(batch), sync_dist=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        hp = self.hparams
-        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))

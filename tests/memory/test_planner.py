@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -81,7 +83,7 @@ def test_model_facts_come_from_the_meta_device_and_a_traced_step():
     assert facts.parameters == sum(p.numel() for p in real.parameters()) == 842_496  # tied head counted once
     assert facts.largest_block == sum(p.numel() for p in real.model.blocks[0].parameters())
     assert facts.optimizer == "adamw"
-    assert ModelFacts.of(lambda: GPTLanguageModel(optimizer="sgd")).optimizer == "sgd"
+    assert ModelFacts.of(lambda: GPTLanguageModel(optimizer=partial(torch.optim.SGD, lr=0.1))).optimizer == "sgd"
     # Checkpointing keeps block inputs (4 x 16 x 128 x 128 floats) instead of what each block saves inside.
     assert 0 < facts.checkpointed_activation_bytes < facts.activation_bytes / 2
     assert facts.activation_bytes > 16 * 128 * 256 * 4  # at least the logits

@@ -1,4 +1,5 @@
 import math
+from functools import partial
 
 import torch
 
@@ -19,17 +20,18 @@ def test_initial_loss_is_near_uniform_over_bytes():
     assert abs(loss.item() - math.log(256)) < 0.3
 
 
-def test_weight_decay_skips_biases_and_norms():
+def test_weight_decay_skips_biases_norms_and_the_tied_embedding():
     model = GPTLanguageModel(n_layer=1, d_model=32, n_head=2)
     decay, no_decay = model.configure_optimizers().param_groups
     assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
-    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    decayed = {id(p) for p in decay["params"]}
+    names = [name for name, p in model.named_parameters() if id(p) in decayed]
+    assert names == ["model.blocks.0.attn.qkv.weight", "model.blocks.0.attn.proj.weight", "model.blocks.0.mlp.0.weight",
+                     "model.blocks.0.mlp.2.weight"]  # not the (tied) token embedding, the position embedding, norms, biases
     assert sum(p.numel() for g in (decay, no_decay) for p in g["params"]) == sum(p.numel() for p in model.parameters())
 
 
-def test_unknown_optimizer_is_refused_with_the_choices():
-    import pytest
-
-    with pytest.raises(ValueError, match=r"^model.optimizer: 'adam' is not supported; choose one of adamw, sgd$"):
-        GPTLanguageModel(optimizer="adam")
-    assert type(GPTLanguageModel(optimizer="sgd", n_layer=1).configure_optimizers()) is torch.optim.SGD
+def test_the_optimizer_factory_builds_the_optimizer():
+    sgd = GPTLanguageModel(optimizer=partial(torch.optim.SGD, lr=0.1, momentum=0.9), n_layer=1).configure_optimizers()
+    assert type(sgd) is torch.optim.SGD and sgd.defaults["momentum"] == 0.9
+    assert "optimizer" not in GPTLanguageModel(optimizer=partial(torch.optim.SGD, lr=0.1), n_layer=1).hparams

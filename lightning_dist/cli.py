@@ -1,0 +1,56 @@
+"""The command line: `python train.py [overrides]` and `lightning-dist-train [overrides]`.
+
+    python train.py                                   # the embedded default: tiny GPT on pydoc text, DDP, 2 CPU ranks
+    python train.py strategy=deepspeed_stage_3_offload
+    python train.py -m strategy=ddp,fsdp               # a sweep: logs/train/multiruns/<date>/<job>
+
+Only Hydra is imported here: `--help`, `--cfg job` and a refused override answer without loading torch, Lightning
+or DeepSpeed (several seconds); the job itself (`lightning_dist/train.py`) imports them when it runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from lightning_dist.config_check import CONF_DIR, ConfigError, check_launcher, check_overrides
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+def _hydra_entry(cfg: DictConfig) -> Any:
+    from lightning_dist.train import run_job
+
+    return run_job(cfg)
+
+
+def exit_with(error: Exception, code: int = 2) -> None:
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(code)
+
+
+def main() -> None:
+    from hydra._internal.utils import get_args_parser  # Hydra's own command-line grammar
+
+    args = get_args_parser().parse_args(sys.argv[1:])
+    # Checked against conf/ and the directories added to it (a recipe's); help, inspection and a replaced primary
+    # config directory go straight to Hydra.
+    if not (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.config_path):
+        overrides = args.overrides
+        if args.config_dir and not any(o.startswith("hydra.searchpath=") for o in overrides):
+            # --config-dir adds a directory to the search path, as this override does
+            overrides = [*overrides, f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]"]
+        try:
+            check_overrides(overrides, config_name=args.config_name or "train")
+            if args.multirun:  # a launcher sizes its jobs only in a sweep
+                check_launcher(overrides, config_name=args.config_name or "train")
+        except ConfigError as error:
+            exit_with(error)
+    _hydra_entry()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""Which parameters weight decay applies to: matrices, not biases, norm gains or embeddings (torchtitan and
+Hugging Face both exempt the first two; decaying an embedding pulls rare tokens' rows towards zero)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+
+def decay_groups(module: nn.Module) -> list[dict[str, Any]]:
+    """Two parameter groups for an optimizer: the matrices (decayed with the optimizer's own `weight_decay`) and
+    everything else (`weight_decay` 0). A weight shared with an embedding (a tied output head) is not decayed."""
+    embedding_weights = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for parameter in module.parameters():
+        if not parameter.requires_grad:
+            continue
+        if parameter.dim() >= 2 and id(parameter) not in embedding_weights:
+            decay.append(parameter)
+        else:
+            no_decay.append(parameter)
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
