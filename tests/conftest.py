@@ -149,3 +149,41 @@ def curve_runs(tmp_path_factory, deepspeed_ops):
         return runs[name]
 
     return get
+
+
+def documented_commands(readme: Path) -> list[str]:
+    """Every command in the shell code blocks of a README, as a user copies it: continuation lines joined, the
+    trailing comment and a leading `$ ` prompt dropped. Tests run these, not their own variants."""
+    commands, in_block, pending = [], False, ""
+    for line in readme.read_text().splitlines():
+        if line.startswith("```"):
+            in_block = line.strip() in ("```bash", "```sh", "```console")
+            continue
+        if not in_block or not (pending or line.strip()) or line.lstrip().startswith("#"):
+            continue
+        text = pending + line.strip().removeprefix("$ ")
+        if text.endswith("\\"):
+            pending = text[:-1].strip() + " "
+            continue
+        pending = ""
+        commands.append(text.split("  #")[0].strip())
+    return commands
+
+
+def documented(readme: Path, start: str) -> str:
+    """The one command of `readme` that starts with `start`."""
+    (command,) = [c for c in documented_commands(readme) if c.startswith(start)]
+    return command
+
+
+def run_documented(command: str, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
+    """A documented `python train.py ...` or `python -m ...` command, run as typed from `cwd` (any directory:
+    `train.py` is this repository's)."""
+    import shlex
+
+    words = shlex.split(command)
+    assert words[0] == "python", command
+    if words[1] == "train.py":
+        words[1] = str(REPO / "train.py")
+    return subprocess.run([sys.executable, *words[1:]], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=TRAIN_ENV)

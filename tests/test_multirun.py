@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import statistics
@@ -11,8 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.conftest import BATCH_PROBE, REPO
+from tests.conftest import BATCH_PROBE, REPO, documented, run_documented
 from tests.probes import read_batches
 
 pytestmark = pytest.mark.slow
@@ -31,45 +33,78 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
     return sorted(p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
+README = REPO / "README.md"
+SWEEP = documented(README, "python train.py -m strategy=")  # the README's sweep, exactly as written
+
+
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, deepspeed_ops):
-    sweep_dir = tmp_path_factory.mktemp("sweep") / "multirun"
-    process = train("-m", "strategy=ddp,fsdp,deepspeed_stage_2", *SHORT, *PROBE, f"hydra.sweep.dir={sweep_dir}")
-    return process, sweep_dir
+    """The README's sweep command, run as typed from a fresh working directory (no hydra.sweep.dir)."""
+    cwd = tmp_path_factory.mktemp("readme_sweep")
+    process = run_documented(SWEEP, cwd)
+    multiruns = cwd / "logs" / "train" / "multiruns"
+    dates = sorted(multiruns.iterdir()) if multiruns.is_dir() else []
+    return process, cwd, dates
 
 
-def test_sweep_of_three_strategies_exits_zero_with_three_finished_jobs(sweep):
-    process, sweep_dir = sweep
+def test_the_readme_sweep_runs_as_written_into_logs_train_multiruns(sweep):
+    process, cwd, dates = sweep
     assert process.returncode == 0, process.stderr[-4000:]
-    assert [p.name for p in job_dirs(sweep_dir)] == ["0", "1", "2"]
-    for job, strategy in zip(job_dirs(sweep_dir), ("DDPStrategy", "FSDPStrategy", "DeepSpeedStrategy")):
+    assert len(dates) == 1 and sorted(p.name for p in cwd.iterdir()) == ["logs"]  # one launch, one sweep directory
+    jobs = job_dirs(dates[0])
+    strategies = [part.split("=")[1] for part in SWEEP.split() if part.startswith("strategy=")][0].split(",")
+    assert [p.name for p in jobs] == [str(n) for n in range(len(strategies))] and len(jobs) == 2
+    steps = int(SWEEP.split("trainer.max_steps=")[1].split()[0])
+    for job, strategy in zip(jobs, strategies):
         summary = json.loads((job / "metrics.json").read_text())
-        assert (summary["strategy"], summary["world_size"], summary["train_batches_per_rank"]) == (strategy, 2, [4, 4])
-        assert (job / "csv" / "metrics.csv").exists() and (job / "checkpoints" / "last.ckpt").exists()
-        assert (job / ".hydra" / "overrides.yaml").read_text().startswith("- strategy=")
+        assert (summary["world_size"], summary["global_step"], summary["train_batches_per_rank"]) == (2, steps, [steps] * 2)
+        assert (job / "checkpoints" / "last.ckpt").exists()
+        assert yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())[0] == f"strategy={strategy}"
+        # Rank 1 ran in the job's own directory, from the job's own command line (Lightning names its log so).
+        assert (job / "train_ddp_process_1.log").exists()
 
 
-def test_no_rank_runs_the_sweep_again(sweep):
-    process, sweep_dir = sweep
-    records = sorted(sweep_dir.glob("*/cmdline_rank*.json"))
-    assert len(records) == 6  # 3 jobs x 2 ranks, each in its own job's directory
-    for record_path in records:
-        record = json.loads(record_path.read_text())
-        cmdline = record["cmdline"]
-        assert "-m" not in cmdline and "--multirun" not in cmdline, cmdline
-        assert not any("," in part for part in cmdline[1:]), cmdline  # no comma list: the job's own override only
-        assert record["default_root_dir"] == str(record_path.parent)
-    # Nothing outside the sweep directory: no rank made a sweep of its own.
-    assert sorted(p.name for p in sweep_dir.parent.iterdir()) == ["multirun"]
+def test_the_readme_sweep_report_command_writes_a_table_and_a_readable_plot(sweep):
+    _, cwd, dates = sweep
+    command = documented(README, "python -m lightning_dist.sweep_report")
+    process = run_documented(command.replace("<date>", dates[0].name), cwd)
+    assert process.returncode == 0, process.stderr[-3000:]
+    table, image = dates[0] / "sweep_report.md", dates[0] / "sweep_report.png"
+    rows = [line for line in table.read_text().splitlines() if line.startswith("| ") and not line.startswith("| job")]
+    assert [row.split(" | ")[1:3] for row in rows] == [["`strategy=ddp`", "finished"], ["`strategy=fsdp`", "finished"]]
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and image.stat().st_size > 20_000
 
 
-def test_the_metrics_file_reports_speed_and_memory(sweep):
-    _, sweep_dir = sweep
-    summary = json.loads((sweep_dir / "0" / "metrics.json").read_text())
+def test_plot_has_labelled_axes_and_one_series_per_job(sweep, monkeypatch):
+    import matplotlib.figure
+
+    from lightning_dist import sweep_report
+
+    _, _, dates = sweep
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, *a, **k: figures.append(self))
+    jobs = sweep_report.read_jobs(dates[0])
+    sweep_report.plot(jobs, dates[0] / "unused.png")
+    axes = figures[0].axes
+    assert all(ax.get_xlabel() and ax.get_ylabel() and ax.get_title() for ax in axes)
+    assert [len(ax.get_lines()) for ax in axes[:2]] == [2, 2]  # a loss curve per job
+    assert [len(ax.patches) for ax in axes[2:]] == [2, 2]  # a bar per job
+    assert [t.get_text() for t in axes[0].get_legend().get_texts()] == ["strategy=ddp", "strategy=fsdp"]
+    # The curves come from metrics.json, whichever loggers ran: they are the CSV logger's values.
+    for job in jobs:
+        with open(job.directory / "csv" / "metrics.csv") as handle:
+            rows = list(csv.DictReader(handle))
+        assert job.train_loss == {int(r["step"]): float(r["train_loss"]) for r in rows if r.get("train_loss")}
+        assert job.val_loss == {int(r["step"]): float(r["val_loss"]) for r in rows if r.get("val_loss")}
+
+
+def test_the_metrics_file_reports_speed_and_memory(trained_runs):
+    run = trained_runs("ddp")
+    summary = run.summary
     assert 0 < summary["median_step_time_s"] < 60
     # Checked against what the batches held (counted from the batches themselves on every rank) and how long the
     # steps took by another clock: the median of BatchProbe's own step times.
-    ranks = read_batches(sweep_dir / "0")
+    ranks = read_batches(run.run_dir)
     assert len(ranks) == 2
     per_step = [{key: sum(rank[i][key] for rank in ranks) for key in ("samples", "tokens")} for i in range(len(ranks[0]))]
     assert all(step == per_step[0] for step in per_step)
@@ -79,34 +114,6 @@ def test_the_metrics_file_reports_speed_and_memory(sweep):
     assert [rank["kind"] for rank in summary["peak_memory_per_rank"]] == ["process_peak_rss"] * 2
     assert all(100 * 2**20 < rank["bytes"] < 8 * 2**30 for rank in summary["peak_memory_per_rank"])
     assert set(summary["metrics"]) >= {"train_loss", "val_loss"}
-
-
-def test_sweep_report_writes_a_table_and_a_readable_plot(sweep):
-    from lightning_dist.sweep_report import write_report
-
-    _, sweep_dir = sweep
-    table, image = write_report(sweep_dir)
-    rows = [line for line in table.read_text().splitlines() if line.startswith("| ") and not line.startswith("| job")]
-    assert [row.split(" | ")[1:3] for row in rows] == [
-        ["`strategy=ddp`", "finished"], ["`strategy=fsdp`", "finished"], ["`strategy=deepspeed_stage_2`", "finished"],
-    ]
-    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and image.stat().st_size > 20_000
-
-
-def test_plot_has_labelled_axes_and_one_series_per_job(sweep, monkeypatch):
-    import matplotlib.figure
-
-    from lightning_dist import sweep_report
-
-    _, sweep_dir = sweep
-    figures = []
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, *a, **k: figures.append(self))
-    sweep_report.plot(sweep_report.read_jobs(sweep_dir), sweep_dir / "unused.png")
-    axes = figures[0].axes
-    assert all(ax.get_xlabel() and ax.get_ylabel() and ax.get_title() for ax in axes)
-    assert [len(ax.get_lines()) for ax in axes[:2]] == [3, 3]  # a loss curve per job
-    assert [len(ax.patches) for ax in axes[2:]] == [3, 3]  # a bar per job
-    assert [t.get_text() for t in axes[0].get_legend().get_texts()] == ["strategy=ddp", "strategy=fsdp", "strategy=deepspeed_stage_2"]
 
 
 def test_run_dir_with_a_timestamp_is_one_directory_for_all_ranks(tmp_path, deepspeed_ops):
@@ -129,20 +136,30 @@ def test_a_rank_failing_at_start_up_fails_the_run_within_60_seconds(tmp_path):
 
 
 def test_in_a_sweep_the_failing_job_is_reported_and_the_others_run(tmp_path):
-    sweep_dir = tmp_path / "multirun"
-    process = train("-m", "strategy=ddp", *SHORT, "+callbacks.fail._target_=tests.probes.FailAtStartOnRank",
-                    "+callbacks.fail.rank=1,7", f"hydra.sweep.dir={sweep_dir}")
+    process = train("-m", "strategy=ddp", *SHORT, *PROBE, "+callbacks.fail._target_=tests.probes.FailAtStartOnRank",
+                    "+callbacks.fail.rank=1,7", cwd=tmp_path)
     assert process.returncode != 0
     assert "job 0 (strategy=ddp" in process.stderr and "exited with code" in process.stderr
+    (sweep_dir,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
     assert not (sweep_dir / "0" / "metrics.json").exists()
     assert json.loads((sweep_dir / "1" / "metrics.json").read_text())["global_step"] == 4
+    # No rank ran the sweep again: each got the job's own overrides and directory.
+    records = sorted((sweep_dir / "1").glob("cmdline_rank*.json"))
+    assert len(records) == 2
+    for record_path in records:
+        record = json.loads(record_path.read_text())
+        cmdline = record["cmdline"]
+        assert "-m" not in cmdline and "--multirun" not in cmdline, cmdline
+        assert not any("," in part for part in cmdline[1:]), cmdline  # no comma list: the job's own override only
+        assert record["default_root_dir"] == str(record_path.parent)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]  # no rank made a sweep of its own
 
 
 def test_three_one_process_jobs_run_back_to_back_in_the_sweeps_interpreter(tmp_path, deepspeed_ops):
-    sweep_dir = tmp_path / "multirun"
     process = train("-m", "strategy=ddp,fsdp,deepspeed_stage_2", "trainer.devices=1", "trainer.max_steps=3", "test=false",
-                    *PROBE, f"hydra.sweep.dir={sweep_dir}")
+                    *PROBE, cwd=tmp_path)
     assert process.returncode == 0, process.stderr[-4000:]
+    (sweep_dir,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
     records = [json.loads((job / "cmdline_rank0.json").read_text()) for job in job_dirs(sweep_dir)]
     assert len(records) == 3
     # Hydra's basic launcher ran all three in one interpreter: the sweep's own, started with -m.

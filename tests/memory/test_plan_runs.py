@@ -53,4 +53,5 @@ def test_auto_fit_trains_with_the_strategy_it_chose(tmp_path, deepspeed_ops):
     run = run_train(tmp_path, "strategy=auto_fit", "strategy.device_memory_gb=0.5", "trainer.max_steps=3", "test=false")
     assert run.process.returncode == 0, run.output[-3000:]
     assert "auto_fit: chose ddp: 0.11 GB per device of 0.42 GB usable" in run.output
+    assert "on pydoc_text with ddp, 2 cpu ranks" in run.output and "with auto_fit" not in run.output  # the preset chosen
     assert run.summary["strategy"] == "DDPStrategy" and run.summary["global_step"] == 3
