@@ -33,9 +33,20 @@ def quiet_console() -> None:
             logger.addFilter(_DropAdverts())
     for name in TOOL_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    _one_handler_per_line()
     if rank_zero_only.rank != 0:
         for name in RUN_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _one_handler_per_line() -> None:
+    # `import lightning` gives the "lightning" logger a console handler of its own; Lightning's subpackages stop
+    # their records there only when the root logger had no handler at import. Once Hydra has configured logging
+    # first (our CLI imports Lightning inside the job), every line would print twice: Hydra's handlers serve alone.
+    import lightning
+
+    if logging.getLogger().hasHandlers():
+        logging.getLogger("lightning").removeHandler(lightning._console)
 
 
 def is_rank_zero() -> bool:

@@ -25,6 +25,11 @@ def register_presets_with_lightning() -> None:
 
 
 def _register() -> None:
+    strategies = sys.modules.get("lightning_dist.strategies")
+    if strategies is not None and not hasattr(strategies, "register_presets"):
+        # Lightning was first imported by one of our strategy modules, so their classes do not exist yet: the
+        # package registers the presets itself at the end of its own import.
+        return
     from lightning_dist.strategies.presets import register_presets
 
     register_presets()

@@ -98,6 +98,10 @@ def test_block_class_that_is_not_in_the_model():
         (["strategy=nope"], "error: strategy=nope: no such option; choose one of:"),
         (["strategy=deepspeed_stage_2", "strategy.offload_parameters=cpu"],
          "error: strategy.offload_parameters: parameter offload needs ZeRO stage 3"),
+        (["strategy=fsdp", "optimizer=adafactor"],
+         "error: model.optimizer: Adafactor needs each parameter whole and fsdp shards them; choose optimizer=adamw"),
+        (["strategy=deepspeed_stage_2", "optimizer=adafactor"],
+         "error: model.optimizer: Adafactor needs each parameter whole and ZeRO stage 2 shards them;"),
     ],
 )
 def test_command_line_prints_one_error_line_and_exits_2_without_spawning(overrides, expected, tmp_path):

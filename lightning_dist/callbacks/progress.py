@@ -24,6 +24,7 @@ class StepProgressBar(TQDMProgressBar):
         super().on_train_start(trainer, *args)
         if _step_bounded(trainer):
             self.train_progress_bar.bar_format = STEP_BAR_FORMAT
+            self.train_progress_bar.set_description(f"epoch {trainer.current_epoch}", refresh=False)  # not "Training"
             self.train_progress_bar.reset(total=trainer.max_steps)
             self.train_progress_bar.initial = trainer.global_step
             self.train_progress_bar.n = trainer.global_step

@@ -1,4 +1,4 @@
-"""`metrics.json`: what a finished run did, written by rank 0 for people and scripts to read."""
+"""`metrics.json`: what a run did (a finished one in full; one stopped early, its curves), written by rank 0 for people and scripts to read."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ class RunSummary(L.Callback):
     def __init__(self, path: str | Path, curves: tuple[str, ...] = ("train_loss", "val_loss")) -> None:
         self.path = Path(path)
         self.curve_names = tuple(curves)
-        self.curves: dict[str, dict[int, float]] = {name: {} for name in self.curve_names}
+        # Kept as the device tensors the module logged until the run ends: a float per step would wait for the device.
+        self.curves: dict[str, dict[int, torch.Tensor | float]] = {name: {} for name in self.curve_names}
         self._recorded_step = -1
         self.batches_on_this_rank = 0
         self.optimizer_steps = 0
@@ -74,7 +75,7 @@ class RunSummary(L.Callback):
         for name in self.curve_names:
             value = trainer.callback_metrics.get(name)
             if value is not None and name.startswith("val") == validation:
-                self.curves[name][step] = float(value)
+                self.curves[name][step] = value.detach().clone() if isinstance(value, torch.Tensor) else float(value)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -92,9 +93,20 @@ class RunSummary(L.Callback):
             last_checkpoint=_checkpoint_path(trainer, "last_model_path"),
             **self._speed(trainer.world_size),
             peak_memory_per_rank=gather_objects(peak_memory(trainer.strategy.root_device)),
-            curves=self.curves,
+            curves=self._curves_on_host(),
         )
         self._update_metrics(trainer)
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # A run stopped early (preempted, failed) keeps the curves it logged; without `global_step` it reads as
+        # unfinished. No gathers: the other ranks may be gone or stuck.
+        self.summary.update(stopped_by=type(exception).__name__, curves=self._curves_on_host())
+        if trainer.is_global_zero:
+            self._write()
+
+    def _curves_on_host(self) -> dict[str, dict[int, float]]:
+        return {name: {step: float(value) for step, value in points.items()} for name, points in self.curves.items()}
 
     def _speed(self, world_size: int) -> dict:
         # The first step compiles, allocates and warms caches; it is not what a long run spends per step.
@@ -114,8 +126,11 @@ class RunSummary(L.Callback):
             {name: float(value) for name, value in trainer.callback_metrics.items()}
         )
         if trainer.is_global_zero:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(self.summary, indent=2) + "\n")
+            self._write()
+
+    def _write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.summary, indent=2) + "\n")
 
 
 def input_shape(batch: Any) -> tuple[int, ...]:

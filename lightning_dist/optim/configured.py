@@ -25,6 +25,23 @@ SchedulerFactory = Callable[..., Any]  # called with `optimizer`
 # What `optimizer=adamw` (conf/optimizer/adamw.yaml) gives, for a module built in Python without a config.
 DEFAULT_OPTIMIZER: OptimizerFactory = partial(torch.optim.AdamW, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
 
+# Optimizers whose update needs each parameter whole: torch's Adafactor factors a matrix's second moment into row and
+# column means. FSDP2 hands it shards (DTensors, which it has no rule for: it fails at the first step) and ZeRO flat
+# partitions (it would fall back to an unfactored update: another optimizer than the one chosen).
+WHOLE_PARAMETER_OPTIMIZERS: tuple[type[Optimizer], ...] = (torch.optim.Adafactor,)
+
+
+def require_shardable_optimizer(model: Any, strategy: str) -> None:
+    """Raises ValueError, naming `model.optimizer` and the choices, when `model`'s configured optimizer cannot step
+    the parameter shards that `strategy` gives it."""
+    factory = getattr(model, "optimizer_factory", None)
+    target = factory.func if isinstance(factory, partial) else factory
+    if isinstance(target, type) and issubclass(target, WHOLE_PARAMETER_OPTIMIZERS):
+        raise ValueError(
+            f"model.optimizer: {target.__name__} needs each parameter whole and {strategy} shards them;"
+            " choose optimizer=adamw, adam or sgd, or strategy=ddp"
+        )
+
 
 class ConfiguredOptimizers:
     """`configure_optimizers` from two factories: the optimizer over `decay_groups` (weight decay on matrices only),

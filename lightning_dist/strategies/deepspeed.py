@@ -37,6 +37,7 @@ from lightning_dist.deepspeed_config import (
 from lightning_dist.deepspeed_config.gathering import gathering_sized_by_model
 from lightning_dist.deepspeed_config.outputs import anchor_output_paths
 from lightning_dist.deepspeed_config.preflight import check_offload_ready
+from lightning_dist.optim import require_shardable_optimizer
 from lightning_dist.deepspeed_config.resolve import buckets_sized_by_model
 from lightning_dist.deepspeed_config.swap_buffers import swap_buffers_sized_by_model
 from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation
@@ -206,6 +207,9 @@ class DeepSpeedStrategy(SwappedSaves, ForgetsUnbuiltModel, _LightningDeepSpeedSt
             loader = None  # a list or dict of loaders: the in-rank pass reads the combined one
         resolution = self.resolution(trainer, fit_arguments.get("model"), loader, datamodule, in_rank=False)
         check_offload_ready(resolution.config)
+        stage = resolution.config.get("zero_optimization", {}).get("stage", 0)
+        if stage and "optimizer" not in resolution.config:  # else the file's optimizer replaces the module's
+            require_shardable_optimizer(fit_arguments.get("model"), f"ZeRO stage {stage}")
 
     def resolution(self, trainer: Any, model: Any, loader: Any = None, datamodule: Any = None, in_rank: bool = True) -> Resolution:
         needs_optimizer = "optimizer" in self.base_config or "scheduler" in self.base_config

@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_dist.checkpoints.formats import DISTRIBUTED
 from lightning_dist.checkpoints.resume import load_for_resume, load_weights_from_rank_zero, restore_optimizer_by_name
 from lightning_dist.checkpoints.swap import SwappedSaves
+from lightning_dist.optim import require_shardable_optimizer
 from lightning_dist.parallel import (
     BlockClasses,
     apply_activation_checkpointing,
@@ -85,8 +86,10 @@ class FSDPStrategy(SwappedSaves, ForgetsUnbuiltModel, ModelParallelStrategy):
         self._launcher = guarded(self, self._launcher, self.preflight)
 
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
-        """On the launching process: a model already built (eagerly or on meta) must say what its blocks are."""
+        """On the launching process: a model already built (eagerly or on meta) must say what its blocks are, and
+        its configured optimizer must be one that steps shards."""
         model = fit_arguments.get("model")
+        require_shardable_optimizer(model, "fsdp")
         if isinstance(model, nn.Module) and next(model.parameters(), None) is not None:
             self.block_classes_of(model)
 

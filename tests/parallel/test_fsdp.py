@@ -2,6 +2,9 @@
 
 import socket
 
+from types import SimpleNamespace
+
+import hydra
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,6 +17,12 @@ from lightning_dist.parallel import (
     apply_activation_checkpointing, apply_fully_shard, infer_block_classes, offload_policy, sharding_layout,
 )
 
+from omegaconf import OmegaConf
+
+from lightning_dist.optim import require_shardable_optimizer
+from lightning_dist.optim.configured import WHOLE_PARAMETER_OPTIMIZERS
+
+from tests.conftest import CONF_DIR
 from tests.parallel.test_activation_checkpoint import tiny_gpt
 
 
@@ -127,3 +136,22 @@ def test_a_step_method_that_calls_forward_gathers_the_root_once_a_step(mesh, mon
         assert all(p.grad is not None for p in module.parameters())  # the root's gradients still reach its shards
     assert len(gathers) == 3
     assert losses[0] == losses[1] == losses[2]  # no optimizer: the same weights, gathered right each time
+
+
+@pytest.mark.parametrize("option", sorted(p.stem for p in (CONF_DIR / "optimizer").glob("*.yaml")))
+def test_every_optimizer_option_steps_sharded_parameters_or_is_refused(mesh, option):
+    # FSDP2's parameters are DTensors: a fused kernel without a sharding rule for them fails at the first step.
+    factory = hydra.utils.instantiate(OmegaConf.load(CONF_DIR / "optimizer" / f"{option}.yaml"))
+    model = tiny_gpt(n_layer=1)
+    shard(model, mesh)
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    optimizer = factory(model.parameters())
+    model(torch.zeros(2, 8, dtype=torch.long)).float().pow(2).mean().backward()
+    if issubclass(factory.func, WHOLE_PARAMETER_OPTIMIZERS):  # refused before any rank starts, and rightly
+        with pytest.raises(ValueError, match="^model.optimizer: .* needs each parameter whole and fsdp shards them"):
+            require_shardable_optimizer(SimpleNamespace(optimizer_factory=factory), "fsdp")
+        with pytest.raises(RuntimeError):
+            optimizer.step()
+        return
+    optimizer.step()
+    assert any(not torch.equal(p.full_tensor(), b) for p, b in zip(model.parameters(), before)), option

@@ -1,5 +1,8 @@
 """Each preset exists twice, as a registered Lightning name and as a Hydra option; both must build the same thing."""
 
+import subprocess
+import sys
+
 import lightning as L
 import pytest
 from hydra import compose, initialize_config_dir
@@ -8,7 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_dist  # noqa: F401  (registers the presets)
 from lightning_dist.strategies import PRESETS, REGISTRY_PREFIX, DeepSpeedStrategy, FSDPStrategy
-from tests.conftest import CONF_DIR, PRESET_NAMES
+from tests.conftest import CONF_DIR, PRESET_NAMES, REPO
 
 # What distinguishes one preset from another, read off a built strategy.
 OBSERVED = {
@@ -51,3 +54,17 @@ def test_deepspeed_offload_presets_build_the_config_they_name():
     assert zero["stage"] == 3
     assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
     assert "offload_param" not in StrategyRegistry.get("ld_deepspeed_stage_2_offload").config["zero_optimization"]
+
+
+@pytest.mark.parametrize("first_import", [
+    "import lightning_dist",  # before Lightning: registered when Lightning is imported
+    "from lightning_dist.strategies import FSDPStrategy",  # our strategy module imports Lightning first
+    "import lightning_dist.strategies.deepspeed",
+    "import lightning; import lightning_dist",  # after Lightning: registered at once
+])
+def test_every_import_order_registers_every_preset(first_import):
+    # A fresh interpreter: in this one, Lightning and the package are imported already.
+    check = f"{first_import}\nimport lightning.pytorch as pl\nprint(sorted(n for n in pl.strategies.StrategyRegistry if n.startswith('ld_')))"
+    process = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert process.returncode == 0, process.stderr[-2000:]
+    assert process.stdout.strip() == str(sorted(REGISTRY_PREFIX + name for name in PRESET_NAMES))
