@@ -25,11 +25,7 @@ def register_presets_with_lightning() -> None:
 
 
 def _register() -> None:
-    strategies = sys.modules.get("lightning_dist.strategies")
-    if strategies is not None and not hasattr(strategies, "register_presets"):
-        # Lightning was first imported by one of our strategy modules, so their classes do not exist yet: the
-        # package registers the presets itself at the end of its own import.
-        return
+    # The preset table imports nothing of ours: Lightning may have been imported by one of our modules, half built.
     from lightning_dist.strategies.presets import register_presets
 
     register_presets()

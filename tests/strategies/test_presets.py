@@ -46,7 +46,7 @@ def test_trainer_accepts_registered_name_on_cpu(name):
 def test_lightning_names_are_left_alone():
     # Our presets are prefixed: Lightning's own `fsdp` still means Lightning's (GPU-only) FSDP strategy.
     assert StrategyRegistry["fsdp"]["strategy"].__module__.startswith("lightning.")
-    assert StrategyRegistry["ld_fsdp"]["strategy"] is FSDPStrategy
+    assert type(StrategyRegistry.get("ld_fsdp")) is FSDPStrategy  # registered lazily: the class loads when built
 
 
 def test_deepspeed_offload_presets_build_the_config_they_name():
@@ -60,11 +60,15 @@ def test_deepspeed_offload_presets_build_the_config_they_name():
     "import lightning_dist",  # before Lightning: registered when Lightning is imported
     "from lightning_dist.strategies import FSDPStrategy",  # our strategy module imports Lightning first
     "import lightning_dist.strategies.deepspeed",
+    "import lightning_dist.deepspeed_config.resolve",  # Lightning first imported halfway through our package
     "import lightning; import lightning_dist",  # after Lightning: registered at once
 ])
 def test_every_import_order_registers_every_preset(first_import):
     # A fresh interpreter: in this one, Lightning and the package are imported already.
-    check = f"{first_import}\nimport lightning.pytorch as pl\nprint(sorted(n for n in pl.strategies.StrategyRegistry if n.startswith('ld_')))"
+    check = (f"{first_import}\nimport lightning.pytorch as pl\n"
+             "print(sorted(n for n in pl.strategies.StrategyRegistry if n.startswith('ld_')))\n"
+             "print(type(pl.Trainer(strategy='ld_fsdp_cpu_offload', accelerator='cpu', devices=2, logger=False).strategy))")
     process = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert process.returncode == 0, process.stderr[-2000:]
-    assert process.stdout.strip() == str(sorted(REGISTRY_PREFIX + name for name in PRESET_NAMES))
+    assert process.stdout.splitlines()[-2:] == [str(sorted(REGISTRY_PREFIX + name for name in PRESET_NAMES)),
+                                                 "<class 'lightning_dist.strategies.fsdp.FSDPStrategy'>"]
