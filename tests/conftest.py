@@ -151,10 +151,10 @@ def curve_runs(tmp_path_factory, deepspeed_ops):
     return get
 
 
-def documented_commands(readme: Path) -> list[str]:
-    """Every command in the shell code blocks of a README, as a user copies it: continuation lines joined, the
-    trailing comment and a leading `$ ` prompt dropped. Tests run these, not their own variants."""
-    commands, in_block, pending = [], False, ""
+def documented_lines(readme: Path) -> list[tuple[str, str]]:
+    """(command, its trailing comment) for every command in the shell code blocks of a README, as a user copies it:
+    continuation lines joined, a leading `$ ` prompt dropped. Tests run these, not their own variants."""
+    lines, in_block, pending = [], False, ""
     for line in readme.read_text().splitlines():
         if line.startswith("```"):
             in_block = line.strip() in ("```bash", "```sh", "```console")
@@ -166,8 +166,13 @@ def documented_commands(readme: Path) -> list[str]:
             pending = text[:-1].strip() + " "
             continue
         pending = ""
-        commands.append(text.split("  #")[0].strip())
-    return commands
+        command, _, comment = text.partition("  #")
+        lines.append((command.strip(), comment.strip()))
+    return lines
+
+
+def documented_commands(readme: Path) -> list[str]:
+    return [command for command, _ in documented_lines(readme)]
 
 
 def documented(readme: Path, start: str) -> str:

@@ -1,6 +1,7 @@
 """What each "auto" of a DeepSpeed config became in a run: the file as written beside the config in effect.
 
-    python -m recipes.bring_your_ds_config.show_auto ds_config.json RUN_DIR/deepspeed_config.effective.json
+    python -m recipes.bring_your_ds_config.show_auto ds_config.json            # the newest run in logs/train/runs
+    python -m recipes.bring_your_ds_config.show_auto ds_config.json RUN_DIR    # or a run directory (or its file)
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from functools import reduce
 from pathlib import Path
 
 from lightning_dist.deepspeed_config.resolve import auto_keys
+from lightning_dist.runs import RUNS, newest_run
+
+EFFECTIVE = "deepspeed_config.effective.json"  # what a DeepSpeed run writes in its directory
 
 
 def filled_autos(source: dict, effective: dict) -> dict[str, object]:
@@ -20,14 +24,20 @@ def filled_autos(source: dict, effective: dict) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("source", type=Path)
-    parser.add_argument("effective", type=Path)
+    parser.add_argument("source", type=Path, help="the DeepSpeed config as written")
+    parser.add_argument("run", type=Path, nargs="?", help=f"a run directory or its {EFFECTIVE}; default: the newest run in {RUNS}")
     args = parser.parse_args(argv)
-    filled = filled_autos(json.loads(args.source.read_text()), json.loads(args.effective.read_text()))
+    effective = _effective_config(args.run)
+    filled = filled_autos(json.loads(args.source.read_text()), json.loads(effective.read_text()))
     width = max(map(len, filled), default=0)
     for key, value in filled.items():
         print(f"{key:<{width}}  auto -> {json.dumps(value)}")
     return 0
+
+
+def _effective_config(run: Path | None) -> Path:
+    run = run or newest_run(EFFECTIVE)
+    return run / EFFECTIVE if run.is_dir() else run
 
 
 if __name__ == "__main__":

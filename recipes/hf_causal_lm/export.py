@@ -1,6 +1,7 @@
 """A checkpoint of any strategy (DDP file, FSDP or DeepSpeed directory) as a `save_pretrained` folder.
 
-    python -m recipes.hf_causal_lm.export CHECKPOINT OUT_DIR
+    python -m recipes.hf_causal_lm.export OUT_DIR              # the newest run's checkpoints/last.ckpt
+    python -m recipes.hf_causal_lm.export CHECKPOINT OUT_DIR   # any checkpoint (file or directory)
 
 The checkpoint is consolidated (lightning_dist.checkpoints), the model rebuilt without memory from the
 hyper-parameters the checkpoint saved, given the weights, and written by transformers itself; so
@@ -15,9 +16,11 @@ from pathlib import Path
 import torch
 
 from lightning_dist.checkpoints.consolidate import load_consolidated
+from lightning_dist.runs import newest_run
 from recipes.hf_causal_lm.language_model import build_language_model
 
 PREFIX = "model."  # LanguageModel keeps the transformers model as `self.model`
+LAST = "checkpoints/last.ckpt"
 
 
 def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
@@ -39,10 +42,13 @@ def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint")
-    parser.add_argument("out_dir")
+    parser.add_argument("paths", nargs="+", metavar="[CHECKPOINT] OUT_DIR",
+                        help=f"a checkpoint (default: the newest run's {LAST}) and the folder to write")
     args = parser.parse_args(argv)
-    print(f"save_pretrained folder: {export(args.checkpoint, args.out_dir)}")
+    if len(args.paths) > 2:
+        parser.error("give at most CHECKPOINT and OUT_DIR")
+    checkpoint = args.paths[0] if len(args.paths) == 2 else newest_run(LAST) / LAST
+    print(f"save_pretrained folder: {export(checkpoint, args.paths[-1])}")
     return 0
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, documented, run_documented
 
 pytestmark = pytest.mark.slow
 
@@ -41,13 +41,22 @@ def test_auto_fit_chooses_for_the_target(options, chosen):
     assert chosen in run.stdout + run.stderr
 
 
-def test_sweep_of_the_candidates_and_its_report(tmp_path, deepspeed_ops):
-    sweep = tmp_path / "sweep"
-    run = train("-m", "strategy=ddp,deepspeed_stage_3", "trainer.max_steps=3", f"hydra.sweep.dir={sweep}")
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = subprocess.run([sys.executable, "-m", "lightning_dist.sweep_report", str(sweep)], capture_output=True,
-                            text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+README = REPO / "recipes" / "choose_a_strategy" / "README.md"
+
+
+def test_sweep_of_the_candidates_and_its_report_as_written(tmp_path, deepspeed_ops):
+    sweep_command = documented(README, "python train.py -m")
+    process = run_documented(sweep_command, tmp_path)  # from a fresh directory, as typed: no hydra.sweep.dir
+    assert process.returncode == 0, process.stderr[-2000:]
+    (sweep,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
+    report_command = documented(README, "python -m lightning_dist.sweep_report").replace("<date>", sweep.name)
+    report = run_documented(report_command, tmp_path)
     assert report.returncode == 0, report.stderr[-2000:]
     table = (sweep / "sweep_report.md").read_text()
-    assert "| 0 | `strategy=ddp` | finished |" in table and "| 1 | `strategy=deepspeed_stage_3` | finished |" in table
+    strategies = sweep_command.split("strategy=")[1].split()[0].split(",")
+    for job, strategy in enumerate(strategies):
+        assert f"| {job} | `strategy={strategy}` | finished |" in table
+    # The losses are the same under every strategy (README: "identical to the digits shown").
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| ") and "`strategy=" in line]
+    assert len({row[3] for row in rows}) == 1 and len({row[4] for row in rows}) == 1, table
     assert (sweep / "sweep_report.png").stat().st_size > 10_000

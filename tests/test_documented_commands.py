@@ -1,0 +1,162 @@
+"""Every command in a shell block of README.md and of the recipes' READMEs is run by a test or is marked, in its own
+comment, as needing a GPU or a cluster. README.md's commands that no other test runs are run here, as typed, from
+one fresh working directory (later commands read what earlier ones wrote), at a few steps each."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, TRAIN_ENV, documented_lines
+
+README = REPO / "README.md"
+READMES = [README, *sorted((REPO / "recipes").glob("*/README.md"))]
+MARKS = ("needs a GPU", "needs a cluster")
+# Set-up lines: the install that .ci/run itself performs (the README's test command, extracted there).
+SET_UP = ("pip install ", "dpkg -s libaio-dev")
+# Commands another test runs (from the README, `documented(...)`, or the recipe's steps with the same choices), and
+# what that test's file must hold for it.
+RUN_ELSEWHERE = {
+    "python -m pytest": (".ci/run", "test-command"),
+    "python train.py -m strategy=ddp,fsdp trainer.max_steps=50": ("tests/test_multirun.py", "python train.py -m strategy="),
+    "python -m lightning_dist.sweep_report logs/train/multiruns/<date>": ("tests/test_multirun.py", "python -m lightning_dist.sweep_report"),
+    "python train.py -m hparams_search=optuna": ("tests/test_hparams_search.py", "python train.py -m hparams_search=optuna"),
+    # recipes/
+    "python train.py strategy=deepspeed strategy.config=tests/deepspeed_config/configs/transformers_ds_config_zero2.json": (
+        "tests/recipes/test_bring_your_ds_config.py", "strategy.config={HF_ZERO2}"),
+    "python -m recipes.bring_your_ds_config.show_auto tests/deepspeed_config/configs/transformers_ds_config_zero2.json": (
+        "tests/recipes/test_bring_your_ds_config.py", "show_auto(["),
+    "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_7b plan=true strategy=deepspeed_stage_3": (
+        "tests/recipes/test_choose_a_strategy.py", '"strategy=deepspeed_stage_3"'),
+    "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_7b plan=true trainer.devices=8 trainer.precision=bf16-mixed strategy=auto_fit": (
+        "tests/recipes/test_choose_a_strategy.py", '"strategy.device_memory_gb=80"'),
+    "python train.py -m strategy=ddp,fsdp,deepspeed_stage_2,deepspeed_stage_3": ("tests/recipes/test_choose_a_strategy.py", 'documented(README, "python train.py -m'),
+    "python -m lightning_dist.sweep_report logs/train/multiruns/<date>": ("tests/recipes/test_choose_a_strategy.py", '"python -m lightning_dist.sweep_report"'),
+    "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_gpt2 strategy=fsdp_activation_checkpointing": (
+        "tests/recipes/test_hf_causal_lm.py", '"fsdp_activation_checkpointing"'),
+    "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_bart": ("tests/recipes/test_hf_causal_lm.py", '"model=hf_bart"'),
+    "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_gpt2 model.pretrained=": ("tests/recipes/test_hf_causal_lm.py", 'f"model.pretrained='),
+    "python -m recipes.hf_causal_lm.export": ("tests/recipes/test_hf_causal_lm.py", "export([str(checkpoint), str(folder)])"),
+    "python recipes/lightning_hydra_template/train.py trainer=ld_fsdp": ("tests/recipes/test_lightning_hydra_template.py", 'f"trainer={trainer}"'),
+    # the template project's own src/train.py, which the recipe's train.py reproduces, with the same trainer configs
+    "python src/train.py trainer=": ("tests/recipes/test_lightning_hydra_template.py", 'f"trainer={trainer}"'),
+    "sbatch recipes/multi_node/train.sbatch": ("tests/recipes/test_multi_node.py", "train.sbatch"),
+}
+STEPS = "trainer.max_steps=3"  # a few steps: what is tested is that the command runs, not the training
+RESUMED_STEPS = "trainer.max_steps=6"  # past the checkpoint the resumed run starts from
+RUN_DIRS = "logs/*/runs/*"  # logs/train/runs/<time>, and logs/debug/runs/<time> for debug=...
+
+
+def all_commands() -> list[tuple[Path, str, str]]:
+    return [(readme, command, comment) for readme in READMES for command, comment in documented_lines(readme)]
+
+
+def commands_run_here(readme: Path) -> list[str]:
+    return [command for command, comment in documented_lines(readme) if _runs_here(command, comment)]
+
+
+def _runs_here(command: str, comment: str) -> bool:
+    return not (any(mark in comment for mark in MARKS) or _set_up_only(command) or _elsewhere(command))
+
+
+def _set_up_only(command: str) -> bool:
+    return not _runnable_part(command)
+
+
+def _elsewhere(command: str) -> tuple[str, str] | None:
+    return next((where for start, where in RUN_ELSEWHERE.items() if _runnable_part(command).startswith(start)), None)
+
+
+def _runnable_part(command: str) -> str:
+    """The command without its set-up: `pip install ... && python train.py` runs `python train.py`; the libaio
+    line is set-up only."""
+    if not command.startswith(SET_UP):
+        return command
+    return command[command.index("&& python ") + 3:] if "&& python " in command else ""
+
+
+def test_every_documented_command_is_run_by_a_test_or_marked():
+    for _, command, _ in all_commands():
+        where = _elsewhere(command)
+        if where is not None:
+            assert where[1] in (REPO / where[0]).read_text(), (command, where)
+    run_here = {command for readme in READMES for command in commands_run_here(readme)}
+    accounted = {c for _, c, comment in all_commands() if c in run_here or _elsewhere(c) or _set_up_only(c)
+                 or any(mark in comment for mark in MARKS)}
+    assert accounted == {c for _, c, _ in all_commands()}
+    assert len(run_here) >= 15  # README.md's own, and the recipes' not run by their tests
+
+
+# --------------------------------------------------------------------------- README.md's commands, run here
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(REPO)))
+def test_the_readmes_commands_run_as_written(readme, tmp_path, deepspeed_ops):
+    commands = commands_run_here(readme)
+    for shared in ("recipes", "tests"):  # what commands name relative to a clone's root
+        (tmp_path / shared).symlink_to(REPO / shared)
+    made: dict[str, Path | None] = {}  # command -> the run directory it made
+    for command in commands:
+        before = set(tmp_path.glob(RUN_DIRS))
+        process = _run(_as_run_here(command, commands, made), tmp_path)
+        assert process.returncode == 0, f"{command}\n{process.stderr[-3000:]}"
+        new = sorted(set(tmp_path.glob(RUN_DIRS)) - before, key=lambda p: p.name)
+        made[command] = new[-1] if new else None
+        _check(command, process, made[command], tmp_path)
+
+
+def _as_run_here(command: str, commands: list[str], made: dict[str, Path | None]) -> str:
+    first_run = made.get(commands[0])  # README.md's first command: ZeRO-3 offload, 2 ranks
+    command = _runnable_part(command)
+    if first_run is not None:
+        command = command.replace("<run>", first_run.name)
+        command = command.replace("<a deepspeed_stage_3 checkpoint from 2 ranks>", str(first_run / "checkpoints" / "last.ckpt"))
+        command = command.replace("CHECKPOINT", str(first_run / "checkpoints" / "last.ckpt"))
+    if "<same overrides as before>" in command:  # the first command again, as it ran
+        return command.replace("<same overrides as before>", f"{commands[0].split(' ', 2)[2]} {STEPS}")
+    if "python train.py" in command and "plan=true" not in command and "debug=" not in command:
+        steps = RESUMED_STEPS if "ckpt_path=" in command else STEPS
+        command = re.sub(r"trainer\.max_steps=\d+", steps, command) if "max_steps=" in command else f"{command} {steps}"
+    if "lightning_dist.equivalence" in command:
+        command = re.sub(r"trainer\.max_steps=\d+", STEPS, command)
+    return command
+
+
+def _run(command: str, cwd: Path) -> subprocess.CompletedProcess:
+    python = shlex.quote(sys.executable)
+    command = command.replace("python train.py", f"{python} {shlex.quote(str(REPO / 'train.py'))}")
+    command = command.replace("python -m ", f"{python} -m ")
+    return subprocess.run(["bash", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=900, env=TRAIN_ENV)
+
+
+def _check(command: str, process: subprocess.CompletedProcess, run_dir: Path | None, cwd: Path) -> None:
+    """What each kind of command must leave, beyond exiting 0."""
+    output = process.stdout + process.stderr
+    if "plan=true" in command:
+        assert "Memory plan: deepspeed_stage_3, bf16-mixed, 2 ranks" in process.stdout
+    elif "show_auto" in command:
+        assert "auto -> " in process.stdout
+    elif "-m hydra/launcher=local" in command:
+        (sweep,) = (cwd / "logs" / "train" / "multiruns").iterdir()
+        assert sorted(p.name for p in sweep.glob("*/metrics.json") for p in [p.parent]) == ["0", "1"]
+    elif "resume=true" in command:
+        assert "resume=true: resuming from" in output and "checkpoints/last.ckpt" in output
+    elif "lightning_dist.checkpoints.consolidate" in command:
+        consolidated = torch.load(cwd / "model.ckpt", weights_only=True)
+        assert "model.token_embedding.weight" in consolidated["state_dict"]
+    elif "lightning_dist.equivalence" in command:
+        rows = [line for line in process.stdout.splitlines() if line.startswith("| ") and "strategy" not in line]
+        assert [row.split(" | ")[0].strip("| ") for row in rows] == ["ddp", "fsdp", "deepspeed_stage_3"]
+        assert all(float(row.split(" | ")[3].strip(" |")) < 1e-5 for row in rows)
+    else:  # a training run
+        assert run_dir is not None and (run_dir / "metrics.json").exists(), command
+        assert "Final metrics: " in process.stdout and "Traceback" not in process.stderr
+        if "ckpt_path=" in command:
+            assert "Restoring states from the checkpoint" in output or "resum" in output.lower()
