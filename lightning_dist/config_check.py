@@ -132,6 +132,7 @@ OPTION_PACKAGES: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
     ("logger", "many_loggers"): (("tensorboard", "wandb", "mlflow"), _LOGGERS_EXTRA),
     ("callbacks", "rich_progress_bar"): (("rich",), "pip install rich"),
     ("hparams_search", "optuna"): (("hydra_plugins.hydra_optuna_sweeper",), 'pip install -e ".[optuna]"'),
+    ("optimizer", "lion"): (("lion_pytorch",), 'pip install -e ".[optimizers]"'),
 }
 
 
