@@ -39,7 +39,7 @@ def test_sbatch_script_trains_with_srun_starting_the_ranks_and_a_requeue_resumes
     # process of its own (its launcher names a rank's Hydra log `*_process_N.log`). Rank 0 speaks for the run.
     assert "SLURM auto-requeueing enabled" in first.stdout + first.stderr
     assert not list(tmp_path.glob("*_process_*.log"))
-    assert first.stderr.count("Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2") == 1
+    assert (first.stdout + first.stderr).count("Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2") == 1
     assert "GLOBAL_RANK: 1" not in first.stdout + first.stderr
     assert sorted(read_train_losses(tmp_path)) == [0, 1, 2]
 
