@@ -1,4 +1,5 @@
-"""`metrics.json`: what a run did (a finished one in full; one stopped early, its curves), written by rank 0 for people and scripts to read."""
+"""`metrics.json`: what a run did (a finished one in full; one stopped early, its curves), written by rank 0 for
+people and scripts to read."""
 
 from __future__ import annotations
 

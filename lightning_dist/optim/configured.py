@@ -39,7 +39,7 @@ def require_shardable_optimizer(model: Any, strategy: str) -> None:
     if isinstance(target, type) and issubclass(target, WHOLE_PARAMETER_OPTIMIZERS):
         raise ValueError(
             f"model.optimizer: {target.__name__} needs each parameter whole and {strategy} shards them;"
-            " choose optimizer=adamw, adam or sgd, or strategy=ddp"
+            " choose optimizer=adamw, adam, sgd or lion, or strategy=ddp"
         )
 
 

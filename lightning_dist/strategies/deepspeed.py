@@ -37,9 +37,9 @@ from lightning_dist.deepspeed_config import (
 from lightning_dist.deepspeed_config.gathering import gathering_sized_by_model
 from lightning_dist.deepspeed_config.outputs import anchor_output_paths
 from lightning_dist.deepspeed_config.preflight import check_offload_ready
-from lightning_dist.optim import require_shardable_optimizer
 from lightning_dist.deepspeed_config.resolve import buckets_sized_by_model
 from lightning_dist.deepspeed_config.swap_buffers import swap_buffers_sized_by_model
+from lightning_dist.optim import require_shardable_optimizer
 from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation
 from lightning_dist.parallel.devices import (
     bind_device, process_group_backend, process_group_timeout, share_the_cores, use_timeout_for_every_group,
