@@ -12,7 +12,7 @@ from typing_extensions import override
 from lightning_dist.checkpoints.formats import FILE
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
 from lightning_dist.checkpoints.swap import SwappedSaves
-from lightning_dist.parallel.devices import bind_device, process_group_timeout, share_the_cores, use_timeout_for_every_group
+from lightning_dist.parallel.devices import prepare_rank, process_group_timeout
 from lightning_dist.strategies.launcher import guarded
 
 
@@ -42,9 +42,7 @@ class DDPStrategy(SwappedSaves, _LightningDDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        bind_device(self.root_device)
-        share_the_cores(self.num_processes)
-        use_timeout_for_every_group(self._timeout)
+        prepare_rank(self.root_device, self.num_processes, self._timeout)
         super().setup_environment()
 
     @override

@@ -41,9 +41,7 @@ from lightning_dist.deepspeed_config.resolve import buckets_sized_by_model
 from lightning_dist.deepspeed_config.swap_buffers import swap_buffers_sized_by_model
 from lightning_dist.optim import require_shardable_optimizer
 from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation
-from lightning_dist.parallel.devices import (
-    bind_device, process_group_backend, process_group_timeout, share_the_cores, use_timeout_for_every_group,
-)
+from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.outermost_forward import run_root_hooks_once_per_forward
 from lightning_dist.parallel.sharded_init import (
     ForgetsUnbuiltModel, Keep, give_memory, has_meta_parameters, initialize_parameters, parameters_on_meta,
@@ -159,9 +157,7 @@ class DeepSpeedStrategy(SwappedSaves, ForgetsUnbuiltModel, _LightningDeepSpeedSt
     @override
     def setup_environment(self) -> None:
         use_deepspeed_accelerator(self.root_device)
-        bind_device(self.root_device)
-        share_the_cores(self.num_processes)
-        use_timeout_for_every_group(self._timeout)
+        prepare_rank(self.root_device, self.num_processes, self._timeout)
         # Lightning's DeepSpeedStrategy refuses anything but CUDA at this point; DDP's set-up is what remains.
         DDPStrategy.setup_environment(self)
 

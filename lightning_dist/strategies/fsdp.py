@@ -33,9 +33,7 @@ from lightning_dist.parallel import (
     resolve_block_classes,
     sharding_layout,
 )
-from lightning_dist.parallel.devices import (
-    bind_device, process_group_backend, process_group_timeout, share_the_cores, use_timeout_for_every_group,
-)
+from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel, has_meta_parameters, parameters_on_meta
 from lightning_dist.strategies.launcher import guarded
 
@@ -109,9 +107,7 @@ class FSDPStrategy(SwappedSaves, ForgetsUnbuiltModel, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        bind_device(self.root_device)
-        share_the_cores(self.num_processes)
-        use_timeout_for_every_group(self._timeout)
+        prepare_rank(self.root_device, self.num_processes, self._timeout)
         # ModelParallelStrategy's mesh is (data, tensor) parallel; ours is data parallel only, 2-D for hybrid.
         self._setup_distributed()
         self._device_mesh = self._build_mesh()
