@@ -6,8 +6,10 @@ imports nothing heavy itself: the strategy classes load on first use.
 
 from typing import Any
 
+from lightning_dist._compat.versions import warn_if_unsupported
 from lightning_dist.registration import register_presets_with_lightning
 
+warn_if_unsupported()
 register_presets_with_lightning()
 
 __all__ = ["DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy"]

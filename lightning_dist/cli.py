@@ -33,9 +33,9 @@ def exit_with(error: Exception, code: int = 2) -> None:
 
 
 def main() -> None:
-    from hydra._internal.utils import get_args_parser  # Hydra's own command-line grammar
+    from lightning_dist._compat.hydra import hydra_args_parser
 
-    args = get_args_parser().parse_args(sys.argv[1:])
+    args = hydra_args_parser().parse_args(sys.argv[1:])
     # Checked against conf/ and the directories added to it (a recipe's); help, inspection and a replaced primary
     # config directory go straight to Hydra.
     if not (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.config_path):

@@ -43,10 +43,10 @@ def _one_handler_per_line() -> None:
     # `import lightning` gives the "lightning" logger a console handler of its own; Lightning's subpackages stop
     # their records there only when the root logger had no handler at import. Once Hydra has configured logging
     # first (our CLI imports Lightning inside the job), every line would print twice: Hydra's handlers serve alone.
-    import lightning
+    from lightning_dist._compat.lightning import console_handler
 
     if logging.getLogger().hasHandlers():
-        logging.getLogger("lightning").removeHandler(lightning._console)
+        logging.getLogger("lightning").removeHandler(console_handler())
 
 
 def is_rank_zero() -> bool:

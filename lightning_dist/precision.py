@@ -9,8 +9,8 @@
 
 from __future__ import annotations
 
-from lightning.fabric.connector import _convert_precision_to_unified_args
 
+from lightning_dist._compat.lightning import unified_precision
 from lightning_dist.deepspeed_config.facts import fp16_supported
 from lightning_dist.deepspeed_config.resolve import PRECISIONS
 _NO_FP16 = "choose 32-true, bf16-mixed or bf16-true"
@@ -21,7 +21,7 @@ def check_precision(strategy: object, precision: object, device_type: str) -> st
     from lightning_dist.strategies import DeepSpeedStrategy, FSDPStrategy
 
     try:
-        unified = str(_convert_precision_to_unified_args(precision))
+        unified = str(unified_precision(precision))
     except ValueError:
         unified = str(precision)
     if unified not in PRECISIONS:

@@ -23,11 +23,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import get_object, instantiate
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from lightning_dist.parallel.devices import close_process_group
 from lightning_dist.callbacks import NonFiniteError, Preempted
 from lightning_dist.checkpoints.autoresume import newest_complete_checkpoint
 from lightning_dist.checkpoints.formats import CheckpointError, check_checkpoint_matches, check_complete
@@ -200,8 +200,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     try:
         return _fit_and_test(cfg)
     finally:
-        # Lightning leaves the process group up: gloo's threads aborted the interpreter at exit now and then.
-        _destroy_dist_connection()
+        # Lightning leaves the process group up; the next job of a sweep in this process starts its own.
+        close_process_group()
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)

@@ -4,6 +4,7 @@
     python tests/plain_trainer_script.py OUT_DIR FSDPStrategy-ac      # a class instance: FSDP + activation checkpointing
     python tests/plain_trainer_script.py OUT_DIR ld_fsdp_activation_checkpointing encoder  # torch's TransformerEncoder
     python tests/plain_trainer_script.py OUT_DIR ld_fsdp_activation_checkpointing encoder_decoder  # Lightning's demo
+    python tests/plain_trainer_script.py OUT_DIR ld_fsdp mesh        # configure_model on device_mesh["data_parallel"]
     python tests/plain_trainer_script.py OUT_DIR ds-config:PATH      # DeepSpeedStrategy(config=PATH)
     python tests/plain_trainer_script.py OUT_DIR ds-dict:PATH        # DeepSpeedStrategy(config=dict), betas etc. set
 """
@@ -78,7 +79,20 @@ class MixedListModel(RecordingBoringModel):
         return x
 
 
-MODELS = {"boring": RecordingBoringModel, "encoder": EncoderModel, "encoder_decoder": DemoTransformer, "mixed": MixedListModel}
+class MeshConfiguredModel(RecordingBoringModel):
+    """`configure_model` as Lightning's documentation writes it for its ModelParallelStrategy: FSDP2 over the
+    mesh's `data_parallel` axis, applied by the module itself."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        data_parallel = self.device_mesh["data_parallel"]
+        self.mesh_axes = {name: self.device_mesh[name].size() for name in self.device_mesh.mesh_dim_names}
+        fully_shard(self.layer, mesh=data_parallel)
+
+
+MODELS = {"boring": RecordingBoringModel, "encoder": EncoderModel, "encoder_decoder": DemoTransformer,
+          "mixed": MixedListModel, "mesh": MeshConfiguredModel}
 
 
 def main(out_dir: str, choice: str, model_name: str = "boring") -> None:
@@ -112,6 +126,7 @@ def main(out_dir: str, choice: str, model_name: str = "boring") -> None:
         "checkpointed": Counter(type(m._checkpoint_wrapped_module).__name__ for m in model.modules() if isinstance(m, CheckpointWrapper)),
         "fsdp_units": sum(isinstance(m, FSDPModule) for m in model.modules()),
         "deepspeed_config": getattr(trainer.strategy, "config", None) if choice.startswith("ds-") else None,
+        "mesh_axes": getattr(model, "mesh_axes", None),
     }))
 
 

@@ -15,6 +15,7 @@ from tests.conftest import REPO, STRATEGY_NAMES, run_train
 
 
 @pytest.mark.slow
+@pytest.mark.cold  # a plain process: one that has not imported DeepSpeed
 @pytest.mark.parametrize("name", STRATEGY_NAMES)
 def test_consolidated_checkpoint_loads_strictly_in_a_plain_process(name, curve_runs, tmp_path):
     run = curve_runs(name)

@@ -45,6 +45,16 @@ def test_registered_name_trains_on_two_cpu_ranks(name, deepspeed_ops):
     assert held == pytest.approx(1.0 if sharded else 2.0, abs=0.05)  # shards add up to one model; replicas to two
 
 
+def test_configure_model_on_lightnings_data_parallel_axis_trains_under_ld_fsdp():
+    results = run_script("ld_fsdp", "mesh")
+    reference = run_script("ld_ddp", "boring")
+    for result in results:
+        assert result["mesh_axes"] == {"data_parallel": 2, "tensor_parallel": 1}
+        assert result["fsdp_units"] == 2  # the module's own unit (its layer) and the root, which the strategy adds
+        assert result["losses"] == pytest.approx(reference[result["rank"]]["losses"], rel=1e-5)
+    assert sum(r["parameters_local"] for r in results) == results[0]["parameters_total"]
+
+
 def test_strategy_instance_with_block_class_given_as_a_class():
     results = run_script("FSDPStrategy-ac")
     assert [(r["strategy"], r["global_step"]) for r in results] == [("FSDPStrategy", 4), ("FSDPStrategy", 4)]

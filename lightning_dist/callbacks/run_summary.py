@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from lightning_dist.memory.measure import model_state_bytes
 from lightning_dist.parallel.devices import gather_numbers, gather_objects
+from lightning_dist.parallel.dims import parallel_dims_of
 from lightning_dist.parallel.placement import offload_targets, placement_report
 
 
@@ -92,7 +93,8 @@ class RunSummary(L.Callback):
             intra_op_threads_per_rank=[threads for _, threads in per_rank],
             best_checkpoint=_checkpoint_path(trainer, "best_model_path"),
             last_checkpoint=_checkpoint_path(trainer, "last_model_path"),
-            **self._speed(trainer.world_size),
+            data_parallel_size=parallel_dims_of(trainer.strategy).dp_size,
+            **self._speed(parallel_dims_of(trainer.strategy).dp_size),
             peak_memory_per_rank=gather_objects(peak_memory(trainer.strategy.root_device)),
             curves=self._curves_on_host(),
         )
@@ -109,13 +111,13 @@ class RunSummary(L.Callback):
     def _curves_on_host(self) -> dict[str, dict[int, float]]:
         return {name: {step: float(value) for step, value in points.items()} for name, points in self.curves.items()}
 
-    def _speed(self, world_size: int) -> dict:
+    def _speed(self, data_parallel_size: int) -> dict:
         # The first step compiles, allocates and warms caches; it is not what a long run spends per step.
         times = self.step_times[1:] or self.step_times
         if not times:
             return {}
         step = statistics.median(times)
-        return {"median_step_time_s": step, **throughput(self.batch_shape or (1,), world_size, step)}
+        return {"median_step_time_s": step, **throughput(self.batch_shape or (1,), data_parallel_size, step)}
 
     @override
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -140,11 +142,12 @@ def input_shape(batch: Any) -> tuple[int, ...]:
     return tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else ()
 
 
-def throughput(shape: tuple[int, ...], world_size: int, step_time: float) -> dict[str, float]:
-    """Samples per second over all ranks, and tokens per second when the inputs are (batch, sequence) token ids."""
-    speed = {"samples_per_s": shape[0] * world_size / step_time}
+def throughput(shape: tuple[int, ...], data_parallel_size: int, step_time: float) -> dict[str, float]:
+    """Samples per second over all ranks, and tokens per second when the inputs are (batch, sequence) token ids.
+    Each data-parallel rank has its own batch of `shape`; the ranks of a tensor-parallel group share one."""
+    speed = {"samples_per_s": shape[0] * data_parallel_size / step_time}
     if len(shape) == 2:
-        speed["tokens_per_s"] = shape[0] * shape[1] * world_size / step_time
+        speed["tokens_per_s"] = shape[0] * shape[1] * data_parallel_size / step_time
     return speed
 
 

@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lightning_dist.callbacks.finite_watch import FiniteWatch, NonFiniteError
 from lightning_dist.callbacks.run_summary import input_shape, peak_memory, throughput
+from lightning_dist.parallel.dims import parallel_dims_of
 
 __all__ = ["NonFiniteError", "TrainingMonitor"]
 
@@ -106,7 +107,7 @@ class TrainingMonitor(L.Callback):
             return
         metrics = {"monitor/step_time_s": step_time, "monitor/peak_memory_gb": peak_memory(trainer.strategy.root_device)["bytes"] / 1e9}
         if self._batch_shape:
-            speed = throughput(self._batch_shape, trainer.world_size, step_time)
+            speed = throughput(self._batch_shape, parallel_dims_of(trainer.strategy).dp_size, step_time)
             metrics.update({f"monitor/{name}": value for name, value in speed.items()})
         # Measured on the host, logged from the host: Lightning would copy a plain float to the device (a blocking
         # copy each, every step) and read it back when writing the logs.

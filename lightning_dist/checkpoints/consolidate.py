@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from lightning_dist._compat.deepspeed import merge_zero_partitions
 from lightning_dist.checkpoints.formats import DEEPSPEED, FILE, CheckpointError, checkpoint_format, deepspeed_tag_dir
 from lightning_dist.checkpoints.safe_load import load_file, vet_checkpoint
 
@@ -111,11 +112,7 @@ def _deepspeed_adam_state(ds_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     moments = {}
     for key in ("exp_avg", "exp_avg_sq"):
         flat = [[state[group][key] for group in sorted(state)] for state in states]
-        if stage <= 2:
-            merged = z._get_fp32_state_dict_from_zero2_checkpoint(
-                world_size, flat, model_states, True, shards[0].get("param_alignment_paddings"))
-        else:
-            merged = z._get_fp32_state_dict_from_zero3_checkpoint(world_size, flat, model_states, True)
+        merged = merge_zero_partitions(stage, world_size, flat, model_states, shards[0].get("param_alignment_paddings"))
         moments[key] = z.to_torch_tensor(merged)  # ZeRO-3 merges lazily; materialise
     step = next(iter(states[0].values()))["step"]
     return {
@@ -129,9 +126,9 @@ def _deepspeed_adam_state(ds_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _load_distributed(path: Path) -> dict[str, Any]:
-    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+    from lightning_dist._compat.lightning import load_distributed_checkpoint
 
-    checkpoint = _load_distributed_checkpoint(path)
+    checkpoint = load_distributed_checkpoint(path)
     optimizer_keys = sorted(k for k in checkpoint if k.startswith("optimizer_"))
     # DCP stores optimizer state keyed by parameter name already (one optimizer: the case we can map).
     by_name = checkpoint[optimizer_keys[0]]["state"] if len(optimizer_keys) == 1 else {}

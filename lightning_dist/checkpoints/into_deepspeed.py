@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_dist._compat.deepspeed import point_parameters_at_optimizer_state
 from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.checkpoints.resume import OPTIMIZER_KEYS, optimizer_state_by_name
@@ -124,8 +125,7 @@ def _create_adam_state(optimizer: Any) -> None:
             state["step"] = 0 if counts_in_int else torch.zeros((), dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(partition)
             state["exp_avg_sq"] = torch.zeros_like(partition)
-    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2: point each parameter at its slices
-        optimizer._lazy_init_hp_params_optimizer_state()
+    point_parameters_at_optimizer_state(optimizer)
 
 
 def _step_of(states: dict[str, dict[str, Any]]) -> float:

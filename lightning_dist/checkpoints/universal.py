@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 import torch
 
+from lightning_dist._compat.deepspeed import universal_checkpoint_loading
 from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError, checkpoint_format, deepspeed_tag_dir
 from lightning_dist.checkpoints.safe_load import load_file
 
@@ -72,12 +73,8 @@ def convert_on_rank_zero(strategy: Any, path: str | Path) -> None:
 @contextmanager
 def loading_universal(engine: Any, path: str | Path) -> Iterator[None]:
     """The DeepSpeed engine loads the universal form of `path` (tag `latest_universal`) within; saves stay regular."""
-    config = engine._config  # read by engine.load_checkpoint, and by saves: set only for this load
-    config.load_universal_checkpoint = True
-    try:
+    with universal_checkpoint_loading(engine):
         yield
-    finally:
-        config.load_universal_checkpoint = False
     if engine.zero_optimization_stage() == 3 and engine.optimizer is not None:
         _repair_zero3_load(engine.optimizer.optimizer, Path(path))
 

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_dist.data.sample_position import ResumableDistributedSampler
+from lightning_dist.parallel.dims import parallel_dims_of
 
 
 def load_pydoc_bytes() -> torch.Tensor:
@@ -78,11 +79,12 @@ class PydocTextDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer
-        world_size, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        # One share of the data per data-parallel rank (the ranks of a tensor-parallel group read the same batches).
+        shares = parallel_dims_of(trainer.strategy).sampler_kwargs(trainer.global_rank) if trainer is not None else {}
         if trainer is not None:  # called after Lightning restored its loops: their count is the checkpoint's
             self._counted_from = (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed)
         sampler = ResumableDistributedSampler(
-            self.train_set, num_replicas=world_size, rank=rank, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+            self.train_set, num_replicas=shares.get("num_replicas", 1), rank=shares.get("rank", 0), seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
             skip_epoch=self._resume["epoch"], skip=self._resume["samples_done"],
         )
         return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.hparams.num_workers)
@@ -98,13 +100,13 @@ class PydocTextDataModule(L.LightningDataModule):
             processed -= counted_processed
         else:
             before = 0
-        return {"epoch": epoch, "samples_done": before + processed * self.batch_size * trainer.world_size}
+        return {"epoch": epoch, "samples_done": before + processed * self.batch_size * _data_parallel_size(trainer)}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         if "samples_done" not in state_dict:  # written before positions were samples: batches, at the same world size
-            world_size = self.trainer.world_size if self.trainer is not None else 1
             state_dict = {"epoch": self.trainer.current_epoch if self.trainer is not None else 0,
-                          "samples_done": state_dict.get("train_batches_done_in_epoch", 0) * self.batch_size * world_size}
+                          "samples_done": state_dict.get("train_batches_done_in_epoch", 0) * self.batch_size
+                          * _data_parallel_size(self.trainer)}
         self._resume = {"epoch": state_dict["epoch"], "samples_done": state_dict["samples_done"]}
 
     def val_dataloader(self) -> DataLoader:
@@ -112,3 +114,7 @@ class PydocTextDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader(self.test_set, shuffle=False)
+
+
+def _data_parallel_size(trainer: L.Trainer | None) -> int:
+    return parallel_dims_of(trainer.strategy).dp_size if trainer is not None else 1

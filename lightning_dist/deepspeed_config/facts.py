@@ -75,10 +75,9 @@ def fp16_supported(device_type: str) -> bool:
     """What DeepSpeed's accelerator for the device answers; on CPU it needs hardware fp16 (AVX512-FP16/AMX-FP16)."""
     if device_type == "cuda":
         return True
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())  # the CPU accelerator's own test
-    except (AttributeError, RuntimeError):  # a torch build without oneDNN
-        return False
+    from lightning_dist._compat.torch import cpu_supports_fp16
+
+    return cpu_supports_fp16()  # the CPU accelerator's own test
 
 
 def _micro_batch_size(trainer: Any, train_dataloader: Any, datamodule: Any, in_rank: bool) -> int | None:
@@ -100,12 +99,12 @@ def _micro_batch_size(trainer: Any, train_dataloader: Any, datamodule: Any, in_r
 def module_optimizer_facts(model: Any, trainer: Any, in_rank: bool) -> OptimizerFacts | None:
     """The hyper-parameters of the optimizer that `configure_optimizers` builds (the first group's, which by
     convention is the one with weight decay)."""
-    from lightning.pytorch.core.optimizer import _configure_optimizers
+    from lightning_dist._compat.lightning import module_optimizers
 
     if model is None:
         return UNKNOWN
     try:
-        optimizers = _configure_optimizers(model.configure_optimizers())[0]
+        optimizers = module_optimizers(model)
     except Exception:
         # Some modules need the fitting Trainer (e.g. estimated_stepping_batches); the in-rank pass will know.
         if in_rank:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_dist.deepspeed_config.swap_buffers import DEFAULT_PERSISTENCE_THRESHOLD
+from lightning_dist.parallel.dims import ParallelDims
 
 # DeepSpeed's own defaults when a config leaves them out.
 _DEEPSPEED_REDUCE_BUCKET = 500_000_000
@@ -39,6 +40,17 @@ class Layout:
     parameter_swap_pool: tuple[int, int] | None = None
     parameters_in_host: int = 0
     optimizer_swap_buffers: int = 0
+    replicate_across_nodes: bool = False  # HSDP: sharded within a node, one copy of the shards per node
+
+    def parallel_dims(self, devices: int, num_nodes: int) -> ParallelDims:
+        """How `devices` x `num_nodes` ranks hold this layout's state: replicated, sharded by all, or HSDP's
+        shards within a node."""
+        world = devices * num_nodes
+        if not (self.shard_parameters or self.shard_gradients or self.shard_optimizer):
+            return ParallelDims(dp_replicate=world)
+        if self.replicate_across_nodes:
+            return ParallelDims(dp_replicate=num_nodes, dp_shard=devices)
+        return ParallelDims(dp_shard=world)
 
 
 def layout_of(strategy: Any, name: str | None = None) -> Layout:
@@ -53,7 +65,7 @@ def layout_of(strategy: Any, name: str | None = None) -> Layout:
         return Layout(
             name, "torch", shard_parameters=True, shard_gradients=True, shard_optimizer=True,
             keep_gathered=not strategy.reshard_after_forward, offload_optimizer=offload, offload_parameters=offload,
-            activation_checkpointing=strategy.activation_checkpointing,
+            activation_checkpointing=strategy.activation_checkpointing, replicate_across_nodes=strategy.hybrid,
         )
     if isinstance(strategy, DDPStrategy):
         return Layout(name, "torch")

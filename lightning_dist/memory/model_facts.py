@@ -14,8 +14,8 @@ from unittest import mock
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
+from lightning_dist._compat.torch import tree_map
 from lightning_dist.deepspeed_config.facts import hidden_size_of
 
 

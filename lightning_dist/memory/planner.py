@@ -17,6 +17,7 @@ from lightning_dist.deepspeed_config.resolve import HIDDEN_SIZE_RULES
 from lightning_dist.deepspeed_config.swap_buffers import parameter_swap_pool
 from lightning_dist.memory.layout import Layout
 from lightning_dist.memory.model_facts import ModelFacts
+from lightning_dist.parallel.dims import ParallelDims
 
 GB = 1e9  # decimal gigabytes, as in the ZeRO paper's and vendors' figures
 
@@ -87,14 +88,19 @@ def plan_memory(
     optimizer: str | None = None,
     devices: int = 1,
     num_nodes: int = 1,
+    dims: ParallelDims | None = None,
 ) -> MemoryPlan:
-    """The plan of one layout; `optimizer` defaults to the one the model configures."""
-    world = devices * num_nodes
+    """The plan of one layout on `devices` x `num_nodes` ranks; `optimizer` defaults to the one the model
+    configures. Sharded state is divided over the ranks that shard it (`dims.dp_shard`: every rank, or a node's
+    under HSDP) and, with tensor parallelism, over the ranks that split each layer (`dims.tp`, counted as if
+    every parameter were split)."""
+    dims = dims or layout.parallel_dims(devices, num_nodes)
+    world = dims.world_size
     size, moments = state_bytes(layout.engine, precision, optimizer or facts.optimizer)
-    n = facts.parameters
+    n = math.ceil(facts.parameters / dims.tp)
 
     def shard(count: float, sharded: bool) -> float:
-        return math.ceil(count / world) if sharded else count
+        return math.ceil(count / dims.dp_shard) if sharded else count
 
     parameters = shard(n * size.parameter, layout.shard_parameters)
     gradients = shard(n * size.gradient, layout.shard_gradients)
@@ -114,7 +120,7 @@ def plan_memory(
             plan.device[name] = value
         else:
             (plan.host if offload == "cpu" else plan.nvme)[name] = value * devices
-    plan.host.update(_swap_buffers(facts, layout, size, world, devices))
+    plan.host.update(_swap_buffers(facts, layout, size, dims.dp_shard, devices))
     if layout.persistence_threshold:
         # Once ZeRO-3 has traced a step it keeps its small parameters whole on every rank, beside their partitions.
         persistent = sum(numel for numel in facts.parameter_sizes if numel < layout.persistence_threshold)
@@ -139,7 +145,7 @@ def plan_memory(
         # ZeRO-3 steps on one flat fp32 group at a time: a copy of its gradients, and torch Adam's temporaries
         # (sqrt of the second moment, divided), each the size of the group. (Offloaded, DeepSpeed's CPU Adam needs
         # no temporaries, and the copy is made in host memory.)
-        tile = min(layout.sub_group_size, math.ceil(n / world))
+        tile = min(layout.sub_group_size, math.ceil(n / dims.dp_shard))
         plan.device["optimizer_step"] = tile * (size.master + 2 * size.moment)
     plan.device["buffers"] = facts.buffer_bytes
     activations = facts.checkpointed_activation_bytes if layout.activation_checkpointing else facts.activation_bytes
@@ -149,15 +155,15 @@ def plan_memory(
     return plan
 
 
-def _swap_buffers(facts: ModelFacts, layout: Layout, size: StateBytes, world: int, devices: int) -> dict[str, float]:
+def _swap_buffers(facts: ModelFacts, layout: Layout, size: StateBytes, partitions: int, devices: int) -> dict[str, float]:
     """ZeRO-Infinity's host memory per node: the buffers partitions are swapped through, and the parameter
     partitions a config keeps in host memory besides (`max_in_cpu`)."""
     host: dict[str, float] = {}
-    partition = math.ceil(facts.parameters / world)
+    partition = math.ceil(facts.parameters / partitions)
     if layout.offload_parameters == "nvme":
         pool = layout.parameter_swap_pool
         if pool is None:
-            sized = parameter_swap_pool(facts.parameter_sizes, facts.most_parameters_per_module, world, size.parameter,
+            sized = parameter_swap_pool(facts.parameter_sizes, facts.most_parameters_per_module, partitions, size.parameter,
                                         layout.persistence_threshold)
             pool = (sized.buffer_count, sized.buffer_size) if sized else (0, 0)
         host["parameter_swap_buffers"] = pool[0] * pool[1] * size.parameter * devices

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+
+from lightning_dist._compat.torch import CheckpointWrapper, checkpoint_wrapper
 
 
 def apply_activation_checkpointing(model: nn.Module, block_classes: tuple[type[nn.Module], ...]) -> int:

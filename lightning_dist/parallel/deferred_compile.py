@@ -21,15 +21,11 @@ def import_muon_with_deferred_compilation() -> None:
     """Idempotent: a module imported already (by this, by the user, or by DeepSpeed) is left as it is."""
     if all(name in sys.modules for name in MUON_MODULES):
         return
-    from deepspeed.runtime import compiler
+    from lightning_dist._compat.deepspeed import compile_replaced_by
 
-    eager_compile = compiler.compile
-    compiler.compile = lambda: compile_on_first_call
-    try:
+    with compile_replaced_by(compile_on_first_call):
         for name in MUON_MODULES:
             importlib.import_module(name)
-    finally:
-        compiler.compile = eager_compile
 
 
 def compile_on_first_call(function: Callable | None = None, **options: Any) -> Callable:

@@ -14,7 +14,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+
+from lightning_dist._compat.lightning import set_threads_for_ranks
+from lightning_dist._compat.torch import set_default_process_group_timeout
 
 # Host state under CUDA (FSDP's offloaded shards, DeepSpeed's offloaded partitions) is reduced with gloo, device
 # state with nccl: one process group with a backend per device type, as torchtitan does.
@@ -54,11 +56,12 @@ def close_process_group_at_exit() -> None:
     nccl only). A gloo group left to the interpreter's teardown sometimes aborts the process with "terminate called
     without an active exception" after a successful run: exit code -6 (seen under CI load, for a user's own script
     on ld_deepspeed_stage_3 and ld_fsdp_cpu_offload). Registered once per process."""
-    atexit.unregister(_destroy_process_group)
-    atexit.register(_destroy_process_group)
+    atexit.unregister(close_process_group)
+    atexit.register(close_process_group)
 
 
-def _destroy_process_group() -> None:
+def close_process_group() -> None:
+    """Destroy the default process group, if there is one."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -67,10 +70,7 @@ def use_timeout_for_every_group(timeout: timedelta) -> None:
     """Make `timeout` the default of every process group created from now on in this process, not just the
     world group's: DeepSpeed (ZeRO's data-parallel groups) and others call `new_group` without a timeout, which
     then falls back to torch's 30 minutes (10 for NCCL) and a stuck rank would hang them that long."""
-    from torch.distributed import distributed_c10d
-
-    distributed_c10d.default_pg_timeout = timeout
-    distributed_c10d.default_pg_nccl_timeout = timeout
+    set_default_process_group_timeout(timeout)
 
 
 def bind_device(device: torch.device) -> None:
@@ -86,7 +86,7 @@ def share_the_cores(processes_per_node: int) -> None:
     Lightning's launcher does this for the rank it runs in, but only after it has started the others, which keep
     torch's default of every core: on 2 cores, rank 1 computed on 2 threads beside rank 0's one, and every
     collective waited for the slower rank (FSDP 20% behind a torchrun loop, whose ranks get one thread each)."""
-    _set_num_threads_if_needed(num_processes=processes_per_node)
+    set_threads_for_ranks(processes_per_node)
 
 
 def gather_numbers(values: Sequence[float], device: torch.device, dtype: torch.dtype = torch.float64) -> list[list[float]]:

@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -18,8 +17,8 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
-from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
+from lightning_dist._compat.torch import CheckpointWrapper, local_shard_region, reopen_fsdp_forward
 from lightning_dist.parallel.sharded_init import initialize_parameters
 
 # FSDP1 sharding-strategy names and what they mean for FSDP2: whether to free gathered parameters after forward
@@ -110,9 +109,7 @@ def register_step_method(model: FSDPModule, name: str) -> None:
     @functools.wraps(method)
     def step(*args: Any, **kwargs: Any) -> Any:
         output = method(*args, **kwargs)
-        state = model._get_fsdp_state()
-        for holder in (state, *state._fsdp_param_groups):
-            holder._training_state = TrainingState.FORWARD
+        reopen_fsdp_forward(model)
         return output
 
     setattr(model, name, step)
@@ -123,7 +120,6 @@ def materialize_shards(model: nn.Module, device: torch.device, seed: int) -> int
     """After `fully_shard` on a model built on the meta device: allocate each rank's shards on `device` and
     initialise them (sharded_init.py), one module's full weights at a time. Returns the parameters initialised."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     meta = [p for p in model.parameters() if p.is_meta]
     # Through the root, so that FSDP re-points its padded shard storage at the new tensors; real tensors stay.
@@ -133,7 +129,6 @@ def materialize_shards(model: nn.Module, device: torch.device, seed: int) -> int
         if not isinstance(param, DTensor):  # a parameter outside every FSDP unit
             param.data.copy_(full)
             return
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-        param.to_local().copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+        param.to_local().copy_(full[local_shard_region(param)])
 
     return initialize_parameters(model, keep_local_shard, seed, params=meta)

@@ -6,9 +6,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from lightning_dist._compat.torch import CheckpointWrapper
 
 
 def local_part(param: torch.Tensor) -> torch.Tensor:

@@ -26,13 +26,14 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from lightning_dist._compat.torch import parameter_registration
+
 # What to keep of an initialised full tensor (on the CPU, in the parameter's dtype): a shard, a partition, all.
 Keep = Callable[[nn.Parameter, torch.Tensor], None]
 
 # Module names that wrappers (activation checkpointing) insert between a model and its layers; a layer's seed must
 # not depend on them.
 _WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module")
-
 
 _REGISTER_PARAMETER = nn.Module.register_parameter  # torch's own, whatever a context below has patched in since
 
@@ -47,11 +48,8 @@ def parameters_on_meta() -> Iterator[None]:
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register_parameter(module, name, param)
 
-    nn.Module.register_parameter = register_on_meta
-    try:
+    with parameter_registration(register_on_meta):
         yield
-    finally:
-        nn.Module.register_parameter = register_parameter
 
 
 @contextmanager
@@ -59,12 +57,8 @@ def parameters_in_memory() -> Iterator[None]:
     """Inside `parameters_on_meta`, parameters registered here hold memory again: for weights loaded from disk
     (`from_pretrained`), which a sharding strategy would otherwise initialise afresh. Each rank then holds them
     whole, on the CPU, until the strategy shards them."""
-    patched = nn.Module.register_parameter
-    nn.Module.register_parameter = _REGISTER_PARAMETER
-    try:
+    with parameter_registration(_REGISTER_PARAMETER):
         yield
-    finally:
-        nn.Module.register_parameter = patched
 
 
 def has_meta_parameters(module: nn.Module) -> bool:

@@ -4,9 +4,9 @@ work-around for its NVMe prefetch. Both are process-wide and idempotent, as Deep
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 
-import torch
+from lightning_dist._compat.deepspeed import patch_swap_in, use_zero3_linear
 
 
 def use_memory_efficient_linear() -> None:
@@ -16,30 +16,19 @@ def use_memory_efficient_linear() -> None:
     ZeRO-3 frees each gathered weight after its module's forward by pointing the parameter at an empty tensor, but
     torch's linear saves `weight.t()` for backward, a view that keeps the gathered data alive: every weight of the
     model, gathered, until backward (8 GB per rank for a 2B-parameter model in fp32)."""
-    from deepspeed.runtime.zero.linear import zero3_linear_wrap
-    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as patcher
-
-    if not hasattr(patcher, "linear_bk"):  # where DeepSpeed keeps torch's, to restore it
-        patcher.linear_bk = torch.nn.functional.linear
-    if torch.nn.functional.linear is patcher.linear_bk:
-        torch.nn.functional.linear = zero3_linear_wrap
+    use_zero3_linear()
 
 
 def swap_in_each_parameter_once() -> None:
     """DeepSpeed 0.19.8's NVMe prefetch reads ahead in the step's parameter trace and can queue a parameter twice
     when both its uses (at the end of forward, then at the start of backward) fall inside its look-ahead window;
     the swapper then fails with "param N already assigned swap buffer id". Each parameter is read once."""
-    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import AsyncPartitionedParameterSwapper as swapper
+    def each_once(swap_in: Callable) -> Callable:
+        def swap_in_once(self, params, async_op=True, swap_in_buffers=None):
+            if swap_in_buffers is None:  # buffers given are matched to params by position: leave those calls alone
+                params = list({id(param): param for param in params}.values())
+            return swap_in(self, params, async_op=async_op, swap_in_buffers=swap_in_buffers)
 
-    swap_in = swapper.swap_in
-    if getattr(swap_in, "each_parameter_once", False):
-        return
+        return swap_in_once
 
-    @functools.wraps(swap_in)
-    def swap_in_once(self, params, async_op=True, swap_in_buffers=None):
-        if swap_in_buffers is None:  # buffers given are matched to params by position: leave those calls alone
-            params = list({id(param): param for param in params}.values())
-        return swap_in(self, params, async_op=async_op, swap_in_buffers=swap_in_buffers)
-
-    swap_in_once.each_parameter_once = True
-    swapper.swap_in = swap_in_once
+    patch_swap_in(each_once)

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
@@ -20,6 +19,8 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpee
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_dist._compat.deepspeed import partitioner
+from lightning_dist._compat.lightning import validate_cuda_device_indices
 from lightning_dist.checkpoints.formats import DEEPSPEED, checkpoint_format
 from lightning_dist.checkpoints.into_deepspeed import engine_reads_natively, load_into_engine
 from lightning_dist.checkpoints.resume import group_names, load_for_resume
@@ -41,6 +42,7 @@ from lightning_dist.deepspeed_config.resolve import buckets_sized_by_model
 from lightning_dist.deepspeed_config.swap_buffers import swap_buffers_sized_by_model
 from lightning_dist.optim import require_shardable_optimizer
 from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation
+from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.outermost_forward import run_root_hooks_once_per_forward
 from lightning_dist.parallel.sharded_init import (
@@ -154,6 +156,11 @@ class DeepSpeedStrategy(SwappedSaves, ForgetsUnbuiltModel, _LightningDeepSpeedSt
         # DeepSpeed addresses a rank's device by index, on CPU too; torch ignores a CPU index, so this is harmless.
         return torch.device("cpu", self.local_rank) if device.type == "cpu" else device
 
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """ZeRO partitions over every data-parallel rank (DeepSpeed's hierarchical partitioning is not offered)."""
+        return ParallelDims(dp_shard=self.world_size)
+
     @override
     def setup_environment(self) -> None:
         use_deepspeed_accelerator(self.root_device)
@@ -164,7 +171,7 @@ class DeepSpeedStrategy(SwappedSaves, ForgetsUnbuiltModel, _LightningDeepSpeedSt
     @override
     def setup_distributed(self) -> None:
         if self.root_device.type == "cuda":
-            _validate_device_index_selection(self.parallel_devices)
+            validate_cuda_device_indices(self.parallel_devices)
         reset_seed()
         self.set_world_ranks()
         import deepspeed.comm
@@ -349,12 +356,13 @@ def zero3_partitioner(config: dict[str, Any]) -> Keep:
     offload = ((config.get("zero_optimization") or {}).get("offload_param") or {}).get("device")
     # Not entered: only its conversion is used, not its patching of every module class's constructor.
     zero_init = deepspeed.zero.Init(config_dict_or_path=config, remote_device=offload if offload in OFFLOAD_DEVICES else None)
+    to_zero_parameters = partitioner(zero_init)
 
     def partition(param: torch.nn.Parameter, full: torch.Tensor) -> None:
         # In the config's dtype (bf16, fp16), as a module built under zero.Init would be: DeepSpeed's own cast of the
         # module cannot reach partitions.
         give_memory(param, full.to(zero_init.dtype) if full.is_floating_point() else full)
-        zero_init._convert_to_zero_parameters([param])
+        to_zero_parameters([param])
 
     return partition
 

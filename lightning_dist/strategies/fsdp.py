@@ -10,13 +10,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from typing_extensions import override
 
+from lightning_dist._compat.lightning import move_optimizers_to_device
 from lightning_dist.checkpoints.formats import DISTRIBUTED
 from lightning_dist.checkpoints.resume import load_for_resume, load_weights_from_rank_zero, restore_optimizer_by_name
 from lightning_dist.checkpoints.swap import SwappedSaves
@@ -33,6 +32,7 @@ from lightning_dist.parallel import (
     resolve_block_classes,
     sharding_layout,
 )
+from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel, has_meta_parameters, parameters_on_meta
 from lightning_dist.strategies.launcher import guarded
@@ -105,12 +105,22 @@ class FSDPStrategy(SwappedSaves, ForgetsUnbuiltModel, ModelParallelStrategy):
             )
         return classes
 
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """Every rank shards; HYBRID_SHARD shards within a node and replicates across nodes."""
+        if self.hybrid:
+            return ParallelDims(dp_replicate=self.num_nodes, dp_shard=self.num_processes)
+        return ParallelDims(dp_shard=self.world_size)
+
     @override
     def setup_environment(self) -> None:
         prepare_rank(self.root_device, self.num_processes, self._timeout)
-        # ModelParallelStrategy's mesh is (data, tensor) parallel; ours is data parallel only, 2-D for hybrid.
+        # Lightning's own set-up (the accelerator's device), then the process group and the mesh of our dimensions.
+        # ModelParallelStrategy's set-up would size its data x tensor mesh by its own `data_parallel_size` and
+        # `tensor_parallel_size`; the mesh built here has its axes (and HSDP's two as well).
+        Strategy.setup_environment(self)
         self._setup_distributed()
-        self._device_mesh = self._build_mesh()
+        self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
         self.lightning_module._device_mesh = self._device_mesh
 
     @override
@@ -118,17 +128,10 @@ class FSDPStrategy(SwappedSaves, ForgetsUnbuiltModel, ModelParallelStrategy):
         # Offloaded shards are host tensors: their gradient-norm, clipping and gather collectives need gloo.
         return self._process_group_backend or process_group_backend(self.root_device, host_state=self.cpu_offload)
 
-    def _build_mesh(self) -> DeviceMesh:
-        if self.hybrid:
-            return init_device_mesh(
-                self.root_device.type, (self.num_nodes, self.num_processes), mesh_dim_names=("replicate", "shard")
-            )
-        return init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("shard",))
-
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return self.parallel_dims.sampler_kwargs(self.global_rank)
 
     # `train.py` and `trainer.init_module()` build the model without weights under this strategy.
     initializes_shards = True
@@ -161,7 +164,7 @@ class FSDPStrategy(SwappedSaves, ForgetsUnbuiltModel, ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            move_optimizers_to_device(self.optimizers, self.root_device)
 
     def parallelize(self, model: nn.Module) -> None:
         """Activation checkpointing first, then sharding: FSDP shards the checkpoint wrapper of each block, so the
@@ -171,7 +174,7 @@ class FSDPStrategy(SwappedSaves, ForgetsUnbuiltModel, ModelParallelStrategy):
             apply_activation_checkpointing(model, block_classes)
         apply_fully_shard(
             model,
-            mesh=self.device_mesh,
+            mesh=self.parallel_dims.sharding_mesh(self.device_mesh),
             block_classes=block_classes,
             reshard_after_forward=self.reshard_after_forward,
             offload=offload_policy(self.cpu_offload, self.root_device),

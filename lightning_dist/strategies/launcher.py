@@ -12,10 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_dist._compat.lightning import Launcher, MultiProcessingLauncher, SubprocessScriptLauncher, WorkerOutput
 
 
 # How long the ranks this process started get to leave on their own after it stopped early: they see the same
@@ -42,12 +41,12 @@ def end_processes(processes: list, grace_s: float = CHILD_EXIT_GRACE_S) -> None:
             process.join()
 
 
-def guarded(strategy: Any, launcher: _Launcher | None, preflight: Callable | None = None) -> _Launcher | None:
+def guarded(strategy: Any, launcher: Launcher | None, preflight: Callable | None = None) -> Launcher | None:
     """`launcher` wrapped in a GuardedLauncher; in an interactive session, ranks forked from it instead of the
     script re-run that Lightning's launcher would do (in Jupyter the "script" is the kernel)."""
     if launcher is None:
         return None
-    if isinstance(launcher, _SubprocessScriptLauncher) and in_interactive_session():
+    if isinstance(launcher, SubprocessScriptLauncher) and in_interactive_session():
         launcher = ForkedRanks(strategy)
     return GuardedLauncher(launcher, preflight)
 
@@ -57,7 +56,7 @@ def in_interactive_session() -> bool:
     return hasattr(sys, "ps1") or bool(sys.flags.interactive)
 
 
-class ForkedRanks(_MultiProcessingLauncher):
+class ForkedRanks(MultiProcessingLauncher):
     """Every preset's ranks, forked from a notebook's kernel (Lightning offers only `ddp_notebook` there).
 
     Constraints, as for Lightning's `ddp_notebook`: nothing may have touched CUDA in the kernel before `fit`
@@ -78,12 +77,12 @@ class ForkedRanks(_MultiProcessingLauncher):
         os.environ["OMP_NUM_THREADS"] = "1"  # Lightning's own thread setting then leaves it alone
         super()._wrapping_function(*args, **kwargs)
 
-    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> _WorkerOutput | None:
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> WorkerOutput | None:
         if self._strategy.local_rank != 0:
             return None
         checkpoint = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint, "best_model_path", None) if checkpoint else None
-        return _WorkerOutput(best_model_path, None, trainer.state, results, self.get_extra_results(trainer))
+        return WorkerOutput(best_model_path, None, trainer.state, results, self.get_extra_results(trainer))
 
 
 class PreflightError(ValueError):
@@ -99,7 +98,7 @@ def preflight(trainer: Any, **fit_arguments: Any) -> None:
         launcher.check(trainer, fit_arguments)
 
 
-class GuardedLauncher(_Launcher):
+class GuardedLauncher(Launcher):
     """Wraps Lightning's launcher: `preflight(trainer, fit_arguments)`, if given, runs first when fitting (unless it
     ran already, through `check`), and the ranks it started end with this one when it stops early (`end_processes`).
 
@@ -108,7 +107,7 @@ class GuardedLauncher(_Launcher):
     data run here, once.
     """
 
-    def __init__(self, launcher: _Launcher, preflight: Callable[[Any, dict[str, Any]], None] | None = None) -> None:
+    def __init__(self, launcher: Launcher, preflight: Callable[[Any, dict[str, Any]], None] | None = None) -> None:
         self.launcher = launcher
         self.preflight = preflight
         self.checked = False

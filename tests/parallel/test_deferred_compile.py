@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from lightning_dist.parallel import deferred_compile
@@ -30,6 +31,7 @@ def test_compile_is_deferred_to_the_first_call_and_done_once(monkeypatch):
     assert compiled == [{"dynamic": False}]
 
 
+@pytest.mark.cold  # what a fresh process imports
 def test_muon_module_imports_without_the_compiler_stack():
     probe = (
         "import sys, lightning, deepspeed\n"

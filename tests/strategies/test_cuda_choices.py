@@ -10,6 +10,7 @@ import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.accelerators import CUDAAccelerator
 
+from lightning_dist.parallel import dims as dims_module
 from lightning_dist.strategies import PRESETS
 from lightning_dist.strategies import deepspeed as deepspeed_module
 from lightning_dist.strategies import fsdp as fsdp_module
@@ -65,18 +66,19 @@ def test_picks_nccl_with_gloo_for_host_state_and_the_local_ranks_gpu(name, rank_
 
 @pytest.mark.parametrize("name", PRESET_NAMES)
 def test_every_preset_binds_the_local_ranks_gpu_before_the_process_group_starts(name, each_rank_of_2, restore_deepspeed_accelerator, monkeypatch):
-    """Our own code calls torch.cuda.set_device(local rank): Lightning's device set-up is switched off here, so
-    only ours can make the call, and it must come before the process group (NCCL binds a device when it starts)."""
+    """Our own code calls torch.cuda.set_device(local rank), then Lightning's device set-up runs (recorded here:
+    its CUDA checks need a GPU), and both come before the process group (NCCL binds a device when it starts)."""
     events = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: events.append(("set_device", torch.device(device))))
-    monkeypatch.setattr(fsdp_module, "init_device_mesh", lambda *args, **kwargs: None)
+    monkeypatch.setattr(dims_module, "init_device_mesh", lambda *args, **kwargs: None)
     strategy = cuda_strategy(name)
-    monkeypatch.setattr(strategy.accelerator, "setup_device", lambda device: None)
+    monkeypatch.setattr(strategy.accelerator, "setup_device", lambda device: events.append(("setup_device", device)))
     for method in ("setup_distributed", "_setup_distributed"):
         monkeypatch.setattr(strategy, method, lambda: events.append(("process_group", None)), raising=False)
     strategy._lightning_module = type("Module", (), {})()
     strategy.setup_environment()
-    assert events == [("set_device", torch.device("cuda", each_rank_of_2)), ("process_group", None)]
+    rank_device = torch.device("cuda", each_rank_of_2)
+    assert events == [("set_device", rank_device), ("setup_device", rank_device), ("process_group", None)]
 
 
 def test_a_deepspeed_file_with_cpu_offload_gets_gloo_beside_nccl(rank_1_of_2):
@@ -94,20 +96,25 @@ def test_ddp_wraps_with_the_local_device_id(rank_1_of_2):
 @pytest.mark.parametrize("name", [n for n in STRATEGY_NAMES if n.startswith("fsdp")])
 def test_fsdp_builds_a_cuda_mesh_and_pins_offloaded_memory(name, rank_1_of_2, monkeypatch):
     calls = []
-    monkeypatch.setattr(fsdp_module, "init_device_mesh", lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.setattr(dims_module, "init_device_mesh", lambda *args, **kwargs: calls.append((args, kwargs)))
     strategy = cuda_strategy(name)
-    strategy._build_mesh()
-    assert calls == [(("cuda", (2,)), {"mesh_dim_names": ("shard",)})]
+    strategy.parallel_dims.build_mesh(strategy.root_device.type)
+    # Lightning's axes, as its ModelParallelStrategy names them: a configure_model written for it works here.
+    assert calls == [(("cuda", (2, 1)), {"mesh_dim_names": ("data_parallel", "tensor_parallel")})]
     assert fsdp_module.offload_policy(strategy.cpu_offload, strategy.root_device).__dict__.get("pin_memory", False) is strategy.cpu_offload
 
 
 def test_hybrid_shard_mesh_replicates_across_nodes(rank_1_of_2, monkeypatch):
     calls = []
-    monkeypatch.setattr(fsdp_module, "init_device_mesh", lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.setattr(dims_module, "init_device_mesh", lambda *args, **kwargs: calls.append((args, kwargs)) or "mesh")
+    monkeypatch.setattr(dims_module, "flatten_mesh_dims", lambda *args: calls.append(args))
     strategy = fsdp_module.FSDPStrategy(sharding_strategy="HYBRID_SHARD")
     strategy.parallel_devices, strategy.cluster_environment, strategy.num_nodes = CUDA_DEVICES, LightningEnvironment(), 3
-    strategy._build_mesh()
-    assert calls == [(("cuda", (3, 2)), {"mesh_dim_names": ("replicate", "shard")})]
+    strategy.parallel_dims.build_mesh(strategy.root_device.type)
+    assert calls == [
+        (("cuda", (3, 2, 1)), {"mesh_dim_names": ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel")}),
+        ("mesh", ("data_parallel_replicate", "data_parallel_shard"), "data_parallel"),
+    ]
 
 
 @pytest.fixture

@@ -1,0 +1,100 @@
+"""DeepSpeed internals and the patches we apply to it. Checked on deepspeed 0.19.8 (pinned in pyproject.toml:
+the patches replace functions with the exact signatures of that release)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from lightning_dist._compat import Fenced
+
+FENCED = [
+    Fenced("deepspeed.utils.zero_to_fp32", "_get_fp32_state_dict_from_zero2_checkpoint",
+           ("world_size", "fp32_flat_groups", "zero_model_states", "exclude_frozen_parameters")),
+    Fenced("deepspeed.utils.zero_to_fp32", "_get_fp32_state_dict_from_zero3_checkpoint",
+           ("world_size", "fp32_flat_groups", "zero_model_states", "exclude_frozen_parameters")),
+    Fenced("deepspeed.runtime.zero.partition_parameters", "Init._convert_to_zero_parameters", ("self", "param_list")),
+    Fenced("deepspeed.runtime.zero.partition_parameters", "InsertPostInitMethodToModuleSubClasses"),
+    Fenced("deepspeed.runtime.zero.linear", "zero3_linear_wrap"),
+    Fenced("deepspeed.runtime.swap_tensor.partitioned_param_swapper", "AsyncPartitionedParameterSwapper.swap_in",
+           ("self", "params", "async_op", "swap_in_buffers")),
+    Fenced("deepspeed.runtime.compiler", "compile"),
+    Fenced("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state", ("self",)),
+    Fenced("deepspeed.runtime.engine", "DeepSpeedEngine.load_checkpoint", ("self", "load_dir")),
+]
+
+
+def merge_zero_partitions(stage: int, world_size: int, flat_groups: list, model_states: list, padding: Any = None) -> dict:
+    """Per-parameter tensors from ZeRO's flat per-rank partitions, by DeepSpeed's own merge (the one its
+    `zero_to_fp32` script uses for the fp32 master weights); any flat state of the same layout merges alike."""
+    from deepspeed.utils import zero_to_fp32
+
+    if stage <= 2:
+        return zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(world_size, flat_groups, model_states, True, padding)
+    return zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(world_size, flat_groups, model_states, True)
+
+
+def partitioner(init: Any) -> Callable[[list[torch.nn.Parameter]], None]:
+    """What `deepspeed.zero.Init` does to each parameter at the end of a module's constructor (partition it, keep
+    this rank's part), without entering the context, which would patch every module class's constructor."""
+    return init._convert_to_zero_parameters
+
+
+def use_zero3_linear() -> None:
+    """What entering `deepspeed.zero.Init` does, and leaves in place: `torch.nn.functional.linear` replaced by
+    ZeRO-3's own (see `parallel.zero3_runtime`). Kept where DeepSpeed keeps torch's, so its exit restores it."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as patcher
+
+    if not hasattr(patcher, "linear_bk"):
+        patcher.linear_bk = torch.nn.functional.linear
+    if torch.nn.functional.linear is patcher.linear_bk:
+        torch.nn.functional.linear = zero3_linear_wrap
+
+
+def patch_swap_in(wrap: Callable[[Callable], Callable]) -> None:
+    """Replace NVMe's `AsyncPartitionedParameterSwapper.swap_in` by `wrap(swap_in)`, once per process."""
+    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import AsyncPartitionedParameterSwapper as swapper
+
+    if getattr(swapper.swap_in, "patched_by_lightning_dist", False):
+        return
+    patched = functools.wraps(swapper.swap_in)(wrap(swapper.swap_in))
+    patched.patched_by_lightning_dist = True
+    swapper.swap_in = patched
+
+
+@contextmanager
+def compile_replaced_by(replacement: Callable) -> Iterator[None]:
+    """Within: DeepSpeed's `compiler.compile()` (the decorator factory its modules call at import) returns
+    `replacement` instead of `torch.compile`."""
+    from deepspeed.runtime import compiler
+
+    eager = compiler.compile
+    compiler.compile = lambda: replacement
+    try:
+        yield
+    finally:
+        compiler.compile = eager
+
+
+def point_parameters_at_optimizer_state(optimizer: Any) -> None:
+    """ZeRO-1/2: after its state was written by hand, let each parameter find its slices of it again (what
+    DeepSpeed does lazily on its first step)."""
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._lazy_init_hp_params_optimizer_state()
+
+
+@contextmanager
+def universal_checkpoint_loading(engine: Any) -> Iterator[None]:
+    """Within: `engine.load_checkpoint` reads the universal form. The flag lives only in the engine's parsed
+    config (there is no argument for it); saves read it too, so it is set for the load only."""
+    config = engine._config
+    config.load_universal_checkpoint = True
+    try:
+        yield
+    finally:
+        config.load_universal_checkpoint = False

@@ -1,0 +1,86 @@
+"""Lightning internals. Checked on lightning 2.6.6.
+
+Lightning's launchers are private classes: subclassing them is the only way to change how ranks start (checks
+before launch, ranks forked from a notebook's kernel). The functions below are the helpers its own strategies use
+for the same jobs; ours reuse them instead of copying their logic.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from lightning.fabric.connector import _convert_precision_to_unified_args
+from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.fabric.utilities.load import _load_distributed_checkpoint
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies.launchers.launcher import _Launcher as Launcher
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher as MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher as SubprocessScriptLauncher
+
+from lightning_dist._compat import Fenced
+
+__all__ = [
+    "Launcher", "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput", "console_handler",
+    "load_distributed_checkpoint", "move_optimizers_to_device", "module_optimizers", "set_threads_for_ranks",
+    "unified_precision", "validate_cuda_device_indices",
+]
+
+FENCED = [
+    Fenced("lightning.pytorch.strategies.launchers.launcher", "_Launcher.launch", ("self", "function")),
+    Fenced("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher._wrapping_function"),
+    Fenced("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher._collect_rank_zero_results",
+           ("self", "trainer", "results")),
+    Fenced("lightning.pytorch.strategies.launchers.multiprocessing", "_WorkerOutput"),
+    Fenced("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
+    Fenced("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed", ("num_processes",)),
+    Fenced("lightning.fabric.utilities.optimizer", "_optimizers_to_device", ("optimizers", "device")),
+    Fenced("lightning.fabric.strategies.deepspeed", "_validate_device_index_selection", ("parallel_devices",)),
+    Fenced("lightning.fabric.connector", "_convert_precision_to_unified_args", ("precision",)),
+    Fenced("lightning.fabric.utilities.load", "_load_distributed_checkpoint", ("checkpoint_folder",)),
+    Fenced("lightning.pytorch.core.optimizer", "_configure_optimizers", ("optim_conf",)),
+    Fenced("lightning", "_console"),
+]
+
+
+def set_threads_for_ranks(num_processes: int) -> None:
+    """Each of `num_processes` ranks on a node its share of the cores as intra-op threads, unless
+    OMP_NUM_THREADS says otherwise: what Lightning's launcher does for its own rank only."""
+    _set_num_threads_if_needed(num_processes=num_processes)
+
+
+def move_optimizers_to_device(optimizers: list[torch.optim.Optimizer], device: torch.device) -> None:
+    _optimizers_to_device(optimizers, device)
+
+
+def validate_cuda_device_indices(devices: list[torch.device]) -> None:
+    """DeepSpeed addresses a rank's GPU by its local rank: the devices must be 0..n-1 in order."""
+    _validate_device_index_selection(devices)
+
+
+def unified_precision(precision: Any) -> str:
+    """`precision` as Lightning's Trainer normalises it ("16" -> "16-mixed", 32 -> "32-true", ...)."""
+    return _convert_precision_to_unified_args(precision)
+
+
+def load_distributed_checkpoint(path: Any) -> dict[str, Any]:
+    """A torch.distributed.checkpoint directory read whole into this process's memory, without a process group.
+    torch's public `dcp_to_torch_save` writes a second copy to disk to do the same."""
+    return _load_distributed_checkpoint(path)
+
+
+def module_optimizers(module: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers `module.configure_optimizers()` returns, read in whichever of Lightning's forms it uses."""
+    from lightning.pytorch.core.optimizer import _configure_optimizers
+
+    return _configure_optimizers(module.configure_optimizers())[0]
+
+
+def console_handler() -> logging.Handler:
+    """The console handler `import lightning` gives the "lightning" logger."""
+    import lightning
+
+    return lightning._console

@@ -1,0 +1,100 @@
+"""torch internals. Checked on torch 2.13.0."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_dist._compat import Fenced
+
+__all__ = [
+    "CheckpointWrapper", "checkpoint_wrapper", "cpu_supports_fp16", "flatten_mesh_dims", "local_shard_region",
+    "parameter_registration", "reopen_fsdp_forward", "set_default_process_group_timeout", "tree_map",
+]
+
+FENCED = [
+    Fenced("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointWrapper"),
+    Fenced("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper", ("module",)),
+    Fenced("torch.distributed.device_mesh", "DeviceMesh._flatten", ("self", "mesh_dim_name")),
+    Fenced("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", ("global_shape", "mesh", "placements")),
+    Fenced("torch.distributed.fsdp._fully_shard._fsdp_common", "TrainingState.FORWARD"),
+    Fenced("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup"),  # `_training_state`, as the state
+    Fenced("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule._get_fsdp_state", ("self",)),
+    Fenced("torch.distributed.distributed_c10d", "default_pg_timeout"),
+    Fenced("torch.distributed.distributed_c10d", "default_pg_nccl_timeout"),
+    Fenced("torch.utils._pytree", "tree_map", ("func", "tree")),
+]
+
+
+def flatten_mesh_dims(mesh: DeviceMesh, dims: Sequence[str], name: str) -> DeviceMesh:
+    """Make `mesh[name]` the 1-D mesh of `dims` flattened (HSDP's replicate x shard as one data-parallel axis).
+
+    No public API: `DeviceMesh._flatten` is what torchtitan uses for the same purpose (its `dp` and `dp_cp`
+    axes). It registers the flattened axis on the root mesh, so it can be looked up by name afterwards.
+    """
+    return mesh[tuple(dims)]._flatten(name)
+
+
+def local_shard_region(param: Any) -> tuple[slice, ...]:
+    """Where a DTensor parameter's local shard lies in the full tensor, as slices (uneven shards included).
+    `distribute_tensor` would compute the same, but only by scattering a full tensor from a source rank."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape))
+
+
+def reopen_fsdp_forward(model: nn.Module) -> None:
+    """Mark an FSDP2 root (and its parameter groups) as still in forward. FSDP2 has no public way to say that a
+    method which calls `forward` is itself the forward pass (see `parallel.fsdp.register_step_method`)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    state = model._get_fsdp_state()
+    for holder in (state, *state._fsdp_param_groups):
+        holder._training_state = TrainingState.FORWARD
+
+
+@contextmanager
+def parameter_registration(register: Callable[[nn.Module, str, Any], None]) -> Iterator[None]:
+    """Within: `nn.Module.register_parameter`, through which every parameter a module is given passes, is
+    `register`. How a model is built with its parameters on the meta device and its buffers real: torch's
+    `torch.device("meta")` context puts every tensor there, buffers included."""
+    replaced = nn.Module.register_parameter
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = replaced
+
+
+def set_default_process_group_timeout(timeout: timedelta) -> None:
+    """Make `timeout` the default of every process group created from now on in this process. torch reads these
+    module globals when `new_group` is called without a timeout (DeepSpeed does that); there is no setter."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
+
+
+def cpu_supports_fp16() -> bool:
+    """Whether oneDNN computes fp16 on this CPU (AVX512-FP16/AMX-FP16): the test DeepSpeed's CPU accelerator
+    itself uses. False on a torch build without oneDNN."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def tree_map(function: Callable[[Any], Any], tree: Any) -> Any:
+    """`function` applied to every leaf of nested lists, tuples and dicts (torch's pytree, which also knows
+    namedtuples and the containers torch registers)."""
+    from torch.utils._pytree import tree_map as _tree_map
+
+    return _tree_map(function, tree)

@@ -1,0 +1,122 @@
+"""Library internals stay behind one fence (lightning_dist/_compat/): read from the source with `ast`, no module
+outside it imports or reads an underscored name of torch, Lightning, DeepSpeed or Hydra, or assigns to an attribute
+of theirs (a monkeypatch). The fenced symbols themselves are checked to exist, with the signatures our patches were
+written for: the canary that fails first when a library is upgraded."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_dist._compat import fenced, versions
+from tests.conftest import REPO
+
+PACKAGE = REPO / "lightning_dist"
+FENCE = PACKAGE / "_compat"
+LIBRARIES = ("torch", "lightning", "deepspeed", "hydra")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _root(node: ast.expr) -> ast.expr:
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node
+
+
+def crossings(source: str) -> list[str]:
+    """Each place in `source` that reaches into a library's internals, as `line: code`."""
+    tree = ast.parse(source)
+    library_names: set[str] = set()  # names bound, in this module, to a library's modules or objects
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] in LIBRARIES:
+            library_names |= {alias.asname or alias.name for alias in node.names}
+            if any(_private(part) for part in node.module.split(".")) or any(_private(a.name) for a in node.names):
+                found.append(node)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in LIBRARIES:
+                    library_names.add(alias.asname or alias.name.split(".")[0])
+                    if any(_private(part) for part in alias.name.split(".")):
+                        found.append(node)
+
+    def reaches_library(node: ast.expr) -> bool:
+        root = _root(node)
+        return isinstance(root, ast.Name) and root.id in library_names
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and reaches_library(node):
+            found.append(node)
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        found += [target for target in targets if isinstance(target, ast.Attribute) and reaches_library(target)]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            if node.args and reaches_library(node.args[0]):
+                found.append(node)
+    return sorted({f"{node.lineno}: {ast.get_source_segment(source, node)}" for node in found})
+
+
+def test_no_module_outside_the_fence_reaches_into_a_library():
+    outside = {
+        str(path.relative_to(REPO)): found
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if FENCE not in path.parents and (found := crossings(path.read_text()))
+    }
+    assert outside == {}
+
+
+def test_the_check_sees_each_kind_of_crossing():
+    source = (
+        "import torch\n"
+        "import deepspeed.utils.zero_to_fp32 as z\n"
+        "from lightning.fabric.utilities.distributed import _set_num_threads_if_needed\n"
+        "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper\n"
+        "from torch.distributed import distributed_c10d\n"
+        "supported = torch.ops.mkldnn._is_mkldnn_fp16_supported()\n"
+        "merged = z._get_fp32_state_dict_from_zero3_checkpoint\n"
+        "distributed_c10d.default_pg_timeout = 5\n"
+        "setattr(torch.nn.functional, 'linear', print)\n"
+        "self._launcher = None\n"  # our own object's attribute: not a library's
+    )
+    assert [line.split(":")[0] for line in crossings(source)] == ["3", "4", "6", "7", "8", "9"]
+
+
+@pytest.mark.parametrize("symbol", fenced(), ids=lambda symbol: symbol.name)
+def test_every_fenced_symbol_still_exists_as_checked(symbol):
+    found = symbol.resolve()
+    if symbol.parameters is not None:
+        assert list(inspect.signature(found).parameters)[: len(symbol.parameters)] == list(symbol.parameters)
+
+
+def test_installed_versions_are_the_supported_ones():
+    assert versions.unsupported() == []
+
+
+FAKE_VERSION = (
+    "import importlib.metadata as metadata\n"
+    "real = metadata.version\n"
+    "metadata.version = lambda name: '0.18.1' if name == 'deepspeed' else real(name)\n"
+    "import lightning_dist\n"
+)
+
+
+def test_an_unsupported_version_is_named_in_one_line_at_import():
+    done = subprocess.run([sys.executable, "-c", FAKE_VERSION], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "lightning-dist" in line]
+    supported = versions.requirements()["deepspeed"]
+    assert lines == [f"lightning-dist: deepspeed 0.18.1 is installed; the supported versions are {supported}"
+                     " (what its internals were checked on, lightning_dist/_compat)"]
+
+
+def test_the_supported_versions_are_pinned_where_patches_depend_on_them():
+    requirements = versions.requirements()
+    assert requirements["deepspeed"] == "==0.19.8" and requirements["lightning"] == "==2.6.6"
+    assert requirements["torch"] == "<2.14,>=2.13"

@@ -1,0 +1,228 @@
+"""A warm Python for the suite: every `python ...` the tests start (and every rank those start) is forked from one
+process that has already imported torch, Lightning, Hydra and DeepSpeed, instead of importing them again.
+
+About 200 training runs start two interpreters each; the imports alone take about 5 s of each (measured on our
+2-core machines), a third of the suite. Nothing of ours is imported before the fork: every run still imports
+lightning_dist, its configs and the user's modules exactly as a fresh interpreter would.
+
+How: the suite's `sys.executable` becomes a small launcher script (`LAUNCHER`, standard library only, no `site`).
+It sends its arguments, working directory, environment and standard streams to the warm process, which forks a
+child that runs the script (`python FILE`, `-m MODULE`, `-c CODE`) as `__main__`. The launcher forwards the signals
+it gets to that child and exits as it did (the same code, or killed by the same signal); if the launcher is killed
+(SIGKILL), the child kills itself. Anything the warm process cannot reproduce exactly (interpreter options other
+than -u, an environment that changes what the preloaded libraries read at import) runs in the real interpreter.
+
+    python -m tests.warm_python SOCKET_PATH LAUNCHER   # the warm process; the suite starts it (tests/conftest.py)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+
+REAL_PYTHON = sys.executable  # in the pytest process, read before the suite replaces sys.executable
+PRELOADED = ("torch", "torch.distributed", "lightning", "lightning.pytorch", "hydra", "omegaconf", "deepspeed")
+# Read by the preloaded libraries (or the interpreter) when they start, so a run that sets them differently starts
+# cold. Everything else in the environment is read at run time and is simply replaced in the child.
+READ_AT_START = ("PYTHONWARNINGS", "PYTHONOPTIMIZE", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONHOME", "TORCH_LOGS",
+                 "PYTORCH_JIT", "LD_PRELOAD", "LD_LIBRARY_PATH", "DS_ACCELERATOR")
+HEADER = struct.Struct("!I")
+
+LAUNCHER = r'''#!{real_python} -IS
+import json, os, signal, socket, struct, sys
+SOCKET, REAL = {socket_path!r}, {real_python!r}
+args = sys.argv[1:]
+
+def cold():
+    os.execv(REAL, [REAL, *args])
+
+unbuffered = args[:1] == ["-u"]
+words = args[1:] if unbuffered else args
+if not words or (words[0].startswith("-") and (words[0] not in ("-m", "-c") or len(words) < 2)):
+    cold()
+mode, target, rest = ("script", words[0], words[1:]) if not words[0].startswith("-") else (words[0][1], words[1], words[2:])
+env = dict(os.environ)
+if unbuffered:
+    env["PYTHONUNBUFFERED"] = "1"
+request = json.dumps({{"mode": mode, "target": target, "argv": rest, "cwd": os.getcwd(), "env": env}}).encode()
+try:
+    conn = socket.socket(socket.AF_UNIX)
+    conn.connect(SOCKET)
+    socket.send_fds(conn, [struct.pack("!I", len(request))], [0, 1, 2])
+    conn.sendall(request)
+    stream = conn.makefile("rb")
+    reply = json.loads(stream.readline())
+except OSError:
+    cold()
+if "cold" in reply:
+    cold()
+child = reply["pid"]
+for forwarded in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT):
+    signal.signal(forwarded, lambda number, frame: os.kill(child, number))
+status = json.loads(stream.readline())["status"]
+if os.WIFSIGNALED(status):
+    signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+    os.kill(os.getpid(), os.WTERMSIG(status))
+os._exit(os.waitstatus_to_exitcode(status))
+'''
+
+
+def write_launcher(path: Path, socket_path: str, real_python: str = REAL_PYTHON) -> Path:
+    path.write_text(LAUNCHER.format(real_python=real_python, socket_path=socket_path))
+    path.chmod(0o755)
+    return path
+
+
+def wait_until_serving(server, socket_path: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(socket_path):
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the warm Python did not start (exit code {server.poll()}); see its log beside {socket_path}")
+        time.sleep(0.05)
+
+
+def serve(socket_path: str, launcher: str) -> None:
+    """The warm process: preload, then fork a child per request until the process that started it is gone. In the
+    children `sys.executable` is `launcher`, so that the ranks a run starts are forked from here too."""
+    import importlib
+
+    for name in PRELOADED:
+        importlib.import_module(name)
+    from deepspeed.accelerator import get_accelerator
+
+    # DeepSpeed picked its accelerator once, at import: a run that names that one (or none) is reproducible.
+    start_environment = {**os.environ, "DS_ACCELERATOR": get_accelerator().device_name()}
+    sys.executable = launcher
+    owner = os.getppid()
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(socket_path + ".tmp")
+    os.rename(socket_path + ".tmp", socket_path)  # the socket appears only once it is ready
+    listener.listen(64)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    children: dict[int, socket.socket] = {}
+    while os.getppid() == owner:
+        for _ in selector.select(timeout=0.1):
+            conn, _ = listener.accept()
+            request, fds = _receive(conn)
+            if not _reproducible(request["env"], start_environment):
+                conn.sendall(b'{"cold": true}\n')
+                conn.close()
+                for fd in fds:
+                    os.close(fd)
+                continue
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                for other in (listener, *children.values()):
+                    other.close()
+                selector.close()
+                _run_child(conn, request, fds)  # does not return
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            children[pid] = conn
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = children.pop(pid)
+            try:
+                conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+            except OSError:
+                pass  # the launcher was killed: nobody is waiting
+            conn.close()
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    header, fds, _, _ = socket.recv_fds(conn, HEADER.size, 3)
+    (length,) = HEADER.unpack(header)
+    body = b""
+    while len(body) < length:
+        body += conn.recv(length - len(body))
+    return json.loads(body), fds
+
+
+def _reproducible(env: dict[str, str], start_environment: dict[str, str]) -> bool:
+    env = {"DS_ACCELERATOR": start_environment["DS_ACCELERATOR"], **env}
+    return all(env.get(name) == start_environment.get(name) for name in READ_AT_START)
+
+
+def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> None:
+    """Become the process the launcher asked for, run it as `__main__`, and exit as that interpreter would."""
+    import runpy
+    import threading
+    import traceback
+
+    import torch
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT, signal.SIGCHLD):
+        signal.signal(number, signal.SIG_DFL)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    # The interpreter's own stream objects stay (libraries imported in the warm process hold them, Lightning's log
+    # handler among them); they now write to the launcher's streams, buffered as a fresh interpreter's would be.
+    env = request["env"]
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    sys.stdout.reconfigure(line_buffering=os.isatty(1), write_through=unbuffered)
+    sys.stderr.reconfigure(line_buffering=True, write_through=unbuffered)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(env)
+    if env.get("OMP_NUM_THREADS", "").isdigit():  # read by OpenMP when torch loaded, in the warm process
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    # If the launcher dies (even by SIGKILL, which it cannot forward), so does this process.
+    threading.Thread(target=_die_with, args=(conn,), daemon=True).start()
+
+    mode, target, argv = request["mode"], request["target"], request["argv"]
+    entries = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    first = str(Path(target).resolve().parent) if mode == "script" else ("" if mode == "c" else os.getcwd())
+    sys.path[:] = [first, *entries, *[entry for entry in sys.path[1:] if entry not in entries]]
+    sys.argv = [target if mode == "script" else ("-c" if mode == "c" else target), *argv]
+    code: object = 0
+    try:
+        if mode == "script":
+            runpy.run_path(target, run_name="__main__")
+        elif mode == "m":
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            exec(compile(target, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    except SystemExit as exit_:
+        code = exit_.code
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        _exit_by(signal.SIGINT)
+    except BaseException:  # noqa: BLE001 (printed and turned into exit code 1, as the interpreter does)
+        traceback.print_exc()
+        code = 1
+    raise SystemExit(code)  # leaves through the interpreter's normal shutdown: atexit handlers, flushed streams
+
+
+def _die_with(conn: socket.socket) -> None:
+    try:
+        while conn.recv(1):
+            pass
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _exit_by(number: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(number, signal.SIG_DFL)
+    os.kill(os.getpid(), number)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], sys.argv[2])
