@@ -16,7 +16,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# Inside the package, so that an installed lightning-dist has them (the repository's `conf/` links here).
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 class ConfigError(ValueError):

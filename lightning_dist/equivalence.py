@@ -1,8 +1,9 @@
 """Run one configuration under several strategies and compare the per-step training losses.
 
 DDP, FSDP and ZeRO are the same mathematics distributed differently: in float32 with the same seed, data order
-and global batch, their loss curves must agree to rounding. This runs `train.py` once per strategy and reports how
-far each curve is from the reference one, step by step.
+and global batch, their loss curves must agree to rounding. This runs the training entry point (`python -m
+lightning_dist.cli`, what `train.py` calls) once per strategy and reports how far each curve is from the
+reference one, step by step.
 
     python -m lightning_dist.equivalence --strategies ddp,fsdp,deepspeed_stage_3 -- trainer.max_steps=30
 """
@@ -17,7 +18,8 @@ from pathlib import Path
 
 from lightning_dist.summary_file import curve, read_summary
 
-TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "train.py"
+# The entry point `lightning-dist-train` and `python train.py` run, as a module: found wherever the package is installed.
+TRAIN_COMMAND = ("-m", "lightning_dist.cli")
 # Per-step losses, and nothing that does not change the training trajectory.
 COMPARISON_OVERRIDES = ("trainer.log_every_n_steps=1", "test=false")
 
@@ -41,8 +43,8 @@ def read_train_losses(run_dir: Path) -> dict[int, float]:
     return curve(read_summary(run_dir), "train_loss")
 
 
-def run_strategy(strategy: str, overrides: list[str], run_dir: Path, script: Path = TRAIN_SCRIPT) -> StrategyCurve:
-    command = [sys.executable, str(script), f"strategy={strategy}", f"hydra.run.dir={run_dir}",
+def run_strategy(strategy: str, overrides: list[str], run_dir: Path) -> StrategyCurve:
+    command = [sys.executable, *TRAIN_COMMAND, f"strategy={strategy}", f"hydra.run.dir={run_dir}",
                *COMPARISON_OVERRIDES, *overrides]
     process = subprocess.run(command, capture_output=True, text=True)
     if process.returncode:
