@@ -84,12 +84,12 @@ def _engine(args, module: GPTLanguageModel):
     if args.strategy == "deepspeed":
         import deepspeed
 
-        from lightning_dist.strategies.deepspeed import _as_deepspeed_cpu_adam
+        from lightning_dist.optim.offload import as_deepspeed_cpu_adam
 
         config = json.loads(args.deepspeed_config.read_text())
         optimizer = module.configure_optimizers()
         if (config["zero_optimization"].get("offload_optimizer") or {}).get("device") in ("cpu", "nvme"):
-            optimizer = _as_deepspeed_cpu_adam(optimizer)  # the swap our strategy makes, the same function
+            optimizer = as_deepspeed_cpu_adam(optimizer)  # the swap our strategy makes, the same function
         engine, _, _, _ = deepspeed.initialize(model=module.model, optimizer=optimizer, config=config)
 
         def step(inputs, targets):

@@ -3,7 +3,7 @@
 
     python -m scripts.fault_loop --strategy fsdp --kills 20 --workdir /tmp/faults
 
-The test suite runs a scaled-down loop (tests/test_fault_loop.py); this is the long one.
+The test suite runs a scaled-down loop (tests/checkpoints/test_fault_loop.py); this is the long one.
 """
 
 from __future__ import annotations

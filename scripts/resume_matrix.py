@@ -5,7 +5,7 @@
 Each source preset trains 17 steps with a checkpoint at step 15; each target preset resumes from it for two
 steps. A cell shows the largest relative difference of those two losses from the source's (float32: ~1e-7 when
 the weights, Adam's state and the data position all arrived), or the exit code of a run that failed. The test
-suite runs one row per target (tests/test_cross_strategy_resume.py).
+suite runs one row per target (tests/checkpoints/test_cross_strategy_resume.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ CONF_DIR = REPO / "conf"
 # Not presets: `deepspeed` (the base the presets extend, and the way in for a config file) and `auto_fit` (which
 # chooses a preset once the model is known).
 PRESET_NAMES = sorted(p.stem for p in (CONF_DIR / "strategy").glob("*.yaml") if p.stem not in ("deepspeed", "auto_fit"))
-# The NVMe preset needs a directory on a drive; it has its own tests (tests/test_nvme_offload.py).
+# The NVMe preset needs a directory on a drive; it has its own tests (tests/strategies/test_nvme_offload.py).
 STRATEGY_NAMES = [name for name in PRESET_NAMES if not name.endswith("_nvme")]
 # Real DeepSpeed configs copied unchanged from public projects (their sources: tests/deepspeed_config/configs/README.md).
 DS_CONFIGS = REPO / "tests" / "deepspeed_config" / "configs"

@@ -24,9 +24,9 @@ SET_UP = ("pip install ", "dpkg -s libaio-dev")
 # what that test's file must hold for it.
 RUN_ELSEWHERE = {
     "python -m pytest": (".ci/run", "test-command"),
-    "python train.py -m strategy=ddp,fsdp trainer.max_steps=50": ("tests/test_multirun.py", "python train.py -m strategy="),
-    "python -m lightning_dist.sweep_report logs/train/multiruns/<date>": ("tests/test_multirun.py", "python -m lightning_dist.sweep_report"),
-    "python train.py -m hparams_search=optuna": ("tests/test_hparams_search.py", "python train.py -m hparams_search=optuna"),
+    "python train.py -m strategy=ddp,fsdp trainer.max_steps=50": ("tests/launch/test_multirun.py", "python train.py -m strategy="),
+    "python -m lightning_dist.sweep_report logs/train/multiruns/<date>": ("tests/launch/test_multirun.py", "python -m lightning_dist.sweep_report"),
+    "python train.py -m hparams_search=optuna": ("tests/launch/test_hparams_search.py", "python train.py -m hparams_search=optuna"),
     # recipes/
     "python train.py strategy=deepspeed strategy.config=tests/deepspeed_config/configs/transformers_ds_config_zero2.json": (
         "tests/recipes/test_bring_your_ds_config.py", "strategy.config={HF_ZERO2}"),

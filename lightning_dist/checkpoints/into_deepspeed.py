@@ -8,6 +8,7 @@ than one full parameter beyond its partitions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,9 +16,12 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dist._compat.deepspeed import point_parameters_at_optimizer_state
-from lightning_dist.checkpoints.formats import CheckpointError
+from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError, checkpoint_format
 from lightning_dist.checkpoints.gather import plain_name
-from lightning_dist.checkpoints.resume import OPTIMIZER_KEYS, optimizer_state_by_name
+from lightning_dist.checkpoints.resume import OPTIMIZER_KEYS, load_for_resume, optimizer_state_by_name
+from lightning_dist.checkpoints.safe_load import vet_checkpoint
+from lightning_dist.checkpoints.universal import convert_on_rank_zero, loading_universal, saved_run
+from lightning_dist.deepspeed_config.zero import ZeroSection
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -65,14 +69,10 @@ def engine_reads_natively(saved_config: dict[str, Any], config: dict[str, Any]) 
     """
     if not saved_config:  # written by a DeepSpeed that did not record its config
         return True
-    saved, ours = saved_config.get("zero_optimization") or {}, config.get("zero_optimization") or {}
-    if (int(saved.get("stage", 0)) == 3) != (int(ours.get("stage", 0)) == 3):
+    saved, ours = ZeroSection.of(saved_config), ZeroSection.of(config)
+    if saved.partitions_parameters != ours.partitions_parameters:
         return False
-    return _offloads_optimizer(saved) or not _offloads_optimizer(ours)
-
-
-def _offloads_optimizer(zero_optimization: dict[str, Any]) -> bool:
-    return ((zero_optimization.get("offload_optimizer") or {}).get("device") or "none") != "none"
+    return saved.offloads_optimizer or not ours.offloads_optimizer
 
 
 def _absent_on_rank_zero(strategy: Any, weights: dict | None, names: list[str], strict: bool) -> set[str]:
@@ -145,3 +145,26 @@ def _set_step(optimizer: Any, step: float) -> None:
     if type(base).__name__ == "FusedAdam":
         for group in base.param_groups:
             group["step"] = int(step)
+
+
+def load_deepspeed_checkpoint(strategy: Any, checkpoint_path: Any, weights_only: bool | None,
+                              load_natively: Callable[[Any, bool | None], dict[str, Any]]) -> dict[str, Any]:
+    """The checkpoint loader of our DeepSpeed strategy: a DeepSpeed directory that the engine reads as it is goes to
+    `load_natively` (Lightning's loader); one written by another number of ranks is converted to DeepSpeed's
+    universal form first; anything else (DDP, FSDP, another ZeRO layout) is consolidated on rank 0 and partitioned."""
+    checkpoint_path = strategy.broadcast(checkpoint_path)
+    native = checkpoint_format(checkpoint_path) == DEEPSPEED
+    if native:
+        if weights_only is not False:  # DeepSpeed unpickles its shards with weights_only=False
+            vet_checkpoint(checkpoint_path)
+        saved_world_size, saved_config = saved_run(checkpoint_path)
+        native = engine_reads_natively(saved_config, strategy.config)
+    if not native:
+        checkpoint = load_for_resume(strategy, checkpoint_path, native_formats=set(), weights_only=weights_only)
+        load_into_engine(strategy, checkpoint, strict=strategy.lightning_module.strict_loading)
+        return checkpoint
+    if saved_world_size in (None, strategy.world_size):
+        return load_natively(checkpoint_path, weights_only)
+    convert_on_rank_zero(strategy, checkpoint_path)
+    with loading_universal(strategy.deepspeed_engine, checkpoint_path):
+        return load_natively(checkpoint_path, weights_only)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from lightning_dist.deepspeed_config.zero import ZeroSection
 
 # DeepSpeed's native ops for offload, JIT-compiled on first use, and what makes them buildable.
 INSTALL_HINTS = {
@@ -18,18 +21,12 @@ INSTALL_HINTS = {
 
 def nvme_paths(config: dict[str, Any]) -> dict[str, str | None]:
     """{config key: directory} of each offload that goes to NVMe."""
-    zero = config.get("zero_optimization") or {}
-    return {
-        f"zero_optimization.{block}.nvme_path": zero[block].get("nvme_path")
-        for block in ("offload_optimizer", "offload_param")
-        if isinstance(zero.get(block), dict) and zero[block].get("device") == "nvme"
-    }
+    return ZeroSection.of(config).nvme_paths()
 
 
 def native_ops_needed(config: dict[str, Any]) -> list[str]:
-    zero = config.get("zero_optimization") or {}
-    optimizer_offload = (zero.get("offload_optimizer") or {}).get("device", "none") != "none"
-    return [name for name, needed in (("CPUAdamBuilder", optimizer_offload), ("AsyncIOBuilder", bool(nvme_paths(config)))) if needed]
+    zero = ZeroSection.of(config)
+    return [name for name, needed in (("CPUAdamBuilder", zero.offloads_optimizer), ("AsyncIOBuilder", bool(zero.nvme_paths()))) if needed]
 
 
 def check_offload_ready(config: dict[str, Any]) -> None:
@@ -69,3 +66,23 @@ def _native_op_problem(builder_name: str) -> str | None:
         return f"DeepSpeed's {builder.NAME} op failed to build ({type(error).__name__}: {' '.join(str(error).split())[:300]}): {hint}"
     return None
 
+
+
+def check_before_launch(resolution: Callable[..., Any], trainer: Any, fit_arguments: dict[str, Any]) -> None:
+    """What the DeepSpeed strategy checks on the launching process: the config resolved with what is known before
+    `setup` (`resolution(trainer, model, loader, datamodule, in_rank=False)`), its offload, and an optimizer that
+    steps partitions. Raises ValueError naming what to change."""
+    from lightning.pytorch import LightningDataModule
+
+    from lightning_dist.optim import require_shardable_optimizer
+
+    loader, datamodule = fit_arguments.get("train_dataloaders"), fit_arguments.get("datamodule")
+    if isinstance(loader, LightningDataModule):
+        loader, datamodule = None, loader
+    if loader is not None and not hasattr(loader, "batch_sampler"):
+        loader = None  # a list or dict of loaders: the in-rank pass reads the combined one
+    resolved = resolution(trainer, fit_arguments.get("model"), loader, datamodule, in_rank=False).config
+    check_offload_ready(resolved)
+    stage = ZeroSection.of(resolved).stage
+    if stage and "optimizer" not in resolved:  # else the file's optimizer replaces the module's
+        require_shardable_optimizer(fit_arguments.get("model"), f"ZeRO stage {stage}")

@@ -18,6 +18,7 @@ from typing import Any
 
 from lightning_dist.deepspeed_config.facts import HIDDEN_SIZE_NAMES, UNKNOWN, TrainingFacts
 from lightning_dist.deepspeed_config.outputs import missing_monitor_packages
+from lightning_dist.deepspeed_config.zero import ZeroSection, nvme_path_problem, parameter_offload_problem
 
 AUTO = "auto"
 _ABSENT = object()
@@ -204,16 +205,17 @@ class _Resolver:
                 self.problems.append(f"{key}.device={_show(in_file)} but strategy.{option_name}={device} (make them agree)")
             if self.get(f"{key}.device", None) == "nvme":
                 self._fill_nvme_path(key, options.nvme_path)
-        stage = self.get(f"{zero_key}.stage", 0)
-        if self.get(f"{zero_key}.offload_param.device", "none") != "none" and stage != 3:
-            self.problems.append(f"{zero_key}.offload_param: parameter offload needs ZeRO stage 3, the stage is {stage}")
+        zero = ZeroSection.of(self.config)
+        problem = parameter_offload_problem(zero.stage, zero.parameters.device, f"{zero_key}.stage", f"{zero_key}.offload_param")
+        if problem:
+            self.problems.append(problem)
 
     def _fill_nvme_path(self, key: str, nvme_path: str | None) -> None:
         in_file = self.get(f"{key}.nvme_path", None)
         if in_file is None and nvme_path:
             self.set(f"{key}.nvme_path", str(nvme_path))
         elif in_file is None:
-            self.problems.append(f"{key}.nvme_path: NVMe offload needs a directory; set it or strategy.nvme_path")
+            self.problems.append(nvme_path_problem(f"{key}.nvme_path", None, f"{key}.nvme_path or strategy.nvme_path"))
         elif nvme_path and str(in_file) != str(nvme_path):
             self.problems.append(f"{key}.nvme_path={_show(in_file)} but strategy.nvme_path={nvme_path} (make them agree)")
 

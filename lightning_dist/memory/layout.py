@@ -74,14 +74,9 @@ def layout_of(strategy: Any, name: str | None = None) -> Layout:
 
 def _deepspeed_layout(strategy: Any, name: str) -> Layout:
     zero = strategy.config.get("zero_optimization", {})
-    options = strategy.zero_options  # a preset's or the user's options, merged over a config file
-    stage = options.stage if options.stage is not None else int(zero.get("stage", 0))
-
-    def offload(option: str | None, key: str) -> str | None:
-        device = option or (zero.get(key) or {}).get("device")
-        return device if device in ("cpu", "nvme") else None
-
-    preset = strategy.config_source == "strategy"
+    section = strategy.zero  # a preset's or the user's options, merged over a config file
+    stage = int(section.stage)
+    preset = strategy.run_config.is_preset
     param_swap = {**_DEEPSPEED_OFFLOAD_PARAM, **(zero.get("offload_param") or {})}
     optimizer_swaps = (zero.get("offload_optimizer") or {}).get("buffer_count", _DEEPSPEED_OPTIMIZER_SWAP_BUFFERS)
     contiguous = zero.get("contiguous_gradients", True)
@@ -89,8 +84,8 @@ def _deepspeed_layout(strategy: Any, name: str) -> Layout:
     persistence = zero.get("stage3_param_persistence_threshold", DEFAULT_PERSISTENCE_THRESHOLD)
     return Layout(
         name, "deepspeed", shard_parameters=stage >= 3, shard_gradients=stage >= 2, shard_optimizer=stage >= 1,
-        offload_optimizer=offload(options.offload_optimizer, "offload_optimizer"),
-        offload_parameters=offload(options.offload_parameters, "offload_param") if stage >= 3 else None,
+        offload_optimizer=section.optimizer.device,
+        offload_parameters=section.parameters.device if stage >= 3 else None,
         # ZeRO-3 allocates its gradient bucket whole when it starts; "auto" is sized from the model later.
         reduce_bucket_elements=int(bucket) if stage >= 3 and contiguous and isinstance(bucket, (int, float)) else 0,
         persistence_threshold=int(persistence) if stage >= 3 and isinstance(persistence, (int, float)) else 0,

@@ -5,8 +5,16 @@ work-around for its NVMe prefetch. Both are process-wide and idempotent, as Deep
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from lightning_dist._compat.deepspeed import patch_swap_in, use_zero3_linear
+
+
+def prepare_zero3_runtime(config: dict[str, Any]) -> None:
+    """Both, as the resolved config asks (`memory_efficient_linear`, DeepSpeed's own switch, defaults to on)."""
+    if (config.get("zero_optimization") or {}).get("memory_efficient_linear", True):
+        use_memory_efficient_linear()
+    swap_in_each_parameter_once()
 
 
 def use_memory_efficient_linear() -> None:

@@ -1,0 +1,71 @@
+"""What our DeepSpeed strategy does to DeepSpeed's engine beyond Lightning's: the accelerator it runs on, and how a
+model built without weights gets them (each rank initialises its ZeRO-3 partitions, or whole parameters)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from lightning_dist._compat.deepspeed import partitioner
+from lightning_dist.deepspeed_config.zero import ZeroSection
+from lightning_dist.parallel.sharded_init import Keep, give_memory, initialize_parameters
+
+SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def use_deepspeed_accelerator(device: torch.device) -> str:
+    """Point DeepSpeed at the accelerator matching Lightning's device; returns its name.
+
+    DeepSpeed picks one by itself at import (CUDA when visible), which is wrong for `accelerator="cpu"` on a GPU
+    machine. The environment variable makes the choice stick in processes DeepSpeed starts from this one.
+    """
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if device.type not in SUPPORTED_DEVICE_TYPES:
+        raise ValueError(
+            f"trainer.accelerator: DeepSpeed runs on {' or '.join(SUPPORTED_DEVICE_TYPES)} here, not {device.type!r}"
+        )
+    if get_accelerator().device_name() != device.type:
+        if device.type == "cuda":
+            from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as Accelerator
+        else:
+            from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator as Accelerator
+        set_accelerator(Accelerator())
+    os.environ["DS_ACCELERATOR"] = device.type
+    return get_accelerator().device_name()
+
+
+def zero3_partitioner(config: dict[str, Any]) -> Keep:
+    """Hands each initialised parameter to ZeRO-3, which keeps this rank's partition (on the device, the host or
+    NVMe, as the config's `offload_param` says) and frees the rest: what `deepspeed.zero.Init` does at the end of
+    each module's constructor."""
+    import deepspeed
+
+    # Not entered: only its conversion is used, not its patching of every module class's constructor.
+    zero_init = deepspeed.zero.Init(config_dict_or_path=config, remote_device=ZeroSection.of(config).parameters.device)
+    to_zero_parameters = partitioner(zero_init)
+
+    def partition(param: torch.nn.Parameter, full: torch.Tensor) -> None:
+        # In the config's dtype (bf16, fp16), as a module built under zero.Init would be: DeepSpeed's own cast of the
+        # module cannot reach partitions.
+        give_memory(param, full.to(zero_init.dtype) if full.is_floating_point() else full)
+        to_zero_parameters([param])
+
+    return partition
+
+
+def whole_on(device: torch.device) -> Keep:
+    def keep(param: torch.nn.Parameter, full: torch.Tensor) -> None:
+        give_memory(param, full.to(device))
+
+    return keep
+
+
+def initialize_deferred_parameters(model: torch.nn.Module, config: dict[str, Any], device: torch.device, seed: int) -> None:
+    """Each rank initialises the parameters still on the meta device (the same `seed` on every rank gives the same
+    values) and keeps its ZeRO-3 partition of each, or, below stage 3, the whole parameter on `device`."""
+    meta = [p for p in model.parameters() if p.is_meta]
+    keep = zero3_partitioner(config) if ZeroSection.of(config).partitions_parameters else whole_on(device)
+    initialize_parameters(model, keep, seed, params=meta)
