@@ -9,17 +9,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 from lightning_dist._compat.lightning import unified_precision
 from lightning_dist.deepspeed_config.facts import fp16_supported
 from lightning_dist.deepspeed_config.resolve import PRECISIONS
+
 _NO_FP16 = "choose 32-true, bf16-mixed or bf16-true"
+
+
+@dataclass(frozen=True)
+class PrecisionSupport:
+    """What a strategy declares (its `precision_support`) about fp16, where support differs between strategies.
+    Lightning's own strategies, and any other, are taken to be like DDP: the defaults."""
+
+    fp16_loss_scaling: bool = True  # 16-mixed works (FSDP2 has no gradient scaler for it)
+    fp16_on_cpu: bool = False  # 16-bit on a CPU that has fp16 (DeepSpeed's CPU accelerator); else CUDA only
 
 
 def check_precision(strategy: object, precision: object, device_type: str) -> str:
     """The precision in Lightning's spelling, or ValueError naming why this strategy cannot train in it here."""
-    from lightning_dist.strategies import DeepSpeedStrategy, FSDPStrategy
-
+    support = getattr(strategy, "precision_support", PrecisionSupport())
     try:
         unified = str(unified_precision(precision))
     except ValueError:
@@ -27,15 +37,15 @@ def check_precision(strategy: object, precision: object, device_type: str) -> st
     if unified not in PRECISIONS:
         raise ValueError(f"trainer.precision={precision}: not supported here; choose one of {', '.join(PRECISIONS)}")
     name = type(strategy).__name__
-    if isinstance(strategy, FSDPStrategy) and unified == "16-mixed":
+    if not support.fp16_loss_scaling and unified == "16-mixed":
         raise ValueError(f"trainer.precision=16-mixed: {name} (FSDP2) has no fp16 loss scaling; choose bf16-mixed or 16-true")
     if unified.startswith("16-") and device_type == "cpu":
-        if isinstance(strategy, DeepSpeedStrategy) and not fp16_supported("cpu"):
+        if support.fp16_on_cpu and not fp16_supported("cpu"):
             raise ValueError(
                 f"trainer.precision={unified}: DeepSpeed's CPU accelerator has no fp16 on this CPU (it needs"
                 f" AVX512-FP16/AMX-FP16); {_NO_FP16}"
             )
-        if not isinstance(strategy, DeepSpeedStrategy):
+        if not support.fp16_on_cpu:
             raise ValueError(
                 f"trainer.precision={unified}: {name} has no fp16 on CPU (Lightning would silently switch to bf16-mixed);"
                 f" {_NO_FP16}"

@@ -54,25 +54,23 @@ class Layout:
 
 
 def layout_of(strategy: Any, name: str | None = None) -> Layout:
-    """The layout of one of our strategies (`lightning_dist.strategies`)."""
-    from lightning_dist.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
-
+    """The layout a strategy declares (`memory_layout(name)`: each of ours does)."""
     name = name or type(strategy).__name__
-    if isinstance(strategy, DeepSpeedStrategy):
-        return _deepspeed_layout(strategy, name)
-    if isinstance(strategy, FSDPStrategy):
-        offload = "cpu" if strategy.cpu_offload else None
-        return Layout(
-            name, "torch", shard_parameters=True, shard_gradients=True, shard_optimizer=True,
-            keep_gathered=not strategy.reshard_after_forward, offload_optimizer=offload, offload_parameters=offload,
-            activation_checkpointing=strategy.activation_checkpointing, replicate_across_nodes=strategy.hybrid,
-        )
-    if isinstance(strategy, DDPStrategy):
-        return Layout(name, "torch")
-    raise TypeError(f"strategy: cannot plan memory for {type(strategy).__name__}; plan one of lightning_dist's strategies")
+    if not hasattr(strategy, "memory_layout"):
+        raise TypeError(f"strategy: cannot plan memory for {type(strategy).__name__}; plan one of lightning_dist's strategies")
+    return strategy.memory_layout(name)
 
 
-def _deepspeed_layout(strategy: Any, name: str) -> Layout:
+def fsdp_layout(strategy: Any, name: str) -> Layout:
+    offload = "cpu" if strategy.cpu_offload else None
+    return Layout(
+        name, "torch", shard_parameters=True, shard_gradients=True, shard_optimizer=True,
+        keep_gathered=not strategy.reshard_after_forward, offload_optimizer=offload, offload_parameters=offload,
+        activation_checkpointing=strategy.activation_checkpointing, replicate_across_nodes=strategy.hybrid,
+    )
+
+
+def deepspeed_layout(strategy: Any, name: str) -> Layout:
     zero = strategy.config.get("zero_optimization", {})
     section = strategy.zero  # a preset's or the user's options, merged over a config file
     stage = int(section.stage)

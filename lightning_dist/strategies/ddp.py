@@ -12,6 +12,7 @@ from typing_extensions import override
 from lightning_dist.checkpoints.formats import FILE
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
 from lightning_dist.checkpoints.swap import SwappedSaves
+from lightning_dist.memory.layout import Layout
 from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.devices import prepare_rank, process_group_timeout
 from lightning_dist.strategies.launcher import guarded
@@ -40,6 +41,9 @@ class DDPStrategy(SwappedSaves, _LightningDDPStrategy):
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         self._launcher = guarded(self, self._launcher)
+
+    def memory_layout(self, name: str) -> Layout:
+        return Layout(name, "torch")  # everything replicated, nothing offloaded
 
     @property
     def parallel_dims(self) -> ParallelDims:

@@ -29,7 +29,9 @@ from lightning_dist.deepspeed_config.zero import OPTIMIZER_TILE, ZeroSection
 from lightning_dist.optim.offload import optimizer_for_offload
 from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
+from lightning_dist.memory.layout import Layout, deepspeed_layout
 from lightning_dist.parallel.dims import ParallelDims
+from lightning_dist.precision import PrecisionSupport
 from lightning_dist.parallel.outermost_forward import run_root_hooks_once_per_forward
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel, has_meta_parameters, parameters_on_meta
 from lightning_dist.parallel.zero3_runtime import prepare_zero3_runtime
@@ -41,15 +43,13 @@ class DeepSpeedStrategy(SwappedSaves, ForgetsUnbuiltModel, _LightningDeepSpeedSt
     """DeepSpeed ZeRO that also runs on CPU, and takes Hugging Face-style configs with "auto" values.
 
     Args:
-        stage: ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters. Default: the config
-            file's, else 2.
-        offload_optimizer: keep optimizer state (and run the optimizer step) on "cpu" or "nvme"; null keeps it on
-            the device. A plain torch Adam/AdamW is then swapped for DeepSpeed's CPU Adam.
-        offload_parameters: ZeRO-3 only: keep parameters on "cpu" or "nvme" between uses.
+        stage: 1 shards optimizer state, 2 also gradients, 3 also parameters (default: the config file's, else 2).
+        offload_optimizer: "cpu" or "nvme": optimizer state and step there (torch Adam/AdamW become DeepSpeed's CPU Adam).
+        offload_parameters: ZeRO-3 only: parameters on "cpu" or "nvme" between uses.
         nvme_path: directory that NVMe offload writes to.
-        config: a DeepSpeed config (dict or JSON path) to start from. Its "auto" values are filled from the Trainer,
-            the LightningModule and the data; values that contradict them, or the options above, are reported
-            together before any rank starts. The resolved config is written to the run's directory.
+        config: a DeepSpeed config (dict or JSON path) to start from: its "auto" values are filled from the Trainer,
+            the module and the data, contradictions (with them or the options above) reported before any rank starts,
+            and the resolved config written to the run's directory.
     """
 
     strategy_name = "ld_deepspeed"
@@ -75,8 +75,7 @@ class DeepSpeedStrategy(SwappedSaves, ForgetsUnbuiltModel, _LightningDeepSpeedSt
         self.base_config = self.config  # the file, or the config built from the options; never modified
 
     @property
-    def zero(self) -> ZeroSection:
-        """The ZeRO section this strategy asks for: its options over the file's."""
+    def zero(self) -> ZeroSection:  # the options over the file's section
         return self.run_config.zero(self.base_config)
 
     @property
@@ -85,6 +84,11 @@ class DeepSpeedStrategy(SwappedSaves, ForgetsUnbuiltModel, _LightningDeepSpeedSt
         device = super().root_device
         # DeepSpeed addresses a rank's device by index, on CPU too; torch ignores a CPU index, so this is harmless.
         return torch.device("cpu", self.local_rank) if device.type == "cpu" else device
+
+    precision_support = PrecisionSupport(fp16_on_cpu=True)
+
+    def memory_layout(self, name: str) -> Layout:
+        return deepspeed_layout(self, name)
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -105,7 +109,6 @@ class DeepSpeedStrategy(SwappedSaves, ForgetsUnbuiltModel, _LightningDeepSpeedSt
         reset_seed()
         self.set_world_ranks()
         import deepspeed.comm
-
         if not (torch.distributed.is_initialized() and deepspeed.comm.is_initialized()):  # `test` after `fit`: up already
             self._init_deepspeed_distributed()
 
@@ -142,8 +145,7 @@ class DeepSpeedStrategy(SwappedSaves, ForgetsUnbuiltModel, _LightningDeepSpeedSt
 
     @property
     def initializes_shards(self) -> bool:
-        """ZeRO-3 partitions parameters: `train.py`, `trainer.init_module()` and `configure_model` build the model
-        without weights, and each rank initialises its partitions in `init_deepspeed`."""
+        """ZeRO-3: the model is built without weights, and each rank initialises its partitions (`init_deepspeed`)."""
         return self.zero.partitions_parameters
 
     @contextmanager
@@ -159,9 +161,7 @@ class DeepSpeedStrategy(SwappedSaves, ForgetsUnbuiltModel, _LightningDeepSpeedSt
     @contextmanager
     @override
     def model_sharded_context(self) -> Iterator[None]:
-        # Lightning's deepspeed.zero.Init here would need the resolved config (its "auto" values) before `setup`;
-        # `tensor_init_context` defers the weights instead, and `init_deepspeed` partitions them.
-        yield
+        yield  # not Lightning's zero.Init, which needs the resolved config: `init_deepspeed` partitions instead
 
     @override
     def init_deepspeed(self) -> None:
@@ -177,7 +177,7 @@ class DeepSpeedStrategy(SwappedSaves, ForgetsUnbuiltModel, _LightningDeepSpeedSt
         run_root_hooks_once_per_forward(self.deepspeed_engine)  # timers, profiler, ZeRO-3 trace: once per step
 
     @override
-    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:  # any format
         return load_deepspeed_checkpoint(self, checkpoint_path, weights_only, super().load_checkpoint)
 
     @override

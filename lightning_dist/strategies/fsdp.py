@@ -32,7 +32,9 @@ from lightning_dist.parallel import (
     resolve_block_classes,
     sharding_layout,
 )
+from lightning_dist.memory.layout import Layout, fsdp_layout
 from lightning_dist.parallel.dims import ParallelDims
+from lightning_dist.precision import PrecisionSupport
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel, has_meta_parameters, parameters_on_meta
 from lightning_dist.strategies.launcher import guarded
@@ -104,6 +106,11 @@ class FSDPStrategy(SwappedSaves, ForgetsUnbuiltModel, ModelParallelStrategy):
                 f" nn.ModuleList to infer it from; set it to one of: {', '.join(present)}"
             )
         return classes
+
+    precision_support = PrecisionSupport(fp16_loss_scaling=False)
+
+    def memory_layout(self, name: str) -> Layout:
+        return fsdp_layout(self, name)
 
     @property
     def parallel_dims(self) -> ParallelDims:
