@@ -72,6 +72,36 @@ def test_no_module_outside_the_fence_reaches_into_a_library():
     assert outside == {}
 
 
+# Private attributes of other objects that are not the fenced libraries': transformers' initialiser hook, which its
+# PreTrainedModel calls by this name (a model that has one initialises its weights only through it).
+OTHER_LIBRARIES = {"_init_weights"}
+
+
+def internal_attributes(source: str) -> list[str]:
+    """Each `obj._name` read or written where `obj` is not `self`, `cls` or `super()` (a hook of the class we extend,
+    overridden): another object's internals, whatever its type."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in OTHER_LIBRARIES:
+            owner = node.value
+            own = isinstance(owner, ast.Name) and owner.id in ("self", "cls")
+            parent = isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super"
+            if not (own or parent):
+                found.append(f"{node.lineno}: {ast.get_source_segment(source, node)}")
+    return found
+
+
+def test_no_module_outside_the_fence_reads_another_objects_internals():
+    outside = {
+        str(path.relative_to(REPO)): found
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if FENCE not in path.parents and (found := internal_attributes(path.read_text()))
+    }
+    assert outside == {}
+    source = "x = trainer._logger_connector\nself._launcher = super()._configure_launcher()\n"
+    assert internal_attributes(source) == ["1: trainer._logger_connector"]
+
+
 def test_the_check_sees_each_kind_of_crossing():
     source = (
         "import torch\n"

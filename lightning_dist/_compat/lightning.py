@@ -24,9 +24,9 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning_dist._compat import Fenced
 
 __all__ = [
-    "Launcher", "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput", "console_handler",
-    "load_distributed_checkpoint", "move_optimizers_to_device", "module_optimizers", "set_threads_for_ranks",
-    "unified_precision", "validate_cuda_device_indices",
+    "Launcher", "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput", "console_handler", "give_device_mesh",
+    "load_distributed_checkpoint", "logs_this_step", "move_optimizers_to_device", "module_optimizers",
+    "set_threads_for_ranks", "train_data_source", "unified_precision", "validate_cuda_device_indices",
 ]
 
 FENCED = [
@@ -77,6 +77,23 @@ def module_optimizers(module: Any) -> list[torch.optim.Optimizer]:
     from lightning.pytorch.core.optimizer import _configure_optimizers
 
     return _configure_optimizers(module.configure_optimizers())[0]
+
+
+def give_device_mesh(module: Any, mesh: Any) -> None:
+    """Make `mesh` what `module.device_mesh` returns in `configure_model`, as Lightning's ModelParallelStrategy does
+    (the property has no setter)."""
+    module._device_mesh = mesh
+
+
+def train_data_source(trainer: Any) -> Any:
+    """Where the fit loop gets its training data (a module's or datamodule's `train_dataloader`, or loaders given
+    to `fit`): `.is_defined()`, `.dataloader()`. Lightning builds the loader only after `setup`."""
+    return trainer.fit_loop._data_source
+
+
+def logs_this_step(trainer: Any) -> bool:
+    """Whether the loggers write at this step (every `log_every_n_steps`, and at the last)."""
+    return trainer._logger_connector.should_update_logs
 
 
 def console_handler() -> logging.Handler:

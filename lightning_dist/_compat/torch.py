@@ -15,8 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_dist._compat import Fenced
 
 __all__ = [
-    "CheckpointWrapper", "checkpoint_wrapper", "cpu_supports_fp16", "flatten_mesh_dims", "local_shard_region",
-    "parameter_registration", "reopen_fsdp_forward", "set_default_process_group_timeout", "tree_map",
+    "CheckpointWrapper", "apply_to_tensors", "checkpoint_wrapper", "cpu_supports_fp16", "flatten_mesh_dims",
+    "forward_hook_tables", "fsdp_param_group", "local_shard_region", "own_parameters", "parameter_registration",
+    "reopen_fsdp_forward", "set_default_process_group_timeout", "storage_owner", "tree_map", "wrapped_module",
 ]
 
 FENCED = [
@@ -27,10 +28,43 @@ FENCED = [
     Fenced("torch.distributed.fsdp._fully_shard._fsdp_common", "TrainingState.FORWARD"),
     Fenced("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup"),  # `_training_state`, as the state
     Fenced("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule._get_fsdp_state", ("self",)),
+    Fenced("torch.nn", "Module._apply", ("self", "fn")),
     Fenced("torch.distributed.distributed_c10d", "default_pg_timeout"),
     Fenced("torch.distributed.distributed_c10d", "default_pg_nccl_timeout"),
     Fenced("torch.utils._pytree", "tree_map", ("func", "tree")),
 ]
+
+
+def forward_hook_tables(module: nn.Module) -> tuple[dict, dict]:
+    """`module`'s forward pre-hooks and forward hooks, keyed by their handles' ids: a registered hook can be
+    replaced in place, keeping its `with_kwargs`/`always_call` flags, only through these."""
+    return module._forward_pre_hooks, module._forward_hooks
+
+
+def wrapped_module(wrapper: CheckpointWrapper) -> nn.Module:
+    """The module an activation-checkpoint wrapper runs."""
+    return wrapper._checkpoint_wrapped_module
+
+
+def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """`module`'s own parameter table (not its children's), to read and to write: what `register_parameter` fills."""
+    return module._parameters
+
+
+def apply_to_tensors(module: nn.Module, function: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """`function` applied to every parameter and buffer, through the module (what `.to()` uses): FSDP2 re-points
+    its sharded storage at the results. There is no public form that takes any function."""
+    return module._apply(function)
+
+
+def storage_owner(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage `tensor` views (itself if it is not a view)."""
+    return tensor._base if tensor._base is not None else tensor
+
+
+def fsdp_param_group(unit: nn.Module) -> Any:
+    """FSDP2's record of one unit's parameters (sharding, offload, dtypes), or None for a unit that holds none."""
+    return unit._get_fsdp_state()._fsdp_param_group
 
 
 def flatten_mesh_dims(mesh: DeviceMesh, dims: Sequence[str], name: str) -> DeviceMesh:

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_dist._compat.lightning import logs_this_step
 from lightning_dist.callbacks.finite_watch import FiniteWatch, NonFiniteError
 from lightning_dist.callbacks.run_summary import input_shape, peak_memory, throughput
 from lightning_dist.parallel.dims import parallel_dims_of
@@ -141,7 +142,7 @@ def _logs_this_step(trainer: L.Trainer) -> bool:
     """Whether the loggers write this step (every `log_every_n_steps`). `self.log` costs about a millisecond of
     Python each call, every step, whether or not the value is written: 7 ms a step of the default model's 160 on
     this machine for the monitor's values alone; they are logged only when they will be written."""
-    return trainer._logger_connector.should_update_logs
+    return logs_this_step(trainer)
 
 
 def _gradient_norm(module: nn.Module) -> torch.Tensor | None:

@@ -83,7 +83,9 @@ def fp16_supported(device_type: str) -> bool:
 def _micro_batch_size(trainer: Any, train_dataloader: Any, datamodule: Any, in_rank: bool) -> int | None:
     loader = train_dataloader
     if loader is None and in_rank:
-        source = trainer.fit_loop._data_source
+        from lightning_dist._compat.lightning import train_data_source
+
+        source = train_data_source(trainer)
         loader = source.dataloader() if source.is_defined() else None
     if loader is not None:
         sampler = getattr(loader, "batch_sampler", None)

@@ -15,7 +15,7 @@ from unittest import mock
 import torch
 from torch import nn
 
-from lightning_dist._compat.torch import tree_map
+from lightning_dist._compat.torch import storage_owner, tree_map
 from lightning_dist.deepspeed_config.facts import hidden_size_of
 
 
@@ -77,7 +77,7 @@ def _trace_activations(module: nn.Module, batch: Any, blocks: list[nn.Module]) -
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         nonlocal total
-        base = tensor._base if tensor._base is not None else tensor
+        base = storage_owner(tensor)
         if id(base) not in parameters and id(base) not in seen:
             seen.add(id(base))
             size = base.numel() * base.element_size()

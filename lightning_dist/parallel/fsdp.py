@@ -18,7 +18,9 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from lightning_dist._compat.torch import CheckpointWrapper, local_shard_region, reopen_fsdp_forward
+from lightning_dist._compat.torch import (
+    CheckpointWrapper, apply_to_tensors, local_shard_region, reopen_fsdp_forward, wrapped_module,
+)
 from lightning_dist.parallel.sharded_init import initialize_parameters
 
 # FSDP1 sharding-strategy names and what they mean for FSDP2: whether to free gathered parameters after forward
@@ -57,12 +59,12 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
 def _block_units(model: nn.Module, block_classes: tuple[type[nn.Module], ...]) -> list[nn.Module]:
     """Each block, or its activation-checkpoint wrapper where it has one: FSDP must shard the wrapper (as torchtitan
     does) so that the parameters are gathered before backward recomputes the block."""
-    wrapped = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, CheckpointWrapper)}
+    wrapped = {id(wrapped_module(m)) for m in model.modules() if isinstance(m, CheckpointWrapper)}
     return [
         module
         for module in model.modules()
         if id(module) not in wrapped
-        and isinstance(module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module, block_classes)
+        and isinstance(wrapped_module(module) if isinstance(module, CheckpointWrapper) else module, block_classes)
     ]
 
 
@@ -123,7 +125,7 @@ def materialize_shards(model: nn.Module, device: torch.device, seed: int) -> int
 
     meta = [p for p in model.parameters() if p.is_meta]
     # Through the root, so that FSDP re-points its padded shard storage at the new tensors; real tensors stay.
-    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    apply_to_tensors(model, lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
 
     def keep_local_shard(param: nn.Parameter, full: torch.Tensor) -> None:
         if not isinstance(param, DTensor):  # a parameter outside every FSDP unit

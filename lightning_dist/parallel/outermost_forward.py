@@ -20,6 +20,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_dist._compat.torch import forward_hook_tables
+
 
 def run_root_hooks_once_per_forward(engine: Any) -> int:
     """Guard the engine's root-module hooks (prologue, epilogue, ZeRO-3's trace restart) so that only the outermost
@@ -40,7 +42,7 @@ def run_root_hooks_once_per_forward(engine: Any) -> int:
 
     guarded = 0
     for handle in filter(None, handles):
-        for hooks in (root._forward_pre_hooks, root._forward_hooks):
+        for hooks in forward_hook_tables(root):
             if handle.id in hooks:  # same id: with_kwargs/always_call flags stay as DeepSpeed registered them
                 hooks[handle.id] = outermost_only(hooks[handle.id])
                 guarded += 1

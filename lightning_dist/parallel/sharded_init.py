@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from lightning_dist._compat.torch import parameter_registration
+from lightning_dist._compat.torch import own_parameters, parameter_registration
 
 # What to keep of an initialised full tensor (on the CPU, in the parameter's dtype): a shard, a partition, all.
 Keep = Callable[[nn.Parameter, torch.Tensor], None]
@@ -96,7 +96,7 @@ def initialize_parameters(
     pending = {id(p) for p in params}
     done: set[int] = set()
     for name, module in model.named_modules():
-        params_here = {n: p for n, p in module._parameters.items() if p is not None}
+        params_here = {n: p for n, p in own_parameters(module).items() if p is not None}
         todo = {n: p for n, p in params_here.items() if id(p) in pending and id(p) not in done}
         if not todo:
             continue
@@ -165,10 +165,11 @@ def _module_seed(seed: int, name: str) -> int:
 @contextmanager
 def _swapped_parameters(module: nn.Module, values: dict[str, torch.Tensor]) -> Iterator[None]:
     """The module's own parameters replaced by plain full-size ones for its initialisers to write into."""
-    original = dict(module._parameters)
+    table = own_parameters(module)
+    original = dict(table)
     for n, value in values.items():
-        module._parameters[n] = nn.Parameter(value, requires_grad=original[n].requires_grad)
+        table[n] = nn.Parameter(value, requires_grad=original[n].requires_grad)
     try:
         yield
     finally:
-        module._parameters.update(original)
+        table.update(original)

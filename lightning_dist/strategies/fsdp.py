@@ -15,7 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
-from lightning_dist._compat.lightning import move_optimizers_to_device
+from lightning_dist._compat.lightning import give_device_mesh, move_optimizers_to_device
 from lightning_dist.checkpoints.formats import DISTRIBUTED
 from lightning_dist.checkpoints.resume import load_for_resume, load_weights_from_rank_zero, restore_optimizer_by_name
 from lightning_dist.checkpoints.swap import SwappedSaves
@@ -128,7 +128,7 @@ class FSDPStrategy(SwappedSaves, ForgetsUnbuiltModel, ModelParallelStrategy):
         Strategy.setup_environment(self)
         self._setup_distributed()
         self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
-        self.lightning_module._device_mesh = self._device_mesh
+        give_device_mesh(self.lightning_module, self._device_mesh)
 
     @override
     def _get_process_group_backend(self) -> str:
