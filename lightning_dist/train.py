@@ -30,7 +30,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from lightning_dist.parallel.devices import close_process_group
 from lightning_dist.callbacks import NonFiniteError, Preempted
 from lightning_dist.checkpoints.autoresume import newest_complete_checkpoint
-from lightning_dist.checkpoints.formats import CheckpointError, check_checkpoint_matches, check_complete
+from lightning_dist.checkpoints.contents import check_checkpoint_matches
+from lightning_dist.checkpoints.formats import CheckpointError, check_complete
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
 from lightning_dist.console import is_rank_zero, quiet_console
 from lightning_dist.cli import exit_with

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_dist._compat.deepspeed import point_parameters_at_optimizer_state
 from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError, checkpoint_format
 from lightning_dist.checkpoints.gather import plain_name
+from lightning_dist.checkpoints.ranks import DeepSpeedRanks, Ranks
 from lightning_dist.checkpoints.resume import OPTIMIZER_KEYS, load_for_resume, optimizer_state_by_name
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
 from lightning_dist.checkpoints.universal import convert_on_rank_zero, loading_universal, saved_run
@@ -26,7 +27,7 @@ from lightning_dist.deepspeed_config.zero import ZeroSection
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def load_into_engine(strategy: Any, checkpoint: dict[str, Any], strict: bool) -> None:
+def load_into_engine(strategy: DeepSpeedRanks, checkpoint: dict[str, Any], strict: bool) -> None:
     """Rank 0's consolidated `checkpoint` (weights and optimizer state by name) into the running DeepSpeed engine."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
@@ -75,7 +76,7 @@ def engine_reads_natively(saved_config: dict[str, Any], config: dict[str, Any]) 
     return saved.offloads_optimizer or not ours.offloads_optimizer
 
 
-def _absent_on_rank_zero(strategy: Any, weights: dict | None, names: list[str], strict: bool) -> set[str]:
+def _absent_on_rank_zero(strategy: Ranks, weights: dict | None, names: list[str], strict: bool) -> set[str]:
     """The names rank 0's checkpoint lacks, known on every rank; an error for any under strict loading."""
     absent = strategy.broadcast([n for n in names if n not in weights] if strategy.is_global_zero else None)
     if absent and strict:
@@ -87,7 +88,7 @@ def _full_shape(tensor: torch.Tensor) -> torch.Size:
     return getattr(tensor, "ds_shape", tensor.shape)  # a ZeRO-3 parameter's own shape reads (0,)
 
 
-def _from_rank_zero(strategy: Any, value: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+def _from_rank_zero(strategy: Ranks, value: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     # Collectives take tensors on the root device (nccl refuses host tensors); every rank gets the full tensor.
     device = strategy.root_device
     if strategy.is_global_zero:
@@ -147,7 +148,7 @@ def _set_step(optimizer: Any, step: float) -> None:
             group["step"] = int(step)
 
 
-def load_deepspeed_checkpoint(strategy: Any, checkpoint_path: Any, weights_only: bool | None,
+def load_deepspeed_checkpoint(strategy: DeepSpeedRanks, checkpoint_path: Any, weights_only: bool | None,
                               load_natively: Callable[[Any, bool | None], dict[str, Any]]) -> dict[str, Any]:
     """The checkpoint loader of our DeepSpeed strategy: a DeepSpeed directory that the engine reads as it is goes to
     `load_natively` (Lightning's loader); one written by another number of ranks is converted to DeepSpeed's

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from lightning_dist.checkpoints.consolidate import load_consolidated
 from lightning_dist.checkpoints.formats import CheckpointError, checkpoint_format
 from lightning_dist.checkpoints.gather import plain_name
+from lightning_dist.checkpoints.ranks import Ranks
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
 
 # The tensors of a consolidated checkpoint: read on rank 0 only, then broadcast as they are loaded.
@@ -25,7 +26,7 @@ _TENSOR_KEYS = ("state_dict", *OPTIMIZER_KEYS)
 _FROM_RANK_ZERO = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
-def load_for_resume(strategy: Any, path: str | Path, native_formats: set[str], weights_only: bool | None) -> dict[str, Any] | None:
+def load_for_resume(strategy: Ranks, path: str | Path, native_formats: set[str], weights_only: bool | None) -> dict[str, Any] | None:
     """None when `path` is in one of the strategy's own formats (let it load as usual, once vetted); otherwise
     the checkpoint consolidated into one plain dict: on rank 0 with its weights and optimizer state by parameter
     name, on the other ranks with None in their place. A failure on rank 0 is raised on every rank.
@@ -83,7 +84,7 @@ def optimizer_state_by_name(checkpoint: dict[str, Any], groups: list[list[str]])
     }
 
 
-def restore_optimizer_by_name(strategy: Any, module: torch.nn.Module, optimizers: list, checkpoint: dict[str, Any]) -> None:
+def restore_optimizer_by_name(strategy: Ranks, module: torch.nn.Module, optimizers: list, checkpoint: dict[str, Any]) -> None:
     """Load rank 0's per-parameter-name optimizer state (from `load_for_resume`) into the live optimizer on every
     rank, whatever its parameter groups or sharding: torch's state-dict API maps names onto plain and FSDP2
     parameters alike, and broadcasts one tensor at a time."""

@@ -8,12 +8,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning_dist.checkpoints.ranks import Ranks
+
 
 def partial_path(final: Path) -> Path:
     return final.with_name(f".{final.name}.partial")
 
 
-def write_then_swap(strategy: Any, final: str | Path, write: Callable[[Path], None]) -> None:
+def write_then_swap(strategy: Ranks, final: str | Path, write: Callable[[Path], None]) -> None:
     """Every rank writes its part of a checkpoint (a file, or a directory of shards) through `write(path)` to a
     partial path beside `final`, which then replaces `final` (a collective: call it on every rank).
 

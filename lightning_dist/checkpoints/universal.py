@@ -21,6 +21,7 @@ import torch
 
 from lightning_dist._compat.deepspeed import universal_checkpoint_loading
 from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError, checkpoint_format, deepspeed_tag_dir
+from lightning_dist.checkpoints.ranks import Ranks
 from lightning_dist.checkpoints.safe_load import load_file
 
 LATEST_UNIVERSAL = "latest_universal"  # written last by ds_to_universal: its presence means a finished conversion
@@ -57,7 +58,7 @@ def ensure_universal(path: str | Path) -> Path:
     return output
 
 
-def convert_on_rank_zero(strategy: Any, path: str | Path) -> None:
+def convert_on_rank_zero(strategy: Ranks, path: str | Path) -> None:
     """Global rank 0 converts (`ensure_universal`); every rank returns once it is done, or raises its error."""
     failure = None
     if strategy.is_global_zero:
