@@ -56,8 +56,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def warm_interpreter(tmp_path_factory):
-    """Every Python process the suite starts, forked from one that has imported torch, Lightning, Hydra and
-    DeepSpeed already (tests/warm_python.py): about 5 s less for each of some 400 processes. `LD_TESTS_COLD=1`
+    """Every Python process the suite starts, forked from one that has imported torch, DeepSpeed, Hydra and
+    torchmetrics already (tests/warm_python.py): about 3 s less for each of some 400 processes. `LD_TESTS_COLD=1`
     runs the whole suite in fresh interpreters instead; a test marked `cold` always does."""
     if os.environ.get("LD_TESTS_COLD") == "1":
         yield

@@ -1,9 +1,9 @@
 """A warm Python for the suite: every `python ...` the tests start (and every rank those start) is forked from one
-process that has already imported torch, Lightning, Hydra and DeepSpeed, instead of importing them again.
+process that has already imported torch, DeepSpeed, Hydra and torchmetrics, instead of importing them again.
 
 About 200 training runs start two interpreters each; the imports alone take about 5 s of each (measured on our
-2-core machines), a third of the suite. Nothing of ours is imported before the fork: every run still imports
-lightning_dist, its configs and the user's modules exactly as a fresh interpreter would.
+2-core machines), a third of the suite. Nothing of ours, and not Lightning, is imported before the fork: every run
+still imports lightning_dist, Lightning, its configs and the user's modules exactly as a fresh interpreter would.
 
 How: the suite's `sys.executable` becomes a small launcher script (`LAUNCHER`, standard library only, no `site`).
 It sends its arguments, working directory, environment and standard streams to the warm process, which forks a
@@ -28,10 +28,13 @@ import time
 from pathlib import Path
 
 REAL_PYTHON = sys.executable  # in the pytest process, read before the suite replaces sys.executable
-PRELOADED = ("torch", "torch.distributed", "lightning", "lightning.pytorch", "hydra", "omegaconf", "deepspeed")
+# Not Lightning: importing it decides things from the process's state at that moment (which rank this is, from the
+# environment; whether its loggers print themselves or leave that to handlers already on the root logger), and a
+# child must decide them as a fresh process would. torchmetrics, imported by Lightning, is most of its import time.
+PRELOADED = ("torch", "torch.distributed", "deepspeed", "hydra", "omegaconf", "torchmetrics")
 # Read by the preloaded libraries (or the interpreter) when they start, so a run that sets them differently starts
 # cold. Everything else in the environment is read at run time and is simply replaced in the child.
-READ_AT_START = ("PYTHONWARNINGS", "PYTHONOPTIMIZE", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONHOME", "TORCH_LOGS",
+READ_AT_START = ("PYTHONOPTIMIZE", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONHOME", "TORCH_LOGS",
                  "PYTORCH_JIT", "LD_PRELOAD", "LD_LIBRARY_PATH", "DS_ACCELERATOR")
 HEADER = struct.Struct("!I")
 
@@ -181,6 +184,11 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> None:
     os.environ.update(env)
     if env.get("OMP_NUM_THREADS", "").isdigit():  # read by OpenMP when torch loaded, in the warm process
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    if env.get("PYTHONWARNINGS"):  # the interpreter's own start-up reads these; the child applies them itself
+        import warnings
+
+        for option in env["PYTHONWARNINGS"].split(","):
+            warnings._setoption(option)
     # If the launcher dies (even by SIGKILL, which it cannot forward), so does this process.
     threading.Thread(target=_die_with, args=(conn,), daemon=True).start()
 

@@ -1,0 +1,81 @@
+"""The suite's warm interpreter (tests/warm_python.py) behaves as a fresh `python` would, seen from outside: its
+arguments, directory, environment, streams, exit codes and signals; and it has imported no Lightning nor our code."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import warm_python
+
+pytestmark = pytest.mark.skipif(os.environ.get("LD_TESTS_COLD") == "1", reason="the suite runs cold: no warm interpreter")
+
+
+def python(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60, **kwargs)
+
+
+def test_the_suites_python_is_the_warm_launcher():
+    assert sys.executable != warm_python.REAL_PYTHON and Path(sys.executable).name == "python"
+
+
+def test_arguments_directory_environment_streams_and_exit_code(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text("import os, sys\nprint(sys.argv, os.getcwd(), os.environ['PROBE'], sys.path[0])\n"
+                      "print('to stderr', file=sys.stderr)\nsys.exit(3)\n")
+    done = python(str(script), "a", "b c", cwd=tmp_path, env={**os.environ, "PROBE": "seen"})
+    assert done.returncode == 3
+    assert done.stdout == f"{[str(script), 'a', 'b c']} {tmp_path} seen {tmp_path}\n"
+    assert done.stderr == "to stderr\n"
+
+
+def test_a_module_and_code_run_as_main():
+    assert python("-m", "json.tool", "--help").stdout.startswith("usage: python -m json.tool")
+    assert python("-c", "import sys; print(__name__, sys.argv)", "x").stdout == "__main__ ['-c', 'x']\n"
+
+
+def test_an_uncaught_error_prints_its_traceback_and_exits_1():
+    done = python("-c", "raise ValueError('boom')")
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == "ValueError: boom"
+
+
+def test_a_process_killed_by_a_signal_reads_as_killed_by_it():
+    assert python("-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)").returncode == -signal.SIGTERM
+
+
+def test_signals_reach_the_process_and_it_dies_with_its_launcher(tmp_path):
+    pid_file = tmp_path / "pid"
+    code = (f"import os, signal, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+            "signal.signal(signal.SIGTERM, lambda *_: print('got SIGTERM', flush=True))\ntime.sleep(60)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    while not pid_file.exists() or not pid_file.read_text():
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)  # forwarded: the handler runs, the sleep goes on
+    assert launcher.stdout.readline() == "got SIGTERM\n"
+    launcher.kill()  # SIGKILL cannot be forwarded: the process sees its launcher gone and ends itself
+    launcher.wait()
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+        assert time.monotonic() < deadline, "the process outlived its launcher"
+        time.sleep(0.05)
+
+
+def test_libraries_are_preloaded_but_not_lightning_nor_ours():
+    done = python("-c", "import sys; print(sorted(m for m in ('torch', 'deepspeed', 'lightning', 'lightning_dist')"
+                        " if m in sys.modules))")
+    assert done.stdout == "['deepspeed', 'torch']\n"
+
+
+def test_warnings_options_from_the_environment_apply():
+    code = "import warnings; warnings.warn('shown', UserWarning)"
+    assert "UserWarning: shown" in python("-c", code).stderr
+    done = python("-c", code, env={**os.environ, "PYTHONWARNINGS": "ignore::UserWarning"})
+    assert done.returncode == 0 and done.stderr == ""
