@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -56,14 +57,14 @@ class DirectoryProbe(L.Callback):
 
 
 class CommandLineProbe(L.Callback):
-    """Each rank's command line (from /proc), process id, rendezvous port and output directory:
-    `<dir>/cmdline_rank<N>.json`."""
+    """Each rank's command line (the interpreter's own arguments, `sys.orig_argv`), process id, rendezvous port and
+    output directory: `<dir>/cmdline_rank<N>.json`."""
 
     def __init__(self, directory: str) -> None:
         self.directory = Path(directory)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        cmdline = [part.decode() for part in Path("/proc/self/cmdline").read_bytes().split(b"\0") if part]
+        cmdline = list(sys.orig_argv)
         record = {"cmdline": cmdline, "default_root_dir": str(trainer.default_root_dir), "global_rank": trainer.global_rank,
                   "pid": os.getpid(), "master_port": os.environ.get("MASTER_PORT")}
         self.directory.mkdir(parents=True, exist_ok=True)

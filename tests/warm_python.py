@@ -54,7 +54,7 @@ mode, target, rest = ("script", words[0], words[1:]) if not words[0].startswith(
 env = dict(os.environ)
 if unbuffered:
     env["PYTHONUNBUFFERED"] = "1"
-request = json.dumps({{"mode": mode, "target": target, "argv": rest, "cwd": os.getcwd(), "env": env}}).encode()
+request = json.dumps({{"mode": mode, "target": target, "argv": rest, "args": args, "cwd": os.getcwd(), "env": env}}).encode()
 try:
     conn = socket.socket(socket.AF_UNIX)
     conn.connect(SOCKET)
@@ -197,6 +197,7 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> None:
     first = str(Path(target).resolve().parent) if mode == "script" else ("" if mode == "c" else os.getcwd())
     sys.path[:] = [first, *entries, *[entry for entry in sys.path[1:] if entry not in entries]]
     sys.argv = [target if mode == "script" else ("-c" if mode == "c" else target), *argv]
+    sys.orig_argv = [sys.executable, *request["args"]]  # the command line, as a fresh interpreter reports it
     code: object = 0
     try:
         if mode == "script":
