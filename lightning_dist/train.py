@@ -27,7 +27,6 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from lightning_dist.parallel.devices import close_process_group
 from lightning_dist.callbacks import NonFiniteError, Preempted
 from lightning_dist.checkpoints.autoresume import newest_complete_checkpoint
 from lightning_dist.checkpoints.contents import check_checkpoint_matches
@@ -41,6 +40,7 @@ from lightning_dist.memory import AutoFit, Choice, MemoryPlan, ModelFacts, layou
 from lightning_dist.memory.compare import compare_presets
 from lightning_dist.parallel import BlockClasses, require_classes_in_model, resolve_block_classes
 from lightning_dist.parallel.collective_timeout import CollectiveTimeout, explain_collective_timeout
+from lightning_dist.parallel.devices import close_process_group
 from lightning_dist.parallel.sharded_init import parameters_on_meta
 from lightning_dist.precision import check_precision, device_type
 from lightning_dist.strategies.launcher import PreflightError, preflight

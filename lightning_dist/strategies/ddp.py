@@ -13,8 +13,8 @@ from lightning_dist.checkpoints.formats import FILE
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.memory.layout import Layout
-from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.devices import prepare_rank, process_group_timeout
+from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.strategies.launcher import guarded
 
 

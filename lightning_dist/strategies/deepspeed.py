@@ -26,16 +26,16 @@ from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.deepspeed_config.for_run import Resolution, RunConfig, config_in_effect
 from lightning_dist.deepspeed_config.preflight import check_before_launch
 from lightning_dist.deepspeed_config.zero import OPTIMIZER_TILE, ZeroSection
+from lightning_dist.memory.layout import Layout, deepspeed_layout
 from lightning_dist.optim.offload import optimizer_for_offload
 from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
-from lightning_dist.memory.layout import Layout, deepspeed_layout
 from lightning_dist.parallel.dims import ParallelDims
-from lightning_dist.precision import PrecisionSupport
 from lightning_dist.parallel.outermost_forward import run_root_hooks_once_per_forward
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel, has_meta_parameters, parameters_on_meta
 from lightning_dist.parallel.zero3_runtime import prepare_zero3_runtime
 from lightning_dist.parallel.zero_engine import initialize_deferred_parameters, use_deepspeed_accelerator
+from lightning_dist.precision import PrecisionSupport
 from lightning_dist.strategies.launcher import guarded
 
 

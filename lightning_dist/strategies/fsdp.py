@@ -19,6 +19,7 @@ from lightning_dist._compat.lightning import give_device_mesh, move_optimizers_t
 from lightning_dist.checkpoints.formats import DISTRIBUTED
 from lightning_dist.checkpoints.resume import load_for_resume, load_weights_from_rank_zero, restore_optimizer_by_name
 from lightning_dist.checkpoints.swap import SwappedSaves
+from lightning_dist.memory.layout import Layout, fsdp_layout
 from lightning_dist.optim import require_shardable_optimizer
 from lightning_dist.parallel import (
     BlockClasses,
@@ -32,11 +33,10 @@ from lightning_dist.parallel import (
     resolve_block_classes,
     sharding_layout,
 )
-from lightning_dist.memory.layout import Layout, fsdp_layout
-from lightning_dist.parallel.dims import ParallelDims
-from lightning_dist.precision import PrecisionSupport
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
+from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel, has_meta_parameters, parameters_on_meta
+from lightning_dist.precision import PrecisionSupport
 from lightning_dist.strategies.launcher import guarded
 
 # LightningModule methods that run the model without going through `forward`.
@@ -107,7 +107,7 @@ class FSDPStrategy(SwappedSaves, ForgetsUnbuiltModel, ModelParallelStrategy):
             )
         return classes
 
-    precision_support = PrecisionSupport(fp16_loss_scaling=False)
+    precision_support = PrecisionSupport(fp16_loss_scaling=False)  # FSDP2 has no gradient scaler for fp16
 
     def memory_layout(self, name: str) -> Layout:
         return fsdp_layout(self, name)
