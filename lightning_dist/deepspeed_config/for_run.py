@@ -13,7 +13,7 @@ from lightning_dist.deepspeed_config.load import load_user_config, write_effecti
 from lightning_dist.deepspeed_config.outputs import anchor_output_paths
 from lightning_dist.deepspeed_config.resolve import Resolution, ZeroOptions, buckets_sized_by_model, resolve
 from lightning_dist.deepspeed_config.swap_buffers import swap_buffers_sized_by_model
-from lightning_dist.deepspeed_config.zero import ZeroSection, option_problems
+from lightning_dist.deepspeed_config.zero import Offload, ZeroSection, option_problems
 
 PRESET = "strategy"  # the source of a config built from the strategy's options rather than read from a file
 
@@ -51,8 +51,8 @@ class RunConfig:
         options = self.zero_options
         return ZeroSection(
             options.stage if options.stage is not None else section.stage,
-            section.optimizer if options.offload_optimizer is None else type(section.optimizer)(options.offload_optimizer),
-            section.parameters if options.offload_parameters is None else type(section.parameters)(options.offload_parameters),
+            section.optimizer if options.offload_optimizer is None else Offload(options.offload_optimizer),
+            section.parameters if options.offload_parameters is None else Offload(options.offload_parameters),
         )
 
     def resolve(self, base_config: dict[str, Any], world_size: int, trainer: Any, model: Any, loader: Any = None,
