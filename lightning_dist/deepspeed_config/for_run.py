@@ -64,7 +64,7 @@ class RunConfig:
             config = buckets_sized_by_model(config)
         resolution = resolve(config, facts, self.zero_options, self.source)
         if self.is_preset and model is not None:  # nor how much is gathered, nor the NVMe pool
-            config = gathering_sized_by_model(resolution.config, model.modules())
+            config = gathering_sized_by_model(resolution.config, model)
             resolution.config = swap_buffers_sized_by_model(config, model.modules(), world_size)
         return resolution
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_dist._compat.torch import storage_owner, tree_map
 from lightning_dist.deepspeed_config.facts import hidden_size_of
+from lightning_dist.parallel.classes import block_modules
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class ModelFacts:
         with torch.device("meta"):
             module = build()
         params = [p for p in _unique_parameters(module) if p.requires_grad]
-        blocks = [m for m in module.modules() if isinstance(m, block_classes)]
+        blocks = block_modules(module, block_classes)
         activations = _trace_activations(module, batch, blocks) if batch is not None else None
         return cls(
             parameters=sum(p.numel() for p in params),

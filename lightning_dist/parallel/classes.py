@@ -83,6 +83,19 @@ def infer_block_classes(model: nn.Module, key: str = "strategy.block_class") -> 
     return tuple(dict.fromkeys(_layer_class(mlist[0]) for mlist in outer))
 
 
+def block_modules(model: nn.Module, classes: BlockClasses = ()) -> list[nn.Module]:
+    """The model's blocks, the one definition every part of the package uses (FSDP's units and what activation
+    checkpointing wraps, ZeRO-3's live-parameter sizing, the memory planner): the modules of `classes`, or, when none
+    are given, of the classes its layer stacks hold (`infer_block_classes`). [] for a model without stacks, or whose
+    lists cannot be read as stacks (the strategies refuse those by name; sizing then falls back to the whole model)."""
+    if not classes:
+        try:
+            classes = infer_block_classes(model)
+        except ValueError:
+            return []
+    return [m for m in model.modules() if isinstance(m, classes)] if classes else []
+
+
 def _one_class(mlist: nn.ModuleList) -> bool:
     return len({_layer_class(child) for child in mlist}) == 1
 

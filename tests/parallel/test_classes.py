@@ -84,3 +84,21 @@ def test_a_list_mixing_classes_is_refused_naming_them():
         "strategy.block_class: cannot infer the model's block class: an nn.ModuleList mixes Linear, ReLU"
         " (single-class stacks: TransformerBlock); set it to the layer class, or a list of them"
     )
+
+
+def test_one_definition_of_a_block_for_fsdp_zero3_and_the_planner():
+    from lightning_dist.deepspeed_config.gathering import largest_block
+    from lightning_dist.memory.model_facts import ModelFacts
+    from lightning_dist.models.gpt import GPTLanguageModel
+    from lightning_dist.parallel.classes import block_modules
+
+    model = GPTLanguageModel()
+    blocks = list(model.model.blocks)
+    assert block_modules(model) == blocks == block_modules(model, (TransformerBlock,))  # inferred, or as configured
+    size = sum(p.numel() for p in blocks[0].parameters())
+    # ZeRO-3's live-parameter sizing and the planner read the same blocks, configured or not.
+    assert largest_block(model) == ModelFacts.of(GPTLanguageModel).largest_block == size
+    assert ModelFacts.of(GPTLanguageModel, block_classes=(TransformerBlock,)).largest_block == size
+    # A list whose classes cannot be read as a stack: no blocks (the strategies refuse it by name).
+    mixed = nn.Sequential(nn.ModuleList([nn.Linear(2, 2), nn.ReLU()]))
+    assert block_modules(mixed) == [] and largest_block(mixed) == 0
