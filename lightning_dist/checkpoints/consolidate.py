@@ -18,22 +18,22 @@ from typing import Any
 import torch
 
 from lightning_dist._compat.deepspeed import merge_zero_partitions
-from lightning_dist.checkpoints.formats import DEEPSPEED, FILE, CheckpointError, checkpoint_format, deepspeed_tag_dir
-from lightning_dist.checkpoints.safe_load import load_file, vet_checkpoint
+from lightning_dist.checkpoints.formats import DEEPSPEED, FILE, CheckpointError, deepspeed_tag_dir
+from lightning_dist.checkpoints.safe_load import load_file
+from lightning_dist.checkpoints.source import CheckpointSource
 
 
-def load_consolidated(path: str | Path, trusted: bool = False) -> dict[str, Any]:
+def load_consolidated(path: str | Path | CheckpointSource, trusted: bool = False) -> dict[str, Any]:
     """The checkpoint at `path` as one in-memory Lightning checkpoint dict with a full fp32 `state_dict`.
-    Unless `trusted`, a checkpoint whose pickles hold anything but data is refused (UnsafeCheckpointError)."""
-    path = Path(path)
-    kind = checkpoint_format(path)
-    if kind == FILE:
-        return load_file(path, trusted=trusted)
-    if not trusted:
-        vet_checkpoint(path)  # DeepSpeed's and DCP's readers below unpickle freely
-    if kind == DEEPSPEED:
-        return _load_deepspeed(path)
-    return _load_distributed(path)
+    Unless `trusted` (or vetted already, for a CheckpointSource), a checkpoint whose pickles hold anything but data
+    is refused (UnsafeCheckpointError)."""
+    source = CheckpointSource.of(path, trusted)
+    if source.format == FILE:
+        return load_file(source.path, trusted=source.readable)  # the safe unpickler vets as it loads
+    source = source.vet()  # DeepSpeed's and DCP's readers below unpickle freely
+    if source.format == DEEPSPEED:
+        return _load_deepspeed(source.path)
+    return _load_distributed(source.path)
 
 
 def consolidate_checkpoint(path: str | Path, output: str | Path, trusted: bool = False) -> Path:

@@ -16,11 +16,11 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dist._compat.deepspeed import point_parameters_at_optimizer_state
-from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError, checkpoint_format
+from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError
 from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.checkpoints.ranks import DeepSpeedRanks, Ranks
 from lightning_dist.checkpoints.resume import OPTIMIZER_KEYS, load_for_resume, optimizer_state_by_name
-from lightning_dist.checkpoints.safe_load import vet_checkpoint
+from lightning_dist.checkpoints.source import CheckpointSource
 from lightning_dist.checkpoints.universal import convert_on_rank_zero, loading_universal, saved_run
 from lightning_dist.deepspeed_config.zero import ZeroSection
 
@@ -154,14 +154,14 @@ def load_deepspeed_checkpoint(strategy: DeepSpeedRanks, checkpoint_path: Any, we
     `load_natively` (Lightning's loader); one written by another number of ranks is converted to DeepSpeed's
     universal form first; anything else (DDP, FSDP, another ZeRO layout) is consolidated on rank 0 and partitioned."""
     checkpoint_path = strategy.broadcast(checkpoint_path)
-    native = checkpoint_format(checkpoint_path) == DEEPSPEED
+    source = CheckpointSource.of(checkpoint_path, trusted=weights_only is False)
+    native = source.format == DEEPSPEED
     if native:
-        if weights_only is not False:  # DeepSpeed unpickles its shards with weights_only=False
-            vet_checkpoint(checkpoint_path)
+        source = source.vet()  # DeepSpeed unpickles its shards with weights_only=False
         saved_world_size, saved_config = saved_run(checkpoint_path)
         native = engine_reads_natively(saved_config, strategy.config)
     if not native:
-        checkpoint = load_for_resume(strategy, checkpoint_path, native_formats=set(), weights_only=weights_only)
+        checkpoint = load_for_resume(strategy, source, native_formats=set(), weights_only=weights_only)
         load_into_engine(strategy, checkpoint, strict=strategy.lightning_module.strict_loading)
         return checkpoint
     if saved_world_size in (None, strategy.world_size):

@@ -15,10 +15,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
 from lightning_dist.checkpoints.consolidate import load_consolidated
-from lightning_dist.checkpoints.formats import CheckpointError, checkpoint_format
+from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.checkpoints.ranks import Ranks
-from lightning_dist.checkpoints.safe_load import vet_checkpoint
+from lightning_dist.checkpoints.source import CheckpointSource
 
 # The tensors of a consolidated checkpoint: read on rank 0 only, then broadcast as they are loaded.
 OPTIMIZER_KEYS = ("optimizer_state_by_name", "optimizer_states")
@@ -34,15 +34,14 @@ def load_for_resume(strategy: Ranks, path: str | Path, native_formats: set[str],
     `weights_only` is Lightning's: unless the user passed False, every pickle in the checkpoint must hold data
     only (safe_load.py), whichever library reads it afterwards.
     """
-    trusted = weights_only is False
-    if checkpoint_format(path) in native_formats:
-        if not trusted:
-            vet_checkpoint(path)
+    source = CheckpointSource.of(path, trusted=weights_only is False)
+    if source.format in native_formats:
+        source.vet()
         return None
     checkpoint, shared = None, None
     if strategy.is_global_zero:
         try:
-            checkpoint = load_consolidated(path, trusted)
+            checkpoint = load_consolidated(source)
             shared = {k: (None if k in _TENSOR_KEYS else v) for k, v in checkpoint.items()}
         except CheckpointError as error:
             shared = error

@@ -63,13 +63,14 @@ def _inside_deepspeed_dir(path: Path) -> bool:
     return any(is_deepspeed_dir(parent) for parent in path.parents)
 
 
-def vet_checkpoint(path: str | Path, key: str = "ckpt_path") -> None:
-    """UnsafeCheckpointError unless every pickle in the checkpoint at `path` holds only data.
+def vet_checkpoint(path: str | Path, key: str = "ckpt_path", kind: str | None = None) -> None:
+    """UnsafeCheckpointError unless every pickle in the checkpoint at `path` (of format `kind`, worked out when not
+    given) holds only data.
 
     Tensors are memory-mapped, not read: vetting costs about as much as listing the file's contents.
     """
     path = Path(path)
-    kind = checkpoint_format(path, key)
+    kind = kind or checkpoint_format(path, key)
     if kind == DEEPSPEED:
         for file in sorted(deepspeed_tag_dir(path).glob("*.pt")):
             load_file(file, key, mmap=True)

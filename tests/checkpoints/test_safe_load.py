@@ -124,3 +124,31 @@ def test_distributed_metadata_unpickler_refuses_foreign_globals(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="GLOBAL io.open"):
         _MetadataUnpickler(io.BytesIO(pickle.dumps(Payload(tmp_path / "x")))).load()
     assert not (tmp_path / "x").exists()
+
+
+def test_a_load_works_out_the_format_and_vets_once(tmp_path, monkeypatch):
+    """One CheckpointSource per load: however many steps read it, the format is found and the pickles vetted once."""
+    from lightning_dist.checkpoints import formats, safe_load, source as source_module
+    from lightning_dist.checkpoints.source import CheckpointSource
+
+    path = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}}, path)
+    calls = {"format": 0, "vet": 0}
+    real_format, real_vet = formats.checkpoint_format, safe_load.vet_checkpoint
+
+    def counting_format(*args, **kwargs):
+        calls["format"] += 1
+        return real_format(*args, **kwargs)
+
+    def counting_vet(*args, **kwargs):
+        calls["vet"] += 1
+        return real_vet(*args, **kwargs)
+
+    monkeypatch.setattr(source_module, "checkpoint_format", counting_format)
+    monkeypatch.setattr(source_module, "vet_checkpoint", counting_vet)
+    source = CheckpointSource.of(path)
+    assert (source.format, source.readable) == ("file", False)
+    vetted = source.vet().vet()  # a second step asking again does not vet again
+    assert vetted.readable and calls == {"format": 1, "vet": 1}
+    assert CheckpointSource.of(vetted) is vetted
+    assert CheckpointSource.of(path, trusted=True).vet().readable and calls["vet"] == 1  # trusted: never vetted
