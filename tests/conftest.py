@@ -66,8 +66,10 @@ def warm_interpreter(tmp_path_factory):
     socket_path = str(directory / "socket")
     launcher = warm_python.write_launcher(directory / "python", socket_path)
     with open(directory / "warm.log", "w") as log:
+        # In a session of its own, as each process it forks is: nothing they signal by group can reach the suite.
         server = subprocess.Popen([warm_python.REAL_PYTHON, "-m", "tests.warm_python", socket_path, str(launcher)],
-                                  cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                  cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  start_new_session=True)
     warm_python.wait_until_serving(server, socket_path)
     sys.executable = str(launcher)
     try:

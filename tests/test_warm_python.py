@@ -68,6 +68,14 @@ def test_signals_reach_the_process_and_it_dies_with_its_launcher(tmp_path):
         time.sleep(0.05)
 
 
+def test_a_kill_of_its_own_process_group_reaches_no_further():
+    """The fault loop's probe kills every rank by killing its process group: in the warm interpreter that group is
+    the process's own, never the suite's (this test would end the suite otherwise)."""
+    done = python("-c", "import os, signal; os.killpg(os.getpgid(0), signal.SIGKILL)")
+    assert done.returncode == -signal.SIGKILL  # and this process, the suite's, is still here to see it
+    assert int(python("-c", "import os; print(os.getpgid(0))").stdout) != os.getpgid(0)
+
+
 def test_libraries_are_preloaded_but_not_lightning_nor_ours():
     done = python("-c", "import sys; print(sorted(m for m in ('torch', 'deepspeed', 'lightning', 'lightning_dist')"
                         " if m in sys.modules))")

@@ -71,7 +71,8 @@ for forwarded in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, 
     signal.signal(forwarded, lambda number, frame: os.kill(child, number))
 status = json.loads(stream.readline())["status"]
 if os.WIFSIGNALED(status):
-    signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+    if os.WTERMSIG(status) not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
     os.kill(os.getpid(), os.WTERMSIG(status))
 os._exit(os.waitstatus_to_exitcode(status))
 '''
@@ -167,6 +168,9 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> None:
 
     import torch
 
+    # A session and process group of its own: what the process does to "its group" (a kill -9 of every rank, as the
+    # fault loop's probe does) reaches itself and what it started, never the warm process or the suite.
+    os.setsid()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT, signal.SIGCHLD):
         signal.signal(number, signal.SIG_DFL)
