@@ -188,10 +188,11 @@ class SleepAtStep(L.Callback):
 
 
 class KillDuringSave(L.Callback):
-    """SIGKILLs this run's whole process group (every rank at once) `FAULT_KILL_DELAY_S` seconds after save number
-    `FAULT_KILL_AT_SAVE` of this process began, from a timer thread: a kill -9 that lands inside the save, however
-    briefly the save lasts. Set by the fault loop through the environment (the command stays the same, so that
-    `resume=true` recognises the runs as one); inert where unset."""
+    """SIGKILLs every rank (each its own process group, at the same moment) `FAULT_KILL_DELAY_S` seconds after save
+    number `FAULT_KILL_AT_SAVE` began, from a timer thread: a kill -9 that lands inside the save, however briefly the
+    save lasts. Set by the fault loop through the environment (the command stays the same, so that `resume=true`
+    recognises the runs as one); inert where unset. Every rank arms its own timer: ranks started by Lightning share
+    the launching rank's group, ranks forked by the suite's warm interpreter each have their own."""
 
     def __init__(self) -> None:
         self.at_save = int(os.environ.get("FAULT_KILL_AT_SAVE", -1))
@@ -202,6 +203,6 @@ class KillDuringSave(L.Callback):
         import signal
         import threading
 
-        if trainer.is_global_zero and self.saves == self.at_save:
+        if self.saves == self.at_save:
             threading.Timer(self.delay_s, os.killpg, (os.getpgid(0), signal.SIGKILL)).start()
         self.saves += 1
