@@ -14,7 +14,9 @@ from nbformat.v4 import new_code_cell, new_notebook
 
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.slow
+# Cold: a kernel chooses matplotlib's inline backend as it starts, and the warm interpreter has imported matplotlib
+# (torchmetrics does) before any kernel existed.
+pytestmark = [pytest.mark.slow, pytest.mark.cold]
 
 NOTEBOOKS = REPO / "notebooks"
 

@@ -50,6 +50,8 @@ unbuffered = args[:1] == ["-u"]
 words = args[1:] if unbuffered else args
 if not words or (words[0].startswith("-") and (words[0] not in ("-m", "-c") or len(words) < 2)):
     cold()
+if words[:2] == ["-m", "submitit.local._local"]:  # names its job folder by its own pid: the pid its starter saw
+    cold()
 mode, target, rest = ("script", words[0], words[1:]) if not words[0].startswith("-") else (words[0][1], words[1], words[2:])
 env = dict(os.environ)
 if unbuffered:
