@@ -81,6 +81,18 @@ def warm_interpreter(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def environment_restored():
+    """Each test starts from the environment the suite started with. Lightning and DeepSpeed write RANK, LOCAL_RANK,
+    WORLD_SIZE and MASTER_PORT into the process that sets them up, and every process a later test starts would
+    inherit them: RANK=0 makes each task of an srun job rank zero to Lightning, whatever its SLURM_PROCID."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def cold_interpreter(request):
     """A test marked `cold` starts fresh interpreters: what it checks is what a fresh process imports or does."""
     if request.node.get_closest_marker("cold") is None:

@@ -87,14 +87,14 @@ def data() -> torch.utils.data.DataLoader:
 def run_case(strategy_name: str, path: str, d_model: int, n_layer: int) -> dict:
     at_init = []
     baseline = reset_peak()
-    original = deepspeed_strategy.initialize_parameters
+    original = deepspeed_strategy.initialize_deferred_parameters
 
     def recording_initialize(*args, **kwargs):  # ZeRO-3's partitions are in place: its weights, before the optimizer
         result = original(*args, **kwargs)
         at_init.append(peak() - baseline)
         return result
 
-    deepspeed_strategy.initialize_parameters = recording_initialize
+    deepspeed_strategy.initialize_deferred_parameters = recording_initialize
     probe = StopBeforeFirstStep(baseline)
     try:
         if path == "hydra":
@@ -112,7 +112,7 @@ def run_case(strategy_name: str, path: str, d_model: int, n_layer: int) -> dict:
                     model.configure_model()
         trainer.fit(model, data())
     finally:
-        deepspeed_strategy.initialize_parameters = original
+        deepspeed_strategy.initialize_deferred_parameters = original
     return {"growth": probe.growth, "at_init": at_init[0] if at_init else None}
 
 
