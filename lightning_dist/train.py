@@ -190,9 +190,10 @@ def _instantiate(node: DictConfig, key: str, **runtime_objects: Any) -> Any:
     return instantiate(node, _convert_="all", **runtime_objects)
 
 
-# What Lightning's launcher puts into the environment for the ranks it starts; a later run in this interpreter
-# (a notebook, a sequence of jobs) must pick its own port and world size.
-_LAUNCH_ENVIRONMENT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "LOCAL_RANK")
+# What Lightning's launcher (and its DeepSpeed strategy, for DeepSpeed's own set-up) puts into the environment for
+# the ranks it starts. A later run in this interpreter (a notebook, a sequence of jobs) must pick its own port and
+# world size, and a process it starts must not inherit a rank: Lightning reads RANK before SLURM_PROCID.
+_LAUNCH_ENVIRONMENT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "LOCAL_RANK", "RANK")
 
 
 def train(cfg: DictConfig) -> dict[str, float]:

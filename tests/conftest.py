@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -80,16 +81,28 @@ def warm_interpreter(tmp_path_factory):
         server.wait()
 
 
-@pytest.fixture(autouse=True)
-def environment_restored():
-    """Each test starts from the environment the suite started with. Lightning and DeepSpeed write RANK, LOCAL_RANK,
-    WORLD_SIZE and MASTER_PORT into the process that sets them up, and every process a later test starts would
-    inherit them: RANK=0 makes each task of an srun job rank zero to Lightning, whatever its SLURM_PROCID."""
+@contextlib.contextmanager
+def _environment_restored():
     saved = dict(os.environ)
     yield
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+# Each test, and each test module (its module-scoped fixtures included), leaves the environment as it found it.
+# Lightning and DeepSpeed write RANK, LOCAL_RANK, WORLD_SIZE and MASTER_PORT into the process that sets them up, and
+# every process a later test starts would inherit them: RANK=0 makes each task of an srun job rank zero to Lightning.
+@pytest.fixture(autouse=True)
+def environment_restored_per_test():
+    with _environment_restored():
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def environment_restored_per_module():
+    with _environment_restored():
+        yield
 
 
 @pytest.fixture(autouse=True)

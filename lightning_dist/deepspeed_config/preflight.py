@@ -54,6 +54,10 @@ def _directory_problem(key: str, path: str | None) -> str | None:
 def _native_op_problem(builder_name: str) -> str | None:
     from deepspeed.accelerator import get_accelerator
 
+    from lightning_dist._compat.deepspeed import remember_cpu_info
+
+    remember_cpu_info()  # asked here once, for this process and the ranks it starts
+
     builder = get_accelerator().create_op_builder(builder_name)
     hint = INSTALL_HINTS[builder_name]
     if builder is None:
@@ -65,7 +69,6 @@ def _native_op_problem(builder_name: str) -> str | None:
     except Exception as error:  # noqa: BLE001 - a compiler or linker failure; its text goes into the message
         return f"DeepSpeed's {builder.NAME} op failed to build ({type(error).__name__}: {' '.join(str(error).split())[:300]}): {hint}"
     return None
-
 
 
 def check_before_launch(resolution: Callable[..., Any], trainer: Any, fit_arguments: dict[str, Any]) -> None:

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from lightning_dist.checkpoints import CheckpointError, checkpoint_format, consolidate_checkpoint, load_consolidated
 from lightning_dist.checkpoints.consolidate import main as consolidate_main
+from tests import warm_python
 from tests.conftest import REPO, STRATEGY_NAMES, run_train
 
 
 @pytest.mark.slow
-@pytest.mark.cold  # a plain process: one that has not imported DeepSpeed
 @pytest.mark.parametrize("name", STRATEGY_NAMES)
 def test_consolidated_checkpoint_loads_strictly_in_a_plain_process(name, curve_runs, tmp_path):
     run = curve_runs(name)
@@ -23,8 +22,9 @@ def test_consolidated_checkpoint_loads_strictly_in_a_plain_process(name, curve_r
     plain = consolidate_checkpoint(run.run_dir / "checkpoints" / "last.ckpt", tmp_path / "plain.ckpt")
     assert checkpoint_format(plain) == "file"
     assert torch.load(plain, map_location="cpu", weights_only=True)["global_step"] == 30
+    # A plain process: a fresh interpreter, which has not imported DeepSpeed (the warm one the suite forks has).
     process = subprocess.run(
-        [sys.executable, "-m", "tests.checkpoints_plain_load", str(plain), str(run.run_dir / "gathered_state.pt")],
+        [warm_python.REAL_PYTHON, "-m", "tests.checkpoints_plain_load", str(plain), str(run.run_dir / "gathered_state.pt")],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert process.returncode == 0 and process.stdout.strip().endswith("OK"), process.stderr[-3000:]

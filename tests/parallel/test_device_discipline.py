@@ -10,6 +10,8 @@ state (FSDP CPU offload), ZeRO-3, and resuming from a foreign checkpoint (consol
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -37,18 +39,22 @@ RUN = (
 class AuditedRun:
     def __init__(self, run_dir, careless: CarelessTensorsOnMeta, audit: CollectiveDeviceAudit, metrics=None, error=None):
         self.run_dir, self.careless, self.audit, self.metrics, self.error = run_dir, careless, audit, metrics, error
+        self.environment_after = dict(os.environ)
 
 
 def audited_train(run_dir, *overrides: str, packages: tuple[str, ...] = ("lightning_dist",)) -> AuditedRun:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"paths.output_dir={run_dir}", *RUN, *overrides])
+    environment_before = dict(os.environ)
     careless = CarelessTensorsOnMeta(packages=packages, step=lambda: StepClock.current)
     audit = CollectiveDeviceAudit(torch.device("cpu"))
     try:
         with careless, audit:
-            return AuditedRun(run_dir, careless, audit, metrics=train(cfg))
+            run = AuditedRun(run_dir, careless, audit, metrics=train(cfg))
     except Exception as error:  # the test reads it
-        return AuditedRun(run_dir, careless, audit, error=error)
+        run = AuditedRun(run_dir, careless, audit, error=error)
+    run.environment_before = environment_before
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +81,15 @@ def test_every_collective_gets_root_device_tensors_and_the_package_makes_none_el
     assert run.careless.redirected == []
     assert run.metrics["test_loss"] < run.metrics["val_loss"] + 1  # it trained and tested: real numbers came back
     assert (run.run_dir / "gathered_state.pt").exists()
+
+
+@pytest.mark.parametrize("name", RUN_NAMES)
+def test_a_run_in_this_process_leaves_no_rank_or_address_behind(audited_runs, name):
+    """A process this one starts later (the next job, a notebook's next run) must not inherit this run's rank:
+    Lightning's DeepSpeed set-up writes RANK, and Lightning reads RANK before SLURM_PROCID."""
+    run = audited_runs[name]
+    launch = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+    assert {k: run.environment_after.get(k) for k in launch} == {k: run.environment_before.get(k) for k in launch}
 
 
 @pytest.mark.parametrize("name", RUN_NAMES)
