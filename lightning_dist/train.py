@@ -12,7 +12,6 @@ import inspect
 import logging
 import math
 import os
-import shutil
 import sys
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -35,7 +34,8 @@ from lightning_dist.checkpoints.safe_load import vet_checkpoint
 from lightning_dist.console import is_rank_zero, quiet_console
 from lightning_dist.cli import exit_with
 from lightning_dist.config_check import ConfigError
-from lightning_dist.launch import JobFailed, needs_isolation, run_isolated
+from lightning_dist.launch.isolated_job import JobFailed, needs_isolation, run_isolated
+from lightning_dist.launch.run_dir import discard_refused_run
 from lightning_dist.memory import AutoFit, Choice, MemoryPlan, ModelFacts, layout_of, plan_memory
 from lightning_dist.memory.compare import compare_presets
 from lightning_dist.parallel import BlockClasses, require_classes_in_model, resolve_block_classes
@@ -307,7 +307,7 @@ def run_job(cfg: DictConfig) -> Any:
     except (ConfigError, NonFiniteError, CollectiveTimeout, JobFailed) as error:
         if not multirun:
             if isinstance(error, ConfigError):
-                _discard_run_dir(Path(hydra_config.runtime.output_dir), hydra_config.job.name)
+                discard_refused_run(Path(hydra_config.runtime.output_dir), hydra_config.job.name)
             exit_with(error, code=2 if isinstance(error, ConfigError) else 1)
         if cfg.get("optimized_metric") is None:
             raise  # Hydra reports the failed job and runs the others
@@ -328,10 +328,3 @@ def _objective(cfg: DictConfig, metrics: dict[str, float]) -> Any:
         raise ConfigError(f"optimized_metric={name}: the run reported no such metric; it reported {', '.join(sorted(metrics))}")
     return metrics[name]
 
-
-def _discard_run_dir(output_dir: Path, job_name: str) -> None:
-    """A refused configuration leaves no run directory behind: what Hydra wrote for it (`.hydra/`, the job's log) is
-    removed, and the directory with it when nothing else is in it (a directory that held something before, stays)."""
-    ours = {".hydra", f"{job_name}.log"}
-    if output_dir.is_dir() and {entry.name for entry in output_dir.iterdir()} <= ours:
-        shutil.rmtree(output_dir)

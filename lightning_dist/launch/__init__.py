@@ -1,6 +1,3 @@
-"""Launching runs under Hydra: each sweep job in a process of its own (Hydra-side; the strategies know nothing of
-Hydra)."""
-
-from lightning_dist.launch.isolated_job import JobFailed, needs_isolation, run_isolated
-
-__all__ = ["JobFailed", "needs_isolation", "run_isolated"]
+"""Launching runs under Hydra (Hydra-side; the strategies know nothing of Hydra): each sweep job in a process of its
+own (`isolated_job`), and one run per run directory (`run_dir`, which Hydra loads before the job: it imports no
+Lightning, so a refused directory is said at once)."""

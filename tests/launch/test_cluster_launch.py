@@ -171,7 +171,7 @@ def test_a_sweep_job_gets_its_own_process_when_lightning_would_start_ranks(devic
 
     from hydra.types import RunMode
 
-    from lightning_dist.launch import needs_isolation
+    from lightning_dist.launch.isolated_job import needs_isolation
 
     trainer = {"devices": devices, "num_nodes": num_nodes}
     assert needs_isolation(SimpleNamespace(mode=RunMode.MULTIRUN), trainer) is isolated

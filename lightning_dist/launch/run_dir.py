@@ -1,0 +1,152 @@
+"""A run directory belongs to one run.
+
+Users fix `hydra.run.dir` all the time (SLURM scripts do). Without a check, a second run into it replaces the first
+one's `metrics.json`, `.hydra/` config and CSV, and Lightning names the newer checkpoint `last-v1.ckpt` beside the
+older `last.ckpt`. So the process that starts a run claims its directory before Hydra writes anything into it:
+
+- a directory another run has used (its claim file, `metrics.json`, or checkpoints) is refused, unless this run
+  continues it on purpose (`resume=true`, `ckpt_path=`);
+- the claim file is locked for the claiming process's lifetime, so two runs never share a directory at once.
+
+Only the process that starts the run claims: the ranks it starts inherit its claim through the environment, and
+ranks a cluster starts (torchrun, srun) leave the claim to global rank 0.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from omegaconf import DictConfig
+
+from lightning_dist.config_check import ConfigError
+
+CLAIM_FILE = ".run.lock"
+# The directory this process claimed, for the processes it starts (Lightning's ranks, a sweep job's process).
+CLAIM_ENV = "LIGHTNING_DIST_RUN_DIR"
+# What a run leaves that a later one must not replace (the claim file, for runs that stopped before any of them).
+RESULTS = ("metrics.json", "checkpoints", CLAIM_FILE)
+# Where a cluster's launcher says which rank a process is; any but 0 leaves the claim to rank 0.
+RANK_VARIABLES = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK")
+
+
+@dataclass
+class Claim:
+    directory: Path
+    created: bool  # this run made the directory
+    continued: bool  # it held another run, which this one continues on purpose: nothing in it is this run's alone
+    lock: IO[str]  # open for the process's lifetime; the lock goes with it
+
+
+_claim: Claim | None = None
+
+
+def current_claim() -> Claim | None:
+    return _claim
+
+
+def claim_run_dir(directory: Path, continuing: bool) -> Claim | None:
+    """Claim `directory` for this process's run, or raise ConfigError naming why not. None where another process
+    (the one that started this rank) holds the claim."""
+    global _claim
+    directory = directory.resolve()
+    if _claim is not None and _claim.directory == directory:
+        return _claim
+    if os.environ.get(CLAIM_ENV) == str(directory) or _started_as_another_rank():
+        return None
+    created = not directory.exists()
+    used = [name for name in RESULTS if _holds(directory / name)]
+    if (directory / CLAIM_FILE).exists():
+        _refuse_if_in_use(directory)
+    if used and not continuing:
+        raise ConfigError(
+            f"hydra.run.dir: {directory} holds another run ({', '.join(used)}); choose another directory, or continue "
+            "that run on purpose with resume=true or ckpt_path=<its checkpoint>"
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = open(directory / CLAIM_FILE, "a+")  # noqa: SIM115 - held open (and locked) until the process exits
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # another run claimed it in the meantime
+        lock.close()
+        _refuse_if_in_use(directory)
+        raise
+    lock.seek(0)
+    lock.truncate()
+    lock.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
+    lock.flush()
+    os.environ[CLAIM_ENV] = str(directory)
+    _claim = Claim(directory, created, bool(used), lock)
+    return _claim
+
+
+def discard_refused_run(directory: Path, job_name: str) -> None:
+    """A run refused before it started leaves nothing: what Hydra and the claim wrote for it (`.hydra/`, the job's
+    log, the claim file) goes, and the directory too when this run made it. A directory that holds anything else,
+    or another run continued on purpose, stays as it was."""
+    claim = current_claim()
+    if claim is not None:
+        claim.lock.close()
+        if claim.continued:
+            return
+    ours = {".hydra", f"{job_name}.log", CLAIM_FILE}
+    if not directory.is_dir() or not {entry.name for entry in directory.iterdir()} <= ours:
+        return
+    if claim is None or claim.created:
+        shutil.rmtree(directory)
+        return
+    for entry in directory.iterdir():
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def _refuse_if_in_use(directory: Path) -> None:
+    with open(directory / CLAIM_FILE) as claim:
+        try:
+            fcntl.flock(claim, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe_holder(claim.read())
+            raise ConfigError(
+                f"hydra.run.dir: {directory} is in use by a run still going ({holder}); choose another directory"
+            ) from None
+
+
+def _holds(path: Path) -> bool:
+    return path.is_file() or (path.is_dir() and any(path.iterdir()))
+
+
+def _started_as_another_rank() -> bool:
+    return any(os.environ.get(name, "0") not in ("", "0") for name in RANK_VARIABLES)
+
+
+def _describe_holder(text: str) -> str:
+    try:
+        holder = json.loads(text)
+        return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "its claim file is locked"
+
+
+class OneRunPerDirectory:
+    """Hydra callback (conf/train.yaml, `hydra.callbacks`): claims `hydra.run.dir` before Hydra writes into it."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        from lightning_dist.cli import exit_with
+
+        HydraConfig.instance().set_config(config)  # as Hydra's run_job does next, for `${hydra:...}` in the path
+        continuing = bool(config.get("resume")) or bool(config.get("ckpt_path"))
+        try:
+            claim_run_dir(Path(str(config.hydra.run.dir)), continuing)
+        except ConfigError as error:
+            exit_with(error)
