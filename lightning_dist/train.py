@@ -327,4 +327,3 @@ def _objective(cfg: DictConfig, metrics: dict[str, float]) -> Any:
     if name not in metrics:
         raise ConfigError(f"optimized_metric={name}: the run reported no such metric; it reported {', '.join(sorted(metrics))}")
     return metrics[name]
-
