@@ -40,7 +40,7 @@ from lightning_dist.memory import AutoFit, Choice, MemoryPlan, ModelFacts, layou
 from lightning_dist.memory.compare import compare_presets
 from lightning_dist.parallel import BlockClasses, require_classes_in_model, resolve_block_classes
 from lightning_dist.parallel.collective_timeout import CollectiveTimeout, explain_collective_timeout
-from lightning_dist.parallel.devices import close_process_group
+from lightning_dist.parallel.process_exit import close_process_group
 from lightning_dist.parallel.sharded_init import parameters_on_meta
 from lightning_dist.precision import check_precision, device_type
 from lightning_dist.strategies.launcher import PreflightError, preflight

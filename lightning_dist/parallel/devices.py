@@ -7,7 +7,6 @@ NCCL refuses host tensors. Everything the package hands to a collective is made 
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -17,6 +16,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 
 from lightning_dist._compat.lightning import set_threads_for_ranks
 from lightning_dist._compat.torch import set_default_process_group_timeout
+from lightning_dist.parallel.process_exit import close_process_group_at_exit
 
 # Host state under CUDA (FSDP's offloaded shards, DeepSpeed's offloaded partitions) is reduced with gloo, device
 # state with nccl: one process group with a backend per device type, as torchtitan does.
@@ -49,21 +49,6 @@ def prepare_rank(device: torch.device, processes_per_node: int, timeout: timedel
     share_the_cores(processes_per_node)
     use_timeout_for_every_group(timeout)
     close_process_group_at_exit()
-
-
-def close_process_group_at_exit() -> None:
-    """Destroy the default process group when the interpreter exits, for every backend (Lightning does it for
-    nccl only). A gloo group left to the interpreter's teardown sometimes aborts the process with "terminate called
-    without an active exception" after a successful run: exit code -6 (seen under CI load, for a user's own script
-    on ld_deepspeed_stage_3 and ld_fsdp_cpu_offload). Registered once per process."""
-    atexit.unregister(close_process_group)
-    atexit.register(close_process_group)
-
-
-def close_process_group() -> None:
-    """Destroy the default process group, if there is one."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def use_timeout_for_every_group(timeout: timedelta) -> None:
