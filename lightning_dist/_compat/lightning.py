@@ -7,6 +7,7 @@ for the same jobs; ours reuse them instead of copying their logic.
 
 from __future__ import annotations
 
+import csv
 import logging
 from typing import Any
 
@@ -16,6 +17,7 @@ from lightning.fabric.strategies.deepspeed import _validate_device_index_selecti
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter as CSVExperimentWriter
 from lightning.pytorch.strategies.launchers.launcher import _Launcher as Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher as MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput
@@ -24,7 +26,8 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning_dist._compat import Fenced
 
 __all__ = [
-    "Launcher", "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput", "console_handler", "give_device_mesh",
+    "ContinuingCSVWriter", "Launcher", "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput",
+    "console_handler", "continuing_csv_writer", "give_device_mesh",
     "load_distributed_checkpoint", "logs_this_step", "move_optimizers_to_device", "module_optimizers",
     "set_threads_for_ranks", "train_data_source", "unified_precision", "validate_cuda_device_indices",
 ]
@@ -43,6 +46,10 @@ FENCED = [
     Fenced("lightning.fabric.utilities.load", "_load_distributed_checkpoint", ("checkpoint_folder",)),
     Fenced("lightning.pytorch.core.optimizer", "_configure_optimizers", ("optim_conf",)),
     Fenced("lightning", "_console"),
+    # The CSV writer deletes an existing metrics.csv as it starts; it keeps its columns in `metrics_keys`, sorted.
+    Fenced("lightning.fabric.loggers.csv_logs", "_ExperimentWriter._check_log_dir_exists", ("self",)),
+    Fenced("lightning.fabric.loggers.csv_logs", "_ExperimentWriter._record_new_keys", ("self",)),
+    Fenced("lightning.fabric.loggers.csv_logs", "_ExperimentWriter._rewrite_with_new_header", ("self", "fieldnames")),
 ]
 
 
@@ -101,3 +108,26 @@ def console_handler() -> logging.Handler:
     import lightning
 
     return lightning._console
+
+
+class ContinuingCSVWriter(CSVExperimentWriter):
+    """Lightning's CSV writer, except that it keeps a metrics.csv it finds (Lightning's deletes it) and writes its rows
+    after the earlier ones, under the union of their columns."""
+
+    def _check_log_dir_exists(self) -> None:
+        if not self._fs.isfile(self.metrics_file_path):  # fsspec: the log may live on a remote filesystem
+            return
+        with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+            columns = csv.DictReader(file).fieldnames or []
+        # Lightning appends rows in the order of its sorted column list: a file in another order is rewritten first.
+        self.metrics_keys = sorted(columns)
+        if columns != self.metrics_keys:
+            self._rewrite_with_new_header(self.metrics_keys)
+
+
+def continuing_csv_writer(logger: Any) -> ContinuingCSVWriter:
+    """The writer of Lightning's CSVLogger `logger`, made on first use as its `experiment` property makes its own."""
+    if logger._experiment is None:
+        logger._fs.makedirs(logger.root_dir, exist_ok=True)
+        logger._experiment = ContinuingCSVWriter(log_dir=logger.log_dir)
+    return logger._experiment

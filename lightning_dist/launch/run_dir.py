@@ -6,7 +6,10 @@ older `last.ckpt`. So the process that starts a run claims its directory before 
 
 - a directory another run has used (its claim file, `metrics.json`, or checkpoints) is refused, unless this run
   continues it on purpose (`resume=true`, `ckpt_path=`);
-- the claim file is locked for the claiming process's lifetime, so two runs never share a directory at once.
+- the claim file is locked for the claiming process's lifetime, so two runs never share a directory at once;
+- a run continued into its own directory adds to it and replaces nothing: the earlier attempt's config (`.hydra/`)
+  and final metrics stay, as `.hydra.1/` and `metrics.1.json` (then `.2`, ...), and the CSV log goes on in the same
+  file (lightning_dist/csv_log.py).
 
 Only the process that starts the run claims: the ranks it starts inherit its claim through the environment, and
 ranks a cluster starts (torchrun, srun) leave the claim to global rank 0.
@@ -20,7 +23,7 @@ import os
 import shutil
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -31,8 +34,10 @@ from lightning_dist.config_check import ConfigError
 CLAIM_FILE = ".run.lock"
 # The directory this process claimed, for the processes it starts (Lightning's ranks, a sweep job's process).
 CLAIM_ENV = "LIGHTNING_DIST_RUN_DIR"
+# Written by each attempt of a run afresh (as is the config): an earlier attempt's is kept under a numbered name.
+FINAL_METRICS = "metrics.json"
 # What a run leaves that a later one must not replace (the claim file, for runs that stopped before any of them).
-RESULTS = ("metrics.json", "checkpoints", CLAIM_FILE)
+RESULTS = (FINAL_METRICS, "checkpoints", CLAIM_FILE)
 # Where a cluster's launcher says which rank a process is; any but 0 leaves the claim to rank 0.
 RANK_VARIABLES = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK")
 
@@ -43,6 +48,8 @@ class Claim:
     created: bool  # this run made the directory
     continued: bool  # it held another run, which this one continues on purpose: nothing in it is this run's alone
     lock: IO[str]  # open for the process's lifetime; the lock goes with it
+    attempt_files: list[Path] = field(default_factory=list)  # what each attempt writes afresh
+    set_aside: dict[Path, Path] = field(default_factory=dict)  # an earlier attempt's of them: where they were -> are
 
 
 _claim: Claim | None = None
@@ -52,9 +59,10 @@ def current_claim() -> Claim | None:
     return _claim
 
 
-def claim_run_dir(directory: Path, continuing: bool) -> Claim | None:
+def claim_run_dir(directory: Path, continuing: bool, config_dir: str | None = ".hydra") -> Claim | None:
     """Claim `directory` for this process's run, or raise ConfigError naming why not. None where another process
-    (the one that started this rank) holds the claim."""
+    (the one that started this rank) holds the claim. Continuing another run sets its attempt's `config_dir` (where
+    Hydra writes the config, `hydra.output_subdir`) and final metrics aside."""
     global _claim
     directory = directory.resolve()
     if _claim is not None and _claim.directory == directory:
@@ -83,18 +91,45 @@ def claim_run_dir(directory: Path, continuing: bool) -> Claim | None:
     lock.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
     lock.flush()
     os.environ[CLAIM_ENV] = str(directory)
-    _claim = Claim(directory, created, bool(used), lock)
+    _claim = Claim(directory, created, bool(used), lock, [directory / name for name in (config_dir, FINAL_METRICS) if name])
+    if used:
+        _claim.set_aside = set_aside_earlier_attempt(_claim.attempt_files)
     return _claim
+
+
+def set_aside_earlier_attempt(paths: list[Path]) -> dict[Path, Path]:
+    """Rename those of `paths` an earlier attempt left to the first number free for all of them (`.hydra.1`,
+    `metrics.1.json`), so that the attempts' files pair up; returns where each went."""
+    present = [path for path in paths if path.exists()]
+    number = 1
+    while any(_numbered(path, number).exists() for path in present):
+        number += 1
+    moved = {path: _numbered(path, number) for path in present}
+    for path, aside in moved.items():
+        path.rename(aside)
+    return moved
+
+
+def _numbered(path: Path, number: int) -> Path:
+    stem, suffix = (path.name, "") if path.name.startswith(".") else (path.stem, path.suffix)
+    return path.with_name(f"{stem}.{number}{suffix}")
 
 
 def discard_refused_run(directory: Path, job_name: str) -> None:
     """A run refused before it started leaves nothing: what Hydra and the claim wrote for it (`.hydra/`, the job's
-    log, the claim file) goes, and the directory too when this run made it. A directory that holds anything else,
-    or another run continued on purpose, stays as it was."""
+    log, the claim file) goes, and the directory too when this run made it. A directory that holds anything else
+    stays as it was; a run continued on purpose gets back the files set aside for this attempt."""
     claim = current_claim()
     if claim is not None:
         claim.lock.close()
         if claim.continued:
+            for path in claim.attempt_files:  # the refused attempt's
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
+            for path, aside in claim.set_aside.items():
+                aside.rename(path)
             return
     ours = {".hydra", f"{job_name}.log", CLAIM_FILE}
     if not directory.is_dir() or not {entry.name for entry in directory.iterdir()} <= ours:
@@ -147,6 +182,6 @@ class OneRunPerDirectory:
         HydraConfig.instance().set_config(config)  # as Hydra's run_job does next, for `${hydra:...}` in the path
         continuing = bool(config.get("resume")) or bool(config.get("ckpt_path"))
         try:
-            claim_run_dir(Path(str(config.hydra.run.dir)), continuing)
+            claim_run_dir(Path(str(config.hydra.run.dir)), continuing, config.hydra.output_subdir)
         except ConfigError as error:
             exit_with(error)

@@ -3,6 +3,8 @@ exits with code 75, and `resume=true` continues exactly where the uninterrupted 
 
 from __future__ import annotations
 
+import csv
+import json
 import os
 import stat
 import subprocess
@@ -14,6 +16,7 @@ import torch
 from lightning_dist.callbacks import PREEMPTED_EXIT_CODE
 from lightning_dist.checkpoints import load_consolidated
 from lightning_dist.equivalence import run_strategy
+from lightning_dist.summary_file import curve
 from tests.conftest import CURVE_OVERRIDES, REPO, TRAIN_ENV, free_port
 
 pytestmark = pytest.mark.slow
@@ -56,22 +59,36 @@ def test_under_slurm_the_notice_saves_requeues_and_the_requeued_job_resumes(tmp_
            "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
            "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost", "SLURM_JOB_NODELIST": "localhost",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    def run(run_dir):
-        command = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", "trainer.devices=1",
-                   "trainer.max_steps=8", "test=false", "resume=true", *signal_at(3, "SIGUSR1")]
+    # The requeued job is the same script again: the same fixed run directory, continued by resume=true.
+    run_dir = tmp_path / "runs" / "job_4242"
+    command = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", "trainer.devices=1",
+               "trainer.max_steps=8", "trainer.log_every_n_steps=1", "test=false", "resume=true",
+               *signal_at(3, "SIGUSR1")]
+
+    def run():
         return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
 
-    first = run(tmp_path / "runs" / "first")
+    first = run()
     assert first.returncode == PREEMPTED_EXIT_CODE, first.stderr[-3000:]
-    last = tmp_path / "runs" / "first" / "checkpoints" / "last.ckpt"
+    last = run_dir / "checkpoints" / "last.ckpt"
     assert (f"preempted (SIGUSR1) at global step 4: saved {last}; continue with resume=true") in first.stderr
     assert (tmp_path / "scontrol_calls").read_text() == "requeue 4242\n"  # once: ours, not Lightning's as well
-    assert not list((tmp_path / "runs" / "first").rglob("hpc_ckpt_*"))
+    assert not list(run_dir.rglob("hpc_ckpt_*"))
     assert torch.load(last, weights_only=True)["global_step"] == 4
+    first_config, first_summary = (run_dir / ".hydra" / "config.yaml").read_text(), (run_dir / "metrics.json").read_text()
 
-    requeued = run(tmp_path / "runs" / "second")
+    requeued = run()
     assert requeued.returncode == 0, requeued.stderr[-3000:]
     assert f"resume=true: resuming from {last}" in requeued.stdout + requeued.stderr
-    second_last = tmp_path / "runs" / "second" / "checkpoints" / "last.ckpt"
-    assert torch.load(second_last, weights_only=True)["global_step"] == 8
+    assert torch.load(last, weights_only=True)["global_step"] == 8
+    # The directory holds both attempts, nothing replaced: the first's config and summary under the number 1, and
+    # one CSV whose rows are the first attempt's steps, then the requeued one's. (The stop came before Lightning's
+    # loggers wrote step 3; the first attempt's summary has it.)
+    assert (run_dir / ".hydra.1" / "config.yaml").read_text() == first_config
+    assert (run_dir / "metrics.1.json").read_text() == first_summary
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "metrics.json").is_file()
+    with open(run_dir / "csv" / "metrics.csv") as handle:
+        steps = [int(row["step"]) for row in csv.DictReader(handle) if row.get("train_loss")]
+    assert steps == [0, 1, 2, 4, 5, 6, 7], steps
+    assert sorted(curve(json.loads(first_summary), "train_loss")) == [0, 1, 2, 3]
     assert (tmp_path / "scontrol_calls").read_text() == "requeue 4242\n"  # finished: not requeued again

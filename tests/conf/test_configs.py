@@ -13,11 +13,12 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelSummary, RichProgressBar
-from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
 from omegaconf import open_dict
 
 from lightning_dist.callbacks import StepProgressBar
 from lightning_dist.config_check import check_overrides, group_options
+from lightning_dist.csv_log import ContinuingCSVLogger
 from lightning_dist.train import build
 from tests.conftest import CONF_DIR
 
@@ -66,9 +67,9 @@ def test_every_option_builds_a_run(group, option, tmp_path):
 
 def test_logger_list_builds_every_logger(tmp_path):
     parts = build(compose_run(tmp_path, "logger=[csv,tensorboard,wandb,mlflow]"))
-    assert [type(logger) for logger in parts["trainer"].loggers] == [CSVLogger, TensorBoardLogger, WandbLogger, MLFlowLogger]
+    assert [type(logger) for logger in parts["trainer"].loggers] == [ContinuingCSVLogger, TensorBoardLogger, WandbLogger, MLFlowLogger]
     assert [type(logger) for logger in build(compose_run(tmp_path, "logger=many_loggers"))["trainer"].loggers] == [
-        CSVLogger, TensorBoardLogger, WandbLogger, MLFlowLogger]
+        ContinuingCSVLogger, TensorBoardLogger, WandbLogger, MLFlowLogger]
 
 
 def test_callback_list_adds_options_and_the_rich_bar_replaces_the_default_one(tmp_path):

@@ -95,12 +95,40 @@ def test_a_refused_run_leaves_nothing_and_its_directory_can_be_used_again(tmp_pa
     assert claim_run_dir(directory, continuing=False) is not None
 
 
-def test_a_refused_continuation_leaves_the_earlier_run_as_it_was(tmp_path, unclaimed):
-    (tmp_path / "metrics.json").write_text("{}")
+def an_earlier_attempt(directory: Path, seed: int) -> dict[str, bytes]:
+    (directory / ".hydra").mkdir()
+    (directory / ".hydra" / "config.yaml").write_text(f"seed: {seed}\n")
+    (directory / "metrics.json").write_text(f'{{"seed": {seed}}}')
+    (directory / "train.log").write_text(f"attempt with seed {seed}\n")
+    return files_of(directory)
+
+
+def test_a_continued_run_sets_the_earlier_attempts_config_and_summary_aside_under_one_number(tmp_path, unclaimed, monkeypatch):
+    first = an_earlier_attempt(tmp_path, 1)
     claim_run_dir(tmp_path, continuing=True)
-    write_what_hydra_writes(tmp_path)
+    assert files_of(tmp_path) == {".hydra.1/config.yaml": first[".hydra/config.yaml"],
+                                  "metrics.1.json": first["metrics.json"], "train.log": first["train.log"],
+                                  CLAIM_FILE: (tmp_path / CLAIM_FILE).read_bytes()}
+    # A third attempt: the second's files take the next number, whatever Hydra's config directory is called.
+    run_dir.current_claim().lock.close()
+    monkeypatch.setattr(run_dir, "_claim", None)
+    monkeypatch.delenv(CLAIM_ENV)
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.yaml").write_text("seed: 2\n")
+    (tmp_path / "metrics.json").write_text('{"seed": 2}')
+    claim_run_dir(tmp_path, continuing=True, config_dir="config")
+    assert (tmp_path / "config.2" / "config.yaml").read_text() == "seed: 2\n"
+    assert (tmp_path / "metrics.2.json").read_text() == '{"seed": 2}'
+    assert not (tmp_path / "config").exists() and not (tmp_path / "metrics.json").exists()
+
+
+def test_a_refused_continuation_leaves_the_earlier_run_as_it_was(tmp_path, unclaimed):
+    before = an_earlier_attempt(tmp_path, 1)
+    claim_run_dir(tmp_path, continuing=True)
+    write_what_hydra_writes(tmp_path)  # the refused attempt's config
     discard_refused_run(tmp_path, "train")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".hydra", ".run.lock", "metrics.json", "train.log"]
+    after = files_of(tmp_path)
+    assert after.pop(CLAIM_FILE) and after == {**before, "train.log": b"refused\n"}
 
 
 # --------------------------------------------------------------------------- as typed: python train.py hydra.run.dir=X
