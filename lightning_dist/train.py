@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from lightning_dist._compat.lightning import is_a_rank_lightning_started
 from lightning_dist.callbacks import NonFiniteError, Preempted
 from lightning_dist.checkpoints.autoresume import newest_complete_checkpoint
 from lightning_dist.checkpoints.contents import check_checkpoint_matches
@@ -308,6 +309,11 @@ def run_job(cfg: DictConfig) -> Any:
         if not multirun:
             if isinstance(error, ConfigError):
                 discard_refused_run(Path(hydra_config.runtime.output_dir), hydra_config.job.name)
+            if isinstance(error, NonFiniteError) and is_a_rank_lightning_started(hydra_config.job.name):
+                # The ranks agree on a NaN stop (a collective), and rank 0 reports it with the job's exit code. A
+                # non-zero exit here would have Lightning kill rank 0 first (exit 137, read as out of memory). Not
+                # for errors a rank may meet alone: leaving quietly then would let the others wait in a collective.
+                sys.exit(0)
             exit_with(error, code=2 if isinstance(error, ConfigError) else 1)
         if cfg.get("optimized_metric") is None:
             raise  # Hydra reports the failed job and runs the others

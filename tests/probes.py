@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -206,3 +207,15 @@ class KillDuringSave(L.Callback):
         if self.saves == self.at_save:
             threading.Timer(self.delay_s, os.killpg, (os.getpgid(0), signal.SIGKILL)).start()
         self.saves += 1
+
+
+class SlowExitOnRank(L.Callback):
+    """Rank `rank` leaves `seconds` later after an error than the others: longer than Lightning's child-process
+    observer (it polls every 5 s) takes to see how the ranks it started exited."""
+
+    def __init__(self, rank: int = 0, seconds: float = 6.0) -> None:
+        self.rank, self.seconds = rank, seconds
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if trainer.global_rank == self.rank:
+            time.sleep(self.seconds)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from lightning_dist.config_check import ConfigError
@@ -171,7 +172,7 @@ def _describe_holder(text: str) -> str:
         return "its claim file is locked"
 
 
-class OneRunPerDirectory:
+class OneRunPerDirectory(Callback):
     """Hydra callback (conf/train.yaml, `hydra.callbacks`): claims `hydra.run.dir` before Hydra writes into it."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
