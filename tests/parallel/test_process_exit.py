@@ -1,11 +1,13 @@
 """A rank's process group closed, and its threads finished, before the interpreter ends
 (lightning_dist/parallel/process_exit.py)."""
 
+import hashlib
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -74,21 +76,35 @@ def test_ranks_whose_last_collective_ran_in_backward_exit_cleanly():
             assert "terminate called" not in rank.stderr
 
 
+def spinner(busy: Callable[[], bool]) -> threading.Thread:
+    """A thread that computes while `busy()`, outside the GIL (as a native library's thread does): hashing a large
+    buffer releases it. A thread spinning in Python would hold the GIL and, whenever we look, wait for it asleep."""
+    block = bytes(1 << 24)
+
+    def spin() -> None:
+        while busy():
+            hashlib.sha256(block).digest()
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    return thread
+
+
 def test_exit_waits_until_other_threads_are_asleep():
     busy_until = time.monotonic() + 0.3
-    spinner = threading.Thread(target=lambda: [None for _ in iter(lambda: time.monotonic() < busy_until, False)])
-    spinner.start()
-    assert spinner.native_id in busy_threads()
-    assert 0.3 <= wait_for_other_threads_to_settle() < 0.6
-    spinner.join()
+    thread = spinner(lambda: time.monotonic() < busy_until)
+    try:
+        assert thread.native_id in busy_threads()
+        assert 0.3 <= wait_for_other_threads_to_settle() < 0.8
+    finally:
+        thread.join()
 
 
 def test_exit_waits_no_longer_than_its_deadline():
     stop = threading.Event()
-    spinner = threading.Thread(target=lambda: [None for _ in iter(lambda: not stop.is_set(), False)])
-    spinner.start()
+    thread = spinner(lambda: not stop.is_set())
     try:
-        assert 0.2 <= wait_for_other_threads_to_settle(deadline_s=0.2) < 0.4
+        assert 0.2 <= wait_for_other_threads_to_settle(deadline_s=0.2) < 0.6
     finally:
         stop.set()
-        spinner.join()
+        thread.join()
