@@ -18,6 +18,7 @@ import hydra
 from omegaconf import DictConfig
 
 from lightning_dist.config_check import CONF_DIR, ConfigError, check_launcher, check_overrides
+from lightning_dist.config_values import check_values
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
@@ -35,7 +36,10 @@ def exit_with(error: Exception, code: int = 2) -> None:
 def main() -> None:
     from lightning_dist._compat.hydra import hydra_args_parser
 
-    args = hydra_args_parser().parse_args(sys.argv[1:])
+    _check_and_run(hydra_args_parser().parse_args(sys.argv[1:]))
+
+
+def _check_and_run(args: Any) -> None:
     # Checked against conf/ and the directories added to it (a recipe's); help, inspection and a replaced primary
     # config directory go straight to Hydra.
     if not (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.config_path):
@@ -44,7 +48,9 @@ def main() -> None:
             # --config-dir adds a directory to the search path, as this override does
             overrides = [*overrides, f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]"]
         try:
-            check_overrides(overrides, config_name=args.config_name or "train")
+            cfg = check_overrides(overrides, config_name=args.config_name or "train")
+            if cfg is not None:  # a sweep's jobs are checked each in turn, when built (lightning_dist/train.py)
+                check_values(cfg)
             if args.multirun:  # a launcher sizes its jobs only in a sweep
                 check_launcher(overrides, config_name=args.config_name or "train")
         except ConfigError as error:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException
+from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
@@ -54,7 +54,7 @@ _JOB_SIZE_KEYS = ("nodes", "tasks_per_node", "gpus_per_node")
 
 def check_launcher(overrides: list[str], config_name: str = "train", conf_dir: Path = CONF_DIR) -> None:
     """Resolve the launcher's job size as Hydra will: from the config without the swept values."""
-    parsed = OverridesParser.create().parse_overrides(overrides)
+    parsed = parse_overrides(overrides)
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
         cfg = compose(config_name, overrides=fixed, return_hydra_config=True)
@@ -67,6 +67,31 @@ def check_launcher(overrides: list[str], config_name: str = "train", conf_dir: P
         except InterpolationResolutionError as error:
             cause = _config_error_behind(error)
             raise ConfigError(f"hydra.launcher.{key}: {cause or ' '.join(str(error).split())}") from None
+
+
+def parse_overrides(overrides: list[str]) -> list:
+    """Hydra's parse of each override, or ConfigError naming the first it cannot parse and how to quote it."""
+    parser = OverridesParser.create()
+    parsed = []
+    for index, line in enumerate(overrides):
+        try:
+            parsed += parser.parse_overrides([line])
+        except OverrideParseException as error:
+            raise ConfigError(_unparsable(line, overrides[index - 1] if index else None, error)) from None
+    return parsed
+
+
+def _unparsable(line: str, previous: str | None, error: OverrideParseException) -> str:
+    if "=" not in line and previous is not None and "=" in previous:  # the shell split a value at a space
+        key, _, value = previous.partition("=")
+        return (f"{line}: not an override (key=value); if it is the rest of {previous} after a space, quote the whole"
+                f' value: "{key}=\'{value} {line}\'"')
+    reason = str(error).splitlines()[0].strip()
+    if reason.startswith("LexerNoViableAltException"):  # Hydra repeats the line, then a caret on the next one
+        reason = "a character it takes only inside quotes"
+    key, _, value = line.partition("=")
+    return (f"{line}: Hydra cannot parse this override ({reason}); quote a value that has spaces, non-ASCII letters or"
+            f" characters such as ! $ ( ) ' in it, for the shell as well: \"{key}='{value}'\"")
 
 
 def _config_error_behind(error: BaseException | None) -> ConfigError | None:
@@ -95,7 +120,7 @@ def check_overrides(overrides: list[str], config_name: str = "train", conf_dir: 
 
     Sweeps (`strategy=ddp,fsdp`) get their group choices checked; each swept job is composed by Hydra itself.
     """
-    parsed = OverridesParser.create().parse_overrides(overrides)
+    parsed = parse_overrides(overrides)
     conf_dirs = _config_dirs(parsed, conf_dir)
     groups = {p.name for directory in conf_dirs if directory.is_dir() for p in directory.iterdir() if p.is_dir()}
     for override in parsed:

@@ -22,19 +22,22 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import get_object, instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from lightning_dist._compat.lightning import is_a_rank_lightning_started
+from lightning_dist._compat.hydra import is_a_rank_lightning_started
 from lightning_dist.callbacks import NonFiniteError, Preempted
 from lightning_dist.checkpoints.autoresume import newest_complete_checkpoint
 from lightning_dist.checkpoints.contents import check_checkpoint_matches
 from lightning_dist.checkpoints.formats import CheckpointError, check_complete
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
+from lightning_dist.checkpoints.swap import SaveFailed
 from lightning_dist.console import is_rank_zero, quiet_console
 from lightning_dist.cli import exit_with
 from lightning_dist.config_check import ConfigError
+from lightning_dist.config_values import check_values
 from lightning_dist.launch.isolated_job import JobFailed, needs_isolation, run_isolated
 from lightning_dist.launch.run_dir import discard_refused_run
 from lightning_dist.memory import AutoFit, Choice, MemoryPlan, ModelFacts, layout_of, plan_memory
@@ -45,6 +48,7 @@ from lightning_dist.parallel.process_exit import close_process_group
 from lightning_dist.parallel.sharded_init import parameters_on_meta
 from lightning_dist.precision import check_precision, device_type
 from lightning_dist.strategies.launcher import PreflightError, preflight
+from lightning_dist.writable import unwritable_because
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,7 @@ log = logging.getLogger(__name__)
 def build(cfg: DictConfig) -> dict[str, Any]:
     """Instantiate data, model, strategy, callbacks, loggers and trainer; configuration mistakes -> ConfigError."""
     try:
+        check_values(cfg)
         _check_accelerator(cfg.trainer.accelerator)
         datamodule = _instantiate(cfg.data, "data")
         block_classes = _block_classes(cfg)  # the strategy reads it too: report it under the key the user set
@@ -67,11 +72,13 @@ def build(cfg: DictConfig) -> dict[str, Any]:
             require_classes_in_model(model, block_classes, "model.block_class")
         if cfg.get("ckpt_path"):
             check_complete(cfg.ckpt_path)
-            check_checkpoint_matches(cfg.ckpt_path, set(model.state_dict()), trusted=cfg.get("trust_checkpoint", False))
+            shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}  # meta tensors have them
+            check_checkpoint_matches(cfg.ckpt_path, shapes, trusted=cfg.get("trust_checkpoint", False))
             if not cfg.get("trust_checkpoint"):
                 vet_checkpoint(cfg.ckpt_path)  # here, once, rather than on every rank after they started
         # `callbacks.<name>=null` switches one off.
         callbacks = [_instantiate(c, f"callbacks.{name}") for name, c in (cfg.get("callbacks") or {}).items() if c is not None]
+        _check_checkpoint_dirs_writable(cfg.get("callbacks") or {}, callbacks)
         loggers = [_instantiate(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items() if c is not None]
         trainer = _instantiate(cfg.trainer, "trainer", strategy=strategy, callbacks=callbacks, logger=loggers)
     except (InstantiationException, CheckpointError, MisconfigurationException, ValueError, TypeError) as error:
@@ -94,6 +101,14 @@ def _check_accelerator(accelerator: Any) -> None:
         raise ConfigError(
             f"trainer.accelerator={accelerator}: this package runs on CPU or CUDA; choose one of {', '.join(ACCELERATORS)}"
         )
+
+
+def _check_checkpoint_dirs_writable(configs: DictConfig, callbacks: list[Any]) -> None:
+    """A checkpoint directory that cannot be written would fail at the first save, after every rank trained."""
+    names = [name for name, c in configs.items() if c is not None]
+    for name, callback in zip(names, callbacks):
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath and (why := unwritable_because(callback.dirpath)):
+            raise ConfigError(f"callbacks.{name}.dirpath: cannot write checkpoints to {callback.dirpath} ({why})")
 
 
 def _config_error(error: Exception) -> ConfigError:
@@ -167,6 +182,7 @@ def _auto_fit(cfg: DictConfig, auto_fit: AutoFit, facts: ModelFacts) -> Choice:
 def plan(cfg: DictConfig) -> MemoryPlan:
     """`plan=true`: print the memory plan of this run and of every preset, and train nothing."""
     try:
+        check_values(cfg)
         datamodule = _instantiate(cfg.data, "data")
         _block_classes(cfg)  # the strategy reads it too: reported under the key the user set
         strategy = _instantiate(cfg.strategy, "strategy")
@@ -305,7 +321,7 @@ def run_job(cfg: DictConfig) -> Any:
             return {}
         else:
             metrics = train(cfg)
-    except (ConfigError, NonFiniteError, CollectiveTimeout, JobFailed) as error:
+    except (ConfigError, NonFiniteError, CollectiveTimeout, JobFailed, SaveFailed) as error:
         if not multirun:
             if isinstance(error, ConfigError):
                 discard_refused_run(Path(hydra_config.runtime.output_dir), hydra_config.job.name)

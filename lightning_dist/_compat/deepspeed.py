@@ -33,6 +33,8 @@ FENCED = [
     Fenced("deepspeed.ops.op_builder.builder", "OpBuilder.cpu_arch", ("self",)),
     Fenced("deepspeed.ops.op_builder.builder", "OpBuilder.simd_width", ("self",)),
     Fenced("cpuinfo", "get_cpu_info", ()),
+    # Reads a config dict key by key (top_level_config_keys below).
+    Fenced("deepspeed.runtime.config", "DeepSpeedConfig.__init__", ("self", "config", "mpu")),
 ]
 
 
@@ -141,3 +143,53 @@ def remember_cpu_info() -> None:
 
     get_cpu_info.patched_by_lightning_dist = True
     cpuinfo.get_cpu_info = get_cpu_info
+
+
+class _RecordingConfig(dict):
+    """A config dict that records every top-level key read from it, however it is asked (DeepSpeed uses `get`,
+    `[]`, `in` and `in .keys()`)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self.read: set[str] = set()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: Any) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+    def keys(self) -> Any:
+        return _RecordingKeys(self)
+
+
+class _RecordingKeys:
+    def __init__(self, config: _RecordingConfig) -> None:
+        self.config = config
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.config
+
+    def __iter__(self) -> Iterator[Any]:
+        return dict.__iter__(self.config)
+
+    def __len__(self) -> int:
+        return dict.__len__(self.config)
+
+
+@functools.cache
+def top_level_config_keys() -> frozenset[str]:
+    """The top-level keys of a DeepSpeed config that DeepSpeed reads. DeepSpeed has no schema for the top level
+    (its sections are pydantic models; the top is read key by key, and an unknown key is ignored), so its config
+    class parses a minimal config, batch sizes only, and every key it asks for is recorded."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    config = _RecordingConfig({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1})
+    DeepSpeedConfig(config)
+    return frozenset(key for key in config.read if isinstance(key, str))

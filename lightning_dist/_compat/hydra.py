@@ -15,3 +15,9 @@ def hydra_args_parser() -> argparse.ArgumentParser:
     from hydra._internal.utils import get_args_parser
 
     return get_args_parser()
+
+
+def is_a_rank_lightning_started(hydra_job_name: str) -> bool:
+    """Whether this process is one of the ranks Lightning's launcher started for a Hydra script, by the job name it
+    gives them. Lightning's observer of those ranks SIGKILLs the launching rank when one of them exits non-zero."""
+    return hydra_job_name.startswith("train_ddp_process_")

@@ -27,7 +27,7 @@ from lightning_dist._compat import Fenced
 
 __all__ = [
     "ContinuingCSVWriter", "Launcher", "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput",
-    "console_handler", "continuing_csv_writer", "give_device_mesh", "is_a_rank_lightning_started",
+    "console_handler", "continuing_csv_writer", "give_device_mesh",
     "load_distributed_checkpoint", "logs_this_step", "move_optimizers_to_device", "module_optimizers",
     "set_threads_for_ranks", "train_data_source", "unified_precision", "validate_cuda_device_indices",
 ]
@@ -46,7 +46,8 @@ FENCED = [
     Fenced("lightning.fabric.utilities.load", "_load_distributed_checkpoint", ("checkpoint_folder",)),
     Fenced("lightning.pytorch.core.optimizer", "_configure_optimizers", ("optim_conf",)),
     Fenced("lightning", "_console"),
-    # Re-runs a Hydra script for each other rank it starts, with `hydra.job.name=train_ddp_process_<local rank>`.
+    # Re-runs a Hydra script for each other rank it starts, with `hydra.job.name=train_ddp_process_<local rank>`
+    # (_compat/hydra.py reads it: without importing Lightning, for the command line).
     Fenced("lightning.fabric.strategies.launchers.subprocess_script", "_hydra_subprocess_cmd", ("local_rank",)),
     # The CSV writer deletes an existing metrics.csv as it starts; it keeps its columns in `metrics_keys`, sorted.
     Fenced("lightning.fabric.loggers.csv_logs", "_ExperimentWriter._check_log_dir_exists", ("self",)),
@@ -103,12 +104,6 @@ def train_data_source(trainer: Any) -> Any:
 def logs_this_step(trainer: Any) -> bool:
     """Whether the loggers write at this step (every `log_every_n_steps`, and at the last)."""
     return trainer._logger_connector.should_update_logs
-
-
-def is_a_rank_lightning_started(hydra_job_name: str) -> bool:
-    """Whether this process is one of the ranks Lightning's launcher started for a Hydra script, by the job name it
-    gives them. Lightning's observer of those ranks SIGKILLs the launching rank when one of them exits non-zero."""
-    return hydra_job_name.startswith("train_ddp_process_")
 
 
 def console_handler() -> logging.Handler:

@@ -1,35 +1,71 @@
-"""What a checkpoint holds, read without loading its tensors: its model's keys, and whether they are this model's."""
+"""What a checkpoint holds, read without loading its tensors: its model's weights by name and shape, and whether
+they are this model's."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from lightning_dist.checkpoints.formats import DISTRIBUTED, FILE, CheckpointError, checkpoint_format, deepspeed_tag_dir
 from lightning_dist.checkpoints.safe_load import load_file
 
+# Lightning's DeepSpeed strategy hands DeepSpeed the module inside a wrapper, and DeepSpeed names parameters by it.
+_WRAPPER_PREFIX = "_forward_module."
 
-def state_dict_keys(path: str | Path, trusted: bool = False) -> set[str]:
-    """The model keys a checkpoint holds, read without loading its tensors."""
+Shape = tuple[int, ...]
+
+
+def state_dict_shapes(path: str | Path, key: str = "ckpt_path", trusted: bool = False) -> dict[str, Shape | None]:
+    """The model's weights a checkpoint holds, name -> shape (None where the checkpoint does not record it), read
+    from metadata or memory-mapped files: no tensor is loaded."""
     path = Path(path)
-    kind = checkpoint_format(path)
+    kind = checkpoint_format(path, key)
     if kind == FILE:
-        return set(load_file(path, mmap=True, trusted=trusted)["state_dict"])
+        checkpoint = load_file(path, key, mmap=True, trusted=trusted)
+        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+            found = ", ".join(map(str, list(checkpoint)[:5])) if isinstance(checkpoint, dict) else type(checkpoint).__name__
+            raise CheckpointError(
+                f"{key}: {path} is not a Lightning checkpoint: it holds no state_dict (it holds: {found or 'nothing'});"
+                " ckpt_path resumes from a checkpoint a Lightning run saved"
+            )
+        return {name: _shape(tensor) for name, tensor in checkpoint["state_dict"].items()}
     if kind == DISTRIBUTED:
         from torch.distributed.checkpoint import FileSystemReader
 
         metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        return {key.removeprefix("state_dict.") for key in metadata if key.startswith("state_dict.")}
-    model_states = sorted(deepspeed_tag_dir(path).glob("*model_states.pt"))[0]
-    return set(load_file(model_states, mmap=True, trusted=trusted)["module"])
+        return {name.removeprefix("state_dict."): tuple(getattr(entry, "size", ())) or None
+                for name, entry in metadata.items() if name.startswith("state_dict.")}
+    model_states = load_file(sorted(deepspeed_tag_dir(path).glob("*model_states.pt"))[0], key, mmap=True, trusted=trusted)
+    # ZeRO-3 saves each parameter as an empty placeholder and records its whole shape beside it.
+    groups = [*(model_states.get("param_shapes") or []), model_states.get("frozen_param_shapes") or {}]
+    recorded = {name.removeprefix(_WRAPPER_PREFIX): tuple(shape) for group in groups for name, shape in group.items()}
+    for name, source in (model_states.get("shared_params") or {}).items():  # tied weights: one shape recorded
+        recorded.setdefault(name.removeprefix(_WRAPPER_PREFIX), recorded.get(source.removeprefix(_WRAPPER_PREFIX)))
+    module = {name.removeprefix(_WRAPPER_PREFIX): tensor for name, tensor in model_states["module"].items()}
+    return {name: recorded.get(name) or _shape(tensor) for name, tensor in module.items()}
 
 
-def check_checkpoint_matches(path: str | Path, expected_keys: set[str], key: str = "ckpt_path", trusted: bool = False) -> None:
-    """CheckpointError when the checkpoint is of another model (its keys differ from the model's)."""
-    found = state_dict_keys(path, trusted)
-    missing, unexpected = sorted(expected_keys - found), sorted(found - expected_keys)
+def _shape(tensor: Any) -> Shape | None:
+    shape = getattr(tensor, "shape", None)
+    return tuple(shape) if shape is not None and tensor.numel() > 0 else None
+
+
+def check_checkpoint_matches(path: str | Path, expected: dict[str, Shape], key: str = "ckpt_path", trusted: bool = False) -> None:
+    """CheckpointError when the checkpoint is of another model: its weights' names or shapes differ from the
+    model's (`expected`, name -> shape, which a model built on the meta device gives without memory)."""
+    found = state_dict_shapes(path, key, trusted)
+    missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
     if missing or unexpected:
         raise CheckpointError(
             f"{key}: {path} holds another model's weights: {len(missing)} of this model's keys are missing"
             f" (e.g. {', '.join(missing[:3]) or '-'}) and {len(unexpected)} are not in this model"
             f" (e.g. {', '.join(unexpected[:3]) or '-'})"
+        )
+    reshaped = [name for name in expected if found[name] is not None and tuple(found[name]) != tuple(expected[name])]
+    if reshaped:
+        first = reshaped[0]
+        raise CheckpointError(
+            f"{key}: {path} holds another model's weights: {len(reshaped)} have other shapes (e.g. {first} is"
+            f" {list(found[first])} there and {list(expected[first])} in this model); build the model as the run that"
+            " saved it did (its .hydra/config.yaml)"
         )

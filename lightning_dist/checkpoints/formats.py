@@ -62,10 +62,22 @@ def is_complete(path: str | Path) -> bool:
     return _is_distributed_dir(path) and (path / "meta.pt").is_file()
 
 
+def _starts_as_a_zip(path: Path) -> bool:
+    """Whether the file begins as a zip archive does. One cut off during its save still does; it ends without the
+    zip's directory, so `is_complete` tells it apart."""
+    with open(path, "rb") as file:
+        return file.read(4) == b"PK\x03\x04"
+
+
 def check_complete(path: str | Path, key: str = "ckpt_path") -> None:
     """CheckpointError unless `path` is a checkpoint whose save finished and was swapped into place."""
     path = Path(path)
     checkpoint_format(path, key)
+    if path.is_file() and not _starts_as_a_zip(path):
+        raise CheckpointError(
+            f"{key}: {path} is not a checkpoint: torch.save writes a zip archive, and this file is not one; pass a .ckpt"
+            " file or a checkpoint directory"
+        )
     if path.name.endswith(".partial") or not is_complete(path):
         raise CheckpointError(
             f"{key}: {path} is not a complete checkpoint (a save cut off, or still being written); pass a complete"

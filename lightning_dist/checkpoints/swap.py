@@ -28,7 +28,14 @@ def write_then_swap(strategy: Ranks, final: str | Path, write: Callable[[Path], 
     if strategy.local_rank == 0 and partial.exists():
         _remove(partial)  # left behind by a save that was cut off
     strategy.barrier()
-    write(partial)
+    try:
+        write(partial)
+    except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is one
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise
+        failed = SaveFailed(final, error)  # the space left is measured before the part written is removed
+        _remove(partial, missing_ok=True)  # on a full disk, it would stay in the way of the next save
+        raise failed from error
     strategy.barrier()
     # Global rank 0 swaps on a shared file system; on node-local disks each node's local rank 0 swaps its own.
     if strategy.is_global_zero:
@@ -64,5 +71,36 @@ def _swap(partial: Path, final: Path) -> None:
         _remove(previous)
 
 
-def _remove(path: Path) -> None:
-    shutil.rmtree(path) if path.is_dir() else path.unlink()
+def _remove(path: Path, missing_ok: bool = False) -> None:
+    """Remove a checkpoint's file or directory; with `missing_ok`, also what another rank removes meanwhile."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=missing_ok)
+    else:
+        path.unlink(missing_ok=missing_ok)
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint save that failed, said with the space left where it was written: torch and DeepSpeed report a
+    full disk as `unexpected pos 704 vs 598` or `iostream error`, never as no space."""
+
+    def __init__(self, final: Path, error: BaseException) -> None:
+        # The last line: torch.distributed.checkpoint puts each rank's traceback under its own first line.
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[-1].strip()
+        super().__init__(f"saving the checkpoint {final} failed ({reason}); {space_left(final.parent)}")
+
+
+def space_left(directory: Path) -> str:
+    try:
+        usage = shutil.disk_usage(directory)
+    except OSError:
+        return f"{directory} cannot be read"
+    full = "the disk is full: " if usage.free < max(usage.total // 100, 64 << 20) else ""
+    return f"{full}{_size(usage.free)} free of {_size(usage.total)} on the file system of {directory}"
+
+
+def _size(count: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from lightning_dist.deepspeed_config.zero import ZeroSection
+from lightning_dist.writable import unwritable_because
 
 # DeepSpeed's native ops for offload, JIT-compiled on first use, and what makes them buildable.
 INSTALL_HINTS = {
@@ -40,14 +40,10 @@ def check_offload_ready(config: dict[str, Any]) -> None:
 def _directory_problem(key: str, path: str | None) -> str | None:
     if not path:
         return f"{key}: NVMe offload needs a directory; set strategy.nvme_path"
-    directory = Path(path)
-    if not directory.is_dir():
+    if not Path(path).is_dir():
         return f"{key}={path}: no such directory (create it on the NVMe drive, or point strategy.nvme_path elsewhere)"
-    try:
-        with tempfile.NamedTemporaryFile(dir=directory):
-            pass
-    except OSError as error:
-        return f"{key}={path}: not writable ({error.strerror})"
+    if why := unwritable_because(path):
+        return f"{key}={path}: not writable ({why})"
     return None
 
 

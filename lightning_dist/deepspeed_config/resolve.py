@@ -12,6 +12,7 @@ explicit values win. Without an `optimizer` block, `configure_optimizers` is the
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +78,10 @@ class DeepSpeedConfigError(ValueError):
         super().__init__(f"{source}: {count}: " + " | ".join(problems))
 
 
+# How alike (difflib's ratio) an unknown key and a DeepSpeed one must be for the unknown one to be a misspelling:
+# zero_optimisation/zero_optimization 0.94, but LLaMA-Factory's comms_config/comms_logger 0.67.
+_MISSPELT = 0.8
+
 # Lightning's defaults: a Trainer that still has them was not told, so a file's explicit value is a choice, not a
 # contradiction (the unset-vs-explicit rule; README's DeepSpeed section).
 UNSET_PRECISION = "32-true"
@@ -106,6 +111,7 @@ def resolve(
     values decide where the Trainer left them unset. Facts that are still UNKNOWN leave their keys as they are, for
     the in-rank pass to fill."""
     resolver = _Resolver(copy.deepcopy(config), facts, source)
+    resolver.refuse_unknown_keys()
     resolver.merge_zero_options(options)
     resolver.fill_precision()
     resolver.fill_batch_sizes()
@@ -299,6 +305,25 @@ class _Resolver:
             self.fill_auto(f"zero_optimization.{name}", None if hidden is None else rule(hidden), why)
         # Only DeepSpeed's save_16bit_model reads it; our checkpoints gather (or consolidate) the fp32 weights.
         self.fill_auto("zero_optimization.stage3_gather_16bit_weights_on_model_save", False)
+
+    def refuse_unknown_keys(self) -> None:
+        # DeepSpeed passes over a top-level key it does not read, so a misspelt section (zero_optimisation) would
+        # silently switch its feature off: refused. Keys nothing like DeepSpeed's are other tools' (public files
+        # carry some, as LLaMA-Factory's `comms_config`) and are ignored, as DeepSpeed does, but said.
+        import deepspeed
+
+        from lightning_dist._compat.deepspeed import top_level_config_keys
+
+        known = sorted(top_level_config_keys())
+        for key in sorted(set(self.config) - set(known), key=str):
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=_MISSPELT)
+            if close:
+                self.problems.append(
+                    f"{key}: DeepSpeed {deepspeed.__version__} reads no such top-level key (it would ignore the"
+                    f" section); did you mean {close[0]}?"
+                )
+            else:
+                self.notes.append(f"{self.source}: {key} is not a DeepSpeed {deepspeed.__version__} key; ignored, as DeepSpeed does")
 
     def refuse_tensor_parallel(self) -> None:
         # AutoTP needs every rank of a tensor-parallel group to see the same batch; our loaders give each rank its own.

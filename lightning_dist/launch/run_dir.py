@@ -31,6 +31,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from lightning_dist.config_check import ConfigError
+from lightning_dist.writable import unwritable_because
 
 CLAIM_FILE = ".run.lock"
 # The directory this process claimed, for the processes it starts (Lightning's ranks, a sweep job's process).
@@ -79,6 +80,9 @@ def claim_run_dir(directory: Path, continuing: bool, config_dir: str | None = ".
             f"hydra.run.dir: {directory} holds another run ({', '.join(used)}); choose another directory, or continue "
             "that run on purpose with resume=true or ckpt_path=<its checkpoint>"
         )
+    if why := unwritable_because(directory):
+        raise ConfigError(f"hydra.run.dir: cannot write the run's directory {directory} ({why}); set paths.log_dir to a"
+                          " writable directory")
     directory.mkdir(parents=True, exist_ok=True)
     lock = open(directory / CLAIM_FILE, "a+")  # noqa: SIM115 - held open (and locked) until the process exits
     try:
@@ -173,7 +177,16 @@ def _describe_holder(text: str) -> str:
 
 
 class OneRunPerDirectory(Callback):
-    """Hydra callback (conf/train.yaml, `hydra.callbacks`): claims `hydra.run.dir` before Hydra writes into it."""
+    """Hydra callback (conf/train.yaml, `hydra.callbacks`): claims `hydra.run.dir` before Hydra writes into it, and
+    refuses a sweep whose directory cannot be written before Hydra tries."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from lightning_dist.cli import exit_with
+
+        directory = Path(str(config.hydra.sweep.dir)).absolute()
+        if why := unwritable_because(directory):
+            exit_with(ConfigError(f"hydra.sweep.dir: cannot write the sweep's directory {directory} ({why}); set"
+                                  " paths.log_dir to a writable directory"))
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra.core.hydra_config import HydraConfig

@@ -127,6 +127,19 @@ def test_checkpoint_of_another_model_is_refused_before_spawning(curve_runs, tmp_
     assert "Initializing distributed" not in run.output
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fsdp", "deepspeed_stage_2", "deepspeed_stage_3"])
+def test_checkpoint_with_the_same_names_but_other_shapes_is_refused_before_spawning(name, curve_runs, tmp_path):
+    # Shapes read from metadata: DCP's, ZeRO-2's module states, ZeRO-3's recorded shapes beside its empty placeholders.
+    from tests.conftest import CURVE_OVERRIDES
+
+    run = run_train(tmp_path, f"strategy={name}", *CURVE_OVERRIDES, "model.d_model=256", f"ckpt_path={step_15(curve_runs(name))}")
+    assert run.process.returncode == 2
+    assert (f"error: ckpt_path: {step_15(curve_runs(name))} holds another model's weights: 53 have other shapes (e.g."
+            " model.token_embedding.weight is [256, 128] there and [256, 256] in this model)") in run.process.stderr
+    assert "Initializing distributed" not in run.output
+
+
 def test_only_deepspeed_directories_convert_to_universal(tmp_path, capsys):
     from lightning_dist.checkpoints.universal import main as universal_main
 

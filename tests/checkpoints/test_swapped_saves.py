@@ -50,3 +50,34 @@ def test_a_directory_of_shards_is_replaced_whole(tmp_path):
     write_then_swap(ONE_RANK, final, write_shards)
     assert sorted(p.name for p in final.iterdir()) == ["shard_0"] and leftovers(tmp_path) == []
     assert partial_path(final) == tmp_path / ".last.ckpt.partial"
+
+
+class CheckpointException(BaseException):
+    """As torch.distributed.checkpoint's: a BaseException, each rank's traceback under one first line."""
+
+
+@pytest.mark.parametrize("raised", [
+    OSError(28, "No space left on device"),
+    CheckpointException("CheckpointException ranks:dict_keys([0, 1])\nTraceback (RANK 0)\n"
+                        "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
+])
+def test_a_failed_save_removes_its_part_and_says_the_space_left(tmp_path, raised, monkeypatch):
+    import shutil
+
+    from lightning_dist.checkpoints.swap import SaveFailed
+
+    final = tmp_path / "last.ckpt"
+    final.write_text("step 5")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=8 << 30, free=1 << 20))
+
+    def disk_full(path: Path) -> None:
+        path.mkdir()
+        (path / "__0_0.distcp").write_bytes(b"x" * 1000)
+        raise raised
+
+    with pytest.raises(SaveFailed) as failed:
+        write_then_swap(ONE_RANK, final, disk_full)
+    reason = "[Errno 28] No space left on device" if isinstance(raised, OSError) else "RuntimeError: [enforce fail at"
+    assert str(failed.value).startswith(f"saving the checkpoint {final} failed ({reason}")
+    assert str(failed.value).endswith(f"; the disk is full: 1.0 MiB free of 8.0 GiB on the file system of {tmp_path}")
+    assert final.read_text() == "step 5" and leftovers(tmp_path) == []

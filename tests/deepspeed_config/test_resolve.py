@@ -167,6 +167,32 @@ def test_clipping_the_trainer_leaves_unset_comes_from_the_file_with_a_note():
     assert resolve_config({"gradient_clipping": "auto"}, facts(gradient_clip_val=None))["gradient_clipping"] == 0.0
 
 
+def test_a_misspelt_top_level_section_is_refused_with_the_real_name():
+    # DeepSpeed itself would ignore it: the run would train with no ZeRO at all.
+    problems = problems_of({"zero_optimisation": {"stage": 2}, "gradient_clipping": "auto"})
+    assert problems == ["zero_optimisation: DeepSpeed 0.19.8 reads no such top-level key (it would ignore the section);"
+                        " did you mean zero_optimization?"]
+
+
+def test_another_tools_top_level_key_is_ignored_as_deepspeed_does_and_said():
+    # LLaMA-Factory's public ds_z0_config.json carries both; DeepSpeed 0.19.8 reads neither.
+    resolution = resolve({"comms_config": {"verbose": False}, "monitor_config": {"enabled": True}}, FACTS)
+    assert resolution.config["comms_config"] == {"verbose": False}
+    assert resolution.notes == [f"strategy.config: {key} is not a DeepSpeed 0.19.8 key; ignored, as DeepSpeed does"
+                                for key in ("comms_config", "monitor_config")]
+
+
+def test_every_top_level_key_deepspeed_documents_is_known():
+    from lightning_dist._compat.deepspeed import top_level_config_keys
+
+    documented = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
+                  "scheduler", "fp16", "bf16", "amp", "gradient_clipping", "zero_optimization", "aio",
+                  "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comms_logger",
+                  "steps_per_print", "wall_clock_breakdown", "autotuning", "elasticity", "checkpoint",
+                  "data_efficiency", "compression_training", "zero_allow_untested_optimizer", "tensor_parallel"}
+    assert documented <= top_level_config_keys()
+
+
 @pytest.mark.parametrize("key, precision", [("fp16", "16-mixed"), ("bf16", "bf16-mixed")])
 def test_a_files_precision_decides_where_the_trainer_keeps_its_default(key, precision):
     config = {key: {"enabled": True, "loss_scale": 0}}
@@ -214,6 +240,8 @@ def test_every_filled_key_is_documented_in_the_readme():
     (None, "is not a file"),
     ("{not json", "is not valid JSON (Expecting property name enclosed in double quotes at line 1, column 2)"),
     ("[1, 2]", "holds a JSON list; a DeepSpeed config is a JSON object"),
+    ('{"a": ' * 40 + "1" + "}" * 40, "nests deeper than 32 levels; a DeepSpeed config has a few"),
+    ('{"a": ' * 100_000 + "1" + "}" * 100_000, "nests deeper than 32 levels"),  # beyond Python's parser: RecursionError
 ])
 def test_bad_config_files_get_one_line_errors(tmp_path, content, message):
     path = tmp_path / "ds.json"

@@ -1,0 +1,119 @@
+"""Values refused before any rank starts, each in one line that names the key and what it must be.
+
+Lightning, torch and the data module check most of these themselves, but only on every rank after launch, each rank
+with its own traceback (`trainer.accumulate_grad_batches=0` is a ZeroDivisionError in the training loop), and some
+not at all (a learning rate given as a string fails inside the optimizer). A rule is skipped where the config has no
+such key: a user's own model or data module has its own arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lightning_dist.config_check import ConfigError
+
+_ABSENT = object()
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def integer(at_least: int | None = None) -> Callable[[Any], bool]:
+    return lambda value: _is_integer(value) and (at_least is None or value >= at_least)
+
+
+def number(above: float | None = None, at_least: float | None = None) -> Callable[[Any], bool]:
+    return lambda value: (_is_number(value) and (above is None or value > above)
+                          and (at_least is None or value >= at_least))
+
+
+def optional(valid: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or valid(value)
+
+
+def _interval(value: Any) -> bool:
+    """Lightning's `val_check_interval`: batches (an integer), a fraction of an epoch, or a duration ("00:01:00:00",
+    a dict), which Lightning parses itself."""
+    if isinstance(value, float):
+        return 0 < value <= 1
+    return value is None or isinstance(value, (str, dict, DictConfig)) or integer(1)(value)
+
+
+def _betas(value: Any) -> bool:
+    return (OmegaConf.is_list(value) or isinstance(value, (list, tuple))) and len(value) == 2 and all(
+        _is_number(beta) and 0 <= beta < 1 for beta in value)
+
+
+@dataclass(frozen=True)
+class Rule:
+    key: str
+    must_be: str  # said in the error, after "must be"
+    valid: Callable[[Any], bool]
+
+
+RULES = (
+    Rule("seed", "an integer", integer()),
+    Rule("trainer.max_steps", "an integer >= -1 (-1: no limit)", integer(-1)),
+    Rule("trainer.max_epochs", "null or an integer >= -1 (-1: no limit)", optional(integer(-1))),
+    Rule("trainer.min_steps", "null or an integer >= 0", optional(integer(0))),
+    Rule("trainer.accumulate_grad_batches", "an integer >= 1 (batches per optimizer step)", integer(1)),
+    Rule("trainer.val_check_interval",
+         "null, an integer >= 1 (training batches), a fraction in (0, 1] of an epoch, or a duration", _interval),
+    Rule("trainer.check_val_every_n_epoch", "null or an integer >= 1", optional(integer(1))),
+    Rule("trainer.log_every_n_steps", "an integer >= 0", integer(0)),
+    Rule("trainer.num_sanity_val_steps", "an integer >= -1 (-1: every batch)", integer(-1)),
+    Rule("trainer.num_nodes", "an integer >= 1", integer(1)),
+    Rule("trainer.gradient_clip_val", "null or a number >= 0", optional(number(at_least=0))),
+    Rule("data.batch_size", "an integer >= 1 (samples per rank and step)", integer(1)),
+    Rule("data.num_workers", "an integer >= 0", integer(0)),
+    Rule("model.optimizer.lr", "a number > 0", number(above=0)),
+    Rule("model.lr", "a number > 0", number(above=0)),  # a module that takes its learning rate itself
+    Rule("model.optimizer.weight_decay", "a number >= 0", number(at_least=0)),
+    Rule("model.optimizer.eps", "a number > 0", number(above=0)),
+    Rule("model.optimizer.momentum", "a number >= 0", number(at_least=0)),
+    Rule("model.optimizer.betas", "two numbers in [0, 1), as [0.9, 0.95]", _betas),
+)
+
+
+def check_values(cfg: DictConfig, rules: tuple[Rule, ...] = RULES) -> None:
+    """ConfigError for the first value a rule refuses (or that cannot be resolved), naming its key."""
+    for rule in rules:
+        value = _value(cfg, rule.key)
+        if value is not _ABSENT and not rule.valid(value):
+            raise ConfigError(f"{rule.key}={_as_typed(cfg, rule.key, value)}: must be {rule.must_be}")
+
+
+def _value(cfg: DictConfig, key: str) -> Any:
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    if not isinstance(parent, DictConfig) or leaf not in parent:
+        return _ABSENT
+    try:
+        return parent[leaf]
+    except OmegaConfBaseException as error:  # an interpolation that does not resolve: ${oc.env:UNSET}
+        raise ConfigError(f"{key}: {' '.join(str(error).splitlines()[0].split())}") from None
+
+
+def _as_typed(cfg: DictConfig, key: str, value: Any) -> str:
+    """The value, and what it was written as where that was an interpolation: `${oc.env:HOME} (= /root)`."""
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    if OmegaConf.is_config(value):
+        shown = OmegaConf.to_container(value)
+    elif isinstance(value, str) and (value == "" or value.strip() != value):
+        shown = repr(value)  # so that an empty or padded string is seen as one
+    else:
+        shown = value
+    if OmegaConf.is_interpolation(parent, leaf):
+        return f"{OmegaConf.to_container(parent, resolve=False)[leaf]} (= {shown})"
+    return str(shown)
