@@ -34,9 +34,23 @@ def exit_with(error: Exception, code: int = 2) -> None:
 
 
 def main() -> None:
-    from lightning_dist._compat.hydra import hydra_args_parser
+    from lightning_dist._compat.hydra import hydra_args_parser, is_a_rank_lightning_started
+    from lightning_dist.stop_signals import end_with_launcher, stop_on_signals, stopped
 
-    _check_and_run(hydra_args_parser().parse_args(sys.argv[1:]))
+    args = hydra_args_parser().parse_args(sys.argv[1:])
+    # First: a signal from here on ends the run and the ranks it starts (lightning_dist/stop_signals.py).
+    job_names = [o.partition("=")[2] for o in args.overrides if o.startswith("hydra.job.name=")]
+    stop_on_signals(quietly=any(is_a_rank_lightning_started(name) for name in job_names))
+    end_with_launcher()
+    try:
+        _check_and_run(args)
+    except BaseException as error:
+        stop = stopped()  # the code a signal interrupted may have raised something else on the way out
+        if stop is None:
+            raise
+        if stop.code:
+            print(f"error: {stop}", file=sys.stderr)
+        raise stop from error
 
 
 def _check_and_run(args: Any) -> None:

@@ -75,6 +75,8 @@ def test_no_module_outside_the_fence_reaches_into_a_library():
 # Private attributes of other objects that are not the fenced libraries': transformers' initialiser hook, which its
 # PreTrainedModel calls by this name (a model that has one initialises its weights only through it).
 OTHER_LIBRARIES = {"_init_weights"}
+# Public, documented names that start with an underscore: os._exit (leave without the interpreter's shutdown).
+PUBLIC = {"_exit"}
 
 
 def internal_attributes(source: str) -> list[str]:
@@ -82,7 +84,7 @@ def internal_attributes(source: str) -> list[str]:
     overridden): another object's internals, whatever its type."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in OTHER_LIBRARIES:
+        if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in OTHER_LIBRARIES | PUBLIC:
             owner = node.value
             own = isinstance(owner, ast.Name) and owner.id in ("self", "cls")
             parent = isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super"

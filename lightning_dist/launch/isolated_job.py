@@ -23,6 +23,8 @@ from typing import Any
 from hydra.types import RunMode
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
+from lightning_dist.stop_signals import Stopped
+
 log = logging.getLogger(__name__)
 
 # The job process logs to `<job dir>/job.log`; the sweep keeps `<job dir>/<task>.log` for its own lines.
@@ -71,7 +73,14 @@ def run_isolated(hydra_config: Any) -> dict[str, float]:
     command = job_command(hydra_config)
     number, overrides = hydra_config.job.num, " ".join(hydra_config.overrides.task)
     log.info(f"Job {number} ({overrides}) in its own process")
-    returncode = subprocess.run(command, cwd=hydra_config.runtime.cwd, check=False).returncode
+    process = subprocess.Popen(command, cwd=hydra_config.runtime.cwd)
+    try:
+        returncode = process.wait()
+    except Stopped as stopped:
+        # Passed on, the job stops as it would on its own: before training at once, in training after saving.
+        process.send_signal(stopped.signum)
+        process.wait()
+        raise
     output_dir = Path(hydra_config.runtime.output_dir)
     if returncode:
         raise JobFailed(f"job {number} ({overrides}) exited with code {returncode}; its log: {output_dir / (JOB_LOG_NAME + '.log')}")

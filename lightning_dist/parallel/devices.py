@@ -17,6 +17,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning_dist._compat.lightning import set_threads_for_ranks
 from lightning_dist._compat.torch import set_default_process_group_timeout
 from lightning_dist.parallel.process_exit import close_process_group_at_exit
+from lightning_dist.stop_signals import end_with_launcher
 
 # Host state under CUDA (FSDP's offloaded shards, DeepSpeed's offloaded partitions) is reduced with gloo, device
 # state with nccl: one process group with a backend per device type, as torchtitan does.
@@ -44,11 +45,13 @@ def process_group_timeout(timeout: timedelta | float | None) -> timedelta:
 
 def prepare_rank(device: torch.device, processes_per_node: int, timeout: timedelta) -> None:
     """What every strategy does in a rank before its process group exists: the rank's own device, its share of the
-    node's cores, `timeout` for every group, and the process group closed when the process exits."""
+    node's cores, `timeout` for every group, the process group closed when the process exits, and the process ended
+    when the one that started it dies."""
     bind_device(device)
     share_the_cores(processes_per_node)
     use_timeout_for_every_group(timeout)
     close_process_group_at_exit()
+    end_with_launcher()
 
 
 def use_timeout_for_every_group(timeout: timedelta) -> None:

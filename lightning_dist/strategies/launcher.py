@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_dist._compat.lightning import Launcher, MultiProcessingLauncher, SubprocessScriptLauncher, WorkerOutput
+from lightning_dist.stop_signals import passing_signals_to
 
 
 # How long the ranks this process started get to leave on their own after it stopped early: they see the same
@@ -129,7 +130,9 @@ class GuardedLauncher(Launcher):
             self.check(trainer, inspect.signature(function).bind(*args, **kwargs).arguments)
         self.checked = False  # a later fit with this strategy is checked again
         try:
-            return self.launcher.launch(function, *args, trainer=trainer, **kwargs)
+            # A signal that stops this process stops the ranks it starts; they end if it dies (stop_signals.py).
+            with passing_signals_to(lambda: getattr(self.launcher, "procs", [])):
+                return self.launcher.launch(function, *args, trainer=trainer, **kwargs)
         except BaseException:
             # This rank's run ended early (an error, a timed-out collective, a preemption): the ranks it started
             # may be stuck in a collective that will never complete, or asleep, and would outlive the job.
