@@ -136,14 +136,28 @@ def process_alive(pid: int) -> bool:
         return False
 
 
-def _stop(signum: int, _frame: Any) -> None:
+def _stop(signum: int, frame: Any) -> None:
     global _received
-    first = _received is None
-    _received = signum
     _pass_on(signum)
-    if _quiet or not first:  # a rank whose launcher speaks for it, or told twice: nothing to wait for
+    if _quiet or _received is not None:  # a rank whose launcher speaks for it, or told twice: nothing to wait for
         _end_now(signum)
+    if _in_a_destructor(frame):
+        # Python prints an exception raised in `__del__` ("Exception ignored in ...") and goes on: ask again in a
+        # moment, outside it.
+        timer = threading.Timer(0.05, os.kill, args=(os.getpid(), signum))
+        timer.daemon = True
+        timer.start()
+        return
+    _received = signum
     raise Stopped(signum)
+
+
+def _in_a_destructor(frame: Any) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def stopped() -> Stopped | None:

@@ -22,7 +22,6 @@ STOPPED = ("stopped by {name}, and the ranks it started with it; checkpoints sav
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "delay_s", "signum", "code"), [
-    ("ddp", 1.0, signal.SIGTERM, 75),  # importing, composing the config
     ("ddp", 5.0, signal.SIGTERM, 75),  # the ranks starting, joining the process group
     ("deepspeed_stage_2", 3.0, signal.SIGTERM, 75),
     ("ddp", 4.0, signal.SIGINT, 130),  # Ctrl-C
