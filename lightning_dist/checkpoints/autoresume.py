@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from lightning_dist.checkpoints.formats import is_complete
+from lightning_dist.checkpoints.formats import is_whole
 
 # Overrides that do not make a run a different run.
 _IGNORED_PREFIXES = ("resume=", "ckpt_path=", "hydra.")
@@ -35,6 +35,6 @@ def newest_complete_checkpoint(runs_root: Path, overrides: list[str]) -> Path | 
         saved = [p for p in (run / "checkpoints").glob("*") if not p.name.endswith(".partial")]
         checkpoints = sorted(saved, key=lambda p: p.stat().st_mtime, reverse=True)
         for checkpoint in checkpoints:
-            if is_complete(checkpoint):
+            if is_whole(checkpoint):  # a damaged newer one is passed over for an older whole one
                 return checkpoint
     return None

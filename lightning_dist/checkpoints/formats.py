@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lightning_dist.checkpoints.manifest import first_problem
+
 FILE = "file"                # torch.save'd dict: DDP, or anything consolidated
 DEEPSPEED = "deepspeed"      # directory with a `latest` tag file and per-rank ZeRO shards
 DISTRIBUTED = "distributed"  # torch.distributed.checkpoint directory (FSDP2): `.metadata` + shards + meta.pt
@@ -49,6 +51,11 @@ def deepspeed_tag_dir(path: Path) -> Path:
     return path / (path / "latest").read_text().strip()
 
 
+def is_whole(path: str | Path) -> bool:
+    """Whether a checkpoint's save finished and nothing of it changed since: what `resume=true` may resume from."""
+    return is_complete(path) and first_problem(Path(path)) is None
+
+
 def is_complete(path: str | Path) -> bool:
     """Whether a checkpoint's save finished: the file a save writes last is present and readable."""
     import zipfile
@@ -83,3 +90,6 @@ def check_complete(path: str | Path, key: str = "ckpt_path") -> None:
             f"{key}: {path} is not a complete checkpoint (a save cut off, or still being written); pass a complete"
             " one, or resume=true to continue from the newest complete one"
         )
+    if problem := first_problem(path):
+        raise CheckpointError(f"{key}: {path} is damaged: {problem}; pass another checkpoint, or resume=true to continue"
+                              " from the newest whole one")

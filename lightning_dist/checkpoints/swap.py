@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning_dist.checkpoints.manifest import write_manifest
 from lightning_dist.checkpoints.ranks import Ranks
 
 
@@ -39,6 +40,8 @@ def write_then_swap(strategy: Ranks, final: str | Path, write: Callable[[Path], 
     strategy.barrier()
     # Global rank 0 swaps on a shared file system; on node-local disks each node's local rank 0 swaps its own.
     if strategy.is_global_zero:
+        if partial.is_dir():  # every rank's shards are written: the record of them comes last (manifest.py)
+            write_manifest(partial)
         _swap(partial, final)
     strategy.barrier()
     if strategy.local_rank == 0 and partial.exists():

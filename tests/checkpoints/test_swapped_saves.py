@@ -48,7 +48,7 @@ def test_a_directory_of_shards_is_replaced_whole(tmp_path):
         (path / "shard_0").write_text("new")
 
     write_then_swap(ONE_RANK, final, write_shards)
-    assert sorted(p.name for p in final.iterdir()) == ["shard_0"] and leftovers(tmp_path) == []
+    assert sorted(p.name for p in final.iterdir()) == ["manifest.json", "shard_0"] and leftovers(tmp_path) == []
     assert partial_path(final) == tmp_path / ".last.ckpt.partial"
 
 

@@ -1,0 +1,80 @@
+"""Checkpoints that prove they are whole: what a save wrote, file by file, with sizes and checksums, checked before
+a checkpoint is resumed from.
+
+A marker file (DCP's `.metadata`, Lightning's `meta.pt`, DeepSpeed's `latest`) says only that the save got to its
+end; it says nothing of a shard deleted, truncated or corrupted since, and `torch.load` never checks the CRC-32 that
+a `.ckpt` (a zip archive) carries per record. So:
+
+- a checkpoint directory gets `manifest.json` as the last file of its save, before it is swapped into place
+  (swap.py): every file's size and CRC-32 (zlib's, which runs at memory speed: see `benchmarks/`), and the saved
+  world size;
+- a `.ckpt` file is checked against its own zip CRCs;
+- a directory without a manifest (saved by another tool) is checked against what its format names: every rank's
+  DeepSpeed shard for the saved world size, every file DCP's metadata names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+_CHUNK = 1 << 20
+
+
+def crc32_of(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as file:
+        while chunk := file.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_manifest(directory: Path, extra: dict[str, Any] | None = None) -> Path:
+    """Record every file under `directory` (size, CRC-32); written beside them, then renamed into place, so that
+    a manifest that exists is whole."""
+    files = {
+        str(path.relative_to(directory)): {"size": path.stat().st_size, "crc32": crc32_of(path)}
+        for path in sorted(directory.rglob("*")) if path.is_file() and path.name != MANIFEST
+    }
+    written = directory / f".{MANIFEST}.partial"
+    written.write_text(json.dumps({"checksum": "crc32", "files": files, **(extra or {})}, indent=1))
+    final = directory / MANIFEST
+    os.replace(written, final)
+    return final
+
+
+def first_problem(path: Path) -> str | None:
+    """What makes the checkpoint at `path` not whole (naming the file), or None: the manifest's files all present
+    with their sizes and checksums, or, for a file, every zip record's CRC."""
+    if path.is_file():
+        return _zip_problem(path)
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        recorded = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"{manifest} cannot be read"
+    for name, expected in recorded.items():
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != expected["size"]:
+            return f"{file} has {file.stat().st_size} bytes, {expected['size']} were saved"
+        if crc32_of(file) != expected["crc32"]:
+            return f"{file} does not match its checksum: its contents changed after the save"
+    return None
+
+
+def _zip_problem(path: Path) -> str | None:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()  # reads every record and checks its CRC-32
+    except (zipfile.BadZipFile, OSError) as error:
+        return f"{path} is not a whole zip archive ({error})"
+    return None if bad is None else f"{path} does not match its checksum (record {bad}): its contents changed after the save"
