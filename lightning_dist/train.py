@@ -31,9 +31,10 @@ from lightning_dist._compat.hydra import is_a_rank_lightning_started
 from lightning_dist.callbacks import NonFiniteError, Preempted
 from lightning_dist.checkpoints.autoresume import newest_complete_checkpoint
 from lightning_dist.checkpoints.contents import check_checkpoint_matches
-from lightning_dist.checkpoints.formats import CheckpointError, check_complete
+from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
 from lightning_dist.checkpoints.swap import SaveFailed
+from lightning_dist.checkpoints.whole import check_whole
 from lightning_dist.console import is_rank_zero, quiet_console
 from lightning_dist.cli import exit_with
 from lightning_dist.config_check import ConfigError
@@ -71,7 +72,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         if block_classes:
             require_classes_in_model(model, block_classes, "model.block_class")
         if cfg.get("ckpt_path"):
-            check_complete(cfg.ckpt_path)
+            check_whole(cfg.ckpt_path, trusted=cfg.get("trust_checkpoint", False))
             shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}  # meta tensors have them
             check_checkpoint_matches(cfg.ckpt_path, shapes, trusted=cfg.get("trust_checkpoint", False))
             if not cfg.get("trust_checkpoint"):

@@ -7,9 +7,11 @@ import copy
 import functools
 import json
 import os
+import re
 import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -193,3 +195,21 @@ def top_level_config_keys() -> frozenset[str]:
     config = _RecordingConfig({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1})
     DeepSpeedConfig(config)
     return frozenset(key for key in config.read if isinstance(key, str))
+
+
+# DeepSpeed names a data-parallel rank's files `[bf16_]zero_pp_rank_<rank>_mp_rank_<mp>_<kind>.pt`
+# (DeepSpeedEngine._get_rank_zero_ckpt_name, _get_ckpt_name) and records the world size as `dp_world_size` in every
+# model-states file.
+_RANK_IN_NAME = re.compile(r"zero_pp_rank_(\d+)_")
+
+
+def missing_rank_files(tag_dir: Path, model_states: dict[str, Any]) -> list[Path]:
+    """The per-rank files of a DeepSpeed checkpoint that its saved world size names and the directory lacks: for
+    every kind of per-rank file present (optimizer states; ZeRO-3's model states), one per data-parallel rank."""
+    world_size = int(model_states.get("dp_world_size") or 1)
+    ranks_by_kind: dict[str, set[int]] = {}
+    for file in tag_dir.glob("*zero_pp_rank_*.pt"):
+        if found := _RANK_IN_NAME.search(file.name):
+            ranks_by_kind.setdefault(_RANK_IN_NAME.sub("zero_pp_rank_{}_", file.name), set()).add(int(found[1]))
+    return [tag_dir / kind.format(rank) for kind, ranks in sorted(ranks_by_kind.items())
+            for rank in range(world_size) if rank not in ranks]

@@ -17,7 +17,8 @@ from lightning_dist._compat import Fenced
 __all__ = [
     "CheckpointWrapper", "apply_to_tensors", "checkpoint_wrapper", "cpu_supports_fp16", "flatten_mesh_dims",
     "forward_hook_tables", "fsdp_param_group", "local_shard_region", "own_parameters", "parameter_registration",
-    "reopen_fsdp_forward", "set_default_process_group_timeout", "storage_owner", "tree_map", "wrapped_module",
+    "reopen_fsdp_forward", "set_default_process_group_timeout", "saved_file_extents", "storage_owner", "tree_map",
+    "wrapped_module",
 ]
 
 FENCED = [
@@ -32,6 +33,8 @@ FENCED = [
     Fenced("torch.distributed.distributed_c10d", "default_pg_timeout"),
     Fenced("torch.distributed.distributed_c10d", "default_pg_nccl_timeout"),
     Fenced("torch.utils._pytree", "tree_map", ("func", "tree")),
+    # What a DCP checkpoint's `.metadata` records of where each entry's bytes lie (`Metadata.storage_data` values).
+    Fenced("torch.distributed.checkpoint.filesystem", "_StorageInfo", ("relative_path", "offset", "length")),
 ]
 
 
@@ -132,3 +135,14 @@ def tree_map(function: Callable[[Any], Any], tree: Any) -> Any:
     from torch.utils._pytree import tree_map as _tree_map
 
     return _tree_map(function, tree)
+
+
+def saved_file_extents(checkpoint_dir: str) -> dict[str, int]:
+    """The files a torch.distributed.checkpoint directory's `.metadata` names, each with the bytes it must at least
+    hold (its last entry's end). DCP has no public way to list them."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    extents: dict[str, int] = {}
+    for where in (FileSystemReader(checkpoint_dir).read_metadata().storage_data or {}).values():
+        extents[where.relative_path] = max(extents.get(where.relative_path, 0), where.offset + where.length)
+    return extents

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from lightning_dist.checkpoints.formats import is_whole
+from lightning_dist.checkpoints.whole import is_whole
 
 # Overrides that do not make a run a different run.
 _IGNORED_PREFIXES = ("resume=", "ckpt_path=", "hydra.")

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_dist.checkpoints.manifest import first_problem
-
 FILE = "file"                # torch.save'd dict: DDP, or anything consolidated
 DEEPSPEED = "deepspeed"      # directory with a `latest` tag file and per-rank ZeRO shards
 DISTRIBUTED = "distributed"  # torch.distributed.checkpoint directory (FSDP2): `.metadata` + shards + meta.pt
@@ -19,7 +17,7 @@ def is_deepspeed_dir(path: Path) -> bool:
     return path.is_dir() and (path / "latest").is_file()
 
 
-def _is_distributed_dir(path: Path) -> bool:
+def is_distributed_dir(path: Path) -> bool:
     return path.is_dir() and (path / ".metadata").is_file()
 
 
@@ -30,7 +28,7 @@ def checkpoint_format(path: str | Path, key: str = "ckpt_path") -> str:
         raise CheckpointError(f"{key}: no checkpoint at {path} (expected a .ckpt file or checkpoint directory)")
     if path.is_file():
         for parent in path.parents:
-            if is_deepspeed_dir(parent) or _is_distributed_dir(parent):
+            if is_deepspeed_dir(parent) or is_distributed_dir(parent):
                 kind = "DeepSpeed" if is_deepspeed_dir(parent) else "distributed (FSDP)"
                 raise CheckpointError(
                     f"{key}: {path} is one file inside the {kind} checkpoint directory {parent}; pass the directory"
@@ -38,7 +36,7 @@ def checkpoint_format(path: str | Path, key: str = "ckpt_path") -> str:
         return FILE
     if is_deepspeed_dir(path):
         return DEEPSPEED
-    if _is_distributed_dir(path):
+    if is_distributed_dir(path):
         return DISTRIBUTED
     raise CheckpointError(
         f"{key}: {path} is a directory but not a checkpoint: expected a DeepSpeed checkpoint (with a 'latest' file)"
@@ -51,11 +49,6 @@ def deepspeed_tag_dir(path: Path) -> Path:
     return path / (path / "latest").read_text().strip()
 
 
-def is_whole(path: str | Path) -> bool:
-    """Whether a checkpoint's save finished and nothing of it changed since: what `resume=true` may resume from."""
-    return is_complete(path) and first_problem(Path(path)) is None
-
-
 def is_complete(path: str | Path) -> bool:
     """Whether a checkpoint's save finished: the file a save writes last is present and readable."""
     import zipfile
@@ -66,7 +59,7 @@ def is_complete(path: str | Path) -> bool:
     if is_deepspeed_dir(path):  # DeepSpeed writes `latest` after every rank's shards
         return any(deepspeed_tag_dir(path).glob("*model_states.pt"))
     # torch.distributed.checkpoint commits `.metadata` after all shards; Lightning adds meta.pt after that.
-    return _is_distributed_dir(path) and (path / "meta.pt").is_file()
+    return is_distributed_dir(path) and (path / "meta.pt").is_file()
 
 
 def _starts_as_a_zip(path: Path) -> bool:
@@ -90,6 +83,3 @@ def check_complete(path: str | Path, key: str = "ckpt_path") -> None:
             f"{key}: {path} is not a complete checkpoint (a save cut off, or still being written); pass a complete"
             " one, or resume=true to continue from the newest complete one"
         )
-    if problem := first_problem(path):
-        raise CheckpointError(f"{key}: {path} is damaged: {problem}; pass another checkpoint, or resume=true to continue"
-                              " from the newest whole one")

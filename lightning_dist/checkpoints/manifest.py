@@ -9,8 +9,7 @@ a `.ckpt` (a zip archive) carries per record. So:
   (swap.py): every file's size and CRC-32 (zlib's, which runs at memory speed: see `benchmarks/`), and the saved
   world size;
 - a `.ckpt` file is checked against its own zip CRCs;
-- a directory without a manifest (saved by another tool) is checked against what its format names: every rank's
-  DeepSpeed shard for the saved world size, every file DCP's metadata names.
+- a directory without a manifest (saved by another tool) is checked against what its format names (whole.py).
 """
 
 from __future__ import annotations
@@ -48,20 +47,20 @@ def write_manifest(directory: Path, extra: dict[str, Any] | None = None) -> Path
     return final
 
 
-def first_problem(path: Path) -> str | None:
-    """What makes the checkpoint at `path` not whole (naming the file), or None: the manifest's files all present
-    with their sizes and checksums, or, for a file, every zip record's CRC."""
-    if path.is_file():
-        return _zip_problem(path)
-    manifest = path / MANIFEST
-    if not manifest.is_file():
-        return None
+def has_manifest(directory: Path) -> bool:
+    return (directory / MANIFEST).is_file()
+
+
+def manifest_problem(directory: Path) -> str | None:
+    """What of a directory differs from its manifest (naming the file), or None: every file recorded is there, with
+    its size and checksum."""
+    manifest = directory / MANIFEST
     try:
         recorded = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError, TypeError):
         return f"{manifest} cannot be read"
     for name, expected in recorded.items():
-        file = path / name
+        file = directory / name
         if not file.is_file():
             return f"{file} is missing"
         if file.stat().st_size != expected["size"]:
@@ -71,10 +70,11 @@ def first_problem(path: Path) -> str | None:
     return None
 
 
-def _zip_problem(path: Path) -> str | None:
+def zip_problem(path: Path) -> str | None:
+    """What is wrong with a `.ckpt` file's zip records ("its ..."), or None: every record's CRC-32 matches."""
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()  # reads every record and checks its CRC-32
     except (zipfile.BadZipFile, OSError) as error:
-        return f"{path} is not a whole zip archive ({error})"
-    return None if bad is None else f"{path} does not match its checksum (record {bad}): its contents changed after the save"
+        return f"it is not a whole zip archive ({error})"
+    return None if bad is None else f"its record {bad} does not match its checksum: its contents changed after the save"

@@ -1,0 +1,66 @@
+"""Whether a finished checkpoint is whole: every file it needs is there and unchanged since its save. This is what
+`resume=true` looks for (passing over a damaged newer checkpoint for an older whole one) and what `ckpt_path` must be.
+
+Our saves record a manifest (manifest.py); a `.ckpt` file carries its zip's CRCs. A directory saved without a
+manifest, by Lightning's or DeepSpeed's own strategies, is held to the files its format names: every file DCP's
+`.metadata` points into, at least as long as the bytes it points at, and one of each per-rank DeepSpeed file for the
+world size the save recorded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning_dist.checkpoints.formats import (
+    CheckpointError, check_complete, deepspeed_tag_dir, is_complete, is_deepspeed_dir, is_distributed_dir,
+)
+from lightning_dist.checkpoints.manifest import has_manifest, manifest_problem, zip_problem
+from lightning_dist.checkpoints.safe_load import load_file
+
+
+def first_problem(path: str | Path, trusted: bool = False) -> str | None:
+    """What makes the finished checkpoint at `path` not whole, naming the file, or None. `trusted`: as for
+    `ckpt_path`, whether its pickles may hold more than data (the DeepSpeed world size is read from one)."""
+    path = Path(path)
+    if path.is_file():
+        return zip_problem(path)
+    if has_manifest(path):
+        return manifest_problem(path)
+    if is_deepspeed_dir(path):
+        return _deepspeed_problem(deepspeed_tag_dir(path), trusted)
+    if is_distributed_dir(path):
+        return _distributed_problem(path)
+    return None
+
+
+def is_whole(path: str | Path) -> bool:
+    """Whether a checkpoint's save finished and nothing of it changed since."""
+    return is_complete(path) and first_problem(path) is None
+
+
+def check_whole(path: str | Path, key: str = "ckpt_path", trusted: bool = False) -> None:
+    """CheckpointError, one line naming the file, unless `path` is a finished checkpoint that is whole."""
+    check_complete(path, key)
+    if problem := first_problem(path, trusted):
+        raise CheckpointError(f"{key}: {path} is damaged: {problem}; pass another checkpoint, or resume=true to continue"
+                              " from the newest whole one")
+
+
+def _deepspeed_problem(tag_dir: Path, trusted: bool) -> str | None:
+    from lightning_dist._compat.deepspeed import missing_rank_files
+
+    model_states = load_file(sorted(tag_dir.glob("*model_states.pt"))[0], mmap=True, trusted=trusted)
+    missing = missing_rank_files(tag_dir, model_states)
+    return f"{missing[0]} is missing (the save had {model_states.get('dp_world_size')} ranks)" if missing else None
+
+
+def _distributed_problem(directory: Path) -> str | None:
+    from lightning_dist._compat.torch import saved_file_extents
+
+    for name, extent in sorted(saved_file_extents(str(directory)).items()):
+        file = directory / name
+        if not file.is_file():
+            return f"{file} is missing (its .metadata names it)"
+        if file.stat().st_size < extent:
+            return f"{file} has {file.stat().st_size} bytes, its .metadata points at byte {extent}"
+    return None

@@ -1,0 +1,76 @@
+"""A damaged checkpoint of each format (a flipped byte in a shard, a deleted shard): `ckpt_path` refuses it in one
+line naming the file, before any rank starts; `resume=true` passes over it for the older whole one and ends with the
+weights of the run that was never damaged.
+
+Each format's 30-step curve run (checkpoints at steps 15 and 30, and `last`) is copied; in the copy step 30 gets a
+flipped byte and `last` loses a shard, so resuming must go back to step 15. These resumed runs are the step-15 resumes
+of ddp, fsdp and ZeRO-2/3 that tests/strategies/test_equivalence.py leaves to this file.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from lightning_dist.equivalence import COMPARISON_OVERRIDES, read_train_losses
+from tests.conftest import CURVE_OVERRIDES, run_train
+
+pytestmark = pytest.mark.slow
+
+FORMATS = ["ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3"]  # a file, a DCP directory, ZeRO-2 and ZeRO-3 directories
+
+
+def flip_a_byte_of_the_largest_file(checkpoint):
+    """The file of `checkpoint` (itself, or its largest shard) with one byte in its middle inverted."""
+    file = checkpoint if checkpoint.is_file() else max((p for p in checkpoint.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+    return file
+
+
+def delete_rank_1s_shard(checkpoint):
+    """Rank 1's shard of a directory checkpoint (for DeepSpeed, its optimizer state); a file checkpoint whole."""
+    file = checkpoint if checkpoint.is_file() else next(
+        p for p in checkpoint.rglob("*") if p.name in ("__1_0.distcp", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    )
+    file.unlink()
+    return file
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_damaged_checkpoint_is_refused_by_ckpt_path_and_passed_over_by_resume(name, curve_runs, tmp_path):
+    source = curve_runs(name)
+    command = (f"strategy={name}", *COMPARISON_OVERRIDES, *CURVE_OVERRIDES)  # the curve run's, for resume=true to match
+    earlier = tmp_path / "runs" / "earlier"
+    shutil.copytree(source.run_dir, earlier)  # modification times kept: which checkpoint is newest stays as saved
+    checkpoints = earlier / "checkpoints"
+    flipped = flip_a_byte_of_the_largest_file(checkpoints / "step000030.ckpt")
+    deleted = delete_rank_1s_shard(checkpoints / "last.ckpt")
+
+    expected = {  # what the one line says of each: a file's zip record, or the directory's file, by name
+        checkpoints / "step000030.ckpt": (f"{flipped} is damaged: its record " if name == "ddp" else f"is damaged: {flipped} ",
+                                          " does not match its checksum: its contents changed after the save"),
+        checkpoints / "last.ckpt": (f"no checkpoint at {deleted}",) if name == "ddp" else (f"is damaged: {deleted} is missing",),
+    }
+    for checkpoint, said in expected.items():
+        refused = run_train(tmp_path / f"refused_{checkpoint.name}", *command, f"ckpt_path={checkpoint}")
+        assert refused.process.returncode == 2, refused.output[-3000:]
+        assert "Traceback" not in refused.output, refused.output[-3000:]
+        (error,) = [line for line in refused.output.splitlines() if line.startswith("error:")]
+        assert error.startswith("error: ckpt_path: ") and str(checkpoint) in error, error
+        assert all(part in error for part in said), error
+
+    resumed = run_train(tmp_path / "runs" / "resumed", *command, "resume=true")
+    assert resumed.process.returncode == 0, resumed.output[-3000:]
+    assert f"resume=true: resuming from {checkpoints / 'step000015.ckpt'}" in resumed.output
+    losses, uninterrupted = read_train_losses(resumed.run_dir), source.losses
+    assert sorted(losses) == list(range(15, 30))  # nothing re-trained, nothing skipped
+    assert all(losses[step] == pytest.approx(uninterrupted[step], rel=1e-5) for step in losses), (losses, uninterrupted)
+    final = torch.load(resumed.run_dir / "gathered_state.pt")
+    expected_weights = torch.load(source.run_dir / "gathered_state.pt")
+    assert set(final) == set(expected_weights)
+    for key, tensor in expected_weights.items():
+        torch.testing.assert_close(final[key], tensor, rtol=0, atol=1e-5, msg=key)
