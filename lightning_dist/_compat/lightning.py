@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import csv
 import logging
+import os
+import sys
 from typing import Any
 
 import torch
 from lightning.fabric.connector import _convert_precision_to_unified_args
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
@@ -27,7 +30,7 @@ from lightning_dist._compat import Fenced
 
 __all__ = [
     "ContinuingCSVWriter", "Launcher", "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput",
-    "console_handler", "continuing_csv_writer", "give_device_mesh",
+    "console_handler", "continuing_csv_writer", "end_job_as_its_failed_rank", "give_device_mesh",
     "load_distributed_checkpoint", "logs_this_step", "move_optimizers_to_device", "module_optimizers",
     "set_threads_for_ranks", "train_data_source", "unified_precision", "validate_cuda_device_indices",
 ]
@@ -39,6 +42,8 @@ FENCED = [
            ("self", "trainer", "results")),
     Fenced("lightning.pytorch.strategies.launchers.multiprocessing", "_WorkerOutput"),
     Fenced("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
+    # The thread that watches the ranks a launcher started; `_child_processes` and `_termination_signal` with it.
+    Fenced("lightning.fabric.strategies.launchers.subprocess_script", "_ChildProcessObserver._terminate_all", ("self",)),
     Fenced("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed", ("num_processes",)),
     Fenced("lightning.fabric.utilities.optimizer", "_optimizers_to_device", ("optimizers", "device")),
     Fenced("lightning.fabric.strategies.deepspeed", "_validate_device_index_selection", ("parallel_devices",)),
@@ -134,3 +139,21 @@ def continuing_csv_writer(logger: Any) -> ContinuingCSVWriter:
         logger._fs.makedirs(logger.root_dir, exist_ok=True)
         logger._experiment = ContinuingCSVWriter(log_dir=logger.log_dir)
     return logger._experiment
+
+
+def end_job_as_its_failed_rank() -> None:
+    """When a rank Lightning started fails, its child observer SIGKILLs the other ranks and this process too (rank
+    0), so the job's exit code is 137, "killed", which reads as out of memory, whatever the rank reported. Instead
+    this process ends with that rank's exit code (a rank killed by a signal: 128 + its number, as a shell says).
+    The other ranks are still killed: one may be stuck in a collective that will never complete."""
+    _ChildProcessObserver._terminate_all = _end_as_failed_rank
+
+
+def _end_as_failed_rank(self: Any) -> None:
+    code = next((process.returncode for process in self._child_processes if process.returncode), 1)
+    for process in self._child_processes:
+        if process.returncode is None:
+            process.send_signal(self._termination_signal)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code if code > 0 else 128 - code)  # from the observer's thread: this process, wherever it is

@@ -14,13 +14,16 @@ from typing import Any
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_dist._compat.lightning import Launcher, MultiProcessingLauncher, SubprocessScriptLauncher, WorkerOutput
+from lightning_dist._compat.lightning import (
+    Launcher, MultiProcessingLauncher, SubprocessScriptLauncher, WorkerOutput, end_job_as_its_failed_rank,
+)
 from lightning_dist.stop_signals import passing_signals_to
 
 
 # How long the ranks this process started get to leave on their own after it stopped early: they see the same
-# error, preemption or NaN at the same step and exit within seconds unless stuck.
-CHILD_EXIT_GRACE_S = 15
+# error, preemption or NaN at the same step and exit within seconds unless stuck. What they must finish (a save, the
+# agreement to stop) is a collective this process finished too, so the time is only for them to leave quietly.
+CHILD_EXIT_GRACE_S = 5
 
 
 def end_processes(processes: list, grace_s: float = CHILD_EXIT_GRACE_S) -> None:
@@ -129,6 +132,7 @@ class GuardedLauncher(Launcher):
         if not self.checked and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             self.check(trainer, inspect.signature(function).bind(*args, **kwargs).arguments)
         self.checked = False  # a later fit with this strategy is checked again
+        end_job_as_its_failed_rank()  # a rank that fails first ends the job with its own exit code, not 137
         try:
             # A signal that stops this process stops the ranks it starts; they end if it dies (stop_signals.py).
             with passing_signals_to(lambda: getattr(self.launcher, "procs", [])):

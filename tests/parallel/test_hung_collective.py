@@ -30,7 +30,7 @@ def test_a_stuck_rank_ends_the_job_within_a_minute_of_the_timeout(name, stuck_ra
                     *stall(stuck_rank), timeout=600)
     elapsed = time.monotonic() - started
     waiting_rank = 1 - stuck_rank
-    assert run.process.returncode != 0
+    assert run.process.returncode == 1, run.output[-3000:]  # documented for a timed-out collective, whichever rank waited
     assert (f"rank {waiting_rank} waited in a collective at global step 3 longer than strategy.timeout={TIMEOUT_S} s:"
             " another rank did not reach it (stuck, or slower than the timeout)") in run.output
     # Start-up and three steps take well under 30 s here; the job must be over 60 s after the timeout.
