@@ -39,7 +39,8 @@ CHILD_EXIT_WAIT_S = 15.0
 LAUNCHER_ENV = "LIGHTNING_DIST_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
 
-_received: int | None = None  # the first stop signal this process got
+_received: int | None = None  # the first stop signal this process's handler got
+_signalled: int | None = None  # the first that arrived, as the watcher thread saw it: the handler may not have run
 _quiet = False  # a rank Lightning started: its launcher reports the stop; a non-zero exit would get it SIGKILLed
 _STOP_NUMBERS = {int(signum) for signum in STOP_CODES}
 _passed_on: set[int] = set()
@@ -140,7 +141,7 @@ def _stop(signum: int, frame: Any) -> None:
     global _received
     _pass_on(signum)
     if _quiet or _received is not None:  # a rank whose launcher speaks for it, or told twice: nothing to wait for
-        _end_now(signum)
+        end_now(signum)
     if _in_a_destructor(frame):
         # Python prints an exception raised in `__del__` ("Exception ignored in ...") and goes on: ask again in a
         # moment, outside it.
@@ -163,7 +164,8 @@ def _in_a_destructor(frame: Any) -> bool:
 def stopped() -> Stopped | None:
     """The stop this process was told, if any: an exception on its way out after a signal may be another one,
     raised by code the signal interrupted midway."""
-    return None if _received is None else Stopped(_received)
+    signum = _received or _signalled
+    return None if signum is None else Stopped(signum)
 
 
 def _pass_on(signum: int) -> None:
@@ -185,19 +187,21 @@ def _running(process: Any) -> bool:
 
 
 def _watch(read_end: int) -> None:
+    global _signalled
     while True:
         numbers = os.read(read_end, 64)
         for number in numbers:
             # Only while the handler is ours: in training the preemption callback has SIGTERM, and needs the time.
             if number not in _STOP_NUMBERS or signal.getsignal(number) is not _stop:
                 continue
+            _signalled = _signalled or number
             _pass_on(number)
-            timer = threading.Timer(STOP_GRACE_S, _end_now, args=(number,))
+            timer = threading.Timer(STOP_GRACE_S, end_now, args=(number,))
             timer.daemon = True  # the process may end sooner, on its own
             timer.start()
 
 
-def _end_now(signum: int) -> None:
+def end_now(signum: int) -> None:
     """End the process now, without the main thread (it did not leave within the grace, or there is nothing to
     wait for): the line first, flushed, as nothing else will be."""
     stopped = Stopped(signum)

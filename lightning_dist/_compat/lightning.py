@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import csv
 import logging
-import os
-import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -141,19 +140,18 @@ def continuing_csv_writer(logger: Any) -> ContinuingCSVWriter:
     return logger._experiment
 
 
-def end_job_as_its_failed_rank() -> None:
+def end_job_as_its_failed_rank(end: Callable[[int], None]) -> None:
     """When a rank Lightning started fails, its child observer SIGKILLs the other ranks and this process too (rank
     0), so the job's exit code is 137, "killed", which reads as out of memory, whatever the rank reported. Instead
-    this process ends with that rank's exit code (a rank killed by a signal: 128 + its number, as a shell says).
-    The other ranks are still killed: one may be stuck in a collective that will never complete."""
-    _ChildProcessObserver._terminate_all = _end_as_failed_rank
+    the other ranks are still killed (one may be stuck in a collective that will never complete) and `end` is called
+    with the failed rank's return code (negative: killed by that signal), from the observer's thread; it must end
+    this process."""
 
+    def terminate_all(self: Any) -> None:
+        code = next(process.returncode for process in self._child_processes if process.returncode)
+        for process in self._child_processes:
+            if process.returncode is None:
+                process.send_signal(self._termination_signal)
+        end(code)
 
-def _end_as_failed_rank(self: Any) -> None:
-    code = next((process.returncode for process in self._child_processes if process.returncode), 1)
-    for process in self._child_processes:
-        if process.returncode is None:
-            process.send_signal(self._termination_signal)
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code if code > 0 else 128 - code)  # from the observer's thread: this process, wherever it is
+    _ChildProcessObserver._terminate_all = terminate_all

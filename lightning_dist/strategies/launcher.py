@@ -17,13 +17,23 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_dist._compat.lightning import (
     Launcher, MultiProcessingLauncher, SubprocessScriptLauncher, WorkerOutput, end_job_as_its_failed_rank,
 )
-from lightning_dist.stop_signals import passing_signals_to
+from lightning_dist.stop_signals import end_now, passing_signals_to, stopped
 
 
 # How long the ranks this process started get to leave on their own after it stopped early: they see the same
 # error, preemption or NaN at the same step and exit within seconds unless stuck. What they must finish (a save, the
 # agreement to stop) is a collective this process finished too, so the time is only for them to leave quietly.
 CHILD_EXIT_GRACE_S = 5
+
+
+def end_as_failed_rank(returncode: int) -> None:
+    """A rank this process started failed first: the job ends with its exit code (128 + N for a rank killed by signal
+    N, as a shell says), or, when this process was told to stop and passed the signal on, as the stop (75, 130)."""
+    if (stop := stopped()) is not None:
+        end_now(stop.signum)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(returncode if returncode > 0 else 128 - returncode)
 
 
 def end_processes(processes: list, grace_s: float = CHILD_EXIT_GRACE_S) -> None:
@@ -132,7 +142,7 @@ class GuardedLauncher(Launcher):
         if not self.checked and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             self.check(trainer, inspect.signature(function).bind(*args, **kwargs).arguments)
         self.checked = False  # a later fit with this strategy is checked again
-        end_job_as_its_failed_rank()  # a rank that fails first ends the job with its own exit code, not 137
+        end_job_as_its_failed_rank(end_as_failed_rank)
         try:
             # A signal that stops this process stops the ranks it starts; they end if it dies (stop_signals.py).
             with passing_signals_to(lambda: getattr(self.launcher, "procs", [])):
