@@ -9,7 +9,9 @@ init, waited in a collective for the whole timeout (30 minutes by default), each
   (Ctrl-C) are passed on to the ranks this process started, and end this one with `Stopped`: 75 (not finished, run
   the same command again) or 130 for Ctrl-C. Python runs a signal handler only between two bytecodes of the main
   thread, which may be blocked in native code (a rendezvous waiting for a rank that is gone); so a thread woken by
-  the signal itself passes it on at once and ends the process after `STOP_GRACE_S` if the main thread has not.
+  the signal itself passes it on at once and ends the process if the main thread has not left once the ranks it
+  started are gone, or after `STOP_GRACE_S`. A rank that dies of the signal passed on, seen first by Lightning's
+  observer of the ranks, ends the job as the stop too (strategies/launcher.py).
 - `end_with_launcher()`, in each rank another process of the run started: the kernel kills it when that process
   dies, however it died, SIGKILL included (Linux's PR_SET_PDEATHSIG).
 """
@@ -33,6 +35,7 @@ STOP_CODES = {signal.SIGTERM: 75, signal.SIGUSR1: 75, signal.SIGUSR2: 75, signal
 # How long the main thread has to leave on its own once told (it passes the signal on and cleans up), before the
 # process is ended without it.
 STOP_GRACE_S = 10.0
+_LEAVING_S = 1.0  # what a main thread that runs needs to leave once the ranks it started are gone
 # How long a launcher leaving normally waits for the ranks it started (see `_wait_for_started`).
 CHILD_EXIT_WAIT_S = 15.0
 # The pid of the process that started this rank, set by that process for the ranks it starts.
@@ -196,9 +199,21 @@ def _watch(read_end: int) -> None:
                 continue
             _signalled = _signalled or number
             _pass_on(number)
-            timer = threading.Timer(STOP_GRACE_S, end_now, args=(number,))
-            timer.daemon = True  # the process may end sooner, on its own
-            timer.start()
+            # Daemon: the process may end sooner, on its own.
+            threading.Thread(target=_end_unless_left, args=(number,), name="stop-grace", daemon=True).start()
+
+
+def _end_unless_left(signum: int) -> None:
+    """End the process if the main thread has not left within `STOP_GRACE_S`, or soon after the ranks it started
+    are gone: a main thread blocked in native code waiting for them (a rendezvous) would wait for its timeout."""
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        started = [process for find in list(_started) for process in find() or []]
+        if started and not any(_running(process) for process in started):
+            time.sleep(_LEAVING_S)  # the main thread's own way out, if it is running
+            break
+    end_now(signum)
 
 
 def end_now(signum: int) -> None:
