@@ -36,6 +36,7 @@ STOP_CODES = {signal.SIGTERM: 75, signal.SIGUSR1: 75, signal.SIGUSR2: 75, signal
 # process is ended without it.
 STOP_GRACE_S = 10.0
 _LEAVING_S = 1.0  # what a main thread that runs needs to leave once the ranks it started are gone
+_ASK_AGAIN_S = 0.05  # when the signal came at a moment to raise nothing (`_not_here`)
 # How long a launcher leaving normally waits for the ranks it started (see `_wait_for_started`).
 CHILD_EXIT_WAIT_S = 15.0
 # The pid of the process that started this rank, set by that process for the ranks it starts.
@@ -47,6 +48,7 @@ _signalled: int | None = None  # the first that arrived, as the watcher thread s
 _quiet = False  # a rank Lightning started: its launcher reports the stop; a non-zero exit would get it SIGKILLed
 _STOP_NUMBERS = {int(signum) for signum in STOP_CODES}
 _passed_on: set[int] = set()
+_backed_up: set[int] = set()  # signals whose grace thread runs (`_watch`)
 _waiting_at_exit: list[Callable[[], list[Any]]] = []  # the latest launch's processes, waited for at exit
 _started: list[Callable[[], list[Any]]] = []  # how to find the processes this one started (a launcher's `procs`)
 
@@ -145,10 +147,8 @@ def _stop(signum: int, frame: Any) -> None:
     _pass_on(signum)
     if _quiet or _received is not None:  # a rank whose launcher speaks for it, or told twice: nothing to wait for
         end_now(signum)
-    if _in_a_destructor(frame):
-        # Python prints an exception raised in `__del__` ("Exception ignored in ...") and goes on: ask again in a
-        # moment, outside it.
-        timer = threading.Timer(0.05, os.kill, args=(os.getpid(), signum))
+    if _not_here(frame):
+        timer = threading.Timer(_ASK_AGAIN_S, os.kill, args=(os.getpid(), signum))
         timer.daemon = True
         timer.start()
         return
@@ -156,9 +156,12 @@ def _stop(signum: int, frame: Any) -> None:
     raise Stopped(signum)
 
 
-def _in_a_destructor(frame: Any) -> bool:
+def _not_here(frame: Any) -> bool:
+    """Whether raising at `frame` would go wrong, so the stop is asked again in a moment: inside `__del__` or an
+    import's weakref callback, where Python prints the exception ("Exception ignored in ...") and goes on; inside an
+    import, which it would leave half done (seen: numpy.linalg, half imported, then recursing at its next use)."""
     while frame is not None:
-        if frame.f_code.co_name == "__del__":
+        if frame.f_code.co_name == "__del__" or frame.f_code.co_filename.startswith("<frozen importlib"):
             return True
         frame = frame.f_back
     return False
@@ -194,9 +197,9 @@ def _watch(read_end: int) -> None:
     while True:
         numbers = os.read(read_end, 64)
         for number in numbers:
-            # Only while the handler is ours: in training the preemption callback has SIGTERM, and needs the time.
-            if number not in _STOP_NUMBERS or signal.getsignal(number) is not _stop:
-                continue
+            if number not in _STOP_NUMBERS or signal.getsignal(number) is not _stop or number in _backed_up:
+                continue  # in training the preemption callback has SIGTERM, and needs the time; asked again: running
+            _backed_up.add(number)
             _signalled = _signalled or number
             _pass_on(number)
             # Daemon: the process may end sooner, on its own.

@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                 outcomes[(strategy, delay, f"exit {run.code}" + (f", {len(run.left)} left" if run.left else ""))] += 1
                 print(f"{strategy:>18} {delay:4.1f} s #{attempt}: exit {run.code}, all gone {run.gone_after_s:4.1f} s"
                       f" after the signal{'' if ok else '  <-- FAIL'}", flush=True)
+                if not ok:
+                    print("    " + "\n    ".join(run.stderr.strip().splitlines()[-25:]), flush=True)
     print("\n| strategy | delay (s) | outcome | runs |\n|---|---|---|---|")
     for (strategy, delay, outcome), count in sorted(outcomes.items()):
         print(f"| {strategy} | {delay:g} | {outcome} | {count} |")
