@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 from lightning.fabric.connector import _convert_precision_to_unified_args
-from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
