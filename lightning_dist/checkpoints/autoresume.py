@@ -1,4 +1,4 @@
-"""Find where an interrupted run of the same command got to: its newest checkpoint whose save completed."""
+"""Find where an interrupted run of the same command got to: its newest checkpoint that is whole."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ def same_command(overrides: list[str]) -> list[str]:
 
 
 def newest_complete_checkpoint(runs_root: Path, overrides: list[str]) -> Path | None:
-    """The newest complete checkpoint among earlier runs under `runs_root` started with the same overrides.
+    """The newest whole checkpoint among earlier runs under `runs_root` started with the same overrides.
 
     Runs are Hydra run directories (their `.hydra/overrides.yaml` says how they were started); newer runs are
-    searched first, and within a run checkpoints by modification time, skipping any whose save was cut off. The
+    searched first, and within a run checkpoints by modification time, skipping any whose save was cut off or that changed since (whole.py). The
     run asking is one of them: a requeued sweep job runs again in its own directory.
     """
     wanted = same_command(overrides)
