@@ -20,8 +20,8 @@ def newest_complete_checkpoint(runs_root: Path, overrides: list[str]) -> Path | 
     """The newest whole checkpoint among earlier runs under `runs_root` started with the same overrides.
 
     Runs are Hydra run directories (their `.hydra/overrides.yaml` says how they were started); newer runs are
-    searched first, and within a run checkpoints by modification time, skipping any whose save was cut off or that changed since (whole.py). The
-    run asking is one of them: a requeued sweep job runs again in its own directory.
+    searched first, and within a run checkpoints by modification time, skipping any whose save was cut off or that
+    changed since (whole.py). The run asking is one of them: a requeued sweep job runs again in its own directory.
     """
     wanted = same_command(overrides)
     runs = [
