@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -37,6 +38,8 @@ STOP_CODES = {signal.SIGTERM: 75, signal.SIGUSR1: 75, signal.SIGUSR2: 75, signal
 STOP_GRACE_S = 10.0
 _LEAVING_S = 1.0  # what a main thread that runs needs to leave once the ranks it started are gone
 _ASK_AGAIN_S = 0.05  # when the signal came at a moment to raise nothing (`_not_here`)
+# The standard library's weakref callbacks that run often: the import system's module locks, weak dictionaries.
+_WEAKREF_CALLBACKS = {("cb", "<frozen importlib._bootstrap>"), ("remove", weakref.__file__)}
 # How long a launcher leaving normally waits for the ranks it started (see `_wait_for_started`).
 CHILD_EXIT_WAIT_S = 15.0
 # The pid of the process that started this rank, set by that process for the ranks it starts.
@@ -157,11 +160,12 @@ def _stop(signum: int, frame: Any) -> None:
 
 
 def _not_here(frame: Any) -> bool:
-    """Whether raising at `frame` would go wrong, so the stop is asked again in a moment: inside `__del__` or an
-    import's weakref callback, where Python prints the exception ("Exception ignored in ...") and goes on; inside an
-    import, which it would leave half done (seen: numpy.linalg, half imported, then recursing at its next use)."""
+    """Whether an exception raised at `frame` would be lost, so the stop is asked again in a moment: inside a
+    destructor or a weakref callback Python prints it ("Exception ignored in ...") and goes on. Seen: in the import
+    system's module-lock callback, which left numpy.linalg half imported (a RecursionError at its next use)."""
     while frame is not None:
-        if frame.f_code.co_name == "__del__" or frame.f_code.co_filename.startswith("<frozen importlib"):
+        code = frame.f_code
+        if code.co_name == "__del__" or (code.co_name, code.co_filename) in _WEAKREF_CALLBACKS:
             return True
         frame = frame.f_back
     return False
