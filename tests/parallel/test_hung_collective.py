@@ -23,7 +23,9 @@ def stall(rank: int) -> tuple[str, ...]:
             "+callbacks.stall.seconds=100000", f"+callbacks.stall.rank={rank}")
 
 
-@pytest.mark.parametrize("name, stuck_rank", [("ddp", 1), ("fsdp", 1), ("deepspeed_stage_2", 0)])
+# Rank 0 waiting (its timeout is explained the same way whatever the strategy's collective), and rank 0 stuck (the
+# rank that gives up ends the job through Lightning's observer of the ranks it started).
+@pytest.mark.parametrize("name, stuck_rank", [("ddp", 1), ("deepspeed_stage_2", 0)])
 def test_a_stuck_rank_ends_the_job_within_a_minute_of_the_timeout(name, stuck_rank, tmp_path, deepspeed_ops):
     started = time.monotonic()
     run = run_train(tmp_path, f"strategy={name}", "trainer.max_steps=10", "test=false", f"strategy.timeout={TIMEOUT_S}",
