@@ -34,6 +34,16 @@ def exit_with(error: Exception, code: int = 2) -> None:
 
 
 def main() -> None:
+    from lightning_dist.quick_exit import exit_quickly
+
+    try:
+        _main()
+    except SystemExit as leaving:
+        exit_quickly(leaving.code)
+    exit_quickly(0)
+
+
+def _main() -> None:
     from lightning_dist._compat.hydra import hydra_args_parser, is_a_rank_lightning_started
     from lightning_dist.stop_signals import end_with_launcher, stop_on_signals, stopped
 

@@ -1,5 +1,5 @@
-"""The fence around library internals. Every private name of torch, Lightning, DeepSpeed or Hydra that the package
-needs, and every patch it applies to them, goes through a named function here (one module per library), with the
+"""The fence around library internals. Every private name of torch, Lightning, DeepSpeed, Hydra or CPython that the
+package needs, and every patch it applies to them, goes through a named function here (one module per library), with the
 public API that is missing and the versions it was checked on. An upgrade that breaks one breaks here, in one place:
 `tests/test_compat_fence.py` checks that each fenced symbol still exists with the parameters we rely on, and that
 nothing outside this package reaches past the fence.
@@ -31,6 +31,6 @@ class Fenced:
 
 def fenced() -> list[Fenced]:
     """Every symbol behind the fence, from each library's module."""
-    from lightning_dist._compat import deepspeed, hydra, lightning, torch
+    from lightning_dist._compat import deepspeed, hydra, lightning, python, torch
 
-    return [*torch.FENCED, *lightning.FENCED, *deepspeed.FENCED, *hydra.FENCED]
+    return [*torch.FENCED, *lightning.FENCED, *deepspeed.FENCED, *hydra.FENCED, *python.FENCED]

@@ -84,17 +84,18 @@ def claim_run_dir(directory: Path, continuing: bool, config_dir: str | None = ".
         raise ConfigError(f"hydra.run.dir: cannot write the run's directory {directory} ({why}); set paths.log_dir to a"
                           " writable directory")
     directory.mkdir(parents=True, exist_ok=True)
-    lock = open(directory / CLAIM_FILE, "a+")  # noqa: SIM115 - held open (and locked) until the process exits
+    (directory / CLAIM_FILE).touch()
+    # Held open (and locked) until the process exits; read-only, as a lock needs no more: nothing of it is left for
+    # the exit to write (quick_exit.py looks for files open for writing).
+    lock = open(directory / CLAIM_FILE)  # noqa: SIM115
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:  # another run claimed it in the meantime
         lock.close()
         _refuse_if_in_use(directory)
         raise
-    lock.seek(0)
-    lock.truncate()
-    lock.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
-    lock.flush()
+    holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    (directory / CLAIM_FILE).write_text(json.dumps(holder))
     os.environ[CLAIM_ENV] = str(directory)
     _claim = Claim(directory, created, bool(used), lock, [directory / name for name in (config_dir, FINAL_METRICS) if name])
     if used:
