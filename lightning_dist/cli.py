@@ -23,12 +23,21 @@ from lightning_dist.config_values import check_values
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def _hydra_entry(cfg: DictConfig) -> Any:
-    from lightning_dist.train import run_job
+    from lightning_dist.stop_signals import leaving_as_the_stop
 
-    return run_job(cfg)
+    with leaving_as_the_stop():  # before Hydra prints the traceback of a job that failed
+        from lightning_dist.train import run_job
+
+        return run_job(cfg)
 
 
 def exit_with(error: Exception, code: int = 2) -> None:
+    """End the run with `error` in one line; after a stop signal, as the stop: the error may be the signal's doing
+    (lightning_dist/stop_signals.py, `leaving_as_the_stop`)."""
+    from lightning_dist.stop_signals import stopped
+
+    if (stop := stopped()) is not None:
+        raise stop from error
     print(f"error: {error}", file=sys.stderr)
     sys.exit(code)
 
@@ -45,7 +54,7 @@ def main() -> None:
 
 def _main() -> None:
     from lightning_dist._compat.hydra import hydra_args_parser, is_a_rank_lightning_started
-    from lightning_dist.stop_signals import end_with_launcher, stop_on_signals, stopped
+    from lightning_dist.stop_signals import Stopped, end_with_launcher, leaving_as_the_stop, stop_on_signals
 
     args = hydra_args_parser().parse_args(sys.argv[1:])
     # First: a signal from here on ends the run and the ranks it starts (lightning_dist/stop_signals.py).
@@ -53,14 +62,12 @@ def _main() -> None:
     stop_on_signals(quietly=any(is_a_rank_lightning_started(name) for name in job_names))
     end_with_launcher()
     try:
-        _check_and_run(args)
-    except BaseException as error:
-        stop = stopped()  # the code a signal interrupted may have raised something else on the way out
-        if stop is None:
-            raise
+        with leaving_as_the_stop():
+            _check_and_run(args)
+    except Stopped as stop:
         if stop.code:
             print(f"error: {stop}", file=sys.stderr)
-        raise stop from error
+        raise
 
 
 def _check_and_run(args: Any) -> None:

@@ -178,6 +178,21 @@ def stopped() -> Stopped | None:
     return None if signum is None else Stopped(signum)
 
 
+@contextmanager
+def leaving_as_the_stop() -> Iterator[None]:
+    """Within: after a stop signal, whatever leaves leaves as the stop (`Stopped`). Code the signal interrupted
+    midway may fail on its way out, or later, with an error of its own: a module half imported when the signal
+    came, and the stop swallowed by a library's catch-all, fails at its next use (seen: a RecursionError in numpy's
+    `__getattr__`). Its traceback, printed by Hydra or our own error lines, would read as the run's fault."""
+    try:
+        yield
+    except BaseException as error:
+        stop = stopped()
+        if stop is None or isinstance(error, Stopped):
+            raise
+        raise stop from error
+
+
 def _pass_on(signum: int) -> None:
     """Once per signal, whether the handler or the thread gets there first: a rank that already runs the preemption
     callback takes a second SIGTERM as "die now"."""

@@ -219,3 +219,30 @@ class SlowExitOnRank(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if trainer.global_rank == self.rank:
             time.sleep(self.seconds)
+
+
+class StopSwallowedThenFails(L.Callback):
+    """SIGTERM arrives in code that swallows it (a library's catch-all around an import), which then fails with an
+    error of its own: what a stop during a half-done import leaves (numpy's RecursionError, tests/test_stop_signals.py).
+    `at`: "init" (while the callbacks are built, before any rank starts) or "fit_start"."""
+
+    def __init__(self, at: str = "init") -> None:
+        self.at = at
+        if at == "init":
+            self._swallow_a_stop_then_fail()
+
+    def on_fit_start(self, *args) -> None:
+        if self.at == "fit_start":
+            self._swallow_a_stop_then_fail()
+
+    @staticmethod
+    def _swallow_a_stop_then_fail() -> None:
+        import signal
+
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(200):  # the handler raises `Stopped` between two of these
+                time.sleep(0.01)
+        except BaseException:  # noqa: BLE001 (the catch-all this stands for)
+            pass
+        raise RecursionError("maximum recursion depth exceeded while calling a Python object")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -33,6 +34,22 @@ def test_a_signal_before_training_ends_every_process_with_the_documented_code(st
     assert "Traceback" not in run.stderr
     if run.code:
         assert run.stderr.splitlines()[-1] == "error: " + STOPPED.format(name=signum.name)
+
+
+@pytest.mark.parametrize(("at", "devices"), [("init", 2), ("fit_start", 1)])
+def test_an_error_after_a_stop_signal_leaves_as_the_stop(at, devices, tmp_path):
+    # The stop signal is swallowed where it lands and that code then fails: the run ends as the stop, in its line,
+    # with neither the error's line (exit_with) nor Hydra's traceback of a failed job.
+    process = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), f"trainer.devices={devices}", "trainer.max_steps=2", "test=false",
+         "+callbacks.swallow._target_=tests.probes.StopSwallowedThenFails", f"+callbacks.swallow.at={at}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert process.returncode == 75, process.stderr[-3000:]
+    assert "Traceback" not in process.stderr and "RecursionError" not in process.stderr, process.stderr[-3000:]
+    errors = [line for line in process.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: " + STOPPED.format(name="SIGTERM")], process.stderr[-3000:]
+    assert process.stderr.strip().splitlines()[-1] == errors[0]
 
 
 RANK = """
