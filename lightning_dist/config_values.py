@@ -62,6 +62,8 @@ class Rule:
 
 
 RULES = (
+    Rule("resume", "true, false or run_dir (the newest whole checkpoint in hydra.run.dir only: a requeued job's)",
+         lambda value: isinstance(value, bool) or value == "run_dir"),
     Rule("seed", "an integer", integer()),
     Rule("trainer.max_steps", "an integer >= -1 (-1: no limit)", integer(-1)),
     Rule("trainer.max_epochs", "null or an integer >= -1 (-1: no limit)", optional(integer(-1))),

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_dist._compat.hydra import is_a_rank_lightning_started
 from lightning_dist.callbacks import NonFiniteError, Preempted
-from lightning_dist.checkpoints.autoresume import newest_complete_checkpoint
+from lightning_dist.checkpoints.autoresume import RESUME_OWN_DIR, newest_complete_checkpoint, newest_whole_checkpoint_in
 from lightning_dist.checkpoints.contents import check_checkpoint_matches
 from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
@@ -273,10 +273,14 @@ def _checkpoint_to_resume(cfg: DictConfig) -> str | None:
     if _RESUME_ENV in os.environ:
         return os.environ[_RESUME_ENV] or None
     output_dir = Path(cfg.paths.output_dir)
-    # As typed: an override such as `+model.path=${paths.output_dir}/x` resolves to another path in every run.
-    overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
-    found = newest_complete_checkpoint(output_dir.parent, overrides)
-    log.info(f"resume=true: {f'resuming from {found}' if found else 'no earlier complete checkpoint of this command; starting afresh'}")
+    if cfg.resume == RESUME_OWN_DIR:  # a requeued job: its own run directory only, never another job's
+        found = newest_whole_checkpoint_in(output_dir)
+        log.info(f"resume={RESUME_OWN_DIR}: {f'resuming from {found}' if found else f'no complete checkpoint in {output_dir}; starting afresh'}")
+    else:
+        # As typed: an override such as `+model.path=${paths.output_dir}/x` resolves to another path in every run.
+        overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
+        found = newest_complete_checkpoint(output_dir.parent, overrides)
+        log.info(f"resume=true: {f'resuming from {found}' if found else 'no earlier complete checkpoint of this command; starting afresh'}")
     os.environ[_RESUME_ENV] = str(found or "")
     return str(found) if found else None
 

@@ -121,6 +121,7 @@ REFUSED = [
     (["data.batch_size=0"], "data.batch_size=0: must be an integer >= 1"),
     (["model.optimizer.lr=-1"], "model.optimizer.lr=-1: must be a number > 0"),
     (["model.optimizer.lr=abc"], "model.optimizer.lr=abc: must be a number > 0"),
+    (["resume=yes"], "resume=yes: must be true, false or run_dir (the newest whole checkpoint in hydra.run.dir only:"),
     (["trainer.max_steps=${oc.env:HOME}"], "trainer.max_steps=${oc.env:HOME} (= "),
     (["model.d_model=256", "ckpt_path={inputs}/gpt_tiny.ckpt"],
      "ckpt_path: {inputs}/gpt_tiny.ckpt holds another model's weights: 53 have other shapes (e.g."

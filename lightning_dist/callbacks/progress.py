@@ -44,6 +44,13 @@ class StepProgressBar(TQDMProgressBar):
             bar.n = step
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes
 
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # The run ends with a line of its own (the error, or the stop): on a line after the bar's, not appended to it.
+        for bar in (self._train_progress_bar, self._val_progress_bar, self._test_progress_bar, self._predict_progress_bar):
+            if bar is not None and not bar.disable:
+                bar.close()
+
 
 def _step_bounded(trainer: L.Trainer) -> bool:
     return trainer.max_steps is not None and trainer.max_steps > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import resource
+import socket
 import statistics
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from lightning_dist.parallel.placement import offload_targets, placement_report
 
 
 class RunSummary(L.Callback):
-    """Records the strategy, world size, steps, batches trained on each rank, where each rank's parameters and
+    """Records the strategy, world size, nodes (and each rank's node and host), steps, batches trained on each rank, where each rank's parameters and
     optimizer state were after the first step (evidence of sharding and offload), the model state each rank held at
     the third step (`memory/measure.py`: what the memory planner is checked against), speed (median step time,
     samples and tokens per second over all ranks), peak memory per rank, the final metrics, and the curves of
@@ -82,15 +83,18 @@ class RunSummary(L.Callback):
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Every rank must take part in the gather, so this runs before the rank-0-only write.
-        mine = [self.batches_on_this_rank, torch.get_num_threads()]
+        mine = [self.batches_on_this_rank, torch.get_num_threads(), trainer.node_rank]
         per_rank = gather_numbers(mine, trainer.strategy.root_device, dtype=torch.int64)
         self.summary.update(
             strategy=type(trainer.strategy).__name__,
             process_group_backend=_process_group_backend(),
             world_size=trainer.world_size,
+            num_nodes=trainer.num_nodes,
+            node_rank_per_rank=[node for _, _, node in per_rank],
+            host_per_rank=gather_objects(socket.gethostname()),
             global_step=trainer.global_step,
-            train_batches_per_rank=[batches for batches, _ in per_rank],
-            intra_op_threads_per_rank=[threads for _, threads in per_rank],
+            train_batches_per_rank=[batches for batches, _, _ in per_rank],
+            intra_op_threads_per_rank=[threads for _, threads, _ in per_rank],
             best_checkpoint=_checkpoint_path(trainer, "best_model_path"),
             last_checkpoint=_checkpoint_path(trainer, "last_model_path"),
             data_parallel_size=parallel_dims_of(trainer.strategy).dp_size,

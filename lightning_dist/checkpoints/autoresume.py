@@ -8,6 +8,9 @@ import yaml
 
 from lightning_dist.checkpoints.whole import is_whole
 
+# `resume=run_dir`: only the run directory itself (hydra.run.dir), as a job requeued by its scheduler wants;
+# `resume=true` also searches its sibling directories for earlier runs of the same command.
+RESUME_OWN_DIR = "run_dir"
 # Overrides that do not make a run a different run.
 _IGNORED_PREFIXES = ("resume=", "ckpt_path=", "hydra.")
 
@@ -30,11 +33,18 @@ def newest_complete_checkpoint(runs_root: Path, overrides: list[str]) -> Path | 
         and same_command(yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()) or []) == wanted
     ]
     for run in sorted(runs, key=lambda r: r.stat().st_mtime, reverse=True):
-        # A `.NAME.partial` is a save that has not been swapped in (swap.py); `.NAME.previous`, a complete one that
-        # stepped aside for it and is the one to use if the swap was cut off.
-        saved = [p for p in (run / "checkpoints").glob("*") if not p.name.endswith(".partial")]
-        checkpoints = sorted(saved, key=lambda p: p.stat().st_mtime, reverse=True)
-        for checkpoint in checkpoints:
-            if is_whole(checkpoint):  # a damaged newer one is passed over for an older whole one
-                return checkpoint
+        if (found := newest_whole_checkpoint_in(run)) is not None:
+            return found
+    return None
+
+
+def newest_whole_checkpoint_in(run: Path) -> Path | None:
+    """The newest whole checkpoint in one run directory (`resume=run_dir`: a requeued job's own, whatever its
+    overrides), by modification time; a damaged newer one is passed over for an older whole one (whole.py)."""
+    # A `.NAME.partial` is a save that has not been swapped in (swap.py); `.NAME.previous`, a complete one that
+    # stepped aside for it and is the one to use if the swap was cut off.
+    saved = [p for p in (Path(run) / "checkpoints").glob("*") if not p.name.endswith(".partial")]
+    for checkpoint in sorted(saved, key=lambda p: p.stat().st_mtime, reverse=True):
+        if is_whole(checkpoint):
+            return checkpoint
     return None

@@ -13,6 +13,7 @@ class Ranks(Protocol):
     """A running strategy, as the checkpoint code sees it (Lightning's `Strategy` has all of this)."""
 
     is_global_zero: bool
+    global_rank: int
     local_rank: int
     world_size: int
     root_device: torch.device
@@ -21,6 +22,8 @@ class Ranks(Protocol):
     def broadcast(self, obj: T, src: int = 0) -> T: ...
 
     def barrier(self, name: str | None = None) -> None: ...
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool: ...
 
 
 class DeepSpeedRanks(Ranks, Protocol):

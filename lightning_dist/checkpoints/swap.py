@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,8 +28,11 @@ def write_then_swap(strategy: Ranks, final: str | Path, write: Callable[[Path], 
     """
     final = Path(final)
     partial = partial_path(final)
-    if strategy.local_rank == 0 and partial.exists():
-        _remove(partial)  # left behind by a save that was cut off
+    check_shared(strategy, final.parent)
+    if strategy.is_global_zero:
+        # Left behind by a save that was cut off. One rank owns the clean-up: on storage several nodes share, every
+        # node removing it at once fails on the files another node removed first.
+        _remove(partial, missing_ok=True)
     strategy.barrier()
     try:
         write(partial)
@@ -38,15 +43,34 @@ def write_then_swap(strategy: Ranks, final: str | Path, write: Callable[[Path], 
         _remove(partial, missing_ok=True)  # on a full disk, it would stay in the way of the next save
         raise failed from error
     strategy.barrier()
-    # Global rank 0 swaps on a shared file system; on node-local disks each node's local rank 0 swaps its own.
-    if strategy.is_global_zero:
+    if strategy.is_global_zero:  # the storage is shared (`check_shared`): it sees every rank's part
         if partial.is_dir():  # every rank's shards are written: the record of them comes last (manifest.py)
             write_manifest(partial)
         _swap(partial, final)
     strategy.barrier()
-    if strategy.local_rank == 0 and partial.exists():
-        _swap(partial, final)
+
+
+_seen_shared: set[Path] = set()
+
+
+def check_shared(strategy: Ranks, directory: Path) -> None:
+    """Before the first save into `directory`: every rank sees what global rank 0 writes there, or `NotShared` on
+    every rank. A node that saves to a disk of its own keeps its ranks' shards where no other node can read them:
+    every save then succeeds and none can be resumed."""
+    if strategy.world_size == 1 or directory in _seen_shared:
+        return
+    probe = directory / f".{strategy.broadcast(uuid.uuid4().hex)}.shared.partial"  # .partial: never resumed from
+    if strategy.is_global_zero:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.touch()
     strategy.barrier()
+    sees = probe.is_file()
+    every_rank_sees = strategy.reduce_boolean_decision(sees, all=True)
+    if strategy.is_global_zero:
+        probe.unlink(missing_ok=True)
+    if not every_rank_sees:
+        raise NotShared(directory, None if sees else strategy.global_rank)
+    _seen_shared.add(directory)
 
 
 class SwappedSaves:
@@ -90,6 +114,17 @@ class SaveFailed(RuntimeError):
         # The last line: torch.distributed.checkpoint puts each rank's traceback under its own first line.
         reason = (str(error).strip().splitlines() or [type(error).__name__])[-1].strip()
         super().__init__(f"saving the checkpoint {final} failed ({reason}); {space_left(final.parent)}")
+
+
+class NotShared(SaveFailed):
+    """Checkpoints written where not every node sees them (`check_shared`)."""
+
+    def __init__(self, directory: Path, blind_rank: int | None) -> None:
+        blind = "another node" if blind_rank is None else f"rank {blind_rank}, on {socket.gethostname()},"
+        RuntimeError.__init__(
+            self, f"checkpoints in {directory} are not on storage every node shares: {blind} does not see a file global"
+            " rank 0 wrote there, so no node could resume from the shards each keeps; put hydra.run.dir on a file"
+            " system all nodes share")
 
 
 def space_left(directory: Path) -> str:

@@ -9,7 +9,7 @@ import pytest
 
 from lightning_dist.checkpoints.swap import partial_path, write_then_swap
 
-ONE_RANK = SimpleNamespace(local_rank=0, is_global_zero=True, barrier=lambda *args: None)
+ONE_RANK = SimpleNamespace(local_rank=0, is_global_zero=True, world_size=1, barrier=lambda *args: None)
 
 
 def leftovers(directory: Path) -> list[str]:
@@ -81,3 +81,18 @@ def test_a_failed_save_removes_its_part_and_says_the_space_left(tmp_path, raised
     assert str(failed.value).startswith(f"saving the checkpoint {final} failed ({reason}")
     assert str(failed.value).endswith(f"; the disk is full: 1.0 MiB free of 8.0 GiB on the file system of {tmp_path}")
     assert final.read_text() == "step 5" and leftovers(tmp_path) == []
+
+
+def test_only_global_rank_0_removes_a_cut_off_saves_leftover(tmp_path):
+    # Node 1's local rank 0 on storage node 0 shares: were it to remove the leftover too, the two removals would
+    # race, and one would fail on the files the other removed first (tests/launch/test_two_nodes.py runs it).
+    final = tmp_path / "last.ckpt"
+    leftover = partial_path(final)
+    leftover.mkdir()
+    (leftover / "__1_0.distcp").write_text("a shard of a save cut off")
+    seen = []
+    node_1 = SimpleNamespace(local_rank=0, is_global_zero=False, world_size=1, barrier=lambda *args: None)
+    write_then_swap(node_1, final, lambda path: seen.append(sorted(p.name for p in path.iterdir())))
+    assert seen == [["__1_0.distcp"]] and not final.exists()  # neither removed nor swapped in: global rank 0's part
+    write_then_swap(ONE_RANK, final, lambda path: (seen.append(path.exists()), path.write_text("step 2")))
+    assert seen[1] is False and final.read_text() == "step 2"  # global rank 0 removed it, wrote and swapped

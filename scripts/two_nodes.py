@@ -1,0 +1,139 @@
+"""Several "nodes" on one machine: one `torchrun` agent per node on loopback, as on a cluster with one agent per
+machine, sharing a run directory, or each with a disk of its own (a mount namespace whose tmpfs hides the shared
+directory, at the same path). The checks a multi-node run needs that one node cannot show:
+
+    python -m scripts.two_nodes                                  # every check below, ddp, fsdp, ZeRO-2, ZeRO-3
+    python -m scripts.two_nodes --checks requeue --repeats 5 --strategies fsdp
+
+- `requeue`: a run whose save was cut off (every rank SIGKILLed inside its save, `tests/probes.py` KillDuringSave)
+  leaves `.NAME.partial` leftovers in the shared run directory; the requeued job (`resume=true`) must save over them
+  and finish on both nodes.
+- `own_disk`: node 1 saves to a disk of its own; the run must be refused at its first save in one line naming the
+  checkpoint directory and "shared", on both nodes, not split its checkpoints where no node can resume.
+
+The suite runs a scaled-down version (tests/launch/test_two_nodes.py). Needs root for `unshare --mount` (own_disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# A save every 2 steps under its own name, and `last`; no validation to wait for.
+SAVES = ("callbacks.model_checkpoint.every_n_train_steps=2", "callbacks.model_checkpoint.save_top_k=-1",
+         "callbacks.model_checkpoint.monitor=null", "callbacks.validate_at_max_steps=null",
+         "trainer.num_sanity_val_steps=0", "test=false", "trainer.log_every_n_steps=1")
+KILL_DURING_SAVE = "+callbacks.kill_during_save._target_=tests.probes.KillDuringSave"
+
+
+@dataclass
+class Node:
+    code: int
+    output: str
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_nodes(overrides: list[str], run_dir: Path, *, nnodes: int = 2, nproc_per_node: int = 1,
+              own_disk: bool = False, env: dict[str, str] | None = None, timeout: float = 600,
+              python: str = sys.executable) -> list[Node]:
+    """`torchrun ... train.py <overrides>` once per node, all at once, the run directory shared unless `own_disk`
+    (then every node but 0 sees an empty tmpfs at `run_dir`'s path). Returns each node's exit code and output.
+    `python` must be a real interpreter for `own_disk`: the namespace holds only the processes started inside it."""
+    port = free_port()
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning",
+                   "PYTHONPATH": str(REPO), **(env or {})}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    processes = []
+    for node in range(nnodes):
+        command = [
+            python, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
+            "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), str(REPO / "train.py"),
+            f"trainer.devices={nproc_per_node}", f"trainer.num_nodes={nnodes}", f"hydra.run.dir={run_dir}",
+            f"hydra.job.name=node{node}", *overrides,
+        ]
+        if own_disk and node > 0:
+            mount = f"mount -t tmpfs node{node}-disk {shlex.quote(str(run_dir))} && exec \"$@\""
+            command = ["unshare", "--mount", "--", "sh", "-c", mount, "sh", *command]
+        processes.append(subprocess.Popen(command, cwd=REPO, env=environment, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout
+    nodes = []
+    for process in processes:
+        try:
+            output = process.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+        except subprocess.TimeoutExpired:
+            process.kill()
+            output = process.communicate()[0] + "\n<killed: timeout>"
+        nodes.append(Node(process.returncode, output))
+    return nodes
+
+
+def leftovers(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").glob(".*.partial"))
+
+
+def requeue_after_a_cut_off_save(strategy: str, run_dir: Path) -> tuple[bool, str]:
+    """The first attempt is killed inside its second save (step 4); the requeued job, resuming, must save over the
+    leftovers and finish on both nodes. Retried (up to 5 times) until the kill leaves a leftover to save over."""
+    first_overrides = [f"strategy={strategy}", *SAVES, "trainer.max_steps=6", "resume=true", KILL_DURING_SAVE]
+    for attempt in range(5):
+        kill_env = {"FAULT_KILL_AT_SAVE": "1", "FAULT_KILL_DELAY_S": f"{0.05 * attempt:.2f}"}
+        run_nodes(first_overrides, run_dir, env=kill_env)
+        if leftovers(run_dir):
+            break
+    else:
+        return False, "no save was cut off midway: no .partial leftover to save over"
+    left = leftovers(run_dir)
+    nodes = run_nodes(first_overrides, run_dir)  # the same command again, as a requeued job runs it
+    if [node.code for node in nodes] != [0, 0]:
+        return False, f"requeued job exited {[node.code for node in nodes]} with {left} left over:\n" + nodes[0].output[-2000:]
+    return True, f"saved over {left}, both nodes exit 0"
+
+
+def own_disk_refused(strategy: str, run_dir: Path) -> tuple[bool, str]:
+    nodes = run_nodes([f"strategy={strategy}", *SAVES, "trainer.max_steps=4"], run_dir, own_disk=True)
+    lines = [line for node in nodes for line in node.output.splitlines() if line.startswith("error: ") and "shared" in line]
+    ok = [node.code for node in nodes] == [1, 1] and len(lines) >= 2
+    return ok, (lines[0] if lines else "no error line") + f" (exit codes {[node.code for node in nodes]})"
+
+
+CHECKS = {"requeue": requeue_after_a_cut_off_save, "own_disk": own_disk_refused}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--strategies", nargs="+", default=["ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3"])
+    parser.add_argument("--checks", nargs="+", choices=sorted(CHECKS), default=sorted(CHECKS))
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args(argv)
+    print("| check | strategy | try | outcome |\n|---|---|---|---|", flush=True)
+    failed = 0
+    for check in args.checks:
+        for strategy in args.strategies:
+            for attempt in range(args.repeats):
+                with tempfile.TemporaryDirectory(prefix="two_nodes_") as work:
+                    ok, what = CHECKS[check](strategy, Path(work) / "run")
+                failed += not ok
+                print(f"| {check} | {strategy} | {attempt} | {'ok' if ok else 'FAILED'}: {what.splitlines()[0]} |", flush=True)
+                if not ok:
+                    print(what, flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
