@@ -44,7 +44,7 @@ from lightning_dist.launch.run_dir import discard_refused_run
 from lightning_dist.memory import AutoFit, Choice, MemoryPlan, ModelFacts, layout_of, plan_memory
 from lightning_dist.memory.compare import compare_presets
 from lightning_dist.parallel import BlockClasses, require_classes_in_model, resolve_block_classes
-from lightning_dist.parallel.collective_timeout import CollectiveTimeout, explain_collective_timeout
+from lightning_dist.parallel.collective_timeout import CollectiveFailure, explain_collective_failure
 from lightning_dist.parallel.process_exit import close_process_group
 from lightning_dist.parallel.sharded_init import parameters_on_meta
 from lightning_dist.precision import check_precision, device_type
@@ -245,10 +245,10 @@ def _fit_and_test(cfg: DictConfig) -> dict[str, float]:
         weights_only = False if cfg.get("trust_checkpoint") else None
         trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=cfg.ckpt_path, weights_only=weights_only)
     except RuntimeError as error:
-        timeout = explain_collective_timeout(error, trainer)
-        if timeout is None:
+        failure = explain_collective_failure(error, trainer)
+        if failure is None:
             raise
-        raise timeout from error
+        raise failure from error
     finally:
         os.environ.pop(_RESUME_ENV, None)  # the next job of a sweep in this interpreter decides for itself
     metrics = _metrics(trainer)
@@ -326,7 +326,7 @@ def run_job(cfg: DictConfig) -> Any:
             return {}
         else:
             metrics = train(cfg)
-    except (ConfigError, NonFiniteError, CollectiveTimeout, JobFailed, SaveFailed) as error:
+    except (ConfigError, NonFiniteError, CollectiveFailure, JobFailed, SaveFailed) as error:
         if not multirun:
             if isinstance(error, ConfigError):
                 discard_refused_run(Path(hydra_config.runtime.output_dir), hydra_config.job.name)

@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 # A save every 2 steps under its own name, and `last`; no validation to wait for.
@@ -48,12 +50,13 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_nodes(overrides: list[str], run_dir: Path, *, nnodes: int = 2, nproc_per_node: int = 1,
-              own_disk: bool = False, env: dict[str, str] | None = None, timeout: float = 600,
-              python: str = sys.executable) -> list[Node]:
+def start_nodes(overrides: list[str], run_dir: Path, *, nnodes: int = 2, nproc_per_node: int = 1,
+                own_disk: bool = False, network: dict[int, str] | None = None, master_addr: str = "127.0.0.1",
+                env: dict[str, str] | None = None, python: str = sys.executable) -> list[subprocess.Popen]:
     """`torchrun ... train.py <overrides>` once per node, all at once, the run directory shared unless `own_disk`
-    (then every node but 0 sees an empty tmpfs at `run_dir`'s path). Returns each node's exit code and output.
-    `python` must be a real interpreter for `own_disk`: the namespace holds only the processes started inside it."""
+    (then every node but 0 sees an empty tmpfs at `run_dir`'s path); `network` puts a node in a network namespace
+    of its own (`ip netns`), reaching node 0 at `master_addr`. `python` must be a real interpreter for `own_disk`:
+    a namespace holds only the processes started inside it. Each node's output is one pipe (stdout and stderr)."""
     port = free_port()
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning",
                    "PYTHONPATH": str(REPO), **(env or {})}
@@ -62,25 +65,53 @@ def run_nodes(overrides: list[str], run_dir: Path, *, nnodes: int = 2, nproc_per
     for node in range(nnodes):
         command = [
             python, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
-            "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), str(REPO / "train.py"),
+            "--node-rank", str(node), "--master-addr", master_addr, "--master-port", str(port), str(REPO / "train.py"),
             f"trainer.devices={nproc_per_node}", f"trainer.num_nodes={nnodes}", f"hydra.run.dir={run_dir}",
             f"hydra.job.name=node{node}", *overrides,
         ]
         if own_disk and node > 0:
             mount = f"mount -t tmpfs node{node}-disk {shlex.quote(str(run_dir))} && exec \"$@\""
             command = ["unshare", "--mount", "--", "sh", "-c", mount, "sh", *command]
+        if network and node in network:
+            command = ["ip", "netns", "exec", network[node], *command]
         processes.append(subprocess.Popen(command, cwd=REPO, env=environment, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
+                                          stderr=subprocess.STDOUT, text=True, start_new_session=True))
+    return processes
+
+
+def wait_for_nodes(processes: list[subprocess.Popen], timeout: float = 600) -> list[Node]:
+    """Each node's exit code and output; a node still running after `timeout` is killed (its output says so)."""
     deadline = time.monotonic() + timeout
     nodes = []
     for process in processes:
         try:
             output = process.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
         except subprocess.TimeoutExpired:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
             output = process.communicate()[0] + "\n<killed: timeout>"
         nodes.append(Node(process.returncode, output))
     return nodes
+
+
+def kill_node(process: subprocess.Popen) -> None:
+    """SIGKILL a node: its torchrun agent and every process under it (torchrun starts each worker in a session of
+    its own, so the agent's process group is not all of it)."""
+    import psutil
+
+    try:
+        everyone = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for member in everyone:
+        try:
+            member.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def run_nodes(overrides: list[str], run_dir: Path, *, timeout: float = 600, **options: Any) -> list[Node]:
+    """`start_nodes`, then `wait_for_nodes`."""
+    return wait_for_nodes(start_nodes(overrides, run_dir, **options), timeout)
 
 
 def leftovers(run_dir: Path) -> list[str]:

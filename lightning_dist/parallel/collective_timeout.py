@@ -1,25 +1,122 @@
-"""A collective that waited past `strategy.timeout` for a rank that never came: one line naming the rank, the step
-and the setting, instead of a backend's stack trace (gloo: "Timed out waiting 30000ms for recv operation")."""
+"""When another rank fails this one: one line that says which of three things happened, instead of a backend's stack
+trace (gloo: "Timed out waiting 30000ms for recv operation", "Connection closed by peer ... GLHF!"):
+
+- another rank is stuck (or slower than `strategy.timeout`): this rank waited that long in a collective, or for
+  every rank to join the process group (the set-up, before the first step);
+- another rank exited (or was killed): its connection closed;
+- another rank cannot be reached: the connection was refused, as when a node advertises an address the others do
+  not reach (a host name that resolves to 127.0.1.1, Debian's and Ubuntu's default, without GLOO_SOCKET_IFNAME).
+
+The set-up has a bound of its own (`forming_process_group`): a rendezvous or a connection that hangs in native
+code past `strategy.timeout` ends the rank, where the library gives no bound.
+"""
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 _TIMEOUT_MESSAGE = re.compile(r"timed out|timeout", re.IGNORECASE)
+_PEER_EXITED = re.compile(r"connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
+_REFUSED = re.compile(r"connection refused", re.IGNORECASE)
+# How long past `strategy.timeout` a set-up stuck where no timeout of the library's reaches is given, before the
+# rank ends itself: the library's own timeout, when it fires, says more.
+SETUP_GRACE_S = 30.0
+
+_setting_up = False  # within `forming_process_group`, until the process group formed
 
 
-class CollectiveTimeout(RuntimeError):
+class CollectiveFailure(RuntimeError):
+    """This rank cannot go on because of another rank: stuck, exited, or unreachable."""
+
+
+class CollectiveTimeout(CollectiveFailure):
     """This rank gave up waiting in a collective: another rank is stuck, or slower than `strategy.timeout`."""
 
 
-def explain_collective_timeout(error: BaseException, trainer: Any) -> CollectiveTimeout | None:
-    """The CollectiveTimeout that `error` (raised out of `trainer.fit`) stands for, or None if it is another error."""
-    if not isinstance(error, RuntimeError) or not _TIMEOUT_MESSAGE.search(str(error)):
+class PeerExited(CollectiveFailure):
+    """Another rank's connection closed: it exited or was killed."""
+
+
+class PeerUnreachable(CollectiveFailure):
+    """Another rank's address refused the connection."""
+
+
+def explain_collective_failure(error: BaseException, trainer: Any) -> CollectiveFailure | None:
+    """The CollectiveFailure that `error` (raised out of `trainer.fit`) stands for, or None if it is another error."""
+    if isinstance(error, CollectiveFailure):
+        return error
+    if not isinstance(error, RuntimeError):
         return None
+    text = str(error)
+    first_line = text.splitlines()[0] if text else type(error).__name__
+    rank = trainer.global_rank
+    when = "while the process group formed (set-up)" if _setting_up else f"at global step {trainer.global_step}"
+    if _REFUSED.search(text):
+        return PeerUnreachable(
+            f"rank {rank} could not connect to another rank {when}: connection refused ({_backend_detail(first_line)});"
+            " that rank advertised an address this node cannot reach: where a host name resolves to a loopback"
+            " address (127.0.1.1 on Debian and Ubuntu), set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME on GPUs) to"
+            " the network interface that joins the nodes"
+        )
+    if _PEER_EXITED.search(text):
+        return PeerExited(
+            f"rank {rank} lost its connection to another rank {when}: that rank exited or was killed (its own output,"
+            f" or its node's, says why); {_backend_detail(first_line)}"
+        )
+    if _TIMEOUT_MESSAGE.search(text):
+        limit = _limit(trainer)
+        if _setting_up:
+            return CollectiveTimeout(
+                f"rank {rank} waited longer than {limit} for every rank to join the process group (set-up, before the"
+                f" first step): another rank exited before joining (its own output says why), or is stuck; {first_line}"
+            )
+        return CollectiveTimeout(
+            f"rank {rank} waited in a collective at global step {trainer.global_step} longer than {limit}: another"
+            f" rank did not reach it (stuck, or slower than the timeout); {first_line}"
+        )
+    return None
+
+
+@contextmanager
+def forming_process_group(timeout: timedelta, rank: Callable[[], int]) -> Iterator[None]:
+    """Within: the process group's set-up (rendezvous, every rank connecting to every other). A rank that is still
+    here `SETUP_GRACE_S` after `timeout` prints why and ends: a peer that died while the backend connects can leave
+    it waiting in native code that no timeout of the library's reaches (seen: over 200 s with a 60 s timeout)."""
+    global _setting_up
+    _setting_up = True
+    formed = threading.Event()
+
+    def end_unless_formed() -> None:
+        if not formed.wait(timeout.total_seconds() + SETUP_GRACE_S):
+            print(f"error: rank {rank()} waited longer than strategy.timeout={timeout.total_seconds():g} s (and"
+                  f" {SETUP_GRACE_S:g} s more) for every rank to join the process group (set-up, before the first"
+                  " step): another rank exited before joining (its own output says why), or is stuck",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+
+    threading.Thread(target=end_unless_formed, name="process-group-set-up", daemon=True).start()
+    try:
+        yield
+        _setting_up = False  # left set after an error: explain_collective_failure says it came in the set-up
+    finally:
+        formed.set()
+
+
+def _limit(trainer: Any) -> str:
     seconds = getattr(trainer.strategy, "_timeout", None)
-    limit = f"strategy.timeout={seconds.total_seconds():g} s" if seconds is not None else "the process group's timeout"
-    return CollectiveTimeout(
-        f"rank {trainer.global_rank} waited in a collective at global step {trainer.global_step} longer than {limit}:"
-        f" another rank did not reach it (stuck, or slower than the timeout); {str(error).splitlines()[0]}"
-    )
+    return f"strategy.timeout={seconds.total_seconds():g} s" if seconds is not None else "the process group's timeout"
+
+
+def _backend_detail(line: str) -> str:
+    """The backend's own words without its source locations and advice: "Connection closed by peer [10.0.0.2]:21122",
+    "timed out connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:29080"."""
+    line = re.sub(r"\[[^\]\s]*\.(cc|cpp|h):\d+\]\s*", "", line.strip())
+    line = line.replace("Gloo connectFullMesh failed with ", "").replace("$0", "")
+    return line.split(". This is typically")[0].rstrip(".")

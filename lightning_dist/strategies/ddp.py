@@ -13,6 +13,7 @@ from lightning_dist.checkpoints.formats import FILE
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.memory.layout import Layout
+from lightning_dist.parallel.collective_timeout import forming_process_group
 from lightning_dist.parallel.devices import prepare_rank, process_group_timeout
 from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.strategies.launcher import guarded
@@ -53,7 +54,8 @@ class DDPStrategy(SwappedSaves, _LightningDDPStrategy):
     @override
     def setup_environment(self) -> None:
         prepare_rank(self.root_device, self.num_processes, self._timeout)
-        super().setup_environment()
+        with forming_process_group(self._timeout, lambda: self.global_rank):
+            super().setup_environment()
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from lightning_dist.deepspeed_config.zero import OPTIMIZER_TILE, ZeroSection
 from lightning_dist.memory.layout import Layout, deepspeed_layout
 from lightning_dist.optim.offload import optimizer_for_offload
 from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation
+from lightning_dist.parallel.collective_timeout import forming_process_group
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.outermost_forward import run_root_hooks_once_per_forward
@@ -100,7 +101,8 @@ class DeepSpeedStrategy(SwappedSaves, ForgetsUnbuiltModel, _LightningDeepSpeedSt
         use_deepspeed_accelerator(self.root_device)
         prepare_rank(self.root_device, self.num_processes, self._timeout)
         # Lightning's DeepSpeedStrategy refuses anything but CUDA at this point; DDP's set-up is what remains.
-        DDPStrategy.setup_environment(self)
+        with forming_process_group(self._timeout, lambda: self.global_rank):
+            DDPStrategy.setup_environment(self)
 
     @override
     def setup_distributed(self) -> None:

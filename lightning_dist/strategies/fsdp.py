@@ -33,6 +33,7 @@ from lightning_dist.parallel import (
     resolve_block_classes,
     sharding_layout,
 )
+from lightning_dist.parallel.collective_timeout import forming_process_group
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel, has_meta_parameters, parameters_on_meta
@@ -126,7 +127,8 @@ class FSDPStrategy(SwappedSaves, ForgetsUnbuiltModel, ModelParallelStrategy):
         # ModelParallelStrategy's set-up would size its data x tensor mesh by its own `data_parallel_size` and
         # `tensor_parallel_size`; the mesh built here has its axes (and HSDP's two as well).
         Strategy.setup_environment(self)
-        self._setup_distributed()
+        with forming_process_group(self._timeout, lambda: self.global_rank):
+            self._setup_distributed()
         self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
         give_device_mesh(self.lightning_module, self._device_mesh)
 

@@ -1,18 +1,22 @@
 """Two `torchrun` "nodes" on one machine (scripts/two_nodes.py, which runs the full matrix): they train as one job,
-a requeued job saves over what a cut-off save left in the shared run directory, and a node saving to a disk of its
-own is refused at the first save."""
+a requeued job saves over what a cut-off save left in the shared run directory, a node saving to a disk of its own
+is refused at the first save, and a node that fails the other (unreachable, killed in the set-up or mid-run) is
+told so in one line, within the timeout."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+import subprocess
+import time
 
 import pytest
 
 from lightning_dist.checkpoints.manifest import MANIFEST
 from lightning_dist.checkpoints.whole import is_whole
-from scripts.two_nodes import SAVES, leftovers, run_nodes
+from scripts.two_nodes import SAVES, kill_node, leftovers, run_nodes, start_nodes, wait_for_nodes
 from tests.warm_python import REAL_PYTHON
 
 pytestmark = pytest.mark.slow
@@ -66,3 +70,73 @@ def test_a_node_saving_to_a_disk_of_its_own_is_refused_at_the_first_save(tmp_pat
     errors = [[line for line in node.output.splitlines() if line.startswith("error: ")] for node in nodes]
     assert errors == [[said.format(who="another node")], [said.format(who=f"rank 1, on {socket.gethostname()},")]]
     assert not [p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.startswith(".")]
+
+
+TIMEOUT_S = 10
+FAILS_FAST = ("strategy=ddp", "trainer.max_steps=4", "test=false", f"strategy.timeout={TIMEOUT_S}")
+
+
+def error_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("error: ")]
+
+
+@pytest.fixture
+def node_1_network():
+    """A network namespace for node 1, joined to this one by a veth pair (10.77.0.1 here, 10.77.0.2 there): a node
+    with an address of its own, as a second machine has."""
+    name = f"ld-node1-{os.getpid()}"
+    subprocess.run(["ip", "link", "del", "ldv0"], capture_output=True)  # left by a run that was killed
+    commands = [f"ip netns add {name}", "ip link add ldv0 type veth peer name ldv1", f"ip link set ldv1 netns {name}",
+                "ip addr add 10.77.0.1/24 dev ldv0", "ip link set ldv0 up", f"ip netns exec {name} ip link set lo up",
+                f"ip netns exec {name} ip addr add 10.77.0.2/24 dev ldv1", f"ip netns exec {name} ip link set ldv1 up"]
+    try:
+        for command in commands:
+            subprocess.run(command.split(), check=True, capture_output=True)
+        yield name
+    finally:
+        subprocess.run(["ip", "link", "del", "ldv0"], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_a_node_advertising_an_address_the_other_cannot_reach_is_told_in_one_line(tmp_path, node_1_network):
+    # The host name resolves to a loopback address, and gloo advertises it (GLOO_SOCKET_IFNAME unset): node 0's
+    # connection to node 1 is refused at once, and node 1, waiting in native code for a connection that never
+    # comes, is ended by the set-up's own bound (gloo's would not end it).
+    started = time.monotonic()
+    nodes = run_nodes(list(FAILS_FAST), tmp_path / "run", network={1: node_1_network}, master_addr="10.77.0.1",
+                      timeout=TIMEOUT_S + 120)
+    assert [node.code for node in nodes] == [1, 1], nodes[0].output[-3000:] + nodes[1].output[-3000:]
+    assert time.monotonic() - started < TIMEOUT_S + 60 + 30  # + 30: both nodes' start
+    refused, = error_lines(nodes[0].output)
+    assert refused.startswith("error: rank 0 could not connect to another rank while the process group formed (set-up):"
+                              " connection refused (timed out connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:")
+    assert refused.endswith("set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME on GPUs) to the network interface that joins the nodes")
+    assert error_lines(nodes[1].output) == [
+        f"error: rank 1 waited longer than strategy.timeout={TIMEOUT_S} s (and 30 s more) for every rank to join the"
+        " process group (set-up, before the first step): another rank exited before joining (its own output says"
+        " why), or is stuck"]
+
+
+def test_a_node_killed_in_the_set_up_ends_the_other_within_the_timeout_naming_the_set_up(tmp_path):
+    node_0, node_1 = start_nodes(list(FAILS_FAST), tmp_path / "run")
+    before = []
+    for line in node_0.stdout:  # node 0 starts to fit, the process group not formed yet: node 1 dies now
+        before.append(line)
+        if line.startswith("Training gpt_tiny") or " - Training gpt_tiny" in line:
+            break
+    kill_node(node_1)
+    killed = time.monotonic()
+    survivor, _ = wait_for_nodes([node_0, node_1], timeout=TIMEOUT_S + 120)
+    assert survivor.code == 1 and time.monotonic() - killed < TIMEOUT_S + 60, survivor.output[-3000:]
+    said, = error_lines(survivor.output)
+    assert said.startswith("error: rank 0 ") and "(set-up" in said, said
+
+
+def test_a_node_killed_mid_run_is_named_as_exited_not_as_stuck(tmp_path):
+    kill_rank_1 = ("+callbacks.kill._target_=tests.probes.SignalAtStep", "+callbacks.kill.global_step=2",
+                   "+callbacks.kill.signal=SIGKILL", "+callbacks.kill.rank=1")
+    nodes = run_nodes([*FAILS_FAST, *kill_rank_1], tmp_path / "run", timeout=TIMEOUT_S + 120)
+    assert [node.code for node in nodes] == [1, 1], nodes[0].output[-3000:]
+    said, = error_lines(nodes[0].output)
+    assert said.startswith("error: rank 0 lost its connection to another rank at global step 2: that rank exited or"
+                           " was killed (its own output, or its node's, says why); Connection "), said
