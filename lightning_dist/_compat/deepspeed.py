@@ -37,7 +37,22 @@ FENCED = [
     Fenced("cpuinfo", "get_cpu_info", ()),
     # Reads a config dict key by key (top_level_config_keys below).
     Fenced("deepspeed.runtime.config", "DeepSpeedConfig.__init__", ("self", "config", "mpu")),
+    # Builds the shared-memory comm op as the comm backend starts (skip_shared_memory_comm_op below).
+    Fenced("deepspeed.comm.torch", "build_shm_op", ()),
+    Fenced("deepspeed.comm.torch", "TorchBackend.inference_all_reduce", ("self", "tensor", "op", "group")),
 ]
+
+
+def skip_shared_memory_comm_op() -> None:
+    """Start DeepSpeed's comm backend without its shared-memory op. DeepSpeed builds it whenever the backend starts
+    on the CPU (a JIT compile of a minute or more on first use, into a cache that every node of a cluster with a
+    shared home directory compiles into and locks), but only `TorchBackend.inference_all_reduce` uses it, which
+    training never calls, and which falls back to torch's all_reduce without it; ranks on different machines could
+    not share memory anyway."""
+    import importlib
+
+    # Not `import deepspeed.comm.torch`: that name is torch itself, which deepspeed.comm imports under it.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def merge_zero_partitions(stage: int, world_size: int, flat_groups: list, model_states: list, padding: Any = None) -> dict:

@@ -50,6 +50,7 @@ FENCED = [
     Fenced("lightning.fabric.utilities.load", "_load_distributed_checkpoint", ("checkpoint_folder",)),
     Fenced("lightning.pytorch.core.optimizer", "_configure_optimizers", ("optim_conf",)),
     Fenced("lightning", "_console"),
+    Fenced("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop.reset", ("self",)),
     # Re-runs a Hydra script for each other rank it starts, with `hydra.job.name=train_ddp_process_<local rank>`
     # (_compat/hydra.py reads it: without importing Lightning, for the command line).
     Fenced("lightning.fabric.strategies.launchers.subprocess_script", "_hydra_subprocess_cmd", ("local_rank",)),
@@ -108,6 +109,16 @@ def train_data_source(trainer: Any) -> Any:
 def logs_this_step(trainer: Any) -> bool:
     """Whether the loggers write at this step (every `log_every_n_steps`, and at the last)."""
     return trainer._logger_connector.should_update_logs
+
+
+def label_logged_rows_by_global_step(trainer: Any) -> None:
+    """Make the step the loggers label this batch's row with the global step before it (as in a run never
+    resumed). Lightning labels rows by a counter of its fit loop restored from the checkpoint, and adds the one step
+    it lacks only for a save made mid-epoch (`_TrainingEpochLoop.reset`): after a checkpoint saved at the end of a
+    run, every row was labelled a step early (steps 10-19 as 9-18). Only where the two count alike: automatic
+    optimization of one optimizer."""
+    if trainer.lightning_module.automatic_optimization and len(trainer.optimizers) == 1:
+        trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
 
 
 def console_handler() -> logging.Handler:

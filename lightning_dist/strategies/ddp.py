@@ -11,6 +11,7 @@ from typing_extensions import override
 
 from lightning_dist.checkpoints.formats import FILE
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
+from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.memory.layout import Layout
 from lightning_dist.parallel.collective_timeout import forming_process_group
@@ -19,7 +20,7 @@ from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.strategies.launcher import guarded
 
 
-class DDPStrategy(SwappedSaves, _LightningDDPStrategy):
+class DDPStrategy(SwappedSaves, LogsGlobalSteps, _LightningDDPStrategy):
     """Data-parallel training; registered as `ld_ddp` so it sits beside our FSDP and DeepSpeed presets.
 
     Lightning's DDP already runs on CPU. What this adds: gradients that live in DDP's buckets (one copy, not two),

@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_dist._compat.lightning import validate_cuda_device_indices
 from lightning_dist.checkpoints.into_deepspeed import load_deepspeed_checkpoint
 from lightning_dist.checkpoints.resume import group_names
+from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.deepspeed_config.for_run import Resolution, RunConfig, config_in_effect
 from lightning_dist.deepspeed_config.preflight import check_before_launch
@@ -40,7 +41,7 @@ from lightning_dist.precision import PrecisionSupport
 from lightning_dist.strategies.launcher import guarded
 
 
-class DeepSpeedStrategy(SwappedSaves, ForgetsUnbuiltModel, _LightningDeepSpeedStrategy):
+class DeepSpeedStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, _LightningDeepSpeedStrategy):
     """DeepSpeed ZeRO that also runs on CPU, and takes Hugging Face-style configs with "auto" values.
 
     Args:

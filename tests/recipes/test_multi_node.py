@@ -4,6 +4,7 @@ script submitted again (a new job) trains afresh in a directory of its own."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -52,6 +53,12 @@ def test_sbatch_script_trains_with_srun_starting_the_ranks_a_requeue_resumes_and
     assert requeued.returncode == 0, requeued.stderr[-3000:]
     assert f"resume=run_dir: resuming from {run_dir / 'checkpoints'}" in requeued.stdout + requeued.stderr
     assert json.loads((run_dir / "metrics.json").read_text())["global_step"] == 5
+    # Resumed from the end-of-run checkpoint of step 3, the CSV goes on labelling each loss with its global step.
+    rows = csv.DictReader((run_dir / "csv" / "metrics.csv").open())
+    logged = [(int(row["step"]), float(row["train_loss"])) for row in rows if row["train_loss"]]
+    requeued_losses = read_train_losses(run_dir)  # the requeued attempt's, labelled by its own global steps
+    assert [step for step, _ in logged] == [0, 1, 2, 3, 4] and sorted(requeued_losses) == [3, 4]
+    assert [loss for step, loss in logged if step >= 3] == pytest.approx([requeued_losses[3], requeued_losses[4]])
 
     # The script submitted again is a new job: a new run that trains in full, never the finished one resumed.
     second_job = submit(tmp_path, 4243, max_steps=3)
