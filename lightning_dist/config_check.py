@@ -46,6 +46,7 @@ def devices_per_node(devices: object) -> int:
 
 
 OmegaConf.register_new_resolver("ld.devices_per_node", devices_per_node, replace=True)
+from lightning_dist.launch import per_rank  # noqa: E402, F401  (its resolvers: where each rank writes its log and config)
 
 # Launcher keys that size a cluster job; resolved before anything is submitted, so that a mistake is one line here
 # rather than a traceback from inside Hydra's launcher.

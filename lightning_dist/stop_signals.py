@@ -45,6 +45,7 @@ CHILD_EXIT_WAIT_S = 15.0
 # The pid of the process that started this rank, set by that process for the ranks it starts.
 LAUNCHER_ENV = "LIGHTNING_DIST_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
+_TORCHRUN_WORKER = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent for the workers it starts
 
 _received: int | None = None  # the first stop signal this process's handler got
 _signalled: int | None = None  # the first that arrived, as the watcher thread saw it: the handler may not have run
@@ -122,8 +123,10 @@ def end_with_launcher() -> None:
     """In a rank another process of the run started: SIGKILL when that process dies. Not a signal to handle: the
     rank may be blocked in native code that holds the GIL (a rendezvous retrying to reach the dead process), where
     no Python handler runs, for the whole timeout. Its launcher waits for it when leaving normally
-    (`passing_signals_to`), so only a launcher that died takes its ranks with it."""
-    launcher = int(os.environ.get(LAUNCHER_ENV, os.getpid()))
+    (`passing_signals_to`), so only a launcher that died takes its ranks with it. A worker torchrun's agent started
+    has that agent for its launcher: torchrun starts each worker in a session of its own, and an agent killed with
+    SIGKILL left its worker training alone, waiting in collectives for the others until the timeout."""
+    launcher = int(os.environ.get(LAUNCHER_ENV, os.getppid() if _TORCHRUN_WORKER in os.environ else os.getpid()))
     if launcher == os.getpid() or not sys.platform.startswith("linux"):
         return
     if os.getppid() == launcher:

@@ -52,10 +52,12 @@ def free_port() -> int:
 
 def start_nodes(overrides: list[str], run_dir: Path, *, nnodes: int = 2, nproc_per_node: int = 1,
                 own_disk: bool = False, network: dict[int, str] | None = None, master_addr: str = "127.0.0.1",
-                env: dict[str, str] | None = None, python: str = sys.executable) -> list[subprocess.Popen]:
+                env: dict[str, str] | None = None, node_env: dict[int, dict[str, str]] | None = None,
+                python: str = sys.executable) -> list[subprocess.Popen]:
     """`torchrun ... train.py <overrides>` once per node, all at once, the run directory shared unless `own_disk`
     (then every node but 0 sees an empty tmpfs at `run_dir`'s path); `network` puts a node in a network namespace
-    of its own (`ip netns`), reaching node 0 at `master_addr`. `python` must be a real interpreter for `own_disk`:
+    of its own (`ip netns`), reaching node 0 at `master_addr`; `node_env` adds to one node's environment (its
+    interface variables). `python` must be a real interpreter for `own_disk`:
     a namespace holds only the processes started inside it. Each node's output is one pipe (stdout and stderr)."""
     port = free_port()
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning",
@@ -66,15 +68,15 @@ def start_nodes(overrides: list[str], run_dir: Path, *, nnodes: int = 2, nproc_p
         command = [
             python, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
             "--node-rank", str(node), "--master-addr", master_addr, "--master-port", str(port), str(REPO / "train.py"),
-            f"trainer.devices={nproc_per_node}", f"trainer.num_nodes={nnodes}", f"hydra.run.dir={run_dir}",
-            f"hydra.job.name=node{node}", *overrides,
+            f"trainer.devices={nproc_per_node}", f"trainer.num_nodes={nnodes}", f"hydra.run.dir={run_dir}", *overrides,
         ]
         if own_disk and node > 0:
             mount = f"mount -t tmpfs node{node}-disk {shlex.quote(str(run_dir))} && exec \"$@\""
             command = ["unshare", "--mount", "--", "sh", "-c", mount, "sh", *command]
         if network and node in network:
             command = ["ip", "netns", "exec", network[node], *command]
-        processes.append(subprocess.Popen(command, cwd=REPO, env=environment, stdout=subprocess.PIPE,
+        processes.append(subprocess.Popen(command, cwd=REPO, env={**environment, **(node_env or {}).get(node, {})},
+                                          stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True, start_new_session=True))
     return processes
 

@@ -47,6 +47,11 @@ RUN_ELSEWHERE = {
     # the template project's own src/train.py, which the recipe's train.py reproduces, with the same trainer configs
     "python src/train.py trainer=": ("tests/recipes/test_lightning_hydra_template.py", 'f"trainer={trainer}"'),
     "sbatch recipes/multi_node/train.sbatch": ("tests/recipes/test_multi_node.py", "train.sbatch"),
+    # two nodes on one machine: scripts/two_nodes.py starts torchrun's agents as these commands do
+    "OMP_NUM_THREADS=1 torchrun --nnodes 2": ("tests/launch/test_two_nodes.py", "run_nodes("),
+    "GLOO_SOCKET_IFNAME=ldv0 OMP_NUM_THREADS=1 torchrun --nnodes 2": ("tests/launch/test_two_nodes.py", "GLOO_SOCKET_IFNAME"),
+    "ip netns exec ld-node1 env GLOO_SOCKET_IFNAME=ldv1": ("tests/launch/test_two_nodes.py", "GLOO_SOCKET_IFNAME"),
+    "ip ": ("tests/launch/test_two_nodes.py", "documented_network_commands()"),
 }
 STEPS = "trainer.max_steps=3"  # a few steps: what is tested is that the command runs, not the training
 RESUMED_STEPS = "trainer.max_steps=6"  # past the checkpoint the resumed run starts from

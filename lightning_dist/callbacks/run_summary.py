@@ -22,12 +22,12 @@ from lightning_dist.parallel.placement import offload_targets, placement_report
 
 
 class RunSummary(L.Callback):
-    """Records the strategy, world size, nodes (and each rank's node and host), steps, batches trained on each rank, where each rank's parameters and
-    optimizer state were after the first step (evidence of sharding and offload), the model state each rank held at
-    the third step (`memory/measure.py`: what the memory planner is checked against), speed (median step time,
-    samples and tokens per second over all ranks), peak memory per rank, the final metrics, and the curves of
-    `curves` (per logging step and per validation, step labels as the loggers write them), whichever loggers are on:
-    the sweep report and the equivalence check read them from here."""
+    """Records the strategy, world size, nodes (and each rank's node and host), steps, batches trained on each rank,
+    where each rank's parameters and optimizer state were after the first step (evidence of sharding and offload),
+    the model state each rank held at the third step (`memory/measure.py`: what the memory planner is checked
+    against), speed (median step time, samples and tokens per second over all ranks), peak memory per rank, the
+    final metrics, and the curves of `curves` (per logging step and per validation, step labels as the loggers write
+    them), whichever loggers are on: the sweep report and the equivalence check read them from here."""
 
     def __init__(self, path: str | Path, curves: tuple[str, ...] = ("train_loss", "val_loss")) -> None:
         self.path = Path(path)

@@ -10,8 +10,8 @@ from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
 from typing_extensions import override
 
 from lightning_dist.checkpoints.formats import FILE
-from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
 from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
+from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.memory.layout import Layout
 from lightning_dist.parallel.collective_timeout import forming_process_group

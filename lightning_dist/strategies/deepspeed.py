@@ -21,16 +21,16 @@ from typing_extensions import override
 
 from lightning_dist._compat.lightning import validate_cuda_device_indices
 from lightning_dist.checkpoints.into_deepspeed import load_deepspeed_checkpoint
-from lightning_dist.checkpoints.resume import group_names
 from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
+from lightning_dist.checkpoints.resume import group_names
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.deepspeed_config.for_run import Resolution, RunConfig, config_in_effect
 from lightning_dist.deepspeed_config.preflight import check_before_launch
 from lightning_dist.deepspeed_config.zero import OPTIMIZER_TILE, ZeroSection
 from lightning_dist.memory.layout import Layout, deepspeed_layout
 from lightning_dist.optim.offload import optimizer_for_offload
-from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation
 from lightning_dist.parallel.collective_timeout import forming_process_group
+from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.outermost_forward import run_root_hooks_once_per_forward

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -17,6 +18,7 @@ import pytest
 from lightning_dist.checkpoints.manifest import MANIFEST
 from lightning_dist.checkpoints.whole import is_whole
 from scripts.two_nodes import SAVES, kill_node, leftovers, run_nodes, start_nodes, wait_for_nodes
+from tests.conftest import REPO, documented_lines
 from tests.warm_python import REAL_PYTHON
 
 pytestmark = pytest.mark.slow
@@ -36,9 +38,12 @@ def test_two_nodes_train_as_one_job_and_a_requeue_saves_over_a_cut_off_saves_lef
     # Each rank is the worker torchrun started on its node (Lightning started none), and both met at the one
     # rendezvous the agents agreed on.
     records = [json.loads((run_dir / f"cmdline_rank{rank}.json").read_text()) for rank in (0, 1)]
-    assert [f"hydra.job.name=node{node}" in record["cmdline"] for node, record in enumerate(records)] == [True, True]
+    assert [str(REPO / "train.py") in record["cmdline"] for record in records] == [True, True]
     assert records[0]["master_port"] == records[1]["master_port"] and records[0]["pid"] != records[1]["pid"]
-    assert {p.name for p in run_dir.glob("node*.log")} == {"node0.log", "node1.log"}
+    # Each rank its own Hydra log, each node its own config, in the one run directory (not the last writer's).
+    assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train.rank1.log"]
+    assert sorted(p.name for p in run_dir.glob(".hydra*")) == [".hydra", ".hydra.node1"]
+    assert "trainer.num_nodes=2" in (run_dir / ".hydra.node1" / "overrides.yaml").read_text()
 
     # What a save cut off midway leaves: a real save's shards (or file) under the partial names of the saves the
     # requeued job makes, without the manifest that ends a whole save.
@@ -84,18 +89,25 @@ def error_lines(output: str) -> list[str]:
 def node_1_network():
     """A network namespace for node 1, joined to this one by a veth pair (10.77.0.1 here, 10.77.0.2 there): a node
     with an address of its own, as a second machine has."""
-    name = f"ld-node1-{os.getpid()}"
-    subprocess.run(["ip", "link", "del", "ldv0"], capture_output=True)  # left by a run that was killed
-    commands = [f"ip netns add {name}", "ip link add ldv0 type veth peer name ldv1", f"ip link set ldv1 netns {name}",
-                "ip addr add 10.77.0.1/24 dev ldv0", "ip link set ldv0 up", f"ip netns exec {name} ip link set lo up",
-                f"ip netns exec {name} ip addr add 10.77.0.2/24 dev ldv1", f"ip netns exec {name} ip link set ldv1 up"]
+    name = "ld-node1"
+    remove = (["ip", "link", "del", "ldv0"], ["ip", "netns", "del", name])
+    for command in remove:  # what a run that was killed left
+        subprocess.run(command, capture_output=True)
     try:
-        for command in commands:
+        for command in documented_network_commands():
             subprocess.run(command.split(), check=True, capture_output=True)
         yield name
     finally:
-        subprocess.run(["ip", "link", "del", "ldv0"], capture_output=True)
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        for command in remove:
+            subprocess.run(command, capture_output=True)
+
+
+def documented_network_commands() -> list[str]:
+    """The recipe's commands that give node 1 an address of its own, as documented."""
+    commands = [command for command, _ in documented_lines(REPO / "recipes" / "multi_node" / "README.md")
+                if command.startswith("ip ") and "torchrun" not in command]
+    assert len(commands) == 8 and commands[0] == "ip netns add ld-node1", commands
+    return commands
 
 
 def test_a_node_advertising_an_address_the_other_cannot_reach_is_told_in_one_line(tmp_path, node_1_network):
@@ -115,6 +127,12 @@ def test_a_node_advertising_an_address_the_other_cannot_reach_is_told_in_one_lin
         f"error: rank 1 waited longer than strategy.timeout={TIMEOUT_S} s (and 30 s more) for every rank to join the"
         " process group (set-up, before the first step): another rank exited before joining (its own output says"
         " why), or is stuck"]
+    # As the line says, and as the recipe documents: each node names its interface, and the job trains.
+    interfaces = {0: {"GLOO_SOCKET_IFNAME": "ldv0"}, 1: {"GLOO_SOCKET_IFNAME": "ldv1"}}
+    nodes = run_nodes(list(FAILS_FAST), tmp_path / "named", network={1: node_1_network}, master_addr="10.77.0.1",
+                      node_env=interfaces, timeout=TIMEOUT_S + 120)
+    assert [node.code for node in nodes] == [0, 0], nodes[0].output[-3000:] + nodes[1].output[-3000:]
+    assert json.loads((tmp_path / "named" / "metrics.json").read_text())["global_step"] == 4
 
 
 def test_a_node_killed_in_the_set_up_ends_the_other_within_the_timeout_naming_the_set_up(tmp_path):
@@ -140,3 +158,23 @@ def test_a_node_killed_mid_run_is_named_as_exited_not_as_stuck(tmp_path):
     said, = error_lines(nodes[0].output)
     assert said.startswith("error: rank 0 lost its connection to another rank at global step 2: that rank exited or"
                            " was killed (its own output, or its node's, says why); Connection "), said
+
+
+def test_a_torchrun_worker_dies_with_its_agent_killed_by_sigkill(tmp_path):
+    import psutil
+
+    # Real interpreters: the worker must be the agent's own child, as on a cluster.
+    node_0, node_1 = start_nodes(["trainer.max_steps=1000", "test=false"], tmp_path / "run", python=REAL_PYTHON)
+    try:
+        deadline = time.monotonic() + 120
+        while not (workers := psutil.Process(node_1.pid).children()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert workers, "node 1's agent started no worker"
+        time.sleep(5)  # the worker imports, joins the process group, trains
+        os.kill(node_1.pid, signal.SIGKILL)  # the agent only: torchrun started its worker in a session of its own
+        gone = psutil.wait_procs(workers, timeout=10)[1] == []
+        assert gone, f"node 1's worker outlived its agent: {[w.pid for w in workers]}"
+    finally:
+        kill_node(node_0)
+        kill_node(node_1)
+        wait_for_nodes([node_0, node_1], timeout=30)

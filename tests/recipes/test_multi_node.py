@@ -45,6 +45,9 @@ def test_sbatch_script_trains_with_srun_starting_the_ranks_a_requeue_resumes_and
     # process of its own (its launcher names a rank's Hydra log `*_process_N.log`). Rank 0 speaks for the run.
     assert "SLURM auto-requeueing enabled" in first.stdout + first.stderr
     assert not list(run_dir.glob("*_process_*.log"))
+    # Each task its own Hydra log (they appended to one train.log); one node, one config.
+    assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train.rank1.log"]
+    assert sorted(p.name for p in run_dir.glob(".hydra*")) == [".hydra"]
     assert (first.stdout + first.stderr).count("Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2") == 1
     assert "GLOBAL_RANK: 1" not in first.stdout + first.stderr
     assert sorted(read_train_losses(run_dir)) == [0, 1, 2]
