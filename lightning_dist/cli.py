@@ -39,6 +39,10 @@ def exit_with(error: Exception, code: int = 2) -> None:
     if (stop := stopped()) is not None:
         raise stop from error
     print(f"error: {error}", file=sys.stderr)
+    if code == 2:  # refused before launch: a torchrun job's other ranks stop too, not after their timeout
+        from lightning_dist.launch.job_store import tell_refusal
+
+        tell_refusal(str(error))
     sys.exit(code)
 
 

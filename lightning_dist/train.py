@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import sys
+from datetime import timedelta
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from lightning_dist.cli import exit_with
 from lightning_dist.config_check import ConfigError
 from lightning_dist.config_values import check_values
 from lightning_dist.launch.isolated_job import JobFailed, needs_isolation, run_isolated
+from lightning_dist.launch.job_store import RefusedElsewhere, shared_choice
 from lightning_dist.launch.run_dir import discard_refused_run
 from lightning_dist.memory import AutoFit, Choice, MemoryPlan, ModelFacts, layout_of, plan_memory
 from lightning_dist.memory.compare import compare_presets
@@ -273,16 +275,23 @@ def _checkpoint_to_resume(cfg: DictConfig) -> str | None:
     if _RESUME_ENV in os.environ:
         return os.environ[_RESUME_ENV] or None
     output_dir = Path(cfg.paths.output_dir)
-    if cfg.resume == RESUME_OWN_DIR:  # a requeued job: its own run directory only, never another job's
-        found = newest_whole_checkpoint_in(output_dir)
-        log.info(f"resume={RESUME_OWN_DIR}: {f'resuming from {found}' if found else f'no complete checkpoint in {output_dir}; starting afresh'}")
-    else:
-        # As typed: an override such as `+model.path=${paths.output_dir}/x` resolves to another path in every run.
-        overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
-        found = newest_complete_checkpoint(output_dir.parent, overrides)
-        log.info(f"resume=true: {f'resuming from {found}' if found else 'no earlier complete checkpoint of this command; starting afresh'}")
-    os.environ[_RESUME_ENV] = str(found or "")
-    return str(found) if found else None
+
+    def newest() -> str | None:
+        if cfg.resume == RESUME_OWN_DIR:  # a requeued job: its own run directory only, never another job's
+            found = newest_whole_checkpoint_in(output_dir)
+        else:
+            # As typed: an override such as `+model.path=${paths.output_dir}/x` resolves to another path in every run.
+            overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
+            found = newest_complete_checkpoint(output_dir.parent, overrides)
+        return str(found) if found else None
+
+    # Global rank 0's choice on every rank of a torchrun job (launch/job_store.py), where each runs this search.
+    found = shared_choice(newest, timedelta(seconds=cfg.strategy.get("timeout") or 1800))
+    nothing = (f"no complete checkpoint in {output_dir}" if cfg.resume == RESUME_OWN_DIR
+               else "no earlier complete checkpoint of this command")
+    log.info(f"resume={'true' if cfg.resume is True else cfg.resume}: {f'resuming from {found}' if found else f'{nothing}; starting afresh'}")
+    os.environ[_RESUME_ENV] = found or ""
+    return found
 
 
 def _describe(cfg: DictConfig, model: Any, trainer: L.Trainer, strategy_name: str) -> str:
@@ -326,7 +335,7 @@ def run_job(cfg: DictConfig) -> Any:
             return {}
         else:
             metrics = train(cfg)
-    except (ConfigError, NonFiniteError, CollectiveFailure, JobFailed, SaveFailed) as error:
+    except (ConfigError, RefusedElsewhere, NonFiniteError, CollectiveFailure, JobFailed, SaveFailed) as error:
         if not multirun:
             if isinstance(error, ConfigError):
                 discard_refused_run(Path(hydra_config.runtime.output_dir), hydra_config.job.name)
@@ -335,7 +344,7 @@ def run_job(cfg: DictConfig) -> Any:
                 # non-zero exit here would have Lightning kill rank 0 first (exit 137, read as out of memory). Not
                 # for errors a rank may meet alone: leaving quietly then would let the others wait in a collective.
                 sys.exit(0)
-            exit_with(error, code=2 if isinstance(error, ConfigError) else 1)
+            exit_with(error, code=2 if isinstance(error, (ConfigError, RefusedElsewhere)) else 1)
         if cfg.get("optimized_metric") is None:
             raise  # Hydra reports the failed job and runs the others
         log.error(f"{error}: this trial counts as failed")

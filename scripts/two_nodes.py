@@ -4,12 +4,15 @@ directory, at the same path). The checks a multi-node run needs that one node ca
 
     python -m scripts.two_nodes                                  # every check below, ddp, fsdp, ZeRO-2, ZeRO-3
     python -m scripts.two_nodes --checks requeue --repeats 5 --strategies fsdp
+    python -m scripts.two_nodes --checks same_losses --strategies fsdp_hybrid
 
 - `requeue`: a run whose save was cut off (every rank SIGKILLed inside its save, `tests/probes.py` KillDuringSave)
   leaves `.NAME.partial` leftovers in the shared run directory; the requeued job (`resume=true`) must save over them
   and finish on both nodes.
 - `own_disk`: node 1 saves to a disk of its own; the run must be refused at its first save in one line naming the
   checkpoint directory and "shared", on both nodes, not split its checkpoints where no node can resume.
+- `same_losses`: 2 nodes train as 1 node with as many ranks, loss for loss (float32: within 1e-5); strategy
+  `fsdp_hybrid` is HYBRID_SHARD on 2 nodes x 2 ranks against FULL_SHARD on 1 node x 4.
 
 The suite runs a scaled-down version (tests/launch/test_two_nodes.py). Needs root for `unshare --mount` (own_disk).
 """
@@ -53,11 +56,11 @@ def free_port() -> int:
 def start_nodes(overrides: list[str], run_dir: Path, *, nnodes: int = 2, nproc_per_node: int = 1,
                 own_disk: bool = False, network: dict[int, str] | None = None, master_addr: str = "127.0.0.1",
                 env: dict[str, str] | None = None, node_env: dict[int, dict[str, str]] | None = None,
-                python: str = sys.executable) -> list[subprocess.Popen]:
+                node_overrides: dict[int, list[str]] | None = None, python: str = sys.executable) -> list[subprocess.Popen]:
     """`torchrun ... train.py <overrides>` once per node, all at once, the run directory shared unless `own_disk`
     (then every node but 0 sees an empty tmpfs at `run_dir`'s path); `network` puts a node in a network namespace
-    of its own (`ip netns`), reaching node 0 at `master_addr`; `node_env` adds to one node's environment (its
-    interface variables). `python` must be a real interpreter for `own_disk`:
+    of its own (`ip netns`), reaching node 0 at `master_addr`; `node_env` and `node_overrides` add to one node's
+    environment (its interface variables) and command line. `python` must be a real interpreter for `own_disk`:
     a namespace holds only the processes started inside it. Each node's output is one pipe (stdout and stderr)."""
     port = free_port()
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning",
@@ -69,6 +72,7 @@ def start_nodes(overrides: list[str], run_dir: Path, *, nnodes: int = 2, nproc_p
             python, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
             "--node-rank", str(node), "--master-addr", master_addr, "--master-port", str(port), str(REPO / "train.py"),
             f"trainer.devices={nproc_per_node}", f"trainer.num_nodes={nnodes}", f"hydra.run.dir={run_dir}", *overrides,
+            *(node_overrides or {}).get(node, []),
         ]
         if own_disk and node > 0:
             mount = f"mount -t tmpfs node{node}-disk {shlex.quote(str(run_dir))} && exec \"$@\""
@@ -145,7 +149,30 @@ def own_disk_refused(strategy: str, run_dir: Path) -> tuple[bool, str]:
     return ok, (lines[0] if lines else "no error line") + f" (exit codes {[node.code for node in nodes]})"
 
 
-CHECKS = {"requeue": requeue_after_a_cut_off_save, "own_disk": own_disk_refused}
+def same_losses(strategy: str, run_dir: Path) -> tuple[bool, str]:
+    """2 nodes x 1 rank against 1 node x 2 ranks (the same global batch and data order): the per-step losses must
+    agree to float32 rounding. `fsdp_hybrid`: HYBRID_SHARD on 2 nodes x 2 ranks (shard within a node, replicate
+    across) against FULL_SHARD on 1 node x 4 ranks."""
+    from lightning_dist.equivalence import COMPARISON_OVERRIDES, run_strategy
+    from lightning_dist.summary_file import curve, read_summary
+
+    hybrid = strategy == "fsdp_hybrid"
+    preset = "fsdp" if hybrid else strategy
+    common = [*COMPARISON_OVERRIDES, "trainer.max_steps=10", "callbacks.model_checkpoint=null"]
+    per_node = 2 if hybrid else 1
+    nodes = run_nodes([f"strategy={preset}", *common, *(["strategy.sharding_strategy=HYBRID_SHARD"] if hybrid else [])],
+                      run_dir / "two_nodes", nproc_per_node=per_node)
+    if [node.code for node in nodes] != [0, 0]:
+        return False, f"two nodes exited {[node.code for node in nodes]}:\n" + nodes[0].output[-2000:]
+    one = run_strategy(preset, [*common, f"trainer.devices={2 * per_node}"], run_dir / "one_node")
+    two = curve(read_summary(run_dir / "two_nodes"), "train_loss")
+    if one.returncode or sorted(two) != sorted(one.losses):
+        return False, f"one node exited {one.returncode}; steps {sorted(two)} against {sorted(one.losses)}"
+    worst = max(abs(two[step] - one.losses[step]) / abs(one.losses[step]) for step in two)
+    return worst < 1e-5, f"largest relative difference over {len(two)} steps: {worst:.1e}"
+
+
+CHECKS = {"requeue": requeue_after_a_cut_off_save, "own_disk": own_disk_refused, "same_losses": same_losses}
 
 
 def main(argv: list[str] | None = None) -> int:

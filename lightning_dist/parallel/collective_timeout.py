@@ -8,7 +8,8 @@ trace (gloo: "Timed out waiting 30000ms for recv operation", "Connection closed 
   not reach (a host name that resolves to 127.0.1.1, Debian's and Ubuntu's default, without GLOO_SOCKET_IFNAME).
 
 The set-up has a bound of its own (`forming_process_group`): a rendezvous or a connection that hangs in native
-code past `strategy.timeout` ends the rank, where the library gives no bound.
+code past `strategy.timeout` ends the rank, where the library gives no bound; in a torchrun job, a rank that
+refused its configuration ends the others at once (launch/job_store.py).
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
+
+from lightning_dist.launch.job_store import RefusedElsewhere, agent_store, refusal
 
 _TIMEOUT_MESSAGE = re.compile(r"timed out|timeout", re.IGNORECASE)
 _PEER_EXITED = re.compile(r"connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
@@ -94,12 +98,18 @@ def forming_process_group(timeout: timedelta, rank: Callable[[], int]) -> Iterat
     formed = threading.Event()
 
     def end_unless_formed() -> None:
-        if not formed.wait(timeout.total_seconds() + SETUP_GRACE_S):
-            print(f"error: rank {rank()} waited longer than strategy.timeout={timeout.total_seconds():g} s (and"
-                  f" {SETUP_GRACE_S:g} s more) for every rank to join the process group (set-up, before the first"
-                  " step): another rank exited before joining (its own output says why), or is stuck",
-                  file=sys.stderr, flush=True)
-            os._exit(1)
+        deadline = time.monotonic() + timeout.total_seconds() + SETUP_GRACE_S
+        store = _quietly(agent_store)  # a torchrun job's: where a rank that refused its configuration said so
+        while not formed.wait(1.0):
+            if store is not None and (said := _quietly(lambda: refusal(store))) is not None:
+                print(f"error: {RefusedElsewhere(said)}", file=sys.stderr, flush=True)
+                os._exit(2)
+            if time.monotonic() > deadline:
+                print(f"error: rank {rank()} waited longer than strategy.timeout={timeout.total_seconds():g} s (and"
+                      f" {SETUP_GRACE_S:g} s more) for every rank to join the process group (set-up, before the"
+                      " first step): another rank exited before joining (its own output says why), or is stuck",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
 
     threading.Thread(target=end_unless_formed, name="process-group-set-up", daemon=True).start()
     try:
@@ -107,6 +117,14 @@ def forming_process_group(timeout: timedelta, rank: Callable[[], int]) -> Iterat
         _setting_up = False  # left set after an error: explain_collective_failure says it came in the set-up
     finally:
         formed.set()
+
+
+def _quietly(ask: Callable[[], Any]) -> Any:
+    """`ask()`, or None if the store cannot answer (node 0's agent gone): the bound above still holds."""
+    try:
+        return ask()
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _limit(trainer: Any) -> str:

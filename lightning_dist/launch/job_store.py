@@ -1,0 +1,88 @@
+"""What the processes of a torchrun job tell each other before their process group exists, through torchrun's own
+store (node 0's agent hosts it; every worker reaches it at MASTER_ADDR:MASTER_PORT).
+
+Under torchrun each worker runs the whole of `python train.py`: the checks before launch and the choice of the
+checkpoint `resume=...` continues from are made in every process. Two decisions must be the same everywhere:
+
+- a configuration one rank refuses (a path that exists on one node only, a mistyped override on one node's command
+  line) ends every rank at once, with that rank's line; the others used to wait for it in the rendezvous for the
+  whole `strategy.timeout` (30 minutes by default);
+- the checkpoint to resume from is global rank 0's choice, given to the others: a save landing between two nodes'
+  searches would have them resume from different steps.
+
+Elsewhere (ranks Lightning starts, SLURM tasks) there is nothing to do here: Lightning's ranks inherit the decisions
+of the process that starts them, and `srun --kill-on-bad-exit=1` (recipes/multi_node/train.sbatch) ends a job's
+tasks when one fails.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+_POLL_S = 0.5
+
+
+def _job_key(name: str) -> str:
+    # A restarted torchrun job (--max-restarts) is a new attempt: nothing an earlier one said applies to it.
+    return f"lightning_dist/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+
+
+REFUSED = "refused"
+RESUME_FROM = "resume_from"
+
+
+def agent_store(timeout: timedelta = timedelta(seconds=10)) -> Any | None:
+    """A client of the torchrun agent's store, or None where this process is not a torchrun worker."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
+        return None
+    from torch.distributed import TCPStore
+
+    return TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), is_master=False,
+                    timeout=timeout)
+
+
+def tell_refusal(message: str) -> None:
+    """This rank refused the run's configuration: say so to every other rank of the job (torchrun only)."""
+    try:
+        store = agent_store(timeout=timedelta(seconds=5))
+        if store is not None and refusal(store) is None:  # the first refusal is the one the job reports
+            store.set(_job_key(REFUSED), f"rank {os.environ.get('RANK', '?')}: {message}")
+    except Exception:  # noqa: BLE001  the refusal is said on this rank already; the others time out as before
+        pass
+
+
+def refusal(store: Any) -> str | None:
+    """Another rank's refusal ("rank N: <its line>"), if one was said."""
+    key = _job_key(REFUSED)
+    return store.get(key).decode() if store.check([key]) else None
+
+
+def shared_choice(choose: Any, timeout: timedelta) -> str | None:
+    """`choose()` on global rank 0, given to every other rank of a torchrun job (which waits for it, or for a
+    refusal, up to `timeout`); `choose()` itself elsewhere. The choice is a string or None."""
+    store = agent_store(timeout)
+    if store is None:
+        return choose()
+    key = _job_key(RESUME_FROM)
+    if os.environ.get("RANK") == "0":
+        chosen = choose()
+        store.set(key, "" if chosen is None else chosen)
+        return chosen
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check([key]):
+        if (said := refusal(store)) is not None:
+            raise RefusedElsewhere(said)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"global rank 0 did not say which checkpoint to resume from within {timeout}")
+        time.sleep(_POLL_S)
+    return store.get(key).decode() or None
+
+
+class RefusedElsewhere(RuntimeError):
+    """Another rank of the job refused its configuration before launch."""
+
+    def __init__(self, said: str) -> None:
+        super().__init__(f"{said.split(':', 1)[0]} refused the run's configuration, so this rank stops too: {said.split(':', 1)[1].strip()}")
