@@ -47,6 +47,7 @@ from lightning_dist.memory import AutoFit, Choice, MemoryPlan, ModelFacts, layou
 from lightning_dist.memory.compare import compare_presets
 from lightning_dist.parallel import BlockClasses, require_classes_in_model, resolve_block_classes
 from lightning_dist.parallel.collective_timeout import CollectiveFailure, explain_collective_failure
+from lightning_dist.parallel.peer_exits import say_leaving
 from lightning_dist.parallel.process_exit import close_process_group
 from lightning_dist.parallel.sharded_init import parameters_on_meta
 from lightning_dist.precision import check_precision, device_type
@@ -221,6 +222,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     saved = {name: os.environ.get(name) for name in _LAUNCH_ENVIRONMENT}
     try:
         return _fit_and_test(cfg)
+    except BaseException as error:
+        # Said before the process group closes (below): a rank that loses its connection to this one reads why.
+        say_leaving(exit_code(error), error)
+        raise
     finally:
         # Lightning leaves the process group up; the next job of a sweep in this process starts its own.
         close_process_group()
@@ -344,7 +349,7 @@ def run_job(cfg: DictConfig) -> Any:
                 # non-zero exit here would have Lightning kill rank 0 first (exit 137, read as out of memory). Not
                 # for errors a rank may meet alone: leaving quietly then would let the others wait in a collective.
                 sys.exit(0)
-            exit_with(error, code=2 if isinstance(error, (ConfigError, RefusedElsewhere)) else 1)
+            exit_with(error, code=exit_code(error))
         if cfg.get("optimized_metric") is None:
             raise  # Hydra reports the failed job and runs the others
         log.error(f"{error}: this trial counts as failed")
@@ -354,6 +359,15 @@ def run_job(cfg: DictConfig) -> Any:
             print(str(preempted), file=sys.stderr)
         sys.exit(preempted.code)
     return _objective(cfg, metrics)
+
+
+def exit_code(error: BaseException) -> int:
+    """The code the run exits with when `error` ends it (README, "Exit codes of train.py")."""
+    if isinstance(error, (ConfigError, RefusedElsewhere)):
+        return 2
+    if isinstance(error, SystemExit):  # a preemption's 75 (or 0 on ranks that leave the report to rank 0)
+        return error.code if isinstance(error.code, int) else 1
+    return 1
 
 
 def _objective(cfg: DictConfig, metrics: dict[str, float]) -> Any:

@@ -174,6 +174,17 @@ class SignalAtStep(L.Callback):
             os.kill(os.getpid(), getattr(signal, self.signal))
 
 
+class FailAtStep(L.Callback):
+    """Raises when the training batch of `global_step` starts, on global rank `rank` alone: a rank's own bug."""
+
+    def __init__(self, global_step: int, rank: int = 1) -> None:
+        self.global_step, self.rank = global_step, rank
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step == self.global_step and trainer.global_rank == self.rank:
+            raise RuntimeError(f"injected failure at global step {self.global_step}")
+
+
 class SleepAtStep(L.Callback):
     """Rank `rank` stalls for `seconds` at the start of the training batch of `global_step`: a rank stuck mid-step
     while the others wait for it in the step's collectives."""

@@ -15,7 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_dist._compat import Fenced
 
 __all__ = [
-    "CheckpointWrapper", "apply_to_tensors", "checkpoint_wrapper", "cpu_supports_fp16", "flatten_mesh_dims",
+    "CheckpointWrapper", "apply_to_tensors", "checkpoint_wrapper", "cpu_supports_fp16", "default_process_group_store",
+    "flatten_mesh_dims",
     "forward_hook_tables", "fsdp_param_group", "local_shard_region", "own_parameters", "parameter_registration",
     "reopen_fsdp_forward", "set_default_process_group_timeout", "saved_file_extents", "storage_owner", "tree_map",
     "wrapped_module",
@@ -32,6 +33,7 @@ FENCED = [
     Fenced("torch.nn", "Module._apply", ("self", "fn")),
     Fenced("torch.distributed.distributed_c10d", "default_pg_timeout"),
     Fenced("torch.distributed.distributed_c10d", "default_pg_nccl_timeout"),
+    Fenced("torch.distributed.distributed_c10d", "_get_default_store", ()),
     Fenced("torch.utils._pytree", "tree_map", ("func", "tree")),
     # What a DCP checkpoint's `.metadata` records of where each entry's bytes lie (`Metadata.storage_data` values).
     Fenced("torch.distributed.checkpoint.filesystem", "_StorageInfo", ("relative_path", "offset", "length")),
@@ -118,6 +120,14 @@ def set_default_process_group_timeout(timeout: timedelta) -> None:
 
     distributed_c10d.default_pg_timeout = timeout
     distributed_c10d.default_pg_nccl_timeout = timeout
+
+
+def default_process_group_store() -> Any:
+    """The store the default process group formed through (global rank 0's, or the torchrun agent's): every rank
+    reaches it while the group is up. Raises where no process group is."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
 
 
 def cpu_supports_fp16() -> bool:

@@ -3,7 +3,8 @@ trace (gloo: "Timed out waiting 30000ms for recv operation", "Connection closed 
 
 - another rank is stuck (or slower than `strategy.timeout`): this rank waited that long in a collective, or for
   every rank to join the process group (the set-up, before the first step);
-- another rank exited (or was killed): its connection closed;
+- another rank exited (or was killed): its connection closed; a rank that left with an error said which, with its
+  exit code (parallel/peer_exits.py);
 - another rank cannot be reached: the connection was refused, as when a node advertises an address the others do
   not reach (a host name that resolves to 127.0.1.1, Debian's and Ubuntu's default, without GLOO_SOCKET_IFNAME).
 
@@ -25,6 +26,7 @@ from datetime import timedelta
 from typing import Any
 
 from lightning_dist.launch.job_store import RefusedElsewhere, agent_store, refusal
+from lightning_dist.parallel.peer_exits import said_leaving
 
 _TIMEOUT_MESSAGE = re.compile(r"timed out|timeout", re.IGNORECASE)
 _PEER_EXITED = re.compile(r"connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
@@ -70,6 +72,8 @@ def explain_collective_failure(error: BaseException, trainer: Any) -> Collective
             " the network interface that joins the nodes"
         )
     if _PEER_EXITED.search(text):
+        if (said := said_leaving()) is not None:
+            return PeerExited(f"rank {rank} lost its connection to another rank {when}: {said}")
         return PeerExited(
             f"rank {rank} lost its connection to another rank {when}: that rank exited or was killed (its own output,"
             f" or its node's, says why); {_backend_detail(first_line)}"

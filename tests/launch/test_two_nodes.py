@@ -150,14 +150,25 @@ def test_a_node_killed_in_the_set_up_ends_the_other_within_the_timeout_naming_th
     assert said.startswith("error: rank 0 ") and "(set-up" in said, said
 
 
-def test_a_node_killed_mid_run_is_named_as_exited_not_as_stuck(tmp_path):
-    kill_rank_1 = ("+callbacks.kill._target_=tests.probes.SignalAtStep", "+callbacks.kill.global_step=2",
-                   "+callbacks.kill.signal=SIGKILL", "+callbacks.kill.rank=1")
-    nodes = run_nodes([*FAILS_FAST, *kill_rank_1], tmp_path / "run", timeout=TIMEOUT_S + 120)
+LEFT_MID_RUN = {
+    "killed": ("+callbacks.fault._target_=tests.probes.SignalAtStep", "+callbacks.fault.global_step=2",
+               "+callbacks.fault.signal=SIGKILL", "+callbacks.fault.rank=1"),
+    "failed": ("+callbacks.fault._target_=tests.probes.FailAtStep", "+callbacks.fault.global_step=2",
+               "+callbacks.fault.rank=1"),
+}
+
+
+@pytest.mark.parametrize("how", LEFT_MID_RUN)
+def test_a_node_that_leaves_mid_run_is_named_as_exited_with_its_code_not_as_stuck(how, tmp_path):
+    nodes = run_nodes([*FAILS_FAST, *LEFT_MID_RUN[how]], tmp_path / "run", timeout=TIMEOUT_S + 120)
     assert [node.code for node in nodes] == [1, 1], nodes[0].output[-3000:]
     said, = error_lines(nodes[0].output)
-    assert said.startswith("error: rank 0 lost its connection to another rank at global step 2: that rank exited or"
-                           " was killed (its own output, or its node's, says why); Connection "), said
+    lost = "error: rank 0 lost its connection to another rank at global step 2: "
+    if how == "killed":  # a killed rank says nothing: the line says what can be known
+        assert said.startswith(f"{lost}that rank exited or was killed (its own output, or its node's, says why);"
+                               " Connection "), said
+    else:  # a rank that fails says why before its connections close (parallel/peer_exits.py)
+        assert said == f"{lost}rank 1 exited with code 1 (RuntimeError: injected failure at global step 2)"
 
 
 def test_a_torchrun_worker_dies_with_its_agent_killed_by_sigkill(tmp_path):
