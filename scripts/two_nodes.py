@@ -56,11 +56,14 @@ def free_port() -> int:
 def start_nodes(overrides: list[str], run_dir: Path, *, nnodes: int = 2, nproc_per_node: int = 1,
                 own_disk: bool = False, network: dict[int, str] | None = None, master_addr: str = "127.0.0.1",
                 env: dict[str, str] | None = None, node_env: dict[int, dict[str, str]] | None = None,
-                node_overrides: dict[int, list[str]] | None = None, python: str = sys.executable) -> list[subprocess.Popen]:
+                node_overrides: dict[int, list[str]] | None = None, rendezvous: str = "static",
+                local_addr: dict[int, str] | None = None, python: str = sys.executable) -> list[subprocess.Popen]:
     """`torchrun ... train.py <overrides>` once per node, all at once, the run directory shared unless `own_disk`
     (then every node but 0 sees an empty tmpfs at `run_dir`'s path); `network` puts a node in a network namespace
     of its own (`ip netns`), reaching node 0 at `master_addr`; `node_env` and `node_overrides` add to one node's
-    environment (its interface variables) and command line. `python` must be a real interpreter for `own_disk`:
+    environment (its interface variables) and command line. `rendezvous="c10d"`: the agents meet through torchrun's
+    c10d rendezvous, hosted by node 0's agent at `master_addr`, each node at its `local_addr` (else torchrun's static
+    rendezvous with fixed node ranks). `python` must be a real interpreter for `own_disk`:
     a namespace holds only the processes started inside it. Each node's output is one pipe (stdout and stderr)."""
     port = free_port()
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning",
@@ -68,9 +71,15 @@ def start_nodes(overrides: list[str], run_dir: Path, *, nnodes: int = 2, nproc_p
     run_dir.mkdir(parents=True, exist_ok=True)
     processes = []
     for node in range(nnodes):
+        if rendezvous == "c10d":
+            meeting = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master_addr}:{port}", "--rdzv-id", "two-nodes",
+                       *(["--rdzv-conf", "is_host=1"] if node == 0 else []),
+                       *(["--local-addr", local_addr[node]] if local_addr and node in local_addr else [])]
+        else:
+            meeting = ["--node-rank", str(node), "--master-addr", master_addr, "--master-port", str(port)]
         command = [
             python, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
-            "--node-rank", str(node), "--master-addr", master_addr, "--master-port", str(port), str(REPO / "train.py"),
+            *meeting, str(REPO / "train.py"),
             f"trainer.devices={nproc_per_node}", f"trainer.num_nodes={nnodes}", f"hydra.run.dir={run_dir}", *overrides,
             *(node_overrides or {}).get(node, []),
         ]

@@ -48,6 +48,10 @@ RUN_ELSEWHERE = {
     "python src/train.py trainer=": ("tests/recipes/test_lightning_hydra_template.py", 'f"trainer={trainer}"'),
     "sbatch recipes/multi_node/train.sbatch": ("tests/recipes/test_multi_node.py", "train.sbatch"),
     # two nodes on one machine: scripts/two_nodes.py starts torchrun's agents as these commands do
+    "GLOO_SOCKET_IFNAME=ldv0 OMP_NUM_THREADS=1 torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d": (
+        "tests/launch/test_two_nodes.py", 'rendezvous="c10d"'),
+    "ip netns exec ld-node1 env GLOO_SOCKET_IFNAME=ldv1 OMP_NUM_THREADS=1 torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d": (
+        "tests/launch/test_two_nodes.py", 'local_addr={0: "10.77.0.1", 1: "10.77.0.2"}'),
     "OMP_NUM_THREADS=1 torchrun --nnodes 2": ("tests/launch/test_two_nodes.py", "run_nodes("),
     "GLOO_SOCKET_IFNAME=ldv0 OMP_NUM_THREADS=1 torchrun --nnodes 2": ("tests/launch/test_two_nodes.py", "GLOO_SOCKET_IFNAME"),
     "ip netns exec ld-node1 env GLOO_SOCKET_IFNAME=ldv1": ("tests/launch/test_two_nodes.py", "GLOO_SOCKET_IFNAME"),

@@ -17,6 +17,7 @@ import pytest
 
 from lightning_dist.checkpoints.manifest import MANIFEST
 from lightning_dist.checkpoints.whole import is_whole
+from lightning_dist.equivalence import read_train_losses
 from scripts.two_nodes import SAVES, kill_node, leftovers, run_nodes, start_nodes, wait_for_nodes
 from tests.conftest import REPO, documented_lines
 from tests.warm_python import REAL_PYTHON
@@ -129,10 +130,19 @@ def test_a_node_advertising_an_address_the_other_cannot_reach_is_told_in_one_lin
         " why), or is stuck"]
     # As the line says, and as the recipe documents: each node names its interface, and the job trains.
     interfaces = {0: {"GLOO_SOCKET_IFNAME": "ldv0"}, 1: {"GLOO_SOCKET_IFNAME": "ldv1"}}
-    nodes = run_nodes(list(FAILS_FAST), tmp_path / "named", network={1: node_1_network}, master_addr="10.77.0.1",
+    every_step = [*FAILS_FAST, "trainer.log_every_n_steps=1"]
+    nodes = run_nodes(every_step, tmp_path / "named", network={1: node_1_network}, master_addr="10.77.0.1",
                       node_env=interfaces, timeout=TIMEOUT_S + 120)
     assert [node.code for node in nodes] == [0, 0], nodes[0].output[-3000:] + nodes[1].output[-3000:]
     assert json.loads((tmp_path / "named" / "metrics.json").read_text())["global_step"] == 4
+    # The recipe's c10d rendezvous across the two addresses (node 0's agent hosts it, each node names its address):
+    # the same job, the same losses.
+    nodes = run_nodes(every_step, tmp_path / "c10d", network={1: node_1_network}, master_addr="10.77.0.1",
+                      node_env=interfaces, rendezvous="c10d", local_addr={0: "10.77.0.1", 1: "10.77.0.2"},
+                      timeout=TIMEOUT_S + 120)
+    assert [node.code for node in nodes] == [0, 0], nodes[0].output[-3000:] + nodes[1].output[-3000:]
+    assert read_train_losses(tmp_path / "c10d") == read_train_losses(tmp_path / "named")
+    assert len(read_train_losses(tmp_path / "named")) == 4
 
 
 def test_a_node_killed_in_the_set_up_ends_the_other_within_the_timeout_naming_the_set_up(tmp_path):
