@@ -21,8 +21,11 @@ CONF_DIR = REPO / "conf"
 # Not presets: `deepspeed` (the base the presets extend, and the way in for a config file) and `auto_fit` (which
 # chooses a preset once the model is known).
 PRESET_NAMES = sorted(p.stem for p in (CONF_DIR / "strategy").glob("*.yaml") if p.stem not in ("deepspeed", "auto_fit"))
+# Tensor parallelism composes with data parallelism from 4 ranks on, and its data-parallel size is not ddp's on the
+# same ranks: its presets have their own tests (tests/strategies/test_tensor_parallel.py).
+TENSOR_PARALLEL_NAMES = ["fsdp_tp", "hsdp_tp"]
 # The NVMe preset needs a directory on a drive; it has its own tests (tests/strategies/test_nvme_offload.py).
-STRATEGY_NAMES = [name for name in PRESET_NAMES if not name.endswith("_nvme")]
+STRATEGY_NAMES = [name for name in PRESET_NAMES if not name.endswith("_nvme") and name not in TENSOR_PARALLEL_NAMES]
 # Real DeepSpeed configs copied unchanged from public projects (their sources: tests/deepspeed_config/configs/README.md).
 DS_CONFIGS = REPO / "tests" / "deepspeed_config" / "configs"
 HF_ZERO2 = DS_CONFIGS / "transformers_ds_config_zero2.json"

@@ -5,6 +5,8 @@
     python tests/plain_trainer_script.py OUT_DIR ld_fsdp_activation_checkpointing encoder  # torch's TransformerEncoder
     python tests/plain_trainer_script.py OUT_DIR ld_fsdp_activation_checkpointing encoder_decoder  # Lightning's demo
     python tests/plain_trainer_script.py OUT_DIR ld_fsdp mesh        # configure_model on device_mesh["data_parallel"]
+    python tests/plain_trainer_script.py OUT_DIR ld_fsdp_tp tensor_parallel  # Lightning's tensor-parallel docs
+    python tests/plain_trainer_script.py OUT_DIR ld_fsdp feedforward 1  # the same model on one rank
     python tests/plain_trainer_script.py OUT_DIR ds-config:PATH      # DeepSpeedStrategy(config=PATH)
     python tests/plain_trainer_script.py OUT_DIR ds-dict:PATH        # DeepSpeedStrategy(config=dict), betas etc. set
 """
@@ -91,11 +93,57 @@ class MeshConfiguredModel(RecordingBoringModel):
         fully_shard(self.layer, mesh=data_parallel)
 
 
+class FeedForward(torch.nn.Module):
+    """The model of Lightning's tensor-parallel documentation."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = torch.nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = torch.nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class FeedForwardModel(RecordingBoringModel):
+    def __init__(self):
+        super().__init__()
+        self.layer = FeedForward(32, 64)
+
+    def train_dataloader(self):
+        # Drawn from a generator of its own: BoringModel's draws from the global one, which strategies use differently.
+        data = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+        return DataLoader(data, batch_size=2)
+
+
+class TensorParallelModel(FeedForwardModel):
+    """`configure_model` as Lightning's tensor-parallel documentation writes it: the feed-forward layers split over
+    the mesh's `tensor_parallel` axis, then FSDP2 over `data_parallel`, by the module itself."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        tp_mesh = self.device_mesh["tensor_parallel"]
+        dp_mesh = self.device_mesh["data_parallel"]
+        self.mesh_axes = {name: self.device_mesh[name].size() for name in self.device_mesh.mesh_dim_names}
+        if tp_mesh.size() > 1:
+            plan = {"w1": ColwiseParallel(), "w2": RowwiseParallel(), "w3": ColwiseParallel()}
+            parallelize_module(self.layer, tp_mesh, plan)
+        if dp_mesh.size() > 1:
+            fully_shard(self.layer.w1, mesh=dp_mesh)
+            fully_shard(self.layer.w2, mesh=dp_mesh)
+            fully_shard(self.layer.w3, mesh=dp_mesh)
+            fully_shard(self.layer, mesh=dp_mesh)
+
+
 MODELS = {"boring": RecordingBoringModel, "encoder": EncoderModel, "encoder_decoder": DemoTransformer,
-          "mixed": MixedListModel, "mesh": MeshConfiguredModel}
+          "mixed": MixedListModel, "mesh": MeshConfiguredModel, "feedforward": FeedForwardModel,
+          "tensor_parallel": TensorParallelModel}
 
 
-def main(out_dir: str, choice: str, model_name: str = "boring") -> None:
+def main(out_dir: str, choice: str, model_name: str = "boring", devices: str = "2") -> None:
     strategy = choice
     if choice == "FSDPStrategy-ac":
         strategy = lightning_dist.FSDPStrategy(activation_checkpointing=True, block_class=torch.nn.Linear)
@@ -109,7 +157,7 @@ def main(out_dir: str, choice: str, model_name: str = "boring") -> None:
     L.seed_everything(0)
     model = MODELS[model_name]()
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_steps=4, limit_val_batches=0, logger=False,
+        strategy=strategy, accelerator="cpu", devices=int(devices), max_steps=4, limit_val_batches=0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(model)
@@ -118,7 +166,7 @@ def main(out_dir: str, choice: str, model_name: str = "boring") -> None:
     (Path(out_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps({
         "rank": trainer.global_rank,
         "strategy": type(trainer.strategy).__name__,
-        "backend": trainer.strategy._get_process_group_backend(),
+        "backend": getattr(trainer.strategy, "_get_process_group_backend", lambda: None)(),
         "global_step": trainer.global_step,
         "losses": model.losses,
         "parameters_local": local,

@@ -174,6 +174,20 @@ class SignalAtStep(L.Callback):
             os.kill(os.getpid(), getattr(signal, self.signal))
 
 
+class ShardShapes(L.Callback):
+    """Each rank's local shape of every parameter when training starts: `<directory>/shards_rank<N>.json`."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from torch.distributed.tensor import DTensor
+
+        shapes = {name.replace("_checkpoint_wrapped_module.", ""): list((p.to_local() if isinstance(p, DTensor) else p).shape)
+                  for name, p in pl_module.named_parameters()}
+        Path(self.directory, f"shards_rank{trainer.global_rank}.json").write_text(json.dumps(shapes))
+
+
 class FailAtStep(L.Callback):
     """Raises when the training batch of `global_step` starts, on global rank `rank` alone: a rank's own bug."""
 

@@ -124,9 +124,24 @@ REFUSED = [
     (["resume=yes"], "resume=yes: must be true, false or run_dir (the newest whole checkpoint in hydra.run.dir only:"),
     (["trainer.max_steps=${oc.env:HOME}"], "trainer.max_steps=${oc.env:HOME} (= "),
     (["model.d_model=256", "ckpt_path={inputs}/gpt_tiny.ckpt"],
-     "ckpt_path: {inputs}/gpt_tiny.ckpt holds another model's weights: 53 have other shapes (e.g."
+     "ckpt_path: {inputs}/gpt_tiny.ckpt holds another model's weights: 69 have other shapes (e.g."
      " model.token_embedding.weight is [256, 128] there and [256, 256] in this model)"),
     (["callbacks.model_checkpoint.dirpath=" + SYS], f"callbacks.model_checkpoint.dirpath: cannot write checkpoints to {SYS} (/sys: "),
+    # Tensor parallelism: sizes that do not fit the ranks or a node, a layer or heads the size cannot split, a style
+    # that does not exist.
+    (["strategy=fsdp_tp", "strategy.tensor_parallel_size=3"], "strategy.tensor_parallel_size=3: the run's 2 ranks"
+     " (trainer.devices x trainer.num_nodes) do not divide into groups of these sizes"),
+    (["strategy=hsdp_tp", "strategy.data_parallel_replicate_size=0"],
+     "strategy.data_parallel_replicate_size=0: must be null, an integer >= 1, or -1 (the ranks that are left)"),
+    (["strategy=fsdp_tp", "trainer.num_nodes=2", "strategy.tensor_parallel_size=4"], "strategy.tensor_parallel_size=4:"
+     " tensor parallelism splits each layer over ranks of one node, and a node runs 2 (trainer.devices)"),
+    (["strategy=fsdp_tp", "model.n_head=1"], "strategy.tensor_parallel_size=2: model.blocks.0.attn.q has 1 attention"
+     " head(s), which 2 ranks do not split evenly (and 11 more layers)"),
+    ([f"--config-dir={REPO}/recipes/hf_causal_lm/conf", "model=hf_gpt2", "strategy=fsdp_tp"],
+     "strategy.tensor_parallel_size=2: LanguageModel has no tensor-parallel plan (a `tp_plan` attribute); set"
+     " strategy.tensor_parallel_plan"),
+    (["strategy=fsdp_tp", "strategy.tensor_parallel_plan={blocks.*.attn.q:diagonal}"],
+     "strategy.tensor_parallel_plan.blocks.*.attn.q=diagonal: no such style; choose one of: colwise, rowwise"),
     # Overrides Hydra cannot parse, as a shell passes them unquoted.
     (["ckpt_path=/tmp/my", "dir/x"], "dir/x: not an override (key=value); if it is the rest of ckpt_path=/tmp/my after a"
                                      " space, quote the whole value: \"ckpt_path='/tmp/my dir/x'\""),

@@ -10,13 +10,13 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_dist._compat.lightning import logs_this_step
 from lightning_dist.callbacks.finite_watch import FiniteWatch, NonFiniteError
 from lightning_dist.callbacks.run_summary import input_shape, peak_memory, throughput
 from lightning_dist.parallel.dims import parallel_dims_of
+from lightning_dist.parallel.grad_norm import total_norm
 
 __all__ = ["NonFiniteError", "TrainingMonitor"]
 
@@ -147,9 +147,9 @@ def _logs_this_step(trainer: L.Trainer) -> bool:
 
 def _gradient_norm(module: nn.Module) -> torch.Tensor | None:
     """The L2 norm of all gradients (on the device, unread), or None where the engine keeps them (DeepSpeed).
-    FSDP2's are sharded: the norm of the shards is reduced across ranks."""
+    FSDP2's are sharded (over one mesh, or two with tensor parallelism): the norm of the shards is reduced across
+    ranks."""
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     if not grads:
         return None
-    norm = torch.nn.utils.get_total_norm(grads)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return total_norm(grads)

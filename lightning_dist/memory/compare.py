@@ -13,7 +13,13 @@ def compare_presets(facts: ModelFacts, precision: str, devices: int, num_nodes: 
     lines = [f"All presets for {facts.parameters:,} parameters, {precision}, {devices * num_nodes} ranks (GB per device / per node):",
              "| preset | model state | device total | host | NVMe |", "|---|---:|---:|---:|---:|"]
     for name, preset in PRESETS.items():
-        plan = plan_memory(facts, layout_of(preset.strategy(**preset.kwargs), name), precision, devices=devices, num_nodes=num_nodes)
+        layout = layout_of(preset.strategy(**preset.kwargs), name)
+        try:
+            layout.parallel_dims(devices, num_nodes)
+        except ValueError:  # a layout these ranks cannot take (tensor parallelism over 2 ranks on 1)
+            lines.append(f"| {name} | - | - | - | - |")
+            continue
+        plan = plan_memory(facts, layout, precision, devices=devices, num_nodes=num_nodes)
         nvme = sum(plan.nvme.values())
         lines.append(f"| {name} | {plan.model_state_per_device / GB:.3f} | {plan.device_total / GB:.3f} | "
                      f"{plan.host_total / GB:.3f} | {nvme / GB:.3f} |")

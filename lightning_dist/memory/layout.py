@@ -41,16 +41,17 @@ class Layout:
     parameters_in_host: int = 0
     optimizer_swap_buffers: int = 0
     replicate_across_nodes: bool = False  # HSDP: sharded within a node, one copy of the shards per node
+    tensor_parallel: int = 1           # ranks that split each planned layer (FSDP + TP)
+    data_parallel_replicate: int | None = None  # groups replicating the shards; unset: per node under HSDP
 
     def parallel_dims(self, devices: int, num_nodes: int) -> ParallelDims:
-        """How `devices` x `num_nodes` ranks hold this layout's state: replicated, sharded by all, or HSDP's
-        shards within a node."""
+        """How `devices` x `num_nodes` ranks hold this layout's state: replicated, sharded by all, HSDP's shards
+        within a node, or split by tensor parallelism as well. Raises ValueError where the sizes do not fit."""
         world = devices * num_nodes
         if not (self.shard_parameters or self.shard_gradients or self.shard_optimizer):
             return ParallelDims(dp_replicate=world)
-        if self.replicate_across_nodes:
-            return ParallelDims(dp_replicate=num_nodes, dp_shard=devices)
-        return ParallelDims(dp_shard=world)
+        return ParallelDims.of_sharding(world, num_nodes, self.tensor_parallel, self.data_parallel_replicate,
+                                        self.replicate_across_nodes)
 
 
 def layout_of(strategy: Any, name: str | None = None) -> Layout:
@@ -67,6 +68,7 @@ def fsdp_layout(strategy: Any, name: str) -> Layout:
         name, "torch", shard_parameters=True, shard_gradients=True, shard_optimizer=True,
         keep_gathered=not strategy.reshard_after_forward, offload_optimizer=offload, offload_parameters=offload,
         activation_checkpointing=strategy.activation_checkpointing, replicate_across_nodes=strategy.hybrid,
+        tensor_parallel=strategy.tensor_parallel_size, data_parallel_replicate=strategy.data_parallel_replicate_size,
     )
 
 

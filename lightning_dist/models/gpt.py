@@ -25,19 +25,20 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if d_model % n_head:
             raise ValueError(f"model.d_model={d_model} must be divisible by model.n_head={n_head}")
-        self.n_head = n_head
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.head_dim = d_model // n_head
+        # Separate projections, so that a tensor-parallel split of each gives every rank whole heads of q, k and v.
+        self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
         self.proj = nn.Linear(d_model, d_model)
         self.proj.residual_projection = True
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, channels = x.shape
-        q, k, v = self.qkv(x).split(channels, dim=2)
-        q, k, v = (t.view(batch, time, self.n_head, channels // self.n_head).transpose(1, 2) for t in (q, k, v))
+        batch, time, _ = x.shape
+        # The heads this rank holds: all of them, or its share under tensor parallelism (`GPT.tp_plan`).
+        q, k, v = (m(x).view(batch, time, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        return self.proj(y.transpose(1, 2).reshape(batch, time, channels))
+        return self.proj(y.transpose(1, 2).reshape(batch, time, -1))
 
 
 class TransformerBlock(nn.Module):
@@ -59,6 +60,13 @@ class TransformerBlock(nn.Module):
 
 class GPT(nn.Module):
     """Token + position embeddings, a stack of blocks, and an output head tied to the token embedding."""
+
+    # How tensor parallelism splits each block (lightning_dist/parallel/tensor_parallel.py): attention heads and the
+    # MLP's hidden features across the ranks of a tensor-parallel group, Megatron-LM's split.
+    tp_plan = {
+        "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise",
+    }
 
     def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, d_model: int, dropout: float):
         super().__init__()

@@ -63,6 +63,17 @@ class ParallelDims:
             )
         return dims
 
+    @classmethod
+    def of_sharding(cls, world_size: int, num_nodes: int, tp: int = 1, dp_replicate: int | None = None,
+                    hybrid: bool = False) -> ParallelDims:
+        """FSDP's dimensions: `tp` ranks split each layer, `dp_replicate` groups replicate the sharded state
+        (unset: one per node under HYBRID_SHARD, else 1), and the ranks that are left shard it. One of `tp` and
+        `dp_replicate` may be -1, the ranks that are left; then nothing else is left to shard over."""
+        if dp_replicate is None:
+            dp_replicate = num_nodes if hybrid else 1
+        dp_shard = 1 if -1 in (dp_replicate, tp) else -1
+        return cls.resolve(world_size, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
+
     @property
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.tp

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_dist._compat.torch import own_parameters, parameter_registration
 
@@ -44,7 +45,9 @@ def parameters_on_meta() -> Iterator[None]:
     register_parameter = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
+        # A DTensor is a split of a parameter that exists already (a configure_model's parallelize_module registers
+        # each layer's weights again as their shards): its values are kept.
+        if param is not None and not param.is_meta and not isinstance(param, DTensor):
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register_parameter(module, name, param)
 

@@ -12,7 +12,9 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_dist._compat.lightning import give_device_mesh, move_optimizers_to_device
@@ -36,7 +38,11 @@ from lightning_dist.parallel import (
 )
 from lightning_dist.parallel.collective_timeout import forming_process_group
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
-from lightning_dist.parallel.dims import ParallelDims
+from lightning_dist.parallel.dims import TENSOR_PARALLEL, ParallelDims
+from lightning_dist.parallel.grad_norm import clip_grad_norm_
+from lightning_dist.parallel.tensor_parallel import (
+    TensorParallelPlan, apply_tensor_parallel, check_plan, check_sizes, resolve_plan,
+)
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel, has_meta_parameters, parameters_on_meta
 from lightning_dist.precision import PrecisionSupport
 from lightning_dist.strategies.launcher import guarded
@@ -57,6 +63,12 @@ class FSDPStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, ModelPara
         activation_checkpointing: recompute each block's activations in backward instead of storing them.
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
         save_distributed_checkpoint: each rank writes its shard (a checkpoint directory); False gathers one file.
+        tensor_parallel_size: ranks of one tensor-parallel group, which split each planned layer (within a node);
+            FSDP shards over the data-parallel ranks that are left. 1: no tensor parallelism.
+        data_parallel_replicate_size: groups that replicate the sharded state (HSDP); unset: the number of nodes
+            under HYBRID_SHARD, else 1. One of the two sizes may be -1, the ranks that are left.
+        tensor_parallel_plan: module-name patterns mapped to "colwise" or "rowwise"; unset: the model's own
+            (`tp_plan`, parallel/tensor_parallel.py).
     """
 
     strategy_name = "ld_fsdp"
@@ -68,6 +80,9 @@ class FSDPStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, ModelPara
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
         save_distributed_checkpoint: bool = True,
+        tensor_parallel_size: int = 1,
+        data_parallel_replicate_size: int | None = None,
+        tensor_parallel_plan: dict[str, str] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
     ) -> None:
@@ -81,6 +96,10 @@ class FSDPStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, ModelPara
         self.block_classes = () if block_class is None else resolve_block_classes(block_class, "strategy.block_class")
         self.activation_checkpointing = activation_checkpointing
         self.cpu_offload = cpu_offload
+        self.tensor_parallel_size = tensor_parallel_size
+        self.data_parallel_replicate_size = data_parallel_replicate_size
+        self.tensor_parallel_plan = None if tensor_parallel_plan is None else check_plan(
+            dict(tensor_parallel_plan), "strategy.tensor_parallel_plan")
 
     @override
     def _configure_launcher(self) -> None:
@@ -90,10 +109,22 @@ class FSDPStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, ModelPara
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
         """On the launching process: a model already built (eagerly or on meta) must say what its blocks are, and
         its configured optimizer must be one that steps shards."""
+        self.check_parallel_sizes()
         model = fit_arguments.get("model")
         require_shardable_optimizer(model, "fsdp")
         if isinstance(model, nn.Module) and next(model.parameters(), None) is not None:
             self.block_classes_of(model)
+            if self.tensor_parallel_size != 1 and not is_overridden("configure_model", model, pl.LightningModule):
+                self.tensor_parallel_plan_of(model)  # a configure_model may split the model itself
+
+    def check_parallel_sizes(self) -> None:
+        """The sizes fit the ranks (trainer.devices x trainer.num_nodes), and a tensor-parallel group fits a node."""
+        check_sizes(lambda: self.parallel_dims, self.num_processes, self.num_nodes, self.tensor_parallel_size,
+                    self.data_parallel_replicate_size)
+
+    def tensor_parallel_plan_of(self, model: nn.Module) -> TensorParallelPlan:
+        """The configured plan, or the model's own, checked against `model`."""
+        return resolve_plan(model, self.tensor_parallel_plan, self.parallel_dims.tp)
 
     def block_classes_of(self, model: nn.Module) -> BlockClasses:
         """The configured block classes, each present in `model`, or those inferred from its layer stacks."""
@@ -116,10 +147,10 @@ class FSDPStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, ModelPara
 
     @property
     def parallel_dims(self) -> ParallelDims:
-        """Every rank shards; HYBRID_SHARD shards within a node and replicates across nodes."""
-        if self.hybrid:
-            return ParallelDims(dp_replicate=self.num_nodes, dp_shard=self.num_processes)
-        return ParallelDims(dp_shard=self.world_size)
+        """Every rank shards, or the ranks left by tensor parallelism; HYBRID_SHARD shards within a node and
+        replicates across nodes."""
+        return ParallelDims.of_sharding(self.num_nodes * self.num_processes, self.num_nodes,
+                                        self.tensor_parallel_size, self.data_parallel_replicate_size, self.hybrid)
 
     @override
     def setup_environment(self) -> None:
@@ -173,13 +204,18 @@ class FSDPStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, ModelPara
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        # Under tensor parallelism the gradients lie on two meshes, which torch's clip_grad_norm_ cannot combine.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         if trainer.state.fn == TrainerFn.FITTING:
             move_optimizers_to_device(self.optimizers, self.root_device)
 
     def parallelize(self, model: nn.Module) -> None:
-        """Activation checkpointing first, then sharding: FSDP shards the checkpoint wrapper of each block, so the
-        block's parameters are gathered before backward recomputes it."""
+        """Tensor parallelism first, then activation checkpointing, then sharding: FSDP shards the checkpoint
+        wrapper of each block, so the block's parameters are gathered before backward recomputes it."""
         block_classes = self.block_classes_of(model)
+        if self.parallel_dims.tp > 1 and not any(isinstance(p, DTensor) for p in model.parameters()):
+            # Split first (a configure_model that split the model itself is left as it is), as torchtitan orders it.
+            apply_tensor_parallel(model, self.device_mesh[TENSOR_PARALLEL], self.tensor_parallel_plan_of(model))
         if self.activation_checkpointing:
             apply_activation_checkpointing(model, block_classes)
         apply_fully_shard(
@@ -191,6 +227,9 @@ class FSDPStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, ModelPara
             mixed_precision=mixed_precision_policy(self.precision_plugin.precision),
             forward_methods=[m for m in _STEP_METHODS if hasattr(model, m)],
         )
+
+    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

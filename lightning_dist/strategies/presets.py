@@ -39,6 +39,8 @@ PRESETS: dict[str, Preset] = {
     "fsdp": Preset(FSDP, {"sharding_strategy": "FULL_SHARD"}, "FSDP2, parameters, gradients and optimizer state sharded"),
     "fsdp_shard_grad_op": Preset(FSDP, {"sharding_strategy": "SHARD_GRAD_OP"}, "FSDP2 keeping gathered parameters from forward to backward"),
     "fsdp_activation_checkpointing": Preset(FSDP, {"sharding_strategy": "FULL_SHARD", "activation_checkpointing": True}, "FSDP2 with per-block activation checkpointing"),
+    "fsdp_tp": Preset(FSDP, {"sharding_strategy": "FULL_SHARD", "tensor_parallel_size": 2}, "FSDP2 over the data-parallel ranks, each layer split over 2 ranks of a node (tensor parallel): a 2-D mesh"),
+    "hsdp_tp": Preset(FSDP, {"sharding_strategy": "HYBRID_SHARD", "tensor_parallel_size": 2}, "HSDP (replicated across nodes, sharded within) with each layer split over 2 ranks: a 3-D mesh"),
     "fsdp_cpu_offload": Preset(FSDP, {"sharding_strategy": "FULL_SHARD", "cpu_offload": True}, "FSDP2 with shards kept in host memory"),
     "deepspeed_stage_1": Preset(DEEPSPEED, {"stage": 1}, "DeepSpeed ZeRO-1: optimizer state sharded"),
     "deepspeed_stage_2": Preset(DEEPSPEED, {"stage": 2}, "DeepSpeed ZeRO-2: optimizer state and gradients sharded"),

@@ -26,7 +26,8 @@ def test_weight_decay_skips_biases_norms_and_the_tied_embedding():
     assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
     decayed = {id(p) for p in decay["params"]}
     names = [name for name, p in model.named_parameters() if id(p) in decayed]
-    assert names == ["model.blocks.0.attn.qkv.weight", "model.blocks.0.attn.proj.weight", "model.blocks.0.mlp.0.weight",
+    assert names == ["model.blocks.0.attn.q.weight", "model.blocks.0.attn.k.weight", "model.blocks.0.attn.v.weight",
+                     "model.blocks.0.attn.proj.weight", "model.blocks.0.mlp.0.weight",
                      "model.blocks.0.mlp.2.weight"]  # not the (tied) token embedding, the position embedding, norms, biases
     assert sum(p.numel() for g in (decay, no_decay) for p in g["params"]) == sum(p.numel() for p in model.parameters())
 

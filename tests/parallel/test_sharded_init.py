@@ -44,7 +44,7 @@ def test_another_seed_gives_other_weights_and_the_global_generator_is_untouched(
         state = torch.random.get_rng_state()
         initialize_parameters(model, give_memory, seed=0)
         assert torch.equal(torch.random.get_rng_state(), state)
-    assert not torch.equal(first.blocks[0].attn.qkv.weight, second.blocks[0].attn.qkv.weight)
+    assert not torch.equal(first.blocks[0].attn.q.weight, second.blocks[0].attn.q.weight)
 
 
 def test_buffers_stay_real_under_meta_construction():

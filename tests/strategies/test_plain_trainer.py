@@ -62,6 +62,17 @@ def test_configure_model_on_lightnings_data_parallel_axis_trains_under_ld_fsdp()
     assert sum(r["parameters_local"] for r in results) == results[0]["parameters_total"]
 
 
+def test_configure_model_as_lightnings_tensor_parallel_docs_write_it_trains_under_ld_fsdp_tp():
+    # 2 ranks: one tensor-parallel group, which sees one batch; the same model on one rank sees the same batches.
+    results = run_script("ld_fsdp_tp", "tensor_parallel")
+    (reference,) = run_script("ld_fsdp", "feedforward", "1")
+    for result in results:
+        assert result["mesh_axes"] == {"data_parallel": 1, "tensor_parallel": 2}
+        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    # Each rank holds its half of every layer: w1 and w3 split by rows, w2 by columns.
+    assert [r["parameters_local"] for r in results] == [reference["parameters_total"] // 2] * 2
+
+
 def test_strategy_instance_with_block_class_given_as_a_class():
     results = run_script("FSDPStrategy-ac")
     assert [(r["strategy"], r["global_step"]) for r in results] == [("FSDPStrategy", 4), ("FSDPStrategy", 4)]

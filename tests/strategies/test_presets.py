@@ -15,7 +15,7 @@ from tests.conftest import CONF_DIR, PRESET_NAMES, REPO
 
 # What distinguishes one preset from another, read off a built strategy.
 OBSERVED = {
-    FSDPStrategy: lambda s: (s.sharding_strategy, s.activation_checkpointing, s.cpu_offload),
+    FSDPStrategy: lambda s: (s.sharding_strategy, s.activation_checkpointing, s.cpu_offload, s.tensor_parallel_size),
     DeepSpeedStrategy: lambda s: (s.config["zero_optimization"]["stage"], s.config["zero_optimization"].get("offload_optimizer", {}).get("device"), s.config["zero_optimization"].get("offload_param", {}).get("device")),
 }
 

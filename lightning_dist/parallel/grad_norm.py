@@ -1,0 +1,48 @@
+"""The norm of a model's gradients when they are DTensors of more than one device mesh, and clipping by it.
+
+Under FSDP + tensor parallelism the split layers' gradients live on the data x tensor mesh and the rest (embeddings,
+norms) on the data-parallel mesh. `torch.nn.utils.clip_grad_norm_` stacks every gradient's norm into one DTensor,
+which refuses operands of two meshes ("All operands in aten.stack.default must have the same mesh"), and scales them
+in one foreach call, which refuses them too. Here each mesh's norm is reduced over its own ranks first, then the
+plain results are combined (what torchtitan's `clip_grad_norm_` does for pipeline stages), and each mesh's gradients
+are scaled by their own call. With one mesh (FSDP alone) it is torch's own computation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _by_mesh(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` grouped by their device mesh (plain tensors together): torch's foreach kernels, which clipping and
+    the norm use, take one mesh per call."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device_mesh if isinstance(tensor, DTensor) else None, []).append(tensor)
+    return list(groups.values())
+
+
+def total_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The `norm_type`-norm of all `grads` together: a plain tensor, the same on every rank."""
+    norms = []
+    for group in _by_mesh(grads):
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(norms) == 1:
+        return norms[0]
+    stacked = torch.stack([norm.to(norms[0].device) for norm in norms])
+    return stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale the gradients of `parameters` so that their norm together is at most `max_norm`; returns the norm
+    before clipping."""
+    parameters = [p for p in parameters if p.grad is not None]
+    norm = total_norm((p.grad for p in parameters), norm_type)
+    for group in _by_mesh(parameters):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+    return norm

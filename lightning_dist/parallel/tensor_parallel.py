@@ -1,0 +1,143 @@
+"""Tensor parallelism from a plan: module-name patterns mapped to how each layer is split across the ranks of a
+tensor-parallel group, as transformers writes its models' `base_model_tp_plan` ("layers.*.self_attn.q_proj":
+"colwise").
+
+- colwise: a linear layer's output features are split; each rank computes its share of them (its attention heads,
+  its slice of the MLP's hidden layer) from the whole input.
+- rowwise: its input features are split, as the colwise layer before it left them; the partial outputs are summed
+  across the group, so the layer's output is whole on every rank again.
+
+A colwise layer followed by a rowwise one is Megatron-LM's split of an attention or MLP block: one all-reduce in
+forward and one in backward per block, and a model whose code splits heads by `view(..., -1, head_dim)` runs
+unchanged on its local share. Layers the plan does not name (embeddings, norms, the output head) stay whole on every
+rank of the group and are sharded by FSDP over the data-parallel axis only.
+
+Where a plan comes from, first found: the strategy's own (`strategy.tensor_parallel_plan`, patterns from the
+LightningModule), or a `tp_plan` attribute of a module of the model, patterns relative to that module: the bundled
+GPT has one, and so has every transformers model with a `base_model_tp_plan` (Llama, Qwen2, Mistral, ...). Of a
+model's own plan, the colwise and rowwise layers are split; what it splits otherwise (transformers' vocabulary-parallel
+`embedding_rowwise` and `colwise_gather_output` for the embedding and the output head) stays whole, which gives the
+same results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from fnmatch import fnmatchcase
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_dist.parallel.dims import ParallelDims
+
+STYLES = ("colwise", "rowwise")
+TensorParallelPlan = dict[str, str]
+
+
+def check_plan(plan: Any, key: str) -> TensorParallelPlan:
+    """`plan` as {pattern: style}, or ValueError naming `key`, the entry and the valid styles."""
+    if not isinstance(plan, dict) or not plan:
+        raise ValueError(f"{key}: give module-name patterns mapped to a style ({', '.join(STYLES)}), e.g."
+                         " {'blocks.*.attn.q': 'colwise', 'blocks.*.attn.proj': 'rowwise'}")
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"{key}.{pattern}={style}: no such style; choose one of: {', '.join(STYLES)}")
+    return {str(pattern): str(style) for pattern, style in plan.items()}
+
+
+def find_plan(model: nn.Module, configured: TensorParallelPlan | None) -> tuple[str, TensorParallelPlan] | None:
+    """The plan for `model` with its patterns relative to `model` ("where it came from", plan), or None."""
+    if configured:
+        return "strategy.tensor_parallel_plan", configured
+    for name, module in model.named_modules():
+        plan = getattr(module, "tp_plan", None)
+        if isinstance(plan, dict) and (plan := {pattern: style for pattern, style in plan.items() if style in STYLES}):
+            prefix = f"{name}." if name else ""
+            return f"{type(module).__name__}.tp_plan", {prefix + pattern: style for pattern, style in plan.items()}
+    return None
+
+
+def matched_modules(model: nn.Module, plan: TensorParallelPlan) -> dict[str, nn.Module]:
+    """Every module of `model` a pattern of `plan` names (a `*` stands for one name between dots)."""
+    return {name: module for name, module in model.named_modules() if any(_matches(name, p) for p in plan)}
+
+
+def unmatched_patterns(model: nn.Module, plan: TensorParallelPlan) -> list[str]:
+    """The patterns of `plan` that name no module of `model` (a plan for another model, or a typo)."""
+    names = [name for name, _ in model.named_modules()]
+    return [pattern for pattern in plan if not any(_matches(name, pattern) for name in names)]
+
+
+def split_sizes(model: nn.Module, plan: TensorParallelPlan, size: int) -> list[str]:
+    """What `size` ranks cannot split evenly, one line per planned layer: its split features, or its attention
+    heads (a colwise layer of a module with a `head_dim`, as the bundled GPT's and transformers' attention have)."""
+    problems = []
+    parents = {name: module for name, module in model.named_modules()}
+    for name, module in matched_modules(model, plan).items():
+        style = next(style for pattern, style in plan.items() if _matches(name, pattern))
+        if not isinstance(module, nn.Linear):
+            problems.append(f"{name} is a {type(module).__name__}, and a {style} split takes an nn.Linear")
+            continue
+        features = module.out_features if style == "colwise" else module.in_features
+        head_dim = getattr(parents.get(name.rpartition(".")[0]), "head_dim", None)
+        if features % size:
+            problems.append(f"{name} ({style}) has {features} {'output' if style == 'colwise' else 'input'}"
+                            f" features, which {size} ranks do not split evenly")
+        elif style == "colwise" and isinstance(head_dim, int) and (features // size) % head_dim:
+            problems.append(f"{name} has {features // head_dim} attention head(s), which {size} ranks do not"
+                            " split evenly")
+    return problems
+
+
+def resolve_plan(model: nn.Module, configured: TensorParallelPlan | None, size: int) -> TensorParallelPlan:
+    """The plan for `model` (`configured`, or its own), checked: every pattern names a layer, and `size` ranks split
+    each layer and its attention heads evenly. ValueError, in one line naming the key, otherwise."""
+    found = find_plan(model, configured)
+    if found is None:
+        raise ValueError(
+            f"strategy.tensor_parallel_size={size}: {type(model).__name__} has no tensor-parallel plan (a `tp_plan`"
+            " attribute); set strategy.tensor_parallel_plan (module-name patterns mapped to colwise or rowwise), or"
+            " split the model yourself in configure_model"
+        )
+    source, plan = found
+    if unmatched := unmatched_patterns(model, plan):
+        example = next((name for name, module in model.named_modules() if isinstance(module, nn.Linear)), "")
+        raise ValueError(f"{source}: {', '.join(unmatched)} names no module of {type(model).__name__} (patterns"
+                         f" start at the LightningModule: its first linear layer is {example})")
+    if problems := split_sizes(model, plan, size):
+        more = f" (and {len(problems) - 1} more layers)" if len(problems) > 1 else ""
+        raise ValueError(f"strategy.tensor_parallel_size={size}: {problems[0]}{more}")
+    return plan
+
+
+def check_sizes(dims_of: Callable[[], ParallelDims], devices: int, num_nodes: int, tp: int,
+                dp_replicate: int | None) -> None:
+    """The parallel sizes (`dims_of()` resolves them) fit `devices` x `num_nodes` ranks, and a tensor-parallel
+    group fits the ranks of one node. ValueError, in one line naming the keys, otherwise."""
+    sizes = f"strategy.tensor_parallel_size={tp}"
+    if dp_replicate is not None:
+        sizes += f", strategy.data_parallel_replicate_size={dp_replicate}"
+    try:
+        dims = dims_of()
+    except ValueError as error:
+        raise ValueError(f"{sizes}: the run's {devices * num_nodes} ranks (trainer.devices x trainer.num_nodes) do"
+                         " not divide into groups of these sizes") from error
+    if devices % dims.tp:
+        raise ValueError(f"strategy.tensor_parallel_size={dims.tp}: tensor parallelism splits each layer over ranks"
+                         f" of one node, and a node runs {devices} (trainer.devices); choose a size that divides it")
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: TensorParallelPlan) -> None:
+    """Split the layers `plan` names across `mesh` (1-D: the tensor-parallel axis). Before activation checkpointing
+    and FSDP, as torchtitan orders them; on the meta device too (nothing is allocated)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(model, mesh, {pattern: styles[style]() for pattern, style in plan.items()})
+
+
+def _matches(name: str, pattern: str) -> bool:
+    # parallelize_module's own rule: pattern and name have as many parts, and each part matches.
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(fnmatchcase(part, want) for part, want in zip(parts, wanted))
