@@ -122,8 +122,8 @@ def test_checkpoint_of_another_model_is_refused_before_spawning(curve_runs, tmp_
     run = run_train(tmp_path, "strategy=fsdp", "model.n_layer=2", f"ckpt_path={step_15(source)}")
     assert run.process.returncode == 2
     assert (f"error: ckpt_path: {step_15(source)} holds another model's weights: 0 of this model's keys are missing"
-            " (e.g. -) and 25 are not in this model (e.g. bytes_seen, model.blocks.2.attn.proj.bias,"
-            " model.blocks.2.attn.proj.weight)") in run.process.stderr
+            " (e.g. -) and 33 are not in this model (e.g. bytes_seen, model.blocks.2.attn.k.bias,"
+            " model.blocks.2.attn.k.weight)") in run.process.stderr
     assert "Initializing distributed" not in run.output
 
 
