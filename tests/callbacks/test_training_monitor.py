@@ -42,7 +42,7 @@ def test_a_nan_found_at_a_later_check_names_its_own_step_and_is_never_saved(tmp_
                     "callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.save_top_k=-1",
                     "+callbacks.slow_exit._target_=tests.probes.SlowExitOnRank", "+callbacks.slow_exit.rank=0")
     assert run.process.returncode == 1, run.process.stderr[-3000:]
-    expected = ("error: non-finite loss (by rank: 4.257, nan) at global step 6 on rank(s) 1 (found at the check of step 7);"
+    expected = ("error: non-finite loss (by rank: 4.308, nan) at global step 6 on rank(s) 1 (found at the check of step 7);"
                 " first module with a non-finite output: model.blocks.1.mlp (Sequential) on rank 1")
     assert run.process.stderr.count(expected) == 1, run.process.stderr[-3000:]
     assert sorted(p.name for p in (run.run_dir / "checkpoints").glob("*")) == []
