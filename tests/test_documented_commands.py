@@ -24,6 +24,10 @@ SET_UP = ("pip install ", "dpkg -s libaio-dev")
 # what that test's file must hold for it.
 RUN_ELSEWHERE = {
     "python -m pytest": (".ci/run", "test-command"),
+    # tensor parallelism on 4 ranks: the same overrides, 20 steps, losses compared with ddp's
+    "python train.py strategy=fsdp_tp trainer.devices=4": ("tests/strategies/test_tensor_parallel.py", '"strategy=fsdp_tp"'),
+    "python train.py strategy=hsdp_tp trainer.devices=4 strategy.data_parallel_replicate_size=2": (
+        "tests/strategies/test_tensor_parallel.py", '"strategy.data_parallel_replicate_size=2"'),
     "python train.py -m strategy=ddp,fsdp trainer.max_steps=50": ("tests/launch/test_multirun.py", "python train.py -m strategy="),
     "python -m lightning_dist.sweep_report logs/train/multiruns/<date>": ("tests/launch/test_multirun.py", "python -m lightning_dist.sweep_report"),
     "python train.py -m hparams_search=optuna": ("tests/launch/test_hparams_search.py", "python train.py -m hparams_search=optuna"),

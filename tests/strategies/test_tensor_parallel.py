@@ -1,6 +1,7 @@
 """Tensor parallelism beside FSDP, on 4 CPU ranks: `fsdp_tp` (2 data-parallel x 2 tensor-parallel) and `hsdp_tp`
-(1 x 2 x 2, and 2 x 1 x 2) train the default model, and a transformers Llama, each split by its own plan, with ddp's
-per-step losses; ddp runs on the 2 data-parallel ranks, so both see the same batches. Gradients are clipped (their norm spans two meshes), activation
+(2 x 1 x 2) train the default model, and a transformers Llama, each split by its own plan, with ddp's per-step
+losses; ddp runs on the 2 data-parallel ranks, so both see the same batches. (`hsdp_tp` on one node, 1 x 2 x 2, is
+`fsdp_tp`'s 2 x 2 mesh and code path: its replicate axis has one member.) These runs are README.md's commands too. Gradients are clipped (their norm spans two meshes), activation
 checkpointing is on in half the runs, and every rank holds the shards the layout says."""
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ LLAMA = (f"hydra.searchpath=[file://{REPO / 'recipes' / 'hf_causal_lm' / 'conf'}
 LAYOUTS = {
     "fsdp_tp 2x2": ("strategy=fsdp_tp",),
     "fsdp_tp 2x2, activation checkpointing": ("strategy=fsdp_tp", "strategy.activation_checkpointing=true"),
-    "hsdp_tp 1x2x2": ("strategy=hsdp_tp",),
     "hsdp_tp 2x1x2, activation checkpointing": ("strategy=hsdp_tp", "strategy.data_parallel_replicate_size=2",
                                                 "strategy.activation_checkpointing=true"),
     # A transformers Llama built from its config, split by its own base_model_tp_plan (grouped-query attention:
