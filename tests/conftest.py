@@ -46,16 +46,32 @@ def cpu_has_fp16() -> bool:
     return fp16_supported("cpu")
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker per core, up to 4. A training run keeps about 1.2 of 2 cores busy (its ranks wait on
+    each other and on start-up), so two workers on our 2-core machines finish the suite in about 0.6 of the time
+    one takes; past 4, the group of modules sharing session runs is the longest part anyway."""
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
+# Session fixtures whose runs many modules read: the modules that use them run in one worker, so each run is made once.
+SHARED_RUN_FIXTURES = {"trained_runs", "curve_runs", "strategy_run"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests leave the run where no CUDA device is visible: deselected, so they never count as passed."""
+    """GPU tests leave the run where no CUDA device is visible: deselected, so they never count as passed. The rest
+    are grouped for pytest-xdist (`--dist loadgroup`): a module stays in one worker (its module fixtures are made
+    once), and every module reading a shared session run joins one group."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    gpu = [item for item in items if item.get_closest_marker("gpu")]
-    if gpu:
-        config.hook.pytest_deselected(items=gpu)
-        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+    if not torch.cuda.is_available():
+        gpu = [item for item in items if item.get_closest_marker("gpu")]
+        if gpu:
+            config.hook.pytest_deselected(items=gpu)
+            items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+    shared = {item.module.__name__ for item in items if SHARED_RUN_FIXTURES & set(item.fixturenames)}
+    for item in items:
+        module = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("shared-runs" if module in shared else module))
 
 
 @pytest.fixture(scope="session", autouse=True)
