@@ -31,7 +31,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from lightning_dist._compat.hydra import is_a_rank_lightning_started
 from lightning_dist.callbacks import NonFiniteError, Preempted
 from lightning_dist.checkpoints.autoresume import RESUME_OWN_DIR, newest_complete_checkpoint, newest_whole_checkpoint_in
-from lightning_dist.checkpoints.contents import check_checkpoint_matches
+from lightning_dist.checkpoints.contents import check_autotp_layout, check_checkpoint_matches
 from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
 from lightning_dist.checkpoints.swap import SaveFailed
@@ -51,6 +51,7 @@ from lightning_dist.parallel.peer_exits import say_leaving
 from lightning_dist.parallel.process_exit import close_process_group
 from lightning_dist.parallel.sharded_init import parameters_on_meta
 from lightning_dist.precision import check_precision, device_type
+from lightning_dist.strategies import DeepSpeedStrategy
 from lightning_dist.strategies.launcher import PreflightError, preflight
 from lightning_dist.writable import unwritable_because
 
@@ -78,6 +79,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
             check_whole(cfg.ckpt_path, trusted=cfg.get("trust_checkpoint", False))
             shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}  # meta tensors have them
             check_checkpoint_matches(cfg.ckpt_path, shapes, trusted=cfg.get("trust_checkpoint", False))
+            check_autotp_layout(cfg.ckpt_path, strategy.tensor_parallel_size if isinstance(strategy, DeepSpeedStrategy) else None)
             if not cfg.get("trust_checkpoint"):
                 vet_checkpoint(cfg.ckpt_path)  # here, once, rather than on every rank after they started
         # `callbacks.<name>=null` switches one off.

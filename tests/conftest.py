@@ -53,14 +53,17 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(os.cpu_count() or 1, 4))
 
 
-# Session fixtures whose runs many modules read: the modules that use them run in one worker, so each run is made once.
-SHARED_RUN_FIXTURES = {"trained_runs", "curve_runs", "strategy_run"}
+# Session fixtures whose runs many modules read, each with the group of modules that read it: a group runs in one
+# worker, so each run is made once. (No module reads both.)
+SHARED_RUN_GROUPS = {"trained_runs": "trained-runs", "strategy_run": "trained-runs", "curve_runs": "curve-runs"}
+# Modules whose runs hold gigabytes per rank (a 400M-parameter model): in one group, so never two of them at once.
+MEMORY_HEAVY = {"tests.parallel.test_sharded_init": "memory-heavy", "tests.memory.test_beyond_memory": "memory-heavy"}
 
 
 def pytest_collection_modifyitems(config, items):
     """GPU tests leave the run where no CUDA device is visible: deselected, so they never count as passed. The rest
     are grouped for pytest-xdist (`--dist loadgroup`): a module stays in one worker (its module fixtures are made
-    once), and every module reading a shared session run joins one group."""
+    once), and the modules reading one kind of shared session run form one group."""
     import torch
 
     if not torch.cuda.is_available():
@@ -68,10 +71,11 @@ def pytest_collection_modifyitems(config, items):
         if gpu:
             config.hook.pytest_deselected(items=gpu)
             items[:] = [item for item in items if not item.get_closest_marker("gpu")]
-    shared = {item.module.__name__ for item in items if SHARED_RUN_FIXTURES & set(item.fixturenames)}
+    groups = {**MEMORY_HEAVY, **{item.module.__name__: SHARED_RUN_GROUPS[name] for item in items
+                                 for name in item.fixturenames if name in SHARED_RUN_GROUPS}}
     for item in items:
         module = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("shared-runs" if module in shared else module))
+        item.add_marker(pytest.mark.xdist_group(groups.get(module, module)))
 
 
 @pytest.fixture(scope="session", autouse=True)

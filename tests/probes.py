@@ -183,7 +183,9 @@ class ShardShapes(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from torch.distributed.tensor import DTensor
 
-        shapes = {name.replace("_checkpoint_wrapped_module.", ""): list((p.to_local() if isinstance(p, DTensor) else p).shape)
+        # ZeRO-3 leaves a placeholder in each parameter; its shape before partitioning is `ds_shape`.
+        shapes = {name.replace("_checkpoint_wrapped_module.", ""):
+                  list(getattr(p, "ds_shape", None) or (p.to_local() if isinstance(p, DTensor) else p).shape)
                   for name, p in pl_module.named_parameters()}
         Path(self.directory, f"shards_rank{trainer.global_rank}.json").write_text(json.dumps(shapes))
 

@@ -142,6 +142,14 @@ REFUSED = [
      " strategy.tensor_parallel_plan"),
     (["strategy=fsdp_tp", "strategy.tensor_parallel_plan={blocks.*.attn.q:diagonal}"],
      "strategy.tensor_parallel_plan.blocks.*.attn.q=diagonal: no such style; choose one of: colwise, rowwise"),
+    # DeepSpeed AutoTP: a size that does not divide the ranks, one that is no size, one the file contradicts.
+    (["strategy=deepspeed_stage_2", "strategy.tensor_parallel_size=3"], "strategy: 1 problem: strategy.tensor_parallel_size=3:"
+     " the 2 ranks do not divide into tensor-parallel groups of that size; choose one of 1, 2"),
+    (["strategy=deepspeed_stage_1", "strategy.tensor_parallel_size=0"], "strategy.tensor_parallel_size=0: must be null"
+     " (DeepSpeed: the config file's), an integer >= 1, or -1 (the ranks that are left)"),
+    (["strategy=deepspeed", f"strategy.config={REPO}/tests/deepspeed_config/configs/llama_factory_ds_z2_autotp_config.json",
+      "strategy.tensor_parallel_size=1"], "strategy.config (llama_factory_ds_z2_autotp_config.json): 1 problem:"
+     " tensor_parallel.autotp_size=2 but strategy.tensor_parallel_size=1 (make them agree)"),
     # Overrides Hydra cannot parse, as a shell passes them unquoted.
     (["ckpt_path=/tmp/my", "dir/x"], "dir/x: not an override (key=value); if it is the rest of ckpt_path=/tmp/my after a"
                                      " space, quote the whole value: \"ckpt_path='/tmp/my dir/x'\""),

@@ -28,6 +28,8 @@ RUN_ELSEWHERE = {
     "python train.py strategy=fsdp_tp trainer.devices=4": ("tests/strategies/test_tensor_parallel.py", '"strategy=fsdp_tp"'),
     "python train.py strategy=hsdp_tp trainer.devices=4 strategy.data_parallel_replicate_size=2": (
         "tests/strategies/test_tensor_parallel.py", '"strategy.data_parallel_replicate_size=2"'),
+    "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_llama strategy=deepspeed_stage_2 strategy.tensor_parallel_size=2 trainer.devices=4": (
+        "tests/strategies/test_tensor_parallel.py", '"strategy.tensor_parallel_size=2"'),
     "python train.py -m strategy=ddp,fsdp trainer.max_steps=50": ("tests/launch/test_multirun.py", "python train.py -m strategy="),
     "python -m lightning_dist.sweep_report logs/train/multiruns/<date>": ("tests/launch/test_multirun.py", "python -m lightning_dist.sweep_report"),
     "python train.py -m hparams_search=optuna": ("tests/launch/test_hparams_search.py", "python train.py -m hparams_search=optuna"),

@@ -37,6 +37,8 @@ FENCED = [
     Fenced("cpuinfo", "get_cpu_info", ()),
     # Reads a config dict key by key (top_level_config_keys below).
     Fenced("deepspeed.runtime.config", "DeepSpeedConfig.__init__", ("self", "config", "mpu")),
+    # AutoTP's first-forward input check, a hook whose handle the engine keeps (replace_tensor_parallel_input_check).
+    Fenced("deepspeed.runtime.engine", "DeepSpeedEngine._configure_tensor_parallel_states", ("self", "model")),
     # Builds the shared-memory comm op as the comm backend starts (skip_shared_memory_comm_op below).
     Fenced("deepspeed.comm.torch", "build_shm_op", ()),
     Fenced("deepspeed.comm.torch", "TorchBackend.inference_all_reduce", ("self", "tensor", "op", "group")),
@@ -228,3 +230,12 @@ def missing_rank_files(tag_dir: Path, model_states: dict[str, Any]) -> list[Path
             ranks_by_kind.setdefault(_RANK_IN_NAME.sub("zero_pp_rank_{}_", file.name), set()).add(int(found[1]))
     return [tag_dir / kind.format(rank) for kind, ranks in sorted(ranks_by_kind.items())
             for rank in range(world_size) if rank not in ranks]
+
+
+def replace_tensor_parallel_input_check(engine: Any, check: Callable[..., None]) -> Any:
+    """Removes the forward pre-hook that AutoTP's engine registers to compare the first inputs across a tensor-parallel
+    group (`first_dataloader_check`), and registers `check(module, args, kwargs)` in its place; returns its handle."""
+    if engine.first_dataloader_check is not None:
+        engine.first_dataloader_check.remove()
+    engine.first_dataloader_check = engine.module.register_forward_pre_hook(check, prepend=True, with_kwargs=True)
+    return engine.first_dataloader_check

@@ -20,6 +20,7 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter as CSVExperimentWriter
+from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from lightning.pytorch.strategies.launchers.launcher import _Launcher as Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher as MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput
@@ -30,7 +31,7 @@ from lightning_dist._compat import Fenced
 __all__ = [
     "ContinuingCSVWriter", "Launcher", "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput",
     "console_handler", "continuing_csv_writer", "end_job_as_its_failed_rank", "give_device_mesh",
-    "load_distributed_checkpoint", "logs_this_step", "move_optimizers_to_device", "module_optimizers",
+    "load_distributed_checkpoint", "logs_this_step", "move_optimizers_to_device", "module_optimizers", "remove_module_hooks",
     "set_threads_for_ranks", "train_data_source", "unified_precision", "validate_cuda_device_indices",
 ]
 
@@ -47,6 +48,9 @@ FENCED = [
     Fenced("lightning.fabric.utilities.optimizer", "_optimizers_to_device", ("optimizers", "device")),
     Fenced("lightning.fabric.strategies.deepspeed", "_validate_device_index_selection", ("parallel_devices",)),
     Fenced("lightning.fabric.connector", "_convert_precision_to_unified_args", ("precision",)),
+    # Mirrored for AutoTP (parallel/autotp.py: initialize_inference_engine), which needs one more config key.
+    Fenced("lightning.pytorch.strategies.deepspeed", "DeepSpeedStrategy._initialize_deepspeed_inference", ("self", "model")),
+    Fenced("lightning.pytorch.strategies.deepspeed", "remove_module_hooks", ("model",)),
     Fenced("lightning.fabric.utilities.load", "_load_distributed_checkpoint", ("checkpoint_folder",)),
     Fenced("lightning.pytorch.core.optimizer", "_configure_optimizers", ("optim_conf",)),
     Fenced("lightning", "_console"),

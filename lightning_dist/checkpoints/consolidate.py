@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lightning_dist._compat.deepspeed import merge_zero_partitions
+from lightning_dist.checkpoints.contents import autotp_refusal, autotp_size
 from lightning_dist.checkpoints.formats import DEEPSPEED, FILE, CheckpointError, deepspeed_tag_dir
 from lightning_dist.checkpoints.safe_load import load_file
 from lightning_dist.checkpoints.source import CheckpointSource
@@ -79,6 +80,8 @@ def _load_deepspeed(path: Path) -> dict[str, Any]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, get_model_state_files
 
     tag_dir = deepspeed_tag_dir(path)
+    if (size := autotp_size(path)) > 1:  # each file holds one tensor-parallel rank's part of the split layers
+        raise CheckpointError(autotp_refusal(path, size, "checkpoint"))
     state_dict = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag_dir.name)
     # Lightning keeps its own state (loops, callbacks, hyper-parameters) in rank 0's model-states file.
     client_state = load_file(get_model_state_files(str(tag_dir))[0], trusted=True)  # vetted above

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lightning_dist.checkpoints.formats import DISTRIBUTED, FILE, CheckpointError, checkpoint_format, deepspeed_tag_dir
+from lightning_dist.checkpoints.formats import DEEPSPEED, DISTRIBUTED, FILE, CheckpointError, checkpoint_format, deepspeed_tag_dir
 from lightning_dist.checkpoints.safe_load import load_file
 
 # Lightning's DeepSpeed strategy hands DeepSpeed the module inside a wrapper, and DeepSpeed names parameters by it.
@@ -41,8 +41,23 @@ def state_dict_shapes(path: str | Path, key: str = "ckpt_path", trusted: bool = 
     recorded = {name.removeprefix(_WRAPPER_PREFIX): tuple(shape) for group in groups for name, shape in group.items()}
     for name, source in (model_states.get("shared_params") or {}).items():  # tied weights: one shape recorded
         recorded.setdefault(name.removeprefix(_WRAPPER_PREFIX), recorded.get(source.removeprefix(_WRAPPER_PREFIX)))
+    recorded.update(autotp_logical_shapes(model_states))
     module = {name.removeprefix(_WRAPPER_PREFIX): tensor for name, tensor in model_states["module"].items()}
     return {name: recorded.get(name) or _shape(tensor) for name, tensor in module.items()}
+
+
+def autotp_logical_shapes(model_states: dict[str, Any]) -> dict[str, Shape]:
+    """DeepSpeed AutoTP saves each tensor-parallel rank's part of a split layer, and records the whole layer's
+    shape in its universal-checkpoint map (one `^name$` pattern per parameter)."""
+    info = model_states.get("universal_checkpoint_info") or {}
+    params = (info.get("affine_map") or {}).get("params") or {}
+    return {pattern.strip("^$").replace("\\.", ".").removeprefix(_WRAPPER_PREFIX): tuple(entry["logical_shape"])
+            for pattern, entry in params.items()}
+
+
+def autotp_size(path: str | Path) -> int:
+    """The tensor-parallel size a DeepSpeed checkpoint directory was saved with (1: none)."""
+    return max(1, len(list(deepspeed_tag_dir(Path(path)).glob("mp_rank_*_model_states.pt"))))
 
 
 def _shape(tensor: Any) -> Shape | None:
@@ -69,3 +84,18 @@ def check_checkpoint_matches(path: str | Path, expected: dict[str, Shape], key: 
             f" {list(found[first])} there and {list(expected[first])} in this model); build the model as the run that"
             " saved it did (its .hydra/config.yaml)"
         )
+
+
+def check_autotp_layout(path: str | Path, autotp_target: int | None, key: str = "ckpt_path") -> None:
+    """CheckpointError unless a DeepSpeed AutoTP checkpoint resumes where DeepSpeed reads it as it is: a DeepSpeed
+    strategy (`autotp_target`, its tensor-parallel size; None for any other strategy) of the same size."""
+    path = Path(path)
+    if checkpoint_format(path, key) != DEEPSPEED or (size := autotp_size(path)) == 1 or autotp_target == size:
+        return
+    raise CheckpointError(autotp_refusal(path, size, key))
+
+
+def autotp_refusal(path: Path, size: int, key: str = "ckpt_path") -> str:
+    return (f"{key}: {path} is a DeepSpeed AutoTP checkpoint (tensor-parallel size {size}): it resumes under a DeepSpeed"
+            f" strategy with strategy.tensor_parallel_size={size}; moving it to another layout or one file is not"
+            " supported yet")

@@ -54,6 +54,7 @@ class ZeroOptions:
     offload_optimizer: str | None = None
     offload_parameters: str | None = None
     nvme_path: str | None = None
+    tensor_parallel_size: int | None = None  # DeepSpeed AutoTP: tensor_parallel.autotp_size
 
 
 def buckets_sized_by_model(config: dict[str, Any]) -> dict[str, Any]:
@@ -113,12 +114,12 @@ def resolve(
     resolver = _Resolver(copy.deepcopy(config), facts, source)
     resolver.refuse_unknown_keys()
     resolver.merge_zero_options(options)
+    resolver.check_tensor_parallel(options.tensor_parallel_size)
     resolver.fill_precision()
     resolver.fill_batch_sizes()
     resolver.fill_clipping()
     resolver.fill_optimizer_and_scheduler()
     resolver.fill_bucket_sizes()
-    resolver.refuse_tensor_parallel()
     resolver.report_unfillable_autos()
     resolver.validate_zero_section()
     resolver.problems += missing_monitor_packages(resolver.config)
@@ -266,6 +267,7 @@ class _Resolver:
         if micro is UNKNOWN:
             self.fill_match("train_batch_size", UNKNOWN, "")
             return
+        # Over every rank, AutoTP's too: DeepSpeed 0.19.8 checks the batch sizes before it forms tensor-parallel groups.
         total = micro * accumulate * facts.world_size
         formula = f"micro batch x accumulation x world size = {micro} x {accumulate} x {facts.world_size} = {total}"
         self.fill_match("train_batch_size", total, formula, fill_absent=False)
@@ -325,15 +327,23 @@ class _Resolver:
             else:
                 self.notes.append(f"{self.source}: {key} is not a DeepSpeed {deepspeed.__version__} key; ignored, as DeepSpeed does")
 
-    def refuse_tensor_parallel(self) -> None:
-        # AutoTP needs every rank of a tensor-parallel group to see the same batch; our loaders give each rank its own.
-        size = self.get("tensor_parallel.autotp_size", 1)
-        if size not in (1, AUTO, None):
-            self.problems.append(
-                f"tensor_parallel.autotp_size={_show(size)}: tensor parallelism (DeepSpeed AutoTP) is not supported here"
-                f" (world size {self.facts.world_size}: data parallel with ZeRO only); remove the tensor_parallel block"
-                " or set autotp_size to 1"
-            )
+    def check_tensor_parallel(self, option: int | None) -> None:
+        """DeepSpeed AutoTP: `strategy.tensor_parallel_size` and the file's `tensor_parallel.autotp_size` agree, and
+        the size divides the world into data-parallel ranks (each tensor-parallel group shares one batch)."""
+        key = "tensor_parallel.autotp_size"
+        if option == -1:  # the ranks that are left: every rank, as ZeRO then has one data-parallel rank
+            option = self.facts.world_size
+        if option is not None:
+            self.fill_match(key, option, f"strategy.tensor_parallel_size={option}", fix="make them agree")
+        size = self.get(key, None)
+        if size in (None, 0):  # DeepSpeed's default: no tensor parallelism
+            return
+        world = self.facts.world_size
+        divisors = [n for n in range(1, world + 1) if world % n == 0]
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world % size:
+            said = f"strategy.tensor_parallel_size={option}" if option == size else f"{key}={_show(size)}"
+            self.problems.append(f"{said}: the {world} ranks do not divide into tensor-parallel groups of that size;"
+                                 f" choose one of {', '.join(map(str, divisors))}")
 
     def report_unfillable_autos(self) -> None:
         for key in auto_keys(self.config):

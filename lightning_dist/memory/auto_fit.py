@@ -1,7 +1,8 @@
 """Pick the least-sharded strategy whose plan fits the devices, and say why each cheaper one did not.
 
 Less sharding means less communication, so the ladder is climbed from the bottom: DDP, then sharded gradients
-(ZeRO-2 / FSDP SHARD_GRAD_OP), then everything sharded (ZeRO-3 / FSDP FULL_SHARD), then CPU offload, then NVMe.
+(ZeRO-2 / FSDP SHARD_GRAD_OP), then everything sharded (ZeRO-3 / FSDP FULL_SHARD), then (FSDP) each layer split
+over 2 ranks as well, for a model whose gathered layers do not fit, then CPU offload, then NVMe.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 
 LADDERS = {
     "deepspeed": ("ddp", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme"),
-    "fsdp": ("ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_cpu_offload", "deepspeed_stage_3_offload_nvme"),
+    "fsdp": ("ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_tp", "fsdp_cpu_offload", "deepspeed_stage_3_offload_nvme"),
 }
 
 
@@ -73,7 +74,15 @@ class AutoFit:
                     continue
                 kwargs["nvme_path"] = self.nvme_path
             strategy = preset.strategy(**kwargs)
-            plan = plan_memory(facts, layout_of(strategy, name), precision, devices=devices, num_nodes=num_nodes)
+            layout = layout_of(strategy, name)
+            if layout.tensor_parallel > 1 and facts.tensor_parallel_parameters == 0:
+                rejected.append((name, "the model has no tensor-parallel plan (a `tp_plan` attribute)"))
+                continue
+            try:
+                plan = plan_memory(facts, layout, precision, devices=devices, num_nodes=num_nodes)
+            except ValueError as error:  # a layout the ranks do not divide into
+                rejected.append((name, str(error)))
+                continue
             why = _shortfall(plan, device_budget, host_budget)
             if why is None:
                 for cheaper, reason in rejected:

@@ -41,7 +41,7 @@ class Layout:
     parameters_in_host: int = 0
     optimizer_swap_buffers: int = 0
     replicate_across_nodes: bool = False  # HSDP: sharded within a node, one copy of the shards per node
-    tensor_parallel: int = 1           # ranks that split each planned layer (FSDP + TP)
+    tensor_parallel: int = 1           # ranks that split each planned layer (FSDP + TP, DeepSpeed AutoTP)
     data_parallel_replicate: int | None = None  # groups replicating the shards; unset: per node under HSDP
 
     def parallel_dims(self, devices: int, num_nodes: int) -> ParallelDims:
@@ -96,4 +96,5 @@ def deepspeed_layout(strategy: Any, name: str) -> Layout:
         parameters_in_host=0 if preset else int(param_swap["max_in_cpu"]),
         sub_group_size=int(zero.get("sub_group_size", _DEEPSPEED_SUB_GROUP_SIZE)) if stage >= 3 else 0,
         optimizer_swap_buffers=int(optimizer_swaps),
+        tensor_parallel=strategy.tensor_parallel_size,  # AutoTP
     )

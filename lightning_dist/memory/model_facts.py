@@ -31,6 +31,9 @@ class ModelFacts:
     parameter_sizes: tuple[int, ...] = ()      # elements of each parameter: ZeRO-3 keeps the small ones whole
     hidden_size: int | None = None             # from the hyper-parameters: ZeRO-3 presets size buckets by it
     most_parameters_per_module: int = 1        # fetched together: ZeRO-Infinity's swap pool must hold them at once
+    # Elements of the layers tensor parallelism splits (the model's `tp_plan`, else the linear layers of its blocks,
+    # as DeepSpeed's AutoTP splits them); None: unknown, every parameter counted as split.
+    tensor_parallel_parameters: int | None = None
 
     @classmethod
     def of(cls, build: Callable[[], nn.Module], batch: Any = None, block_classes: tuple[type[nn.Module], ...] = ()) -> "ModelFacts":
@@ -50,7 +53,17 @@ class ModelFacts:
             parameter_sizes=tuple(p.numel() for p in params),
             hidden_size=hidden_size_of(module),
             most_parameters_per_module=max(len(list(m.parameters(recurse=False))) for m in module.modules()),
+            tensor_parallel_parameters=_split_by_tensor_parallelism(module, blocks),
         )
+
+
+def _split_by_tensor_parallelism(module: nn.Module, blocks: list[nn.Module]) -> int:
+    from lightning_dist.parallel.tensor_parallel import find_plan, matched_modules
+
+    found = find_plan(module, None)
+    layers = (matched_modules(module, found[1]).values() if found
+              else [m for block in blocks for m in block.modules() if isinstance(m, nn.Linear)])
+    return sum(p.numel() for layer in layers for p in layer.parameters() if p.requires_grad)
 
 
 def _optimizer_kind(module: nn.Module) -> str:

@@ -29,6 +29,7 @@ from lightning_dist.deepspeed_config.preflight import check_before_launch
 from lightning_dist.deepspeed_config.zero import OPTIMIZER_TILE, ZeroSection
 from lightning_dist.memory.layout import Layout, deepspeed_layout
 from lightning_dist.optim.offload import optimizer_for_offload
+from lightning_dist.parallel.autotp import check_tensor_parallel_inputs, initialize_inference_engine
 from lightning_dist.parallel.collective_timeout import forming_process_group
 from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
@@ -52,6 +53,9 @@ class DeepSpeedStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, _Lig
         config: a DeepSpeed config (dict or JSON path) to start from: its "auto" values are filled from the Trainer,
             the module and the data, contradictions (with them or the options above) reported before any rank starts,
             and the resolved config written to the run's directory.
+        tensor_parallel_size: DeepSpeed AutoTP: ranks that split each linear layer of a `transformers` model (the
+            config's `tensor_parallel.autotp_size`); ZeRO partitions over the data-parallel ranks that are left.
+            Unset: the config file's size, else 1.
     """
 
     strategy_name = "ld_deepspeed"
@@ -65,8 +69,9 @@ class DeepSpeedStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, _Lig
         config: str | Path | dict[str, Any] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
+        tensor_parallel_size: int | None = None,
     ) -> None:
-        self.run_config = RunConfig.of(stage, offload_optimizer, offload_parameters, nvme_path, config)
+        self.run_config = RunConfig.of(stage, offload_optimizer, offload_parameters, nvme_path, config, tensor_parallel_size)
         super().__init__(
             stage=2 if stage is None else stage, config=self.run_config.user_config, sub_group_size=OPTIMIZER_TILE,
             offload_optimizer=offload_optimizer is not None, offload_optimizer_device=offload_optimizer or "cpu",
@@ -93,9 +98,26 @@ class DeepSpeedStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, _Lig
         return deepspeed_layout(self, name)
 
     @property
+    def tensor_parallel_size(self) -> int:
+        """AutoTP's size: the option, else the file's (the two agree, or the run was refused before launch)."""
+        size = self.run_config.zero_options.tensor_parallel_size
+        if size == -1:
+            return self.world_size
+        return size or self.base_config.get("tensor_parallel", {}).get("autotp_size") or 1
+
+    @property
     def parallel_dims(self) -> ParallelDims:
-        """ZeRO partitions over every data-parallel rank (DeepSpeed's hierarchical partitioning is not offered)."""
-        return ParallelDims(dp_shard=self.world_size)
+        """ZeRO partitions over every data-parallel rank (DeepSpeed's hierarchical partitioning is not offered);
+        under AutoTP the ranks of one tensor-parallel group (neighbours, as DeepSpeed groups them) share a batch."""
+        tp = self.tensor_parallel_size
+        if tp == 1 or self.world_size % tp:  # a size that does not divide is refused before launch
+            return ParallelDims(dp_shard=self.world_size)
+        return ParallelDims(dp_shard=self.world_size // tp, tp=tp)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return self.parallel_dims.sampler_kwargs(self.global_rank)
 
     @override
     def setup_environment(self) -> None:
@@ -177,7 +199,16 @@ class DeepSpeedStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, _Lig
             prepare_zero3_runtime(self.config)
         import_muon_with_deferred_compilation()
         super().init_deepspeed()
+        if self.tensor_parallel_size > 1:
+            check_tensor_parallel_inputs(self.deepspeed_engine, self.root_device)
         run_root_hooks_once_per_forward(self.deepspeed_engine)  # timers, profiler, ZeRO-3 trace: once per step
+
+    @override
+    def _initialize_deepspeed_inference(self, model: torch.nn.Module) -> None:
+        if self.tensor_parallel_size == 1:
+            super()._initialize_deepspeed_inference(model)
+        else:
+            self.model = initialize_inference_engine(self, model)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:  # any format

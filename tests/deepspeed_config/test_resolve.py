@@ -144,7 +144,8 @@ MISMATCHES = {
                                     ['optimizer.params.lr="auto" cannot be filled: LightningModule.configure_optimizers returns no optimizer']),
     "bucket size without a hidden size": ({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}, {"hidden_size": None},
                                           ['zero_optimization.reduce_bucket_size="auto" cannot be filled: they follow the model\'s hidden size']),
-    "tensor parallelism": ({"tensor_parallel": {"autotp_size": 2}}, {}, ["tensor_parallel.autotp_size=2: tensor parallelism (DeepSpeed AutoTP) is not supported here (world size 2: data parallel with ZeRO only); remove the tensor_parallel block or set autotp_size to 1"]),
+    "a tensor-parallel size that does not divide": ({"tensor_parallel": {"autotp_size": 3}}, {}, ["tensor_parallel.autotp_size=3: the 2 ranks do not divide into tensor-parallel groups of that size; choose one of 1, 2"]),
+    "tensor parallel vs strategy.tensor_parallel_size": ({"tensor_parallel": {"autotp_size": 2}}, {}, ["tensor_parallel.autotp_size=2 but strategy.tensor_parallel_size=1 (make them agree)"]),
     "auto where we fill nothing": ({"steps_per_print": "auto"}, {}, ['steps_per_print="auto" is not a value we fill']),
     "stage vs strategy.stage": ({"zero_optimization": {"stage": 2}}, {}, ["zero_optimization.stage=2 but strategy.stage=3"]),
 }
@@ -153,7 +154,8 @@ MISMATCHES = {
 @pytest.mark.parametrize("case", MISMATCHES)
 def test_each_mismatch_is_reported_by_key(case):
     change, fact_changes, expected = MISMATCHES[case]
-    options = ZeroOptions(stage=3) if case == "stage vs strategy.stage" else ZeroOptions()
+    options = {"stage vs strategy.stage": ZeroOptions(stage=3),
+               "tensor parallel vs strategy.tensor_parallel_size": ZeroOptions(tensor_parallel_size=1)}.get(case, ZeroOptions())
     problems = problems_of(change, facts(**fact_changes), options)
     for fragment in expected:
         assert any(fragment in problem for problem in problems), (fragment, problems)
@@ -250,3 +252,10 @@ def test_bad_config_files_get_one_line_errors(tmp_path, content, message):
     with pytest.raises((ValueError, TypeError), match="^strategy.config: ") as raised:
         load_user_config(path)
     assert message in str(raised.value)
+
+
+def test_deepspeed_autotp_takes_the_strategys_size_and_every_rank_when_it_is_minus_one():
+    assert resolve_config({}, FACTS, ZeroOptions(tensor_parallel_size=2))["tensor_parallel"] == {"autotp_size": 2}
+    assert resolve_config({}, FACTS, ZeroOptions(tensor_parallel_size=-1))["tensor_parallel"] == {"autotp_size": 2}
+    assert resolve_config({"tensor_parallel": {"autotp_size": 2}}, FACTS)["tensor_parallel"] == {"autotp_size": 2}
+    assert "tensor_parallel" not in resolve_config({}, FACTS)

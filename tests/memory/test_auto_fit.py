@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -13,6 +14,9 @@ from lightning_dist.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrate
 # 7B parameters in 32 blocks of 200M; one micro-batch saves 8 GB of fp32 activations (4 GB in bf16).
 SEVEN_B = ModelFacts(parameters=7_000_000_000, largest_block=200_000_000, activation_bytes=8_000_000_000,
                      checkpointed_activation_bytes=2_000_000_000)
+# The same with a tensor-parallel plan that splits 6.4B of the 7B (its blocks' linear layers).
+SEVEN_B_PLANNED = ModelFacts(parameters=7_000_000_000, largest_block=200_000_000, activation_bytes=8_000_000_000,
+                             checkpointed_activation_bytes=2_000_000_000, tensor_parallel_parameters=6_400_000_000)
 TINY = ModelFacts(parameters=842_496, largest_block=198_272, activation_bytes=88_261_636)
 
 
@@ -26,11 +30,18 @@ TINY = ModelFacts(parameters=842_496, largest_block=198_272, activation_bytes=88
      ["ddp", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload"]),
     (SEVEN_B, AutoFit(device_memory_gb=80, family="fsdp"), "fsdp_shard_grad_op", ["ddp"]),
     (SEVEN_B, AutoFit(device_memory_gb=40, family="fsdp"), "fsdp", ["ddp", "fsdp_shard_grad_op"]),
+    # On 8 devices FSDP holds 18.8 GB per device, of which 4.0 GB activations and 0.8 GB two gathered blocks; split
+    # over 2 ranks as well, 18.2 GB: more sharded state (4 data-parallel ranks, not 8), half the gathered blocks and
+    # two thirds of the activations. 21.7 GB x 0.85 = 18.4 GB usable.
+    (SEVEN_B_PLANNED, AutoFit(device_memory_gb=21.7, host_memory_gb=512, family="fsdp"), "fsdp_tp",
+     ["ddp", "fsdp_shard_grad_op", "fsdp"]),
+    (dataclasses.replace(SEVEN_B_PLANNED, tensor_parallel_parameters=0), AutoFit(device_memory_gb=21.7, host_memory_gb=512, family="fsdp"),
+     "fsdp_cpu_offload", ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_tp"]),
 ])
 def test_auto_fit_picks_the_least_sharded_strategy_that_fits(facts, fit, chosen, rejected, caplog):
-    devices = 2 if facts is TINY else 4
+    devices = 2 if facts is TINY else 4 if facts is SEVEN_B else 8
     with caplog.at_level(logging.INFO, logger="lightning_dist.memory.auto_fit"):
-        choice = fit.choose(facts, "bf16-mixed" if facts is SEVEN_B else "32-true", devices)
+        choice = fit.choose(facts, "32-true" if facts is TINY else "bf16-mixed", devices)
     assert choice.name == chosen
     assert [name for name, _ in choice.rejected] == rejected
     expected_class = DDPStrategy if chosen == "ddp" else FSDPStrategy if chosen.startswith("fsdp") else DeepSpeedStrategy

@@ -27,6 +27,11 @@ LAYOUTS = {
     # A transformers Llama built from its config, split by its own base_model_tp_plan (grouped-query attention:
     # 4 query heads and 2 key/value heads, one of each kind per rank).
     "hf_llama fsdp_tp 2x2": (*LLAMA, "strategy=fsdp_tp"),
+    # DeepSpeed AutoTP splits the same Llama's linear layers by its own rules, under ZeRO-1, 2 and 3 (DeepSpeed
+    # 0.19.8 trains AutoTP under ZeRO-3 too).
+    "hf_llama deepspeed_stage_1 autotp 2x2": (*LLAMA, "strategy=deepspeed_stage_1", "strategy.tensor_parallel_size=2"),
+    "hf_llama deepspeed_stage_2 autotp 2x2": (*LLAMA, "strategy=deepspeed_stage_2", "strategy.tensor_parallel_size=2"),
+    "hf_llama deepspeed_stage_3 autotp 2x2": (*LLAMA, "strategy=deepspeed_stage_3", "strategy.tensor_parallel_size=2"),
 }
 REFERENCES = {"ddp": ("strategy=ddp",), "hf_llama ddp": (*LLAMA, "strategy=ddp")}
 # Local shapes of gpt_tiny's parameters (d_model 128, MLP 512, 256 bytes): q and the first MLP layer split by rows
@@ -48,6 +53,12 @@ LLAMA_SHARDS = {"model.model.layers.0.self_attn.q_proj.weight": [32, 128],
                 "model.model.layers.0.mlp.down_proj.weight": [64, 172],
                 "model.model.layers.0.input_layernorm.weight": [64]}
 
+# AutoTP's split of the Llama (under ZeRO-3, before ZeRO partitions each split part further).
+AUTOTP_SHARDS = {"model.model.layers.0.self_attn.q_proj.weight": [64, 128],
+                 "model.model.layers.0.self_attn.k_proj.weight": [32, 128],
+                 "model.model.layers.0.self_attn.o_proj.weight": [128, 64],
+                 "model.model.layers.0.mlp.down_proj.weight": [128, 172],
+                 "model.model.layers.0.input_layernorm.weight": [128]}
 
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory):
@@ -71,9 +82,83 @@ def test_tensor_parallel_layouts_train_ddps_losses_and_hold_the_expected_shards(
     assert sorted(run) == sorted(reference) == list(range(STEPS))
     for step, loss in reference.items():
         assert run[step] == pytest.approx(loss, rel=1e-5), step
-    expected = LLAMA_SHARDS if layout.startswith("hf_llama") else SHARDED_OVER_1 if "2x1x2" in layout else SHARDED_OVER_2
+    expected = (AUTOTP_SHARDS if "autotp" in layout else LLAMA_SHARDS if layout.startswith("hf_llama")
+                else SHARDED_OVER_1 if "2x1x2" in layout else SHARDED_OVER_2)
     for rank in range(4):
         shapes = json.loads((tp_runs(layout).run_dir / f"shards_rank{rank}.json").read_text())
         assert {name: shapes[name] for name in expected} == expected, rank
     summary = json.loads((tp_runs(layout).run_dir / "metrics.json").read_text())
     assert summary["world_size"] == 4
+
+
+def test_the_tensor_parallel_llamas_checkpoint_exports_as_a_save_pretrained_folder_with_its_logits(tp_runs, tmp_path):
+    import torch
+    import transformers
+
+    from lightning_dist.checkpoints.consolidate import load_consolidated
+    from recipes.hf_causal_lm.export import main as export
+    from recipes.hf_causal_lm.language_model import LanguageModel
+
+    checkpoint = tp_runs("hf_llama fsdp_tp 2x2").run_dir / "checkpoints" / "last.ckpt"
+    assert (checkpoint / ".metadata").is_file()  # each rank's 2-D shards, as DCP wrote them
+    assert export([str(checkpoint), str(tmp_path / "llama")]) == 0
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama").eval()
+    saved = load_consolidated(checkpoint)
+    trained = LanguageModel(**saved["hyper_parameters"])
+    trained.load_state_dict(saved["state_dict"])
+    untrained = LanguageModel(**saved["hyper_parameters"]).model.model.layers[0].self_attn.q_proj.weight
+    assert not torch.equal(exported.model.layers[0].self_attn.q_proj.weight, untrained)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (exported(input_ids=tokens).logits - trained.eval()(tokens)).abs().max().item() <= 1e-5
+
+
+def test_an_autotp_checkpoint_resumes_under_its_size_and_is_refused_elsewhere_in_one_line(tp_runs, tmp_path, capsys):
+    from lightning_dist.checkpoints.consolidate import main as consolidate
+
+    autotp, ddp = tp_runs("hf_llama deepspeed_stage_2 autotp 2x2"), tp_runs("hf_llama ddp")
+    checkpoint = autotp.run_dir / "checkpoints" / "last.ckpt"
+    more = ("trainer.max_steps=22", "test=false", "trainer.log_every_n_steps=1", "trainer.gradient_clip_val=1.0")
+    resumed = {
+        name: run_train(tmp_path / name, *LAYOUTS.get(name) or REFERENCES[name], f"trainer.devices={devices}", *more,
+                        f"ckpt_path={run.run_dir / 'checkpoints' / 'last.ckpt'}")
+        for name, run, devices in (("hf_llama deepspeed_stage_2 autotp 2x2", autotp, 4), ("hf_llama ddp", ddp, 2))
+    }
+    losses = {name: read_train_losses(run.run_dir) for name, run in resumed.items()}
+    assert sorted(losses["hf_llama ddp"]) == sorted(losses["hf_llama deepspeed_stage_2 autotp 2x2"]) == [20, 21]
+    for step, loss in losses["hf_llama ddp"].items():
+        assert losses["hf_llama deepspeed_stage_2 autotp 2x2"][step] == pytest.approx(loss, rel=1e-5), step
+
+    refusal = (f"is a DeepSpeed AutoTP checkpoint (tensor-parallel size 2): it resumes under a DeepSpeed strategy with"
+               " strategy.tensor_parallel_size=2; moving it to another layout or one file is not supported yet")
+    elsewhere = run_train(tmp_path / "fsdp", *LLAMA, "strategy=fsdp", f"ckpt_path={checkpoint}")
+    assert elsewhere.process.returncode == 2
+    assert elsewhere.process.stderr.strip().splitlines()[-1] == f"error: ckpt_path: {checkpoint} {refusal}"
+    assert consolidate([str(checkpoint), str(tmp_path / "one.ckpt")]) == 2
+    assert capsys.readouterr().err == f"error: checkpoint: {checkpoint} {refusal}\n"
+    assert not (tmp_path / "one.ckpt").exists()
+
+
+@pytest.mark.parametrize("layout", ["fsdp_tp 2x2", "hf_llama deepspeed_stage_2 autotp 2x2"])
+def test_the_memory_plan_of_a_tensor_parallel_layout_is_within_15_percent_of_what_each_rank_holds(layout, tp_runs):
+    import yaml
+
+    from lightning_dist.memory import ModelFacts, layout_of, plan_memory
+    from lightning_dist.models.gpt import GPTLanguageModel
+    from lightning_dist.strategies.presets import PRESETS
+    from recipes.hf_causal_lm.language_model import LanguageModel
+
+    if layout.startswith("hf_llama"):
+        llama = yaml.safe_load((REPO / "recipes" / "hf_causal_lm" / "conf" / "model" / "hf_llama.yaml").read_text())
+        config = {**llama["config"], "max_position_embeddings": 256}  # ${data.block_size}: positions have no weights
+        facts, name = ModelFacts.of(lambda: LanguageModel("llama", config)), "deepspeed_stage_2"
+        strategy = PRESETS[name].strategy(**PRESETS[name].kwargs, tensor_parallel_size=2)
+    else:
+        facts, name = ModelFacts.of(GPTLanguageModel), "fsdp_tp"
+        strategy = PRESETS[name].strategy(**PRESETS[name].kwargs)
+    planned = plan_memory(facts, layout_of(strategy, name), "32-true", devices=4).model_state_per_device
+    measured = [rank["cpu"] for rank in json.loads((tp_runs(layout).run_dir / "metrics.json").read_text())["model_state_bytes_per_rank"]]
+    print(f"{layout}: planned {planned / 1e6:.2f} MB per rank, measured {[f'{m / 1e6:.2f}' for m in measured]} MB")
+    assert len(measured) == 4
+    for held in measured:
+        assert abs(held - planned) / held < 0.15

@@ -1,0 +1,75 @@
+"""DeepSpeed AutoTP under Lightning: the check that the ranks of a tensor-parallel group got the same batch, and
+the engine Lightning builds for validation and testing on its own (`trainer.test` after `fit`).
+
+DeepSpeed checks the first forward's inputs itself, but compares them one level deep: Lightning's `(batch,
+batch_idx)`, a batch being a list of tensors, fails that comparison with "Boolean value of Tensor with more than one
+value is ambiguous" on every run. Ours looks at every tensor however deep, on the first batch, and fails on every
+rank at once, naming the step, when a group's ranks disagree (a sampler that ignores the tensor-parallel layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_dist._compat.deepspeed import replace_tensor_parallel_input_check
+from lightning_dist._compat.torch import tree_map
+from lightning_dist._compat.lightning import remove_module_hooks
+
+
+class TensorParallelBatchMismatch(RuntimeError):
+    pass
+
+
+def check_tensor_parallel_inputs(engine: Any, device: torch.device) -> None:
+    """Replaces DeepSpeed's first-forward check on `engine` (an AutoTP engine) with one that recurses."""
+    from deepspeed.utils import groups
+
+    group, source = groups.get_tensor_model_parallel_group(), groups.get_tensor_model_parallel_src_rank()
+
+    def check(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        handle.remove()  # the first forward only, as DeepSpeed's
+        tensors: list[torch.Tensor] = []
+        tree_map(lambda leaf: tensors.append(leaf) if isinstance(leaf, torch.Tensor) else None, (args, kwargs))
+        agree = torch.ones((), device=device)
+        for tensor in tensors:
+            theirs = tensor.detach().to(device).clone()
+            dist.broadcast(theirs, src=source, group=group)
+            if not torch.equal(theirs, tensor.detach().to(device)):
+                agree.zero_()
+        dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=group)
+        if not agree.item():
+            raise TensorParallelBatchMismatch(
+                "the ranks of a tensor-parallel group got different batches (DeepSpeed AutoTP needs one batch per"
+                " group): give the train loader a DistributedSampler with the strategy's distributed_sampler_kwargs"
+            )
+
+    handle = replace_tensor_parallel_input_check(engine, check)
+
+
+def is_split(model: torch.nn.Module) -> bool:
+    """Whether AutoTP has replaced the model's linear layers with its own (an engine was built for it already)."""
+    return any(type(module).__module__.startswith("deepspeed.module_inject") for module in model.modules())
+
+
+def initialize_inference_engine(strategy: Any, model: torch.nn.Module) -> Any:
+    """The engine Lightning's `_initialize_deepspeed_inference` builds (precision, and ZeRO-3's section), told the
+    tensor-parallel size too: without it, an engine after training's finds DeepSpeed's tensor-parallel groups
+    (process-wide) but no `mpu`, and fails. Layers that training split are not split again."""
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 1, "tensor_parallel": strategy.config["tensor_parallel"]}
+    config.update({key: strategy.config[key] for key in ("fp16", "bf16") if key in strategy.config})
+    if strategy.zero_stage_3:
+        config.update({key: strategy.config[key] for key in ("zero_allow_untested_optimizer", "zero_optimization")})
+    if is_split(model):
+        model.ds_autotp_parsed = True
+    remove_module_hooks(model)
+    engine, *_ = deepspeed.initialize(args=argparse.Namespace(device_rank=strategy.root_device.index), config=config,
+                                      model=model, optimizer=None, lr_scheduler=None, model_parameters=[],
+                                      dist_init_required=False)
+    check_tensor_parallel_inputs(engine, strategy.root_device)
+    return engine
