@@ -6,15 +6,11 @@ log; and libraries print what nobody running a job can act on (a deprecation ins
 from __future__ import annotations
 
 import logging
-import warnings
 
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-# Warnings raised inside the libraries we pin, about their own code: nothing a user of this package can change.
-LIBRARY_WARNINGS = (
-    r"`isinstance\(treespec, LeafSpec\)` is deprecated",  # torch 2.13 about Lightning 2.6.6's pytree helper
-    r"`torch\.distributed\.\w+` is deprecated",  # torch 2.13 about the collectives DeepSpeed 0.19.8 calls
-)
+from lightning_dist.library_warnings import quiet_library_warnings
+
 # Lines Lightning logs that advertise a product rather than describe the run.
 ADVERTS = ("💡 Tip:",)
 # Loggers whose INFO lines describe the whole run: printed by rank 0 alone.
@@ -25,8 +21,7 @@ TOOL_LOGGERS = ("compilers",)
 
 def quiet_console() -> None:
     """Idempotent; warnings and errors still reach the console from every rank."""
-    for message in LIBRARY_WARNINGS:
-        warnings.filterwarnings("ignore", message=message)
+    quiet_library_warnings()
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropAdverts) for f in logger.filters):

@@ -30,6 +30,7 @@ class StrategyCurve:
     losses: dict[int, float]
     returncode: int
     run_dir: Path
+    output: str = ""  # what the run printed (stdout, then stderr)
 
     def max_relative_difference(self, reference: StrategyCurve) -> float:
         steps = reference.losses.keys() & self.losses.keys()
@@ -49,7 +50,8 @@ def run_strategy(strategy: str, overrides: list[str], run_dir: Path) -> Strategy
     process = subprocess.run(command, capture_output=True, text=True)
     if process.returncode:
         sys.stderr.write(process.stderr[-3000:])
-    return StrategyCurve(strategy, read_train_losses(run_dir), process.returncode, Path(run_dir))
+    return StrategyCurve(strategy, read_train_losses(run_dir), process.returncode, Path(run_dir),
+                         process.stdout + process.stderr)
 
 
 def compare_strategies(

@@ -46,6 +46,21 @@ def cpu_has_fp16() -> bool:
     return fp16_supported("cpu")
 
 
+def libaio_missing() -> bool:
+    """Whether DeepSpeed's async_io op (NVMe offload) cannot be built here for want of libaio's headers."""
+    from deepspeed.accelerator import get_accelerator
+
+    return not get_accelerator().create_op_builder("AsyncIOBuilder").is_compatible(verbose=False)
+
+
+# Tests of NVMe offload skip on a machine without libaio, saying what to install; CI (.ci/run sets
+# LD_TESTS_REQUIRE_LIBAIO=1) installs it and runs them, so there a missing libaio fails them instead.
+needs_libaio = pytest.mark.skipif(
+    os.environ.get("LD_TESTS_REQUIRE_LIBAIO") != "1" and libaio_missing(),
+    reason="needs libaio's headers for DeepSpeed's NVMe offload: apt-get install libaio-dev",
+)
+
+
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto`: one worker per core, up to 4. A training run keeps about 1.2 of 2 cores busy (its ranks wait on
     each other and on start-up), so two workers on our 2-core machines finish the suite in about 0.6 of the time

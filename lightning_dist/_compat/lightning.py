@@ -31,7 +31,7 @@ from lightning_dist._compat import Fenced
 __all__ = [
     "ContinuingCSVWriter", "Launcher", "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput",
     "console_handler", "continuing_csv_writer", "end_job_as_its_failed_rank", "give_device_mesh",
-    "load_distributed_checkpoint", "logs_this_step", "move_optimizers_to_device", "module_optimizers", "remove_module_hooks",
+    "is_stateful_loader", "load_distributed_checkpoint", "logs_this_step", "move_optimizers_to_device", "module_optimizers", "remove_module_hooks",
     "set_threads_for_ranks", "train_data_source", "unified_precision", "validate_cuda_device_indices",
 ]
 
@@ -55,6 +55,8 @@ FENCED = [
     Fenced("lightning.pytorch.core.optimizer", "_configure_optimizers", ("optim_conf",)),
     Fenced("lightning", "_console"),
     Fenced("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop.reset", ("self",)),
+    # What that reset asks of a train loader before it warns that a mid-epoch resume is unreliable.
+    Fenced("lightning.fabric.utilities.types", "_Stateful"),
     # Re-runs a Hydra script for each other rank it starts, with `hydra.job.name=train_ddp_process_<local rank>`
     # (_compat/hydra.py reads it: without importing Lightning, for the command line).
     Fenced("lightning.fabric.strategies.launchers.subprocess_script", "_hydra_subprocess_cmd", ("local_rank",)),
@@ -123,6 +125,13 @@ def label_logged_rows_by_global_step(trainer: Any) -> None:
     optimization of one optimizer."""
     if trainer.lightning_module.automatic_optimization and len(trainer.optimizers) == 1:
         trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
+
+
+def is_stateful_loader(loader: Any) -> bool:
+    """Whether Lightning counts `loader` as resumable (it has `state_dict` and `load_state_dict`)."""
+    from lightning.fabric.utilities.types import _Stateful
+
+    return isinstance(loader, _Stateful)
 
 
 def console_handler() -> logging.Handler:

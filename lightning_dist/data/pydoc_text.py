@@ -11,7 +11,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_dist.data.sample_position import ResumableDistributedSampler
+from lightning_dist.data.sample_position import PositionedLoader, ResumableDistributedSampler
 from lightning_dist.parallel.dims import parallel_dims_of
 
 
@@ -87,7 +87,7 @@ class PydocTextDataModule(L.LightningDataModule):
             self.train_set, num_replicas=shares.get("num_replicas", 1), rank=shares.get("rank", 0), seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
             skip_epoch=self._resume["epoch"], skip=self._resume["samples_done"],
         )
-        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.hparams.num_workers)
+        return PositionedLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.hparams.num_workers)
 
     def state_dict(self) -> dict[str, int]:
         # `processed` counts the batches whose training step ran, whether the checkpoint is written at the end of

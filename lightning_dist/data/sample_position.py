@@ -11,7 +11,7 @@ import math
 from typing import Iterator
 
 import torch
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -36,3 +36,15 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return math.ceil((len(self.dataset) - self._skipped()) / self.num_replicas)
+
+
+class PositionedLoader(DataLoader):
+    """A DataLoader whose position a data module saves and restores (its `state_dict`, read by a
+    ResumableDistributedSampler). Stateful to Lightning, so that a resume from the middle of an epoch is not
+    called unreliable: the loader itself has nothing to add, the data module's state says where it got to."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass

@@ -6,6 +6,7 @@ import time
 import pytest
 
 from lightning_dist.deepspeed_config.preflight import check_offload_ready, native_ops_needed, nvme_paths
+from tests.conftest import needs_libaio
 
 
 def nvme_config(path) -> dict:
@@ -20,6 +21,7 @@ def test_nvme_config_needs_cpu_adam_and_async_io():
     assert list(nvme_paths(nvme_config("/x"))) == ["zero_optimization.offload_optimizer.nvme_path", "zero_optimization.offload_param.nvme_path"]
 
 
+@needs_libaio
 def test_a_writable_directory_with_libaio_installed_passes(tmp_path, deepspeed_ops):
     check_offload_ready(nvme_config(tmp_path))  # loads cpu_adam and async_io (built once per machine, then cached)
     assert list(tmp_path.iterdir()) == []  # the write test leaves nothing behind

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, TRAIN_ENV
+from tests.conftest import REPO, TRAIN_ENV, needs_libaio
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs_libaio]
 
 D_MODEL = 512  # the smallest width whose large partitions DeepSpeed swaps (>= 1 MiB each over 2 ranks)
 

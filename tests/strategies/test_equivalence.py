@@ -36,5 +36,6 @@ def test_resume_from_step_15_continues_the_curve(name, curve_runs, tmp_path):
     resumed = run_strategy(name, [*CURVE_OVERRIDES, f"ckpt_path={checkpoint}"], tmp_path / "resumed")
     assert resumed.returncode == 0
     assert sorted(resumed.losses) == list(range(15, 30))  # nothing re-trained, nothing skipped
+    assert "not resumable" not in resumed.output  # the data module restores the sample position: no false alarm
     for step, loss in resumed.losses.items():
         assert loss == pytest.approx(full.losses[step], rel=RELATIVE_TOLERANCE[name]), step

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from tests.conftest import run_train
+from tests.conftest import needs_libaio, run_train
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs_libaio]
 
 
 @pytest.fixture(scope="module")
