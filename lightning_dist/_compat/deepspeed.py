@@ -39,6 +39,9 @@ FENCED = [
     Fenced("deepspeed.runtime.config", "DeepSpeedConfig.__init__", ("self", "config", "mpu")),
     # AutoTP's first-forward input check, a hook whose handle the engine keeps (replace_tensor_parallel_input_check).
     Fenced("deepspeed.runtime.engine", "DeepSpeedEngine._configure_tensor_parallel_states", ("self", "model")),
+    # Compiles an op on first use (announce_op_builds below), into torch's extension directory.
+    Fenced("deepspeed.ops.op_builder.builder", "OpBuilder.jit_load", ("self", "verbose")),
+    Fenced("torch.utils.cpp_extension", "_get_build_directory", ("name", "verbose")),
     # Builds the shared-memory comm op as the comm backend starts (skip_shared_memory_comm_op below).
     Fenced("deepspeed.comm.torch", "build_shm_op", ()),
     Fenced("deepspeed.comm.torch", "TorchBackend.inference_all_reduce", ("self", "tensor", "op", "group")),
@@ -239,3 +242,48 @@ def replace_tensor_parallel_input_check(engine: Any, check: Callable[..., None])
         engine.first_dataloader_check.remove()
     engine.first_dataloader_check = engine.module.register_forward_pre_hook(check, prepend=True, with_kwargs=True)
     return engine.first_dataloader_check
+
+
+# What each op DeepSpeed may compile on our strategies' runs is for, as the announcement says it.
+OP_PURPOSES = {"cpu_adam": "optimizer offload (DeepSpeed's CPU Adam)", "async_io": "NVMe offload",
+               "cpu_adagrad": "DeepSpeed's CPU Adagrad", "cpu_lion": "DeepSpeed's CPU Lion"}
+
+
+def op_build_directory(name: str) -> Path:
+    """Where torch compiles and caches extension `name` (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/...)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
+def op_is_built(name: str) -> bool:
+    return (op_build_directory(name) / f"{name}.so").is_file()
+
+
+def announce_op_builds(say: Callable[[str], None]) -> None:
+    """Before DeepSpeed compiles a native op on first use (minutes, with no output of its own), `say` one line:
+    which op, what for, that it happens once, and where it is cached. Idempotent."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    if getattr(OpBuilder.jit_load, "announces_builds", False):
+        return
+    jit_load = OpBuilder.jit_load
+
+    @functools.wraps(jit_load)
+    def announced(self: Any, verbose: bool = True) -> Any:
+        if self.name not in OpBuilder._loaded_ops and not op_is_built(self.name):
+            purpose = OP_PURPOSES.get(self.name, "this run")
+            say(f"DeepSpeed is compiling its {self.name} op for {purpose}: once per machine (a few minutes), cached in"
+                f" {op_build_directory(self.name)}; `python -m lightning_dist.prepare` does it ahead of time")
+        return jit_load(self, verbose)
+
+    announced.announces_builds = True
+    OpBuilder.jit_load = announced
+
+
+def say_on_local_rank_zero(line: str) -> None:
+    """One line per machine: the ranks of a node share the cache, and wait on the one that builds."""
+    import sys
+
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)

@@ -50,9 +50,10 @@ def _directory_problem(key: str, path: str | None) -> str | None:
 def _native_op_problem(builder_name: str) -> str | None:
     from deepspeed.accelerator import get_accelerator
 
-    from lightning_dist._compat.deepspeed import remember_cpu_info
+    from lightning_dist._compat.deepspeed import announce_op_builds, remember_cpu_info, say_on_local_rank_zero
 
     remember_cpu_info()  # asked here once, for this process and the ranks it starts
+    announce_op_builds(say_on_local_rank_zero)  # a first build takes minutes: say so before it starts
 
     builder = get_accelerator().create_op_builder(builder_name)
     hint = INSTALL_HINTS[builder_name]

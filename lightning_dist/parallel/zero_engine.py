@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
-from lightning_dist._compat.deepspeed import partitioner, remember_cpu_info, skip_shared_memory_comm_op
+from lightning_dist._compat.deepspeed import (
+    announce_op_builds, partitioner, remember_cpu_info, say_on_local_rank_zero, skip_shared_memory_comm_op,
+)
 from lightning_dist.deepspeed_config.zero import ZeroSection
 from lightning_dist.parallel.sharded_init import Keep, give_memory, initialize_parameters
 
@@ -35,6 +37,7 @@ def use_deepspeed_accelerator(device: torch.device) -> str:
         set_accelerator(Accelerator())
     os.environ["DS_ACCELERATOR"] = device.type
     remember_cpu_info()  # before DeepSpeed loads its native ops on this rank
+    announce_op_builds(say_on_local_rank_zero)
     skip_shared_memory_comm_op()
     return get_accelerator().device_name()
 
