@@ -15,10 +15,14 @@ warn_if_unsupported()
 quiet_library_warnings()
 register_presets_with_lightning()
 
-__all__ = ["DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy"]
+__all__ = ["DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "load_from_checkpoint"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "load_from_checkpoint":
+        from lightning_dist.checkpoints.consolidate import load_from_checkpoint
+
+        return load_from_checkpoint
     if name in __all__:
         from lightning_dist import strategies
 

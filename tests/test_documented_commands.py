@@ -166,6 +166,8 @@ def _check(command: str, process: subprocess.CompletedProcess, run_dir: Path | N
     elif "lightning_dist.checkpoints.consolidate" in command:
         consolidated = torch.load(cwd / "model.ckpt", weights_only=True)
         assert "model.token_embedding.weight" in consolidated["state_dict"]
+        (line,) = output.strip().splitlines()  # nothing stray: no warning, no DeepSpeed progress
+        assert line.startswith("Consolidated ") and line.endswith("/checkpoints/last.ckpt -> model.ckpt")
     elif "lightning_dist.equivalence" in command:
         rows = [line for line in process.stdout.splitlines() if line.startswith("| ") and "strategy" not in line]
         assert [row.split(" | ")[0].strip("| ") for row in rows] == ["ddp", "fsdp", "deepspeed_stage_3"]

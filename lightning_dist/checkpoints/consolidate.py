@@ -11,6 +11,9 @@ name into `optimizer_state_by_name`, which those strategies load into whatever o
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,16 @@ def load_consolidated(path: str | Path | CheckpointSource, trusted: bool = False
     if source.format == DEEPSPEED:
         return _load_deepspeed(source.path)
     return _load_distributed(source.path)
+
+
+def load_from_checkpoint(module_class: type, path: str | Path, trusted: bool = False, **kwargs: Any) -> Any:
+    """`module_class.load_from_checkpoint` for any checkpoint our strategies write: a file, or a DeepSpeed or FSDP
+    directory (consolidated in memory first, as `consolidate_checkpoint` would write it). `kwargs` go to Lightning's
+    `load_from_checkpoint` (`map_location`, `strict`, hyper-parameter overrides)."""
+    buffer = io.BytesIO()
+    torch.save(load_consolidated(path, trusted), buffer)
+    buffer.seek(0)
+    return module_class.load_from_checkpoint(buffer, **kwargs)
 
 
 def consolidate_checkpoint(path: str | Path, output: str | Path, trusted: bool = False) -> Path:
@@ -82,7 +95,9 @@ def _load_deepspeed(path: Path) -> dict[str, Any]:
     tag_dir = deepspeed_tag_dir(path)
     if (size := autotp_size(path)) > 1:  # each file holds one tensor-parallel rank's part of the split layers
         raise CheckpointError(autotp_refusal(path, size, "checkpoint"))
-    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag_dir.name)
+    # DeepSpeed's reader prints its progress (each merge three times over); a failure raises, with its own message.
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        state_dict = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag_dir.name)
     # Lightning keeps its own state (loops, callbacks, hyper-parameters) in rank 0's model-states file.
     client_state = load_file(get_model_state_files(str(tag_dir))[0], trusted=True)  # vetted above
     deepspeed_keys = {"module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "skipped_steps",
@@ -96,7 +111,8 @@ def _load_deepspeed(path: Path) -> dict[str, Any]:
             state_dict[name] = tensor.float() if tensor.is_floating_point() else tensor
     checkpoint = {k: v for k, v in client_state.items() if k not in deepspeed_keys}
     checkpoint["state_dict"] = {k.removeprefix("_forward_module."): v for k, v in state_dict.items()}
-    return _with_state_by_name(checkpoint, _deepspeed_adam_state(tag_dir))
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return _with_state_by_name(checkpoint, _deepspeed_adam_state(tag_dir))
 
 
 def _deepspeed_adam_state(ds_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -156,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trust-checkpoint", action="store_true",
                         help="load pickled objects other than tensors and plain data (runs code the file names)")
     args = parser.parse_args(argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # consolidation runs on the host; DeepSpeed need not look for one
     try:
         output = consolidate_checkpoint(args.checkpoint, args.output, trusted=args.trust_checkpoint)
     except CheckpointError as error:

@@ -28,6 +28,16 @@ def test_consolidated_checkpoint_loads_strictly_in_a_plain_process(name, curve_r
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert process.returncode == 0 and process.stdout.strip().endswith("OK"), process.stderr[-3000:]
+    # The one call for a module from the checkpoint as saved, a directory or a file: the trained weights.
+    import lightning_dist
+    from tests.models.checkpoint_probe import CheckpointProbeGPT
+
+    module = lightning_dist.load_from_checkpoint(CheckpointProbeGPT, run.run_dir / "checkpoints" / "last.ckpt",
+                                                 map_location="cpu")
+    gathered = torch.load(run.run_dir / "gathered_state.pt", map_location="cpu")
+    assert module.state_dict().keys() == gathered.keys()
+    for key, tensor in gathered.items():
+        assert torch.equal(module.state_dict()[key], tensor), key
 
 
 def test_missing_path(tmp_path):
