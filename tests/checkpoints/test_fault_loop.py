@@ -11,12 +11,13 @@ from scripts.fault_loop import train_through_kills
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "deepspeed_stage_2"])
+# The two directory formats, whose saves take long enough for kills to cut them off midway (DDP's 10 MB file is
+# written in a few ms, and replaced atomically). Any preset, 20 kills: `python -m scripts.fault_loop --strategy ddp`.
+@pytest.mark.parametrize("name", ["fsdp", "deepspeed_stage_2"])
 def test_kill_9_during_saves_then_resume_ends_with_the_uninterrupted_weights(name, curve_runs, tmp_path):
     loop = train_through_kills(name, tmp_path, kills=5, seed=sum(map(ord, name)))
     assert len(loop.kills) == 5, loop.kills
-    if name != "ddp":  # DDP's 10 MB file is written in a few ms: its kills mostly land just before or after it
-        assert any(".partial" in kill for kill in loop.kills), loop.kills  # at least one cut a write off midway
+    assert any(".partial" in kill for kill in loop.kills), loop.kills  # at least one cut a write off midway
     assert loop.returncode == 0, (tmp_path / loop.final_run.name).with_suffix(".log").read_text()[-3000:]
     # The finishing attempt resumed (it did not start over): from a complete checkpoint of an earlier attempt.
     log = (tmp_path / f"{loop.final_run.name}.log").read_text()
