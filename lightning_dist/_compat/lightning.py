@@ -31,8 +31,9 @@ from lightning_dist._compat import Fenced
 __all__ = [
     "ContinuingCSVWriter", "Launcher", "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput",
     "console_handler", "continuing_csv_writer", "end_job_as_its_failed_rank", "give_device_mesh",
-    "is_stateful_loader", "load_distributed_checkpoint", "logs_this_step", "move_optimizers_to_device", "module_optimizers", "remove_module_hooks",
-    "set_threads_for_ranks", "train_data_source", "unified_precision", "validate_cuda_device_indices",
+    "is_stateful_loader", "load_distributed_checkpoint", "logs_this_step", "move_optimizers_to_device",
+    "module_optimizers", "remove_module_hooks", "set_threads_for_ranks", "train_data_source", "unified_precision",
+    "validate_cuda_device_indices",
 ]
 
 FENCED = [

@@ -4,7 +4,7 @@ the engine Lightning builds for validation and testing on its own (`trainer.test
 DeepSpeed checks the first forward's inputs itself, but compares them one level deep: Lightning's `(batch,
 batch_idx)`, a batch being a list of tensors, fails that comparison with "Boolean value of Tensor with more than one
 value is ambiguous" on every run. Ours looks at every tensor however deep, on the first batch, and fails on every
-rank at once, naming the step, when a group's ranks disagree (a sampler that ignores the tensor-parallel layout).
+rank of the group at once when its ranks disagree (a sampler that ignores the tensor-parallel layout).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_dist._compat.deepspeed import replace_tensor_parallel_input_check
-from lightning_dist._compat.torch import tree_map
 from lightning_dist._compat.lightning import remove_module_hooks
+from lightning_dist._compat.torch import tree_map
 
 
 class TensorParallelBatchMismatch(RuntimeError):

@@ -103,7 +103,8 @@ class DeepSpeedStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, _Lig
         size = self.run_config.zero_options.tensor_parallel_size
         if size == -1:
             return self.world_size
-        return size or self.base_config.get("tensor_parallel", {}).get("autotp_size") or 1
+        in_file = (self.base_config.get("tensor_parallel") or {}).get("autotp_size")
+        return size or (in_file if isinstance(in_file, int) and in_file > 1 else 1)
 
     @property
     def parallel_dims(self) -> ParallelDims:
