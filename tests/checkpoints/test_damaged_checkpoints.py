@@ -66,6 +66,7 @@ def test_a_damaged_checkpoint_is_refused_by_ckpt_path_and_passed_over_by_resume(
     resumed = run_train(tmp_path / "runs" / "resumed", *command, "resume=true")
     assert resumed.process.returncode == 0, resumed.output[-3000:]
     assert f"resume=true: resuming from {checkpoints / 'step000015.ckpt'}" in resumed.output
+    assert "not resumable" not in resumed.output  # the data module restores the position: no false alarm
     losses, uninterrupted = read_train_losses(resumed.run_dir), source.losses
     assert sorted(losses) == list(range(15, 30))  # nothing re-trained, nothing skipped
     assert all(losses[step] == pytest.approx(uninterrupted[step], rel=1e-5) for step in losses), (losses, uninterrupted)
