@@ -26,6 +26,7 @@ def test_a_first_build_is_announced_in_one_line_and_a_cached_op_is_not(tmp_path,
 
     # DeepSpeed's own, unwrapped if an earlier test in this process announced builds; restored afterwards.
     monkeypatch.setattr(OpBuilder, "jit_load", getattr(OpBuilder.jit_load, "__wrapped__", OpBuilder.jit_load))
+    monkeypatch.setattr(OpBuilder, "_loaded_ops", {})  # as in a process that has loaded no op yet (the suite's has)
     said: list[str] = []
     announce_op_builds(said.append)
     builder = get_accelerator().create_op_builder("CPUAdamBuilder")
