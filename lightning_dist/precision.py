@@ -1,4 +1,4 @@
-"""Which precisions each strategy trains in, per device: README's precision matrix, checked before launch.
+"""Which precisions each strategy trains in, per device: docs/precision.md's matrix, checked before launch.
 
 | strategy   | 32-true | bf16-mixed                 | bf16-true | 16-mixed                                   |
 |------------|---------|----------------------------|-----------|--------------------------------------------|

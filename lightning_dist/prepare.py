@@ -34,7 +34,7 @@ def prepare(name: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("ops", nargs="*", metavar="op", help=f"{' or '.join(BUILDERS)} (default: both)")
     args = parser.parse_args(argv)
     if unknown := [name for name in args.ops if name not in BUILDERS]:

@@ -364,7 +364,7 @@ def run_job(cfg: DictConfig) -> Any:
 
 
 def exit_code(error: BaseException) -> int:
-    """The code the run exits with when `error` ends it (README, "Exit codes of train.py")."""
+    """The code the run exits with when `error` ends it (docs/faults.md, "Exit codes of train.py")."""
     if isinstance(error, (ConfigError, RefusedElsewhere)):
         return 2
     if isinstance(error, SystemExit):  # a preemption's 75 (or 0 on ranks that leave the report to rank 0)

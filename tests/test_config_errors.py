@@ -208,8 +208,9 @@ def test_an_accelerator_we_do_not_run_on_is_named_with_the_choices(accelerator):
 
 
 def readme_mistakes() -> list[tuple[str, str]]:
-    """(command, the error line README.md shows for it) from its block of mistakes, as a user would copy them."""
-    text = (REPO / "README.md").read_text()
+    """(command, the error line docs/configuration.md shows for it) from its block of mistakes, as a user would copy
+    them."""
+    text = (REPO / "docs" / "configuration.md").read_text()
     block = text[text.index("Mistakes are reported in one line"):].split("```")[1]
     lines = [line for line in block.splitlines() if line.strip()]
     return [(lines[i].removeprefix("$ "), lines[i + 1]) for i in range(0, len(lines), 2)]

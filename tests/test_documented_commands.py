@@ -1,6 +1,7 @@
-"""Every command in a shell block of README.md and of the recipes' READMEs is run by a test or is marked, in its own
-comment, as needing a GPU or a cluster. README.md's commands that no other test runs are run here, as typed, from
-one fresh working directory (later commands read what earlier ones wrote), at a few steps each."""
+"""Every command in a shell block of README.md, of the pages in docs/ and of the recipes' READMEs is run by a test or
+is marked, in its own comment, as needing a GPU or a cluster. The commands that no other test runs are run here, as
+typed, each page's from one fresh working directory (later commands read what earlier ones wrote), at a few steps
+each."""
 
 from __future__ import annotations
 
@@ -16,14 +17,16 @@ import torch
 from tests.conftest import REPO, TRAIN_ENV, documented_lines
 
 README = REPO / "README.md"
-READMES = [README, *sorted((REPO / "recipes").glob("*/README.md"))]
+PAGES = [README, *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "recipes").glob("*/README.md"))]
 MARKS = ("needs a GPU", "needs a cluster")
 # Set-up lines: the install that .ci/run itself performs (the README's test command, extracted there).
-SET_UP = ("pip install ", "dpkg -s libaio-dev")
+SET_UP = ("python -m venv ", "pip install ", "dpkg -s libaio-dev")
 # Commands another test runs (from the README, `documented(...)`, or the recipe's steps with the same choices), and
 # what that test's file must hold for it.
 RUN_ELSEWHERE = {
-    "python -m pytest": (".ci/run", "test-command"),
+    "python -m pytest": (".ci/run", "test-command"),  # the whole suite; its fast tier is part of it
+    "mkdocs build --strict": ("tests/test_docs.py", '"--strict"'),
+    "python -m lightning_dist.prepare cpu_adam": ("tests/test_prepare.py", 'documented(REPO / "docs" / "install.md"'),
     # tensor parallelism on 4 ranks: the same overrides, 20 steps, losses compared with ddp's
     "python train.py strategy=fsdp_tp trainer.devices=4": ("tests/strategies/test_tensor_parallel.py", '"strategy=fsdp_tp"'),
     "python train.py strategy=hsdp_tp trainer.devices=4 strategy.data_parallel_replicate_size=2": (
@@ -69,7 +72,7 @@ RUN_DIRS = "logs/*/runs/*"  # logs/train/runs/<time>, and logs/debug/runs/<time>
 
 
 def all_commands() -> list[tuple[Path, str, str]]:
-    return [(readme, command, comment) for readme in READMES for command, comment in documented_lines(readme)]
+    return [(readme, command, comment) for readme in PAGES for command, comment in documented_lines(readme)]
 
 
 def commands_run_here(readme: Path) -> list[str]:
@@ -101,19 +104,20 @@ def test_every_documented_command_is_run_by_a_test_or_marked():
         where = _elsewhere(command)
         if where is not None:
             assert where[1] in (REPO / where[0]).read_text(), (command, where)
-    run_here = {command for readme in READMES for command in commands_run_here(readme)}
+    run_here = {command for readme in PAGES for command in commands_run_here(readme)}
     accounted = {c for _, c, comment in all_commands() if c in run_here or _elsewhere(c) or _set_up_only(c)
                  or any(mark in comment for mark in MARKS)}
     assert accounted == {c for _, c, _ in all_commands()}
-    assert len(run_here) >= 15  # README.md's own, and the recipes' not run by their tests
+    assert len(run_here) >= 15  # the README's and the pages' own, and the recipes' not run by their tests
 
 
-# --------------------------------------------------------------------------- README.md's commands, run here
+# --------------------------------------------------------------------------- the commands no other test runs
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(REPO)))
-def test_the_readmes_commands_run_as_written(readme, tmp_path, deepspeed_ops):
+@pytest.mark.parametrize("readme", [page for page in PAGES if commands_run_here(page)],
+                         ids=lambda p: str(p.relative_to(REPO)))
+def test_the_documented_commands_run_as_written(readme, tmp_path, deepspeed_ops):
     commands = commands_run_here(readme)
     for shared in ("recipes", "tests"):  # what commands name relative to a clone's root
         (tmp_path / shared).symlink_to(REPO / shared)
@@ -128,7 +132,7 @@ def test_the_readmes_commands_run_as_written(readme, tmp_path, deepspeed_ops):
 
 
 def _as_run_here(command: str, commands: list[str], made: dict[str, Path | None]) -> str:
-    first_run = made.get(commands[0])  # README.md's first command: ZeRO-3 offload, 2 ranks
+    first_run = made.get(commands[0])  # the page's first command, e.g. docs/checkpoints.md's ZeRO-3 run
     command = _runnable_part(command)
     if first_run is not None:
         command = command.replace("<run>", first_run.name)

@@ -1,4 +1,4 @@
-"""The strategy x precision matrix of README.md: every cell either trains with the dtypes it names or is refused
+"""The strategy x precision matrix of docs/precision.md: every cell either trains with the dtypes it names or is refused
 before launch with a message that says why and what to choose instead."""
 
 from __future__ import annotations
@@ -65,10 +65,10 @@ def test_cell_is_refused_before_launch(cell, tmp_path):
 
 
 def readme_matrix() -> dict[tuple[str, str], str]:
-    """README.md's precision table: (strategy, precision) -> the cell's text."""
+    """docs/precision.md's table: (strategy, precision) -> the cell's text."""
     from tests.conftest import REPO
 
-    section = (REPO / "README.md").read_text().split("## Precision", 1)[1].split("\n\n| strategy ", 1)[1]
+    section = (REPO / "docs" / "precision.md").read_text().split("\n\n| strategy ", 1)[1]
     table = ("| strategy " + section).split("\n\n", 1)[0].splitlines()
     (_, *precisions), _, *body = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in table]
     return {(row[0], precision): cell for row in body for precision, cell in zip(precisions, row[1:])}

@@ -10,7 +10,7 @@ import pytest
 from deepspeed.accelerator import get_accelerator
 
 from lightning_dist._compat.deepspeed import announce_op_builds, op_build_directory, op_is_built
-from tests.conftest import REPO
+from tests.conftest import REPO, documented, run_documented
 
 
 class BuildStarted(Exception):
@@ -42,9 +42,9 @@ def test_a_first_build_is_announced_in_one_line_and_a_cached_op_is_not(tmp_path,
     assert len(said) == 1
 
 
-def test_prepare_builds_or_finds_each_op_and_names_an_unknown_one(deepspeed_ops):
-    done = subprocess.run([sys.executable, "-m", "lightning_dist.prepare", "cpu_adam"], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+def test_prepare_builds_or_finds_each_op_and_names_an_unknown_one(deepspeed_ops, tmp_path):
+    documented_command = documented(REPO / "docs" / "install.md", "python -m lightning_dist.prepare")
+    done = run_documented(documented_command, tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("cpu_adam: ready in ") and str(op_build_directory("cpu_adam")) in done.stdout
     unknown = subprocess.run([sys.executable, "-m", "lightning_dist.prepare", "fused_adam"], cwd=REPO,

@@ -84,7 +84,7 @@ class DeepSpeedConfigError(ValueError):
 _MISSPELT = 0.8
 
 # Lightning's defaults: a Trainer that still has them was not told, so a file's explicit value is a choice, not a
-# contradiction (the unset-vs-explicit rule; README's DeepSpeed section).
+# contradiction (the unset-vs-explicit rule; docs/deepspeed-configs.md).
 UNSET_PRECISION = "32-true"
 UNSET_ACCUMULATION = 1
 

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from lightning_dist.deepspeed_config.resolve import auto_keys
-from tests.conftest import DS_CONFIGS, cpu_has_fp16, run_train
+from tests.conftest import DS_CONFIGS, REPO, cpu_has_fp16, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +51,13 @@ def test_every_config_in_the_folder_has_an_outcome_and_a_source():
     assert files == sorted(OUTCOMES) and len(files) >= 12
     readme = (DS_CONFIGS / "README.md").read_text()
     assert [name for name in files if not re.search(rf"^\| `{re.escape(name)}` \| [\w.-]+/[\w.-]+: `", readme, re.M)] == []
+
+
+def test_the_documentation_counts_the_outcomes_on_this_cpu():
+    trains, files = sum(outcome == TRAINS for outcome in OUTCOMES.values()), len(OUTCOMES)
+    counted = (f"on a CPU with fp16, {trains} train and {files - trains} are refused" if cpu_has_fp16()
+               else f"without it, {trains} and {files - trains};")
+    assert counted in " ".join((REPO / "docs" / "deepspeed-configs.md").read_text().split())
 
 
 @pytest.mark.parametrize("name", sorted(OUTCOMES))

@@ -1,5 +1,6 @@
-"""The README's `python train.py -m hparams_search=optuna` at tiny size: 4 Optuna trials, each a 2-rank ddp job in
-its own process, the best val_loss and parameters reported, and the study's best the best trial's metrics.json."""
+"""docs/configuration.md's `python train.py -m hparams_search=optuna` at tiny size: 4 Optuna trials, each a 2-rank
+ddp job in its own process, the best val_loss and parameters reported, and the study's best the best trial's
+metrics.json."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tests.conftest import REPO, documented, run_documented
 
 pytestmark = pytest.mark.slow
 
-SEARCH = documented(REPO / "README.md", "python train.py -m hparams_search=optuna")
+SEARCH = documented(REPO / "docs" / "configuration.md", "python train.py -m hparams_search=optuna")
 TINY = " trainer.max_steps=3 test=false"  # each trial 3 steps: the search is what is tested, not the training
 
 

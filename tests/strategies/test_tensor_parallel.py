@@ -1,8 +1,9 @@
 """Tensor parallelism beside FSDP, on 4 CPU ranks: `fsdp_tp` (2 data-parallel x 2 tensor-parallel) and `hsdp_tp`
 (2 x 1 x 2) train the default model, and a transformers Llama, each split by its own plan, with ddp's per-step
 losses; ddp runs on the 2 data-parallel ranks, so both see the same batches. (`hsdp_tp` on one node, 1 x 2 x 2, is
-`fsdp_tp`'s 2 x 2 mesh and code path: its replicate axis has one member.) These runs are README.md's commands too. Gradients are clipped (their norm spans two meshes), activation
-checkpointing is on in half the runs, and every rank holds the shards the layout says."""
+`fsdp_tp`'s 2 x 2 mesh and code path: its replicate axis has one member.) DeepSpeed's AutoTP does the same under
+ZeRO-1, 2 and 3. These runs are docs/strategies.md's commands too. Gradients are clipped (their norm spans two
+meshes), activation checkpointing is on in half the runs, and every rank holds the shards the layout says."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ AUTOTP_SHARDS = {"model.model.layers.0.self_attn.q_proj.weight": [64, 128],
                  "model.model.layers.0.self_attn.o_proj.weight": [128, 64],
                  "model.model.layers.0.mlp.down_proj.weight": [128, 172],
                  "model.model.layers.0.input_layernorm.weight": [128]}
+
 
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory):

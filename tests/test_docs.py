@@ -1,0 +1,118 @@
+"""The documentation: README.md as the entry point, docs/ built as a site in strict mode (a broken link or a missing
+page fails the build), and every relative link of the README, the pages and the recipes pointing at a file, and a
+heading, that exists."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+
+README = REPO / "README.md"
+DOCS = REPO / "docs"
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+PRESETS = sorted(p.stem for p in (REPO / "lightning_dist" / "conf" / "strategy").glob("*.yaml"))
+
+
+def markdown_files() -> list[Path]:
+    """README.md, docs/, the recipes, and every other Markdown file of the repository (BENCHMARKS.md, the configs'
+    sources): what a reader can follow a link into."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.md"], cwd=REPO,
+                            capture_output=True, text=True, check=True)
+    return [REPO / name for name in listed.stdout.split()]
+
+
+def outside_code(text: str) -> str:
+    """The text without its fenced code blocks and code spans, whose brackets are code, not links."""
+    text = re.sub(r"(?ms)^[ \t]*```.*?^[ \t]*```", "", text)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors GitHub (and MkDocs' toc) give the page's headings: lower case, punctuation dropped, spaces to '-'."""
+    headings = re.findall(r"(?m)^#{1,6} +(.+?) *$", outside_code(page.read_text()))
+    return {re.sub(r"[^\w\- ]", "", heading.replace("`", "").lower()).replace(" ", "-") for heading in headings}
+
+
+def broken_links(page: Path) -> list[str]:
+    """`page: target: what is wrong` for each relative link that points at no file, or at no heading of one."""
+    broken = []
+    for target in LINK.findall(outside_code(page.read_text())):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        path_part, _, anchor = target.partition("#")
+        linked = (page.parent / path_part).resolve() if path_part else page
+        where = f"{page.relative_to(REPO) if REPO in page.parents else page}: {target}"
+        if not linked.exists():
+            broken.append(f"{where}: no such file")
+        elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked):
+            broken.append(f"{where}: {linked.name} has no heading #{anchor}")
+    return broken
+
+
+def mkdocs_build(config_dir: Path, site: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+                          cwd=config_dir, capture_output=True, text=True, timeout=120)
+
+
+def test_the_readme_is_an_entry_point_that_links_every_page():
+    text = README.read_text()
+    assert len(text) < 12_000
+    sections = re.findall(r"(?m)^## (.+)$", text)
+    assert sections == ["The two commands", "Choose a strategy", "Three ways to use it", "Where the outputs go",
+                        "Documentation", "When not to use this"]
+    linked = {Path(target.partition("#")[0]).name for target in LINK.findall(text) if target.startswith("docs/")}
+    assert linked == {page.name for page in DOCS.glob("*.md")} - {"index.md"}
+
+
+def test_every_preset_is_in_the_readmes_table_and_on_the_strategies_page():
+    choose = README.read_text().split("## Choose a strategy", 1)[1].split("\n## ", 1)[0]
+    assert [name for name in PRESETS if f"`{name}`" not in choose] == []
+    table = (DOCS / "strategies.md").read_text().split("\n\n| Hydra option", 1)[1].split("\n\n", 1)[0]
+    documented = re.findall(r"(?m)^\| `(\w+)` \| `ld_(\w+)` \|", table)
+    assert [name for name, lightning_name in documented if name != lightning_name] == []
+    assert sorted(name for name, _ in documented) == [name for name in PRESETS if name not in ("auto_fit", "deepspeed")]
+
+
+def test_no_relative_link_in_the_readme_the_pages_or_the_recipes_is_broken():
+    pages = markdown_files()
+    assert {README, DOCS / "strategies.md", REPO / "recipes" / "multi_node" / "README.md"} <= set(pages)
+    assert [problem for page in pages for problem in broken_links(page)] == []
+
+
+def test_the_link_checker_names_a_missing_file_and_a_missing_heading(tmp_path):
+    (tmp_path / "other.md").write_text("# Other\n\n## Clusters: what to share, what to set\n")
+    page = tmp_path / "page.md"
+    page.write_text("[a](other.md#clusters-what-to-share-what-to-set) [b](other.md#nothing) [c](gone.md) "
+                    "`[not a link](code.md)` [d](https://example.org/x)\n```\n[in code](code.md)\n```\n")
+    assert broken_links(page) == [f"{page}: other.md#nothing: other.md has no heading #nothing",
+                                  f"{page}: gone.md: no such file"]
+
+
+def test_the_site_builds_in_strict_mode_with_every_page(tmp_path):
+    built = mkdocs_build(REPO, tmp_path / "site")
+    assert built.returncode == 0, built.stderr
+    assert "WARNING" not in built.stderr
+    pages = sorted(p.stem for p in DOCS.glob("*.md"))
+    assert [name for name in pages if not (tmp_path / "site" / ("" if name == "index" else name) / "index.html").exists()] == []
+    # A link into the repository outside docs/ becomes its path in the site (on GitHub it stays a link).
+    assert "README (<code>README.md</code>)" in (tmp_path / "site" / "index.html").read_text()
+
+
+def test_a_broken_link_fails_the_strict_build_naming_it(tmp_path):
+    """The site's own pages (MkDocs' check) and files of the repository outside docs/ (our hook's)."""
+    (tmp_path / "mkdocs.yml").write_text((REPO / "mkdocs.yml").read_text())
+    shutil.copytree(DOCS, tmp_path / "docs")
+    for name in ("README.md", "BENCHMARKS.md", "recipes", "tests"):
+        (tmp_path / name).symlink_to(REPO / name)
+    with (tmp_path / "docs" / "install.md").open("a") as page:
+        page.write("\n[gone](nowhere.md) and [gone too](../recipes/nowhere/README.md)\n")
+    built = mkdocs_build(tmp_path, tmp_path / "site")
+    assert built.returncode == 1
+    assert "'install.md' contains a link 'nowhere.md', but the target is not found" in built.stderr
+    assert "'install.md' links to '../recipes/nowhere/README.md': recipes/nowhere/README.md is not in the repository" in built.stderr
+    assert "Aborted with 2 warnings in strict mode!" in built.stdout + built.stderr
