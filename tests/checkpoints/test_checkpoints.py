@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,20 +15,33 @@ from tests import warm_python
 from tests.conftest import REPO, STRATEGY_NAMES, run_train
 
 
+@pytest.fixture(scope="module")
+def plain_loads(curve_runs, tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """Every preset's last checkpoint consolidated, then all of them loaded by one plain process: a fresh
+    interpreter, which has not imported DeepSpeed (the warm one the suite forks has). The folder of consolidated
+    files, and what the process said of each (name -> "OK" or the assertion that failed)."""
+    folder, files = tmp_path_factory.mktemp("consolidated"), []
+    for name in STRATEGY_NAMES:
+        run = curve_runs(name)
+        assert run.returncode == 0
+        plain = consolidate_checkpoint(run.run_dir / "checkpoints" / "last.ckpt", folder / f"{name}.ckpt")
+        files += [str(plain), str(run.run_dir / "gathered_state.pt")]
+    process = subprocess.run([warm_python.REAL_PYTHON, "-m", "tests.checkpoints_plain_load", *files], cwd=REPO,
+                             capture_output=True, text=True, timeout=600)
+    said = dict(line.split(": ", 1) for line in process.stdout.splitlines() if ": " in line)
+    assert len(said) == len(STRATEGY_NAMES), process.stdout + process.stderr[-3000:]
+    return folder, {Path(path).stem: outcome for path, outcome in said.items()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", STRATEGY_NAMES)
-def test_consolidated_checkpoint_loads_strictly_in_a_plain_process(name, curve_runs, tmp_path):
-    run = curve_runs(name)
-    assert run.returncode == 0
-    plain = consolidate_checkpoint(run.run_dir / "checkpoints" / "last.ckpt", tmp_path / "plain.ckpt")
+def test_consolidated_checkpoint_loads_strictly_in_a_plain_process(name, curve_runs, plain_loads):
+    folder, said = plain_loads
+    plain = folder / f"{name}.ckpt"
     assert checkpoint_format(plain) == "file"
     assert torch.load(plain, map_location="cpu", weights_only=True)["global_step"] == 30
-    # A plain process: a fresh interpreter, which has not imported DeepSpeed (the warm one the suite forks has).
-    process = subprocess.run(
-        [warm_python.REAL_PYTHON, "-m", "tests.checkpoints_plain_load", str(plain), str(run.run_dir / "gathered_state.pt")],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
-    assert process.returncode == 0 and process.stdout.strip().endswith("OK"), process.stderr[-3000:]
+    assert said[name] == "OK"
+    run = curve_runs(name)
     # The one call for a module from the checkpoint as saved, a directory or a file: the trained weights.
     import lightning_dist
     from tests.models.checkpoint_probe import CheckpointProbeGPT

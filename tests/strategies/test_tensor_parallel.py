@@ -3,7 +3,7 @@
 losses; ddp runs on the 2 data-parallel ranks, so both see the same batches. (`hsdp_tp` on one node, 1 x 2 x 2, is
 `fsdp_tp`'s 2 x 2 mesh and code path: its replicate axis has one member.) DeepSpeed's AutoTP does the same under
 ZeRO-1, 2 and 3. These runs are docs/strategies.md's commands too. Gradients are clipped (their norm spans two
-meshes), activation checkpointing is on in half the runs, and every rank holds the shards the layout says."""
+meshes), activation checkpointing is on in two of them, and every rank holds the shards the layout says."""
 
 from __future__ import annotations
 
@@ -22,12 +22,11 @@ COMMON = (f"trainer.max_steps={STEPS}", "test=false", "trainer.log_every_n_steps
 LLAMA = (f"hydra.searchpath=[file://{REPO / 'recipes' / 'hf_causal_lm' / 'conf'}]", "model=hf_llama")
 LAYOUTS = {
     "fsdp_tp 2x2": ("strategy=fsdp_tp",),
-    "fsdp_tp 2x2, activation checkpointing": ("strategy=fsdp_tp", "strategy.activation_checkpointing=true"),
     "hsdp_tp 2x1x2, activation checkpointing": ("strategy=hsdp_tp", "strategy.data_parallel_replicate_size=2",
                                                 "strategy.activation_checkpointing=true"),
     # A transformers Llama built from its config, split by its own base_model_tp_plan (grouped-query attention:
-    # 4 query heads and 2 key/value heads, one of each kind per rank).
-    "hf_llama fsdp_tp 2x2": (*LLAMA, "strategy=fsdp_tp"),
+    # 4 query heads and 2 key/value heads, one of each kind per rank), its decoder layers checkpointed.
+    "hf_llama fsdp_tp 2x2, activation checkpointing": (*LLAMA, "strategy=fsdp_tp", "strategy.activation_checkpointing=true"),
     # DeepSpeed AutoTP splits the same Llama's linear layers by its own rules, under ZeRO-1, 2 and 3 (DeepSpeed
     # 0.19.8 trains AutoTP under ZeRO-3 too).
     "hf_llama deepspeed_stage_1 autotp 2x2": (*LLAMA, "strategy=deepspeed_stage_1", "strategy.tensor_parallel_size=2"),
@@ -101,7 +100,7 @@ def test_the_tensor_parallel_llamas_checkpoint_exports_as_a_save_pretrained_fold
     from recipes.hf_causal_lm.export import main as export
     from recipes.hf_causal_lm.language_model import LanguageModel
 
-    checkpoint = tp_runs("hf_llama fsdp_tp 2x2").run_dir / "checkpoints" / "last.ckpt"
+    checkpoint = tp_runs("hf_llama fsdp_tp 2x2, activation checkpointing").run_dir / "checkpoints" / "last.ckpt"
     assert (checkpoint / ".metadata").is_file()  # each rank's 2-D shards, as DCP wrote them
     assert export([str(checkpoint), str(tmp_path / "llama")]) == 0
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama").eval()
