@@ -4,9 +4,10 @@
     python benchmarks/compare_raw.py --models gpt_tiny --repeats 3 ddp fsdp
 
 Runs alternate (ours, raw, then raw, ours, ...), so a machine that slows down over time favours neither side. Both
-sides train the same model on the same data with the same AdamW, 2 CPU ranks: the default model (tiny GPT, 0.84M
-parameters, batch 16 x 128 per rank) and gpt_medium (57M parameters, batch 2 x 128 per rank, where the framework's
-share of an iteration is smaller). DeepSpeed's raw loop uses the very config our strategy resolved. Our side is
+sides train the same model on the same data with the same AdamW, 2 CPU ranks (fsdp_tp: 4, 2 data-parallel x 2
+tensor-parallel): the default model (tiny GPT, 0.84M parameters, batch 16 x 128 per data-parallel rank) and
+gpt_medium (57M parameters, batch 2 x 128 per data-parallel rank, where the framework's share of an iteration is
+smaller). DeepSpeed's raw loop uses the very config our strategy resolved. Our side is
 `train.py` as users run it: progress bar, CSV logging, the run summary and the training monitor (with its per-step
 NaN check) all on.
 """
@@ -28,7 +29,15 @@ REPO = Path(__file__).resolve().parents[1]
 WARMUP = 3  # iterations left out of the median: allocation, JIT, first collectives
 STRATEGIES = ("ddp", "fsdp", "fsdp_activation_checkpointing", "fsdp_cpu_offload", "deepspeed_stage_1",
               "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3", "deepspeed_stage_3_offload")
-RAW_FLAGS = {"fsdp_activation_checkpointing": ["--activation-checkpointing"], "fsdp_cpu_offload": ["--cpu-offload"]}
+RAW_FLAGS = {"fsdp_activation_checkpointing": ["--activation-checkpointing"], "fsdp_cpu_offload": ["--cpu-offload"],
+             "fsdp_tp": ["--tensor-parallel", "2"]}
+# Ranks a row runs on (2 unless named): fsdp_tp's 2 data-parallel x 2 tensor-parallel ranks see the batches of the
+# other rows' 2 ranks, so samples per iteration are the same.
+DEVICES = {"fsdp_tp": 4}
+
+
+def devices(strategy: str) -> int:
+    return DEVICES.get(strategy, 2)
 
 
 @dataclass(frozen=True)
@@ -44,7 +53,8 @@ MODELS = {
     "gpt_tiny": Model((), (), batch_size=16, steps=40),
     # Seconds a step on 2 CPU cores: the engines the targets name, in 10 steps a run.
     "gpt_medium": Model(("model=gpt_medium", "data.batch_size=2"), ("n_layer=8", "d_model=768", "n_head=12", "lr=3e-4"),
-                        batch_size=2, steps=10, strategies=("ddp", "fsdp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")),
+                        batch_size=2, steps=10,
+                        strategies=("ddp", "fsdp", "fsdp_tp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")),
 }
 
 
@@ -58,19 +68,20 @@ def run_ours(strategy: str, model: Model, out: Path) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     command = [
         sys.executable, str(REPO / "train.py"), f"strategy={strategy}", *model.overrides, f"trainer.max_steps={model.steps}",
+        f"trainer.devices={devices(strategy)}",
         "test=false", "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0", f"hydra.run.dir={run_dir}",
         "+callbacks.iteration_timer._target_=benchmarks.timing.IterationTimer",
         f"+callbacks.iteration_timer.path={run_dir}/iterations.json",
     ]
     _run(command)
-    iterations = [json.loads((run_dir / f"iterations_rank{r}.json").read_text()) for r in (0, 1)]
+    iterations = [json.loads((run_dir / f"iterations_rank{r}.json").read_text()) for r in range(devices(strategy))]
     peaks = [rank["bytes"] for rank in json.loads((run_dir / "metrics.json").read_text())["peak_memory_per_rank"]]
     return {"iterations": iterations, "peaks": peaks}
 
 
 def run_raw(strategy: str, model: Model, out: Path) -> dict:
     result = out / f"raw_{strategy}.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(devices(strategy)),
                str(REPO / "benchmarks" / "raw_loop.py"), "--strategy", engine(strategy), "--steps", str(model.steps),
                "--batch-size", str(model.batch_size), "--out", str(result), *RAW_FLAGS.get(strategy, [])]
     if model.hyper_parameters:
@@ -107,7 +118,7 @@ def machine() -> str:
 
 
 def table(name: str, model: Model, results: dict[str, dict[str, list[dict]]]) -> tuple[str, dict]:
-    samples = 2 * model.batch_size  # per iteration, over both ranks
+    samples = 2 * model.batch_size  # per iteration, over the 2 data-parallel ranks of every row
     lines = [f"{name}, batch {model.batch_size} x 128 per rank:", "",
              "| strategy | ours median iteration (ms) | raw (ms) | ours/raw | ours samples/s | raw samples/s | "
              "ours peak RSS per rank (MB) | raw (MB) | ours/raw |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

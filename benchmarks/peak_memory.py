@@ -23,7 +23,7 @@ TOLERANCE = 0.15
 
 
 def overrides(d_model: int, n_layer: int) -> list[str]:
-    return [f"model.d_model={d_model}", f"model.n_layer={n_layer}", f"model.n_head={max(1, d_model // 128)}",
+    return [f"model.d_model={d_model}", f"model.n_layer={n_layer}", f"model.n_head={max(2, d_model // 128)}",
             "model.block_size=64", "data.block_size=64", "data.batch_size=1", "trainer.accelerator=cpu",
             "trainer.devices=2", "test=false", "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0",
             "callbacks.model_checkpoint=null", "callbacks.validate_at_max_steps=null"]

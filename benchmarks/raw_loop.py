@@ -4,7 +4,8 @@
 
 One loop per engine: torch DDP, torch FSDP2 (`fully_shard` per block, then the root, as our strategy does; with
 `--activation-checkpointing` each block in torch's checkpoint wrapper first, with `--cpu-offload` torch's
-`CPUOffloadPolicy`), and `deepspeed.initialize` with the very config our DeepSpeed strategy resolved
+`CPUOffloadPolicy`; with `--tensor-parallel N` each block first split over N ranks by torch's own
+`parallelize_module`, colwise and rowwise as in torchtitan, on a data x tensor mesh), and `deepspeed.initialize` with the very config our DeepSpeed strategy resolved
 (`--deepspeed-config`; with its optimizer offloaded, DeepSpeed's CPU Adam with the same hyper-parameters, as ours
 swaps in). `--model key=value ...` are the model's hyper-parameters and `--batch-size` the per-rank batch, as
 train.py's `model.*` and `data.batch_size`. Each iteration is timed from the start of one to the start of the next,
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--deepspeed-config", type=Path)
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--cpu-offload", action="store_true")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="ranks each block is split over (fsdp only)")
     parser.add_argument("--model", nargs="*", default=[], help="hyper-parameters, key=value (numbers)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--profile", type=Path, help="torch.profiler's operator table of rank 0's PROFILED_STEPS")
@@ -44,13 +46,15 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    # Ranks of one tensor-parallel group see the same batch: the sampler counts data-parallel ranks.
+    data_ranks, data_rank = world // args.tensor_parallel, rank // args.tensor_parallel
     torch.manual_seed(42)
     hyper_parameters = {key: float(value) if "." in value or "e" in value else int(value)
                         for key, value in (item.split("=", 1) for item in args.model)}
     module = GPTLanguageModel(**hyper_parameters)  # its configure_optimizers is plain torch: the same AdamW and groups
     data = PydocTextDataModule(batch_size=args.batch_size)
     data.setup("fit")
-    sampler = DistributedSampler(data.train_set, num_replicas=world, rank=rank, shuffle=True, seed=42)
+    sampler = DistributedSampler(data.train_set, num_replicas=data_ranks, rank=data_rank, shuffle=True, seed=42)
     loader = DataLoader(data.train_set, batch_size=args.batch_size, sampler=sampler)
     step = _engine(args, module)
 
@@ -105,10 +109,14 @@ def _engine(args, module: GPTLanguageModel):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        tp = args.tensor_parallel
+        meshes = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        mesh = meshes["data_parallel"]
         offload = CPUOffloadPolicy(pin_memory=False) if args.cpu_offload else OffloadPolicy()
         blocks = module.model.blocks
         for index, block in enumerate(blocks):
+            if tp > 1:
+                _split(block, meshes["tensor_parallel"])
             if args.activation_checkpointing:
                 block = blocks[index] = checkpoint_wrapper(block)
             fully_shard(block, mesh=mesh, offload_policy=offload)
@@ -120,6 +128,15 @@ def _engine(args, module: GPTLanguageModel):
         loss_of(model, inputs, targets).backward()
         optimizer.step()
     return step
+
+
+def _split(block: torch.nn.Module, mesh) -> None:
+    """Megatron-LM's split of one block, written out: q, k, v and the MLP's first layer by output features (whole
+    heads per rank), the attention output and the MLP's second layer by input features; one all-reduce each."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parallelize_module(block, mesh, {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+                                     "attn.proj": RowwiseParallel(), "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
 
 
 if __name__ == "__main__":
