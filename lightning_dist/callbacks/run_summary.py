@@ -15,6 +15,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from lightning_dist.flops import Utilisation
 from lightning_dist.memory.measure import model_state_bytes
 from lightning_dist.parallel.devices import gather_numbers, gather_objects
 from lightning_dist.parallel.dims import parallel_dims_of
@@ -25,7 +26,8 @@ class RunSummary(L.Callback):
     """Records the strategy, world size, nodes (and each rank's node and host), steps, batches trained on each rank,
     where each rank's parameters and optimizer state were after the first step (evidence of sharding and offload),
     the model state each rank held at the third step (`memory/measure.py`: what the memory planner is checked
-    against), speed (median step time, samples and tokens per second over all ranks), peak memory per rank, the
+    against), speed (median step time, samples and tokens per second over all ranks, and model FLOPs utilisation
+    when the training monitor knows the model's FLOPs and the device's peak), peak memory per rank, the
     final metrics, and the curves of `curves` (per logging step and per validation, step labels as the loggers write
     them), whichever loggers are on: the sweep report and the equivalence check read them from here."""
 
@@ -98,7 +100,7 @@ class RunSummary(L.Callback):
             best_checkpoint=_checkpoint_path(trainer, "best_model_path"),
             last_checkpoint=_checkpoint_path(trainer, "last_model_path"),
             data_parallel_size=parallel_dims_of(trainer.strategy).dp_size,
-            **self._speed(parallel_dims_of(trainer.strategy).dp_size),
+            **self._speed(parallel_dims_of(trainer.strategy).dp_size, trainer),
             peak_memory_per_rank=gather_objects(peak_memory(trainer.strategy.root_device)),
             curves=self._curves_on_host(),
         )
@@ -115,13 +117,21 @@ class RunSummary(L.Callback):
     def _curves_on_host(self) -> dict[str, dict[int, float]]:
         return {name: {step: float(value) for step, value in points.items()} for name, points in self.curves.items()}
 
-    def _speed(self, data_parallel_size: int) -> dict:
+    def _speed(self, data_parallel_size: int, trainer: L.Trainer) -> dict:
         # The first step compiles, allocates and warms caches; it is not what a long run spends per step.
         times = self.step_times[1:] or self.step_times
         if not times:
             return {}
         step = statistics.median(times)
-        return {"median_step_time_s": step, **throughput(self.batch_shape or (1,), data_parallel_size, step)}
+        speed = {"median_step_time_s": step, **throughput(self.batch_shape or (1,), data_parallel_size, step)}
+        # The training monitor's terms (it counts the model before the strategy splits it, and knows the peak).
+        monitors = (getattr(callback, "utilisation", None) for callback in trainer.callbacks)
+        utilisation = next((u for u in monitors if isinstance(u, Utilisation)), None)
+        if utilisation is not None and "tokens_per_s" in speed:
+            speed.update(mfu=utilisation.mfu(speed["tokens_per_s"], trainer.world_size),
+                         model_flops_per_token=utilisation.flops_per_token,
+                         peak_flops_per_device=utilisation.peak_flops_per_device, peak_flops_source=utilisation.peak_source)
+        return speed
 
     @override
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -1,5 +1,6 @@
-"""Live training health: step time, throughput, peak memory and gradient norm, logged as the run goes; a run
-whose loss or gradients stop being finite is stopped, on every rank, with a message saying where it happened.
+"""Live training health: step time, throughput, model FLOPs utilisation, peak memory and gradient norm, logged as
+the run goes; a run whose loss or gradients stop being finite is stopped, on every rank, with a message saying where
+it happened.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing_extensions import override
 from lightning_dist._compat.lightning import logs_this_step
 from lightning_dist.callbacks.finite_watch import FiniteWatch, NonFiniteError
 from lightning_dist.callbacks.run_summary import input_shape, peak_memory, throughput
+from lightning_dist.flops import ModelFlops, Utilisation, device_peak_flops
 from lightning_dist.parallel.dims import parallel_dims_of
 from lightning_dist.parallel.grad_norm import total_norm
 
@@ -22,8 +24,8 @@ __all__ = ["NonFiniteError", "TrainingMonitor"]
 
 
 class TrainingMonitor(L.Callback):
-    """Logs `monitor/step_time_s`, `monitor/samples_per_s`, `monitor/tokens_per_s`, `monitor/peak_memory_gb` and
-    `monitor/grad_norm` at the steps the loggers write (every `log_every_n_steps`).
+    """Logs `monitor/step_time_s`, `monitor/samples_per_s`, `monitor/tokens_per_s`, `monitor/mfu`,
+    `monitor/peak_memory_gb` and `monitor/grad_norm` at the steps the loggers write (every `log_every_n_steps`).
 
     check_finite: stop at the first non-finite loss or gradient norm. Values are checked on the device as they
         come (no host synchronisation); the ranks compare notes every `check_every_n_steps` steps and before every
@@ -32,9 +34,12 @@ class TrainingMonitor(L.Callback):
     check_every_n_steps: how often the ranks compare notes; default: the trainer's `log_every_n_steps` (logging
         synchronises with the device there anyway). 1 checks every step, before backward.
     locate_module: also name the first module whose output was not finite (one on-device check per module output).
+    peak_tflops: one device's peak, for MFU (`lightning_dist/flops.py`); default: NVIDIA's dense figure for the GPUs
+        it lists, a matrix-product rate measured at the start on a CPU. A GPU it does not list logs no MFU.
     """
 
-    def __init__(self, check_finite: bool = True, locate_module: bool = False, check_every_n_steps: int | None = None) -> None:
+    def __init__(self, check_finite: bool = True, locate_module: bool = False, check_every_n_steps: int | None = None,
+                 peak_tflops: float | None = None) -> None:
         if check_every_n_steps is not None and check_every_n_steps < 1:
             raise ValueError(
                 f"callbacks.training_monitor.check_every_n_steps: {check_every_n_steps} is not a positive number of"
@@ -43,6 +48,10 @@ class TrainingMonitor(L.Callback):
         self.check_finite = check_finite
         self.locate_module = locate_module
         self.check_every_n_steps = check_every_n_steps
+        self.peak_tflops = peak_tflops
+        self.utilisation: Utilisation | None = None  # known from the first batch of token ids on
+        self._model_flops: ModelFlops | None = None
+        self._peak: tuple[float, str] | None = None
         self._step_start = 0.0
         self._step_at_batch_start = 0
         self._batch_shape: tuple[int, ...] = ()
@@ -50,7 +59,16 @@ class TrainingMonitor(L.Callback):
         self._hooks: list[Any] = []
 
     @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Counted before the strategy splits the model (tensor parallelism leaves each rank its part of a layer).
+        if stage == "fit" and any(True for _ in pl_module.parameters()):
+            self._model_flops = ModelFlops.of(pl_module)
+
+    @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._model_flops is None:  # built in configure_model: counted from its shards' full sizes
+            self._model_flops = ModelFlops.of(pl_module)
+        self._peak = device_peak_flops(trainer.strategy.root_device, str(trainer.precision), self.peak_tflops)
         if not self.check_finite:
             return
         every = self.check_every_n_steps or trainer.log_every_n_steps or 1
@@ -110,6 +128,8 @@ class TrainingMonitor(L.Callback):
         if self._batch_shape:
             speed = throughput(self._batch_shape, parallel_dims_of(trainer.strategy).dp_size, step_time)
             metrics.update({f"monitor/{name}": value for name, value in speed.items()})
+            if self._utilisation_of(self._batch_shape) is not None:
+                metrics["monitor/mfu"] = self.utilisation.mfu(speed["tokens_per_s"], trainer.world_size)
         # Measured on the host, logged from the host: Lightning would copy a plain float to the device (a blocking
         # copy each, every step) and read it back when writing the logs.
         host_values = {name: torch.tensor(value, dtype=torch.float64, device="cpu") for name, value in metrics.items()}
@@ -125,6 +145,12 @@ class TrainingMonitor(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._watch is not None:
             self._watch.raise_if_nonfinite(trainer.global_step)
+
+    def _utilisation_of(self, batch_shape: tuple[int, ...]) -> Utilisation | None:
+        """MFU's terms, once the batches are known to be (batch, sequence) token ids and the device's peak is."""
+        if self.utilisation is None and len(batch_shape) == 2 and self._peak is not None and self._model_flops:
+            self.utilisation = Utilisation(self._model_flops.per_token(batch_shape[1]), *self._peak)
+        return self.utilisation
 
     def _record_gradient_norm(self, trainer: L.Trainer, pl_module: L.LightningModule, norm: torch.Tensor, step: int) -> None:
         if _logs_this_step(trainer):  # as a tensor: Lightning reads it on the host only when it writes the logs

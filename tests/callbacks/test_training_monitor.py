@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.conftest import run_train
@@ -65,3 +67,12 @@ def test_the_monitor_logs_speed_memory_and_gradient_norm_every_step(trained_runs
         assert float(row["monitor/tokens_per_s"]) * step_time == pytest.approx(tokens, rel=1e-4)
         assert 0.1 < float(row["monitor/peak_memory_gb"]) < 8
         assert 0 < float(row["monitor/grad_norm"]) < 100
+        assert 0 < float(row["monitor/mfu"]) < 1
+    # MFU: the default model's FLOPs per token (6N + 12 L d T; tests/test_flops.py checks it against torch's count)
+    # at the run's token rate, over both ranks' peaks, measured on this CPU when the run started.
+    summary = json.loads((run.run_dir / "metrics.json").read_text())
+    assert summary["model_flops_per_token"] == 6 * (4 * 12 * 128**2 + 256 * 128) + 12 * 4 * 128 * 128
+    assert summary["peak_flops_source"] == "measured: float32 matrix products on this rank's threads"
+    assert summary["mfu"] == pytest.approx(
+        summary["model_flops_per_token"] * summary["tokens_per_s"] / (2 * summary["peak_flops_per_device"]))
+    assert 0 < summary["mfu"] < 1
