@@ -96,7 +96,7 @@ def gpu_peak_flops(device_name: str, precision: str) -> float | None:
     return None
 
 
-def measured_peak_flops(dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.25) -> float:
+def measured_peak_flops(dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.1) -> float:
     """The best rate of `size` x `size` matrix products in `dtype` on this process's threads, over `seconds`: what
     a CPU reaches on the work that dominates a transformer's step."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)

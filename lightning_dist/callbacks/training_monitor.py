@@ -93,6 +93,7 @@ class TrainingMonitor(L.Callback):
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_shape = input_shape(batch)
+        self._utilisation_of(self._batch_shape)
         self._step_at_batch_start = trainer.global_step
         self._step_start = time.perf_counter()
 
@@ -128,7 +129,7 @@ class TrainingMonitor(L.Callback):
         if self._batch_shape:
             speed = throughput(self._batch_shape, parallel_dims_of(trainer.strategy).dp_size, step_time)
             metrics.update({f"monitor/{name}": value for name, value in speed.items()})
-            if self._utilisation_of(self._batch_shape) is not None:
+            if self.utilisation is not None:
                 metrics["monitor/mfu"] = self.utilisation.mfu(speed["tokens_per_s"], trainer.world_size)
         # Measured on the host, logged from the host: Lightning would copy a plain float to the device (a blocking
         # copy each, every step) and read it back when writing the logs.
