@@ -15,11 +15,12 @@ from tests import warm_python
 from tests.conftest import REPO, STRATEGY_NAMES, run_train
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def plain_loads(curve_runs, tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """Every preset's last checkpoint consolidated, then all of them loaded by one plain process: a fresh
     interpreter, which has not imported DeepSpeed (the warm one the suite forks has). The folder of consolidated
-    files, and what the process said of each (name -> "OK" or the assertion that failed)."""
+    files, and what the process said of each (name -> "OK" or the assertion that failed). Made once: pytest may
+    order this module's tests around others of its worker, which would make a module fixture twice."""
     folder, files = tmp_path_factory.mktemp("consolidated"), []
     for name in STRATEGY_NAMES:
         run = curve_runs(name)
