@@ -18,6 +18,7 @@ import argparse
 import json
 import resource
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from benchmarks.timing import PROFILED_STEPS, profiler_table
 from lightning_dist.data.pydoc_text import PydocTextDataModule
 from lightning_dist.models.gpt import GPTLanguageModel
+from lightning_dist.optim.configured import DEFAULT_OPTIMIZER
 
 
 def main() -> None:
@@ -51,7 +53,9 @@ def main() -> None:
     torch.manual_seed(42)
     hyper_parameters = {key: float(value) if "." in value or "e" in value else int(value)
                         for key, value in (item.split("=", 1) for item in args.model)}
-    module = GPTLanguageModel(**hyper_parameters)  # its configure_optimizers is plain torch: the same AdamW and groups
+    # `lr` is the optimizer's (train.py's model.optimizer.lr): the same fused AdamW our optimizer config builds.
+    optimizer = partial(DEFAULT_OPTIMIZER, lr=hyper_parameters.pop("lr", DEFAULT_OPTIMIZER.keywords["lr"]))
+    module = GPTLanguageModel(**hyper_parameters, optimizer=optimizer)  # configure_optimizers: plain torch, same groups
     data = PydocTextDataModule(batch_size=args.batch_size)
     data.setup("fit")
     sampler = DistributedSampler(data.train_set, num_replicas=data_ranks, rank=data_rank, shuffle=True, seed=42)
