@@ -96,10 +96,13 @@ def gpu_peak_flops(device_name: str, precision: str) -> float | None:
     return None
 
 
-def measured_peak_flops(dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.1) -> float:
+def measured_peak_flops(dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.1,
+                        device: torch.device = torch.device("cpu")) -> float:
     """The best rate of `size` x `size` matrix products in `dtype` on this process's threads, over `seconds`: what
-    a CPU reaches on the work that dominates a transformer's step."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a CPU reaches on the work that dominates a transformer's step. Its own generator: the run's random stream is
+    left as it was."""
+    generator = torch.Generator(device).manual_seed(0)
+    a, b = (torch.randn(size, size, dtype=dtype, device=device, generator=generator) for _ in range(2))
     torch.mm(a, b)  # the first call picks and warms the kernel
     best, deadline = float("inf"), time.perf_counter() + seconds
     while time.perf_counter() < deadline or best == float("inf"):
@@ -119,4 +122,4 @@ def device_peak_flops(device: torch.device, precision: str, peak_tflops: float |
         peak = gpu_peak_flops(name, precision)
         return (peak, f"{name}, NVIDIA's dense figure for {precision}") if peak is not None else None
     dtype = torch.bfloat16 if "bf16" in precision else torch.float32
-    return measured_peak_flops(dtype), f"measured: {str(dtype).removeprefix('torch.')} matrix products on this rank's threads"
+    return measured_peak_flops(dtype, device=device), f"measured: {str(dtype).removeprefix('torch.')} matrix products on this rank's threads"
