@@ -5,11 +5,11 @@
 One loop per engine: torch DDP, torch FSDP2 (`fully_shard` per block, then the root, as our strategy does; with
 `--activation-checkpointing` each block in torch's checkpoint wrapper first, with `--cpu-offload` torch's
 `CPUOffloadPolicy`; with `--tensor-parallel N` each block first split over N ranks by torch's own
-`parallelize_module`, colwise and rowwise as in torchtitan, on a data x tensor mesh), and `deepspeed.initialize` with the very config our DeepSpeed strategy resolved
-(`--deepspeed-config`; with its optimizer offloaded, DeepSpeed's CPU Adam with the same hyper-parameters, as ours
-swaps in). `--model key=value ...` are the model's hyper-parameters and `--batch-size` the per-rank batch, as
-train.py's `model.*` and `data.batch_size`. Each iteration is timed from the start of one to the start of the next,
-data loading included, as the Lightning side is.
+`parallelize_module`, colwise and rowwise as in torchtitan, on a data x tensor mesh), and `deepspeed.initialize`
+with the very config our DeepSpeed strategy resolved (`--deepspeed-config`; with its optimizer offloaded,
+DeepSpeed's CPU Adam with the same hyper-parameters, as ours swaps in). `--model key=value ...` are the model's
+hyper-parameters and `--batch-size` the per-rank batch, as train.py's `model.*` and `data.batch_size`. Each
+iteration is timed from the start of one to the start of the next, data loading included, as the Lightning side is.
 """
 
 from __future__ import annotations

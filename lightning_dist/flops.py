@@ -112,7 +112,8 @@ def measured_peak_flops(dtype: torch.dtype = torch.float32, size: int = 1024, se
     return 2 * size**3 / best
 
 
-def device_peak_flops(device: torch.device, precision: str, peak_tflops: float | None = None) -> tuple[float, str] | None:
+def device_peak_flops(device: torch.device, precision: str,
+                      peak_tflops: float | None = None) -> tuple[float, str] | None:
     """(peak FLOP/s of one device, where it came from): the user's figure, the GPU table, or on a CPU a measured
     matrix-product rate in the precision's compute dtype. None for a GPU the table does not list."""
     if peak_tflops is not None:
@@ -122,4 +123,5 @@ def device_peak_flops(device: torch.device, precision: str, peak_tflops: float |
         peak = gpu_peak_flops(name, precision)
         return (peak, f"{name}, NVIDIA's dense figure for {precision}") if peak is not None else None
     dtype = torch.bfloat16 if "bf16" in precision else torch.float32
-    return measured_peak_flops(dtype, device=device), f"measured: {str(dtype).removeprefix('torch.')} matrix products on this rank's threads"
+    measured = f"measured: {str(dtype).removeprefix('torch.')} matrix products on this rank's threads"
+    return measured_peak_flops(dtype, device=device), measured
