@@ -75,6 +75,7 @@ SHARED_RUN_GROUPS = {"trained_runs": "trained-runs", "strategy_run": "trained-ru
 MEMORY_HEAVY = {"tests.parallel.test_sharded_init": "memory-heavy", "tests.memory.test_beyond_memory": "memory-heavy"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """GPU tests leave the run where no CUDA device is visible: deselected, so they never count as passed. The rest
     are grouped for pytest-xdist (`--dist loadgroup`): a module stays in one worker (its module fixtures are made
