@@ -10,6 +10,10 @@ gpt_medium (57M parameters, batch 2 x 128 per data-parallel rank, where the fram
 smaller). DeepSpeed's raw loop uses the very config our strategy resolved. Our side is
 `train.py` as users run it: progress bar, CSV logging, the run summary and the training monitor (with its per-step
 NaN check) all on.
+
+A row named `<strategy>+compile` is ours with `compile=true` (each block compiled) against the same raw eager loop.
+Its compile time, summed over the graphs rank 0 compiles, is reported cold (the first run, with an empty inductor
+cache of the benchmark's own) and warm (later runs, which read that cache).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -34,10 +39,17 @@ RAW_FLAGS = {"fsdp_activation_checkpointing": ["--activation-checkpointing"], "f
 # Ranks a row runs on (2 unless named): fsdp_tp's 2 data-parallel x 2 tensor-parallel ranks see the batches of the
 # other rows' 2 ranks, so samples per iteration are the same.
 DEVICES = {"fsdp_tp": 4}
+COMPILED = "+compile"  # a row's suffix: ours with compile=true
+COMPILE_LINE = re.compile(r"torch\.compile: compiled \d+ graphs? in ([\d.]+) s")
+INDUCTOR_CACHE = "inductor_cache"  # under --out: TORCHINDUCTOR_CACHE_DIR of the benchmark's own, emptied at its start
 
 
 def devices(strategy: str) -> int:
-    return DEVICES.get(strategy, 2)
+    return DEVICES.get(preset(strategy), 2)
+
+
+def preset(row: str) -> str:
+    return row.removesuffix(COMPILED)
 
 
 @dataclass(frozen=True)
@@ -54,11 +66,13 @@ MODELS = {
     # Seconds a step on 2 CPU cores: the engines the targets name, in 10 steps a run.
     "gpt_medium": Model(("model=gpt_medium", "data.batch_size=2"), ("n_layer=8", "d_model=768", "n_head=12", "lr=3e-4"),
                         batch_size=2, steps=10,
-                        strategies=("ddp", "fsdp", "fsdp_tp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")),
+                        strategies=("ddp", "fsdp", "fsdp_tp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3",
+                                    "ddp+compile", "fsdp+compile")),
 }
 
 
 def engine(strategy: str) -> str:
+    strategy = preset(strategy)
     return "deepspeed" if strategy.startswith("deepspeed") else "fsdp" if strategy.startswith("fsdp") else "ddp"
 
 
@@ -67,23 +81,26 @@ def run_ours(strategy: str, model: Model, out: Path) -> dict:
     # This benchmark's earlier result, replaced on purpose: train.py refuses a run directory that holds a run.
     shutil.rmtree(run_dir, ignore_errors=True)
     command = [
-        sys.executable, str(REPO / "train.py"), f"strategy={strategy}", *model.overrides, f"trainer.max_steps={model.steps}",
+        sys.executable, str(REPO / "train.py"), f"strategy={preset(strategy)}", *model.overrides,
+        f"trainer.max_steps={model.steps}", f"compile={str(strategy.endswith(COMPILED)).lower()}",
         f"trainer.devices={devices(strategy)}",
         "test=false", "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0", f"hydra.run.dir={run_dir}",
         "+callbacks.iteration_timer._target_=benchmarks.timing.IterationTimer",
         f"+callbacks.iteration_timer.path={run_dir}/iterations.json",
     ]
-    _run(command)
+    # A cache of each row's own: ddp's compiled blocks would otherwise make fsdp's first compilation warm.
+    _run(command, TORCHINDUCTOR_CACHE_DIR=str(out.parent / INDUCTOR_CACHE / f"{out.name}_{strategy}"))
     iterations = [json.loads((run_dir / f"iterations_rank{r}.json").read_text()) for r in range(devices(strategy))]
     peaks = [rank["bytes"] for rank in json.loads((run_dir / "metrics.json").read_text())["peak_memory_per_rank"]]
-    return {"iterations": iterations, "peaks": peaks}
+    compile_s = sum(float(seconds) for seconds in COMPILE_LINE.findall((run_dir / "train.log").read_text()))
+    return {"iterations": iterations, "peaks": peaks, "compile_s": compile_s}
 
 
 def run_raw(strategy: str, model: Model, out: Path) -> dict:
     result = out / f"raw_{strategy}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(devices(strategy)),
                str(REPO / "benchmarks" / "raw_loop.py"), "--strategy", engine(strategy), "--steps", str(model.steps),
-               "--batch-size", str(model.batch_size), "--out", str(result), *RAW_FLAGS.get(strategy, [])]
+               "--batch-size", str(model.batch_size), "--out", str(result), *RAW_FLAGS.get(preset(strategy), [])]
     if model.hyper_parameters:
         command += ["--model", *model.hyper_parameters]
     if engine(strategy) == "deepspeed":
@@ -93,8 +110,8 @@ def run_raw(strategy: str, model: Model, out: Path) -> dict:
     return {"iterations": [rank["iteration_s"] for rank in ranks], "peaks": [rank["peak_rss"] for rank in ranks]}
 
 
-def _run(command: list[str]) -> None:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+def _run(command: list[str], **env: str) -> None:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", **env}
     process = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if process.returncode:
         raise SystemExit(f"failed ({process.returncode}): {' '.join(command)}\n{process.stderr[-3000:]}")
@@ -129,6 +146,14 @@ def table(name: str, model: Model, results: dict[str, dict[str, list[dict]]]) ->
         summary[strategy] = {"ours_s": ours, "raw_s": raw, "ratio": ours / raw, "peak_mb": peak}
         lines.append(f"| {strategy} | {ours * 1e3:.1f} | {raw * 1e3:.1f} | {ours / raw:.3f} | {samples / ours:.1f} | "
                      f"{samples / raw:.1f} | {peak['ours']:.0f} | {peak['raw']:.0f} | {peak['ours'] / peak['raw']:.3f} |")
+    compiled = {row: [run["compile_s"] for run in sides["ours"]]
+                for row, sides in results.items() if row.endswith(COMPILED)}
+    if compiled:
+        lines += ["", "| compiled row | raw/ours (speed-up) | compile time, cold (s) | warm (s) |", "|---|---:|---:|---:|"]
+        for row, seconds in compiled.items():
+            summary[row]["compile_s"] = seconds
+            warm = f"{statistics.median(seconds[1:]):.1f}" if len(seconds) > 1 else "-"
+            lines.append(f"| {row} | {1 / summary[row]['ratio']:.2f}x | {seconds[0]:.1f} | {warm} |")
     return "\n".join(lines), summary
 
 
@@ -141,6 +166,7 @@ def main() -> None:
     args = parser.parse_args()
 
     print(f"Machine: {machine()}", flush=True)
+    shutil.rmtree(args.out / INDUCTOR_CACHE, ignore_errors=True)  # each compiled row's first run compiles cold
     report, summary = [], {}
     for name in args.models:
         model, out = MODELS[name], args.out / name

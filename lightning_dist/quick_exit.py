@@ -15,19 +15,16 @@ import io
 import os
 import stat
 import sys
-import threading
 from contextlib import suppress
 from typing import NoReturn
 
-from lightning_dist._compat.python import run_exit_handlers
+from lightning_dist._compat.python import join_threads_as_at_exit, run_exit_handlers
 
 
 def exit_quickly(code: object) -> NoReturn:
     """Exit as `sys.exit(code)` would (non-daemon threads joined, `atexit` handlers run, buffers flushed, the same
     exit status), then end the process without finalizing the interpreter."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    join_threads_as_at_exit()
     run_exit_handlers()
     status = _exit_status(code)
     _flush_open_files()

@@ -122,14 +122,18 @@ def warm_interpreter(tmp_path_factory):
 
 @contextlib.contextmanager
 def _environment_restored():
-    saved = dict(os.environ)
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    saved, rank = dict(os.environ), rank_zero_only.rank
     yield
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+    rank_zero_only.rank = rank  # a strategy given another rank in this process (set_world_ranks) sets it
 
 
-# Each test, and each test module (its module-scoped fixtures included), leaves the environment as it found it.
+# Each test, and each test module (its module-scoped fixtures included), leaves the environment, and the rank that
+# Lightning's rank-zero-only functions (its loggers' writes among them) read, as it found it.
 # Lightning and DeepSpeed write RANK, LOCAL_RANK, WORLD_SIZE and MASTER_PORT into the process that sets them up, and
 # every process a later test starts would inherit them: RANK=0 makes each task of an srun job rank zero to Lightning.
 @pytest.fixture(autouse=True)

@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_dist._compat import Fenced
 
 __all__ = [
-    "CheckpointWrapper", "apply_to_tensors", "checkpoint_wrapper", "cpu_supports_fp16", "default_process_group_store",
-    "flatten_mesh_dims",
+    "CheckpointWrapper", "apply_to_tensors", "checkpoint_wrapper", "compilation_events", "cpu_supports_fp16",
+    "default_process_group_store", "flatten_mesh_dims", "inductor_cache_dir", "is_compiled",
     "forward_hook_tables", "fsdp_param_group", "local_shard_region", "own_parameters", "parameter_registration",
     "reopen_fsdp_forward", "set_default_process_group_timeout", "saved_file_extents", "storage_owner", "tree_map",
     "wrapped_module",
@@ -37,6 +37,10 @@ FENCED = [
     Fenced("torch.utils._pytree", "tree_map", ("func", "tree")),
     # What a DCP checkpoint's `.metadata` records of where each entry's bytes lie (`Metadata.storage_data` values).
     Fenced("torch.distributed.checkpoint.filesystem", "_StorageInfo", ("relative_path", "offset", "length")),
+    Fenced("torch._dynamo.callback", "callback_handler"),
+    Fenced("torch._dynamo.callback", "CompilationCallbackHandler.register_start_callback", ("self", "callback")),
+    Fenced("torch._dynamo.callback", "CompilationCallbackHandler.register_end_callback", ("self", "callback")),
+    Fenced("torch._inductor.runtime.cache_dir_utils", "cache_dir", ()),
 ]
 
 
@@ -156,3 +160,25 @@ def saved_file_extents(checkpoint_dir: str) -> dict[str, int]:
     for where in (FileSystemReader(checkpoint_dir).read_metadata().storage_data or {}).values():
         extents[where.relative_path] = max(extents.get(where.relative_path, 0), where.offset + where.length)
     return extents
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether `module.compile()` has been called on `module` (it keeps the compiled call in `_compiled_call_impl`)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def compilation_events(start: Callable[[], None], end: Callable[[], None]) -> None:
+    """Call `start()` and `end()` around every compilation torch.compile does from now on in this process (a frame
+    traced and compiled, or a backward graph compiled when backward first runs). Dynamo has these callbacks for tools
+    that time compilation; no public API exposes them."""
+    from torch._dynamo.callback import callback_handler
+
+    callback_handler.register_start_callback(lambda arguments: start())
+    callback_handler.register_end_callback(lambda arguments: end())
+
+
+def inductor_cache_dir() -> str:
+    """Where inductor keeps compiled graphs between runs (`TORCHINDUCTOR_CACHE_DIR`, else a directory in /tmp)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()

@@ -45,6 +45,7 @@ class AutoFit:
     device_memory_gb: memory of one device; None reads it (CUDA device 0, or host memory / devices on CPU).
     host_memory_gb: host memory of one node, for offload; None reads this machine's.
     headroom: the fraction of memory a plan may use (fragmentation, allocator caches, the framework itself).
+    compile: the chosen strategy compiles each block (regional torch.compile).
     """
 
     device_memory_gb: float | None = None
@@ -52,6 +53,7 @@ class AutoFit:
     headroom: float = 0.85
     family: str = "deepspeed"
     nvme_path: str | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.family not in LADDERS:
@@ -67,7 +69,7 @@ class AutoFit:
         rejected: list[tuple[str, str]] = []
         for name in LADDERS[self.family]:
             preset = PRESETS[name]
-            kwargs = dict(preset.kwargs)
+            kwargs = dict(preset.kwargs, compile=self.compile)
             if "nvme_path" in kwargs:
                 if not self.nvme_path:
                     rejected.append((name, "no strategy.nvme_path to offload to"))

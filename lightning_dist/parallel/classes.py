@@ -109,3 +109,20 @@ def _layer_class(module: nn.Module) -> type[nn.Module]:
     if isinstance(module, FSDPModule):
         cls = next(base for base in cls.__bases__ if base is not FSDPModule)
     return cls
+
+
+def block_classes_for(model: nn.Module, configured: BlockClasses, needed_by: Iterable[str] = ()) -> BlockClasses:
+    """The configured block classes, each present in `model`, or those inferred from its layer stacks; a model with
+    neither is refused, naming its classes, when an option that works block by block (`needed_by`) is on."""
+    if configured:
+        require_classes_in_model(model, configured, "strategy.block_class")
+        return configured
+    classes = infer_block_classes(model, "strategy.block_class")
+    needed_by = list(needed_by)
+    if not classes and needed_by:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(
+            f"strategy.block_class: {' and '.join(needed_by)} needs the block class and the model has no"
+            f" nn.ModuleList to infer it from; set it to one of: {', '.join(present)}"
+        )
+    return classes

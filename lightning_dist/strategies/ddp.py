@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_dist.checkpoints.formats import FILE
@@ -14,35 +16,62 @@ from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.memory.layout import Layout
+from lightning_dist.parallel import block_classes_for, resolve_block_classes
 from lightning_dist.parallel.collective_timeout import forming_process_group
 from lightning_dist.parallel.devices import prepare_rank, process_group_timeout
 from lightning_dist.parallel.dims import ParallelDims
+from lightning_dist.parallel.regional_compile import ReportsCompilation, compile_blocks
 from lightning_dist.strategies.launcher import guarded
 
 
-class DDPStrategy(SwappedSaves, LogsGlobalSteps, _LightningDDPStrategy):
+class DDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, _LightningDDPStrategy):
     """Data-parallel training; registered as `ld_ddp` so it sits beside our FSDP and DeepSpeed presets.
 
     Lightning's DDP already runs on CPU. What this adds: gradients that live in DDP's buckets (one copy, not two),
     and resuming from FSDP and DeepSpeed checkpoint directories too (consolidated on load, Adam state included),
     at any world size.
+
+    Args:
+        compile: compile each block with torch.compile (regional compilation) before DDP wraps the model.
+        block_class: the repeated layer (class or dotted path, or a list) that `compile` compiles; unset: the
+            classes of the model's layer stacks.
     """
 
     strategy_name = "ld_ddp"
 
     def __init__(
-        self, *args: Any, gradient_as_bucket_view: bool = True, timeout: timedelta | float | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        gradient_as_bucket_view: bool = True,
+        timeout: timedelta | float | None = None,
+        compile: bool = False,
+        block_class: str | type[nn.Module] | Sequence[str | type[nn.Module]] | None = None,
+        **kwargs: Any,
     ) -> None:
         # Gradients as views of DDP's all-reduce buckets: without it every rank holds each gradient twice (in
         # the parameter's .grad and in a bucket) and copies between them on every step.
         super().__init__(
             *args, gradient_as_bucket_view=gradient_as_bucket_view, timeout=process_group_timeout(timeout), **kwargs
         )
+        self.compile = compile
+        self.block_classes = () if block_class is None else resolve_block_classes(block_class, "strategy.block_class")
 
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        self._launcher = guarded(self, self._launcher)
+        self._launcher = guarded(self, self._launcher, self.preflight)
+
+    def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
+        """On the launching process: a model to compile block by block must have blocks."""
+        model = fit_arguments.get("model")
+        if self.compile and isinstance(model, nn.Module) and next(model.parameters(), None) is not None:
+            block_classes_for(model, self.block_classes, ["compile"])
+
+    @override
+    def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
+        if self.compile:  # each block compiled in place, before DDP registers its gradient hooks
+            compile_blocks(model, block_classes_for(model, self.block_classes, ["compile"]))
+        return super()._setup_model(model)
 
     def memory_layout(self, name: str) -> Layout:
         return Layout(name, "torch")  # everything replicated, nothing offloaded

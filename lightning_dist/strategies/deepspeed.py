@@ -6,7 +6,7 @@ checkpoint loading in `checkpoints/into_deepspeed.py`, the offloaded optimizer i
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -17,6 +17,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
 from lightning.pytorch.strategies import DDPStrategy, Strategy, DeepSpeedStrategy as _LightningDeepSpeedStrategy
+from torch import nn
 from typing_extensions import override
 
 from lightning_dist._compat.lightning import validate_cuda_device_indices
@@ -29,12 +30,14 @@ from lightning_dist.deepspeed_config.preflight import check_before_launch
 from lightning_dist.deepspeed_config.zero import OPTIMIZER_TILE, ZeroSection
 from lightning_dist.memory.layout import Layout, deepspeed_layout
 from lightning_dist.optim.offload import optimizer_for_offload
+from lightning_dist.parallel import block_classes_for, resolve_block_classes
 from lightning_dist.parallel.autotp import check_tensor_parallel_inputs, initialize_inference_engine
 from lightning_dist.parallel.collective_timeout import forming_process_group
 from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.outermost_forward import run_root_hooks_once_per_forward
+from lightning_dist.parallel.regional_compile import ReportsCompilation, compile_blocks
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel, has_meta_parameters, parameters_on_meta
 from lightning_dist.parallel.zero3_runtime import prepare_zero3_runtime
 from lightning_dist.parallel.zero_engine import initialize_deferred_parameters, use_deepspeed_accelerator
@@ -42,7 +45,9 @@ from lightning_dist.precision import PrecisionSupport
 from lightning_dist.strategies.launcher import guarded
 
 
-class DeepSpeedStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, _LightningDeepSpeedStrategy):
+class DeepSpeedStrategy(
+    ReportsCompilation, SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, _LightningDeepSpeedStrategy
+):
     """DeepSpeed ZeRO that also runs on CPU, and takes Hugging Face-style configs with "auto" values.
 
     Args:
@@ -56,6 +61,9 @@ class DeepSpeedStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, _Lig
         tensor_parallel_size: DeepSpeed AutoTP: ranks that split each linear layer of a `transformers` model (the
             config's `tensor_parallel.autotp_size`); ZeRO partitions over the data-parallel ranks that are left.
             Unset: the config file's size, else 1.
+        compile: compile each block with torch.compile (regional compilation) before `deepspeed.initialize`.
+        block_class: the repeated layer (class or dotted path, or a list) that `compile` compiles; unset: the
+            classes of the model's layer stacks.
     """
 
     strategy_name = "ld_deepspeed"
@@ -70,7 +78,11 @@ class DeepSpeedStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, _Lig
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         tensor_parallel_size: int | None = None,
+        compile: bool = False,
+        block_class: str | type[nn.Module] | Sequence[str | type[nn.Module]] | None = None,
     ) -> None:
+        self.compile = compile
+        self.block_classes = () if block_class is None else resolve_block_classes(block_class, "strategy.block_class")
         self.run_config = RunConfig.of(stage, offload_optimizer, offload_parameters, nvme_path, config, tensor_parallel_size)
         super().__init__(
             stage=2 if stage is None else stage, config=self.run_config.user_config, sub_group_size=OPTIMIZER_TILE,
@@ -150,6 +162,9 @@ class DeepSpeedStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, _Lig
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
         """On the launching process: resolve the config with what is known before `setup`, and check it can run."""
         check_before_launch(self.resolution, trainer, fit_arguments)
+        model = fit_arguments.get("model")
+        if self.compile and isinstance(model, nn.Module) and next(model.parameters(), None) is not None:
+            block_classes_for(model, self.block_classes, ["compile"])
 
     def resolution(self, trainer: Any, model: Any, loader: Any = None, datamodule: Any = None, in_rank: bool = True) -> Resolution:
         return self.run_config.resolve(self.base_config, self.world_size, trainer, model, loader, datamodule, in_rank)
@@ -199,6 +214,8 @@ class DeepSpeedStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, _Lig
         if self.zero_stage_3:
             prepare_zero3_runtime(self.config)
         import_muon_with_deferred_compilation()
+        if self.compile:  # each block compiled in place; DeepSpeed's hooks then wrap the compiled blocks
+            compile_blocks(self.model, block_classes_for(self.model, self.block_classes, ["compile"]))
         super().init_deepspeed()
         if self.tensor_parallel_size > 1:
             check_tensor_parallel_inputs(self.deepspeed_engine, self.root_device)

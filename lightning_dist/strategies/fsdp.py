@@ -28,11 +28,10 @@ from lightning_dist.parallel import (
     BlockClasses,
     apply_activation_checkpointing,
     apply_fully_shard,
-    infer_block_classes,
+    block_classes_for,
     materialize_shards,
     mixed_precision_policy,
     offload_policy,
-    require_classes_in_model,
     resolve_block_classes,
     sharding_layout,
 )
@@ -40,6 +39,7 @@ from lightning_dist.parallel.collective_timeout import forming_process_group
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.dims import TENSOR_PARALLEL, ParallelDims
 from lightning_dist.parallel.grad_norm import clip_grad_norm_
+from lightning_dist.parallel.regional_compile import ReportsCompilation, compile_blocks
 from lightning_dist.parallel.tensor_parallel import (
     TensorParallelPlan, apply_tensor_parallel, check_plan, check_sizes, resolve_plan,
 )
@@ -51,7 +51,7 @@ from lightning_dist.strategies.launcher import guarded
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-class FSDPStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, ModelParallelStrategy):
+class FSDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, ModelParallelStrategy):
     """Fully Sharded Data Parallel (FSDP2) on CPU (gloo) or CUDA (nccl).
 
     Args:
@@ -69,6 +69,8 @@ class FSDPStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, ModelPara
             under HYBRID_SHARD, else 1. One of the two sizes may be -1, the ranks that are left.
         tensor_parallel_plan: module-name patterns mapped to "colwise" or "rowwise"; unset: the model's own
             (`tp_plan`, parallel/tensor_parallel.py).
+        compile: compile each block with torch.compile (regional compilation), after activation checkpointing and
+            before sharding.
     """
 
     strategy_name = "ld_fsdp"
@@ -83,6 +85,7 @@ class FSDPStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, ModelPara
         tensor_parallel_size: int = 1,
         data_parallel_replicate_size: int | None = None,
         tensor_parallel_plan: dict[str, str] | None = None,
+        compile: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
     ) -> None:
@@ -100,6 +103,7 @@ class FSDPStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, ModelPara
         self.data_parallel_replicate_size = data_parallel_replicate_size
         self.tensor_parallel_plan = None if tensor_parallel_plan is None else check_plan(
             dict(tensor_parallel_plan), "strategy.tensor_parallel_plan")
+        self.compile = compile
 
     @override
     def _configure_launcher(self) -> None:
@@ -128,17 +132,8 @@ class FSDPStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, ModelPara
 
     def block_classes_of(self, model: nn.Module) -> BlockClasses:
         """The configured block classes, each present in `model`, or those inferred from its layer stacks."""
-        if self.block_classes:
-            require_classes_in_model(model, self.block_classes, "strategy.block_class")
-            return self.block_classes
-        classes = infer_block_classes(model, "strategy.block_class")
-        if not classes and self.activation_checkpointing:
-            present = sorted({type(m).__name__ for m in model.modules()})
-            raise ValueError(
-                "strategy.block_class: activation checkpointing needs the block class and the model has no"
-                f" nn.ModuleList to infer it from; set it to one of: {', '.join(present)}"
-            )
-        return classes
+        needed_by = ["activation checkpointing"] * self.activation_checkpointing + ["compile"] * self.compile
+        return block_classes_for(model, self.block_classes, needed_by)
 
     precision_support = PrecisionSupport(fp16_loss_scaling=False)  # FSDP2 has no gradient scaler for fp16
 
@@ -210,14 +205,16 @@ class FSDPStrategy(SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, ModelPara
             move_optimizers_to_device(self.optimizers, self.root_device)
 
     def parallelize(self, model: nn.Module) -> None:
-        """Tensor parallelism first, then activation checkpointing, then sharding: FSDP shards the checkpoint
-        wrapper of each block, so the block's parameters are gathered before backward recomputes it."""
+        """Tensor parallelism first, then activation checkpointing, then compilation, then sharding: FSDP shards the
+        checkpoint wrapper of each block, so the block's parameters are gathered before backward recomputes it."""
         block_classes = self.block_classes_of(model)
         if self.parallel_dims.tp > 1 and not any(isinstance(p, DTensor) for p in model.parameters()):
             # Split first (a configure_model that split the model itself is left as it is), as torchtitan orders it.
             apply_tensor_parallel(model, self.device_mesh[TENSOR_PARALLEL], self.tensor_parallel_plan_of(model))
         if self.activation_checkpointing:
             apply_activation_checkpointing(model, block_classes)
+        if self.compile:
+            compile_blocks(model, block_classes)
         apply_fully_shard(
             model,
             mesh=self.parallel_dims.sharding_mesh(self.device_mesh),
