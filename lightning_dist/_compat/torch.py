@@ -16,7 +16,7 @@ from lightning_dist._compat import Fenced
 
 __all__ = [
     "CheckpointWrapper", "apply_to_tensors", "checkpoint_wrapper", "compilation_events", "cpu_supports_fp16",
-    "default_process_group_store", "flatten_mesh_dims", "inductor_cache_dir", "is_compiled",
+    "default_process_group_store", "flatten_mesh_dims", "inductor_cache_dir", "is_compiled", "storage_identity",
     "forward_hook_tables", "fsdp_param_group", "local_shard_region", "own_parameters", "parameter_registration",
     "reopen_fsdp_forward", "set_default_process_group_timeout", "saved_file_extents", "storage_owner", "tree_map",
     "wrapped_module",
@@ -64,6 +64,12 @@ def apply_to_tensors(module: nn.Module, function: Callable[[torch.Tensor], torch
     """`function` applied to every parameter and buffer, through the module (what `.to()` uses): FSDP2 re-points
     its sharded storage at the results. There is no public form that takes any function."""
     return module._apply(function)
+
+
+def storage_identity(tensor: torch.Tensor) -> int:
+    """An identity of `tensor`'s storage, shared by every tensor over it (views, and `_unsafe_view`s, which have no
+    `_base`), on the meta device too (where every data pointer is 0). Unique only while the storage lives."""
+    return tensor.untyped_storage()._cdata
 
 
 def storage_owner(tensor: torch.Tensor) -> torch.Tensor:

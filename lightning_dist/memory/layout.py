@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_dist.deepspeed_config.swap_buffers import DEFAULT_PERSISTENCE_THRESHOLD
+from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
 from lightning_dist.parallel.dims import ParallelDims
 
 # DeepSpeed's own defaults when a config leaves them out.
@@ -29,7 +30,7 @@ class Layout:
     keep_gathered: bool = False        # gathered parameters held from forward to backward (SHARD_GRAD_OP)
     offload_optimizer: str | None = None   # "cpu" or "nvme": optimizer state (and gradient partitions) live there
     offload_parameters: str | None = None
-    activation_checkpointing: bool = False
+    activation_checkpointing: CheckpointPlan | None = None  # which blocks are recomputed in backward, and how
     reduce_bucket_elements: int = 0    # a gradient bucket allocated up front on the device (ZeRO-3)
     persistence_threshold: int = 0     # ZeRO-3 keeps parameters smaller than this whole on every rank
     sized_by_hidden_size: bool = False  # a ZeRO-3 preset: its reduce bucket follows the model's hidden size
@@ -97,4 +98,5 @@ def deepspeed_layout(strategy: Any, name: str) -> Layout:
         sub_group_size=int(zero.get("sub_group_size", _DEEPSPEED_SUB_GROUP_SIZE)) if stage >= 3 else 0,
         optimizer_swap_buffers=int(optimizer_swaps),
         tensor_parallel=strategy.tensor_parallel_size,  # AutoTP
+        activation_checkpointing=strategy.activation_checkpointing,
     )

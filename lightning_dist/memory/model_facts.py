@@ -15,9 +15,21 @@ from unittest import mock
 import torch
 from torch import nn
 
-from lightning_dist._compat.torch import storage_owner, tree_map
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_dist._compat.torch import storage_identity, storage_owner, tree_map
 from lightning_dist.deepspeed_config.facts import hidden_size_of
+from lightning_dist.parallel.activation_checkpoint import KEPT_OPS, CheckpointPlan
 from lightning_dist.parallel.classes import block_modules
+
+
+@dataclass(frozen=True)
+class BlockActivations:
+    """What one block saves for backward in one training step, in bytes (fp32)."""
+
+    saved: int     # everything it saves
+    inputs: int    # its inputs: what a checkpointed block keeps
+    products: int  # of `saved`, the outputs of its matrix products and attention: what op-level checkpointing keeps
 
 
 @dataclass(frozen=True)
@@ -34,6 +46,20 @@ class ModelFacts:
     # Elements of the layers tensor parallelism splits (the model's `tp_plan`, else the linear layers of its blocks,
     # as DeepSpeed's AutoTP splits them); None: unknown, every parameter counted as split.
     tensor_parallel_parameters: int | None = None
+    block_activations: tuple[BlockActivations, ...] = ()  # per block, in model order: selective checkpointing's
+
+    def activations_under(self, plan: CheckpointPlan | None) -> int | None:
+        """Bytes saved for backward by one micro-batch with `plan`'s blocks checkpointed (None: none are). Each
+        checkpointed block keeps its inputs (and, op-level, its products); backward recomputes one at a time."""
+        if plan is None or self.activation_bytes is None:
+            return self.activation_bytes
+        if not self.block_activations:  # facts given without the per-block trace: every block's figure
+            return self.checkpointed_activation_bytes
+        checkpointed = [b for index, b in enumerate(self.block_activations) if plan.checkpoints(index)]
+        kept_products = [b.products if plan.ops else 0 for b in checkpointed]
+        kept = sum(b.inputs + products for b, products in zip(checkpointed, kept_products))
+        recomputed = max((b.saved - products for b, products in zip(checkpointed, kept_products)), default=0)
+        return self.activation_bytes - sum(b.saved for b in checkpointed) + kept + recomputed
 
     @classmethod
     def of(cls, build: Callable[[], nn.Module], batch: Any = None, block_classes: tuple[type[nn.Module], ...] = ()) -> "ModelFacts":
@@ -42,13 +68,14 @@ class ModelFacts:
             module = build()
         params = [p for p in _unique_parameters(module) if p.requires_grad]
         blocks = block_modules(module, block_classes)
-        activations = _trace_activations(module, batch, blocks) if batch is not None else None
+        traced = _trace_activations(module, batch, blocks) if batch is not None else None
         return cls(
             parameters=sum(p.numel() for p in params),
             largest_block=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
             buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
-            activation_bytes=activations[0] if activations else None,
-            checkpointed_activation_bytes=activations[1] if activations else None,
+            activation_bytes=traced[0] if traced else None,
+            checkpointed_activation_bytes=traced[1] if traced else None,
+            block_activations=traced[2] if traced else (),
             optimizer=_optimizer_kind(module),
             parameter_sizes=tuple(p.numel() for p in params),
             hidden_size=hidden_size_of(module),
@@ -80,13 +107,15 @@ def _unique_parameters(module: nn.Module) -> list[nn.Parameter]:
     return list({id(p): p for p in module.parameters()}.values())
 
 
-def _trace_activations(module: nn.Module, batch: Any, blocks: list[nn.Module]) -> tuple[int, int]:
-    """(bytes saved for backward, bytes saved with each block checkpointed) by one training step on meta."""
+def _trace_activations(module: nn.Module, batch: Any, blocks: list[nn.Module]) -> tuple[int, int, tuple[BlockActivations, ...]]:
+    """(bytes saved for backward, bytes saved with each block checkpointed, what each block saves) by one training
+    step on meta."""
     parameters = {id(p) for p in module.parameters()}
     seen: set[int] = set()
-    per_block = {id(b): 0 for b in blocks}
-    block_inputs = 0
+    per_block = {id(b): [0, 0, 0] for b in blocks}  # saved, inputs, products
     current: list[int] = []  # the block being run, innermost last
+    products: list[torch.Tensor] = []  # kept alive, so that no other storage takes one's identity
+    product_storages: set[int] = set()
     total = 0
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -97,13 +126,18 @@ def _trace_activations(module: nn.Module, batch: Any, blocks: list[nn.Module]) -
             size = base.numel() * base.element_size()
             total += size
             if current:
-                per_block[current[-1]] += size
+                per_block[current[-1]][0] += size
+                if storage_identity(base) in product_storages:
+                    per_block[current[-1]][2] += size
         return tensor
 
+    def product(tensor: torch.Tensor) -> None:
+        products.append(tensor)
+        product_storages.add(storage_identity(tensor))
+
     def enter(block: nn.Module, args: tuple) -> None:
-        nonlocal block_inputs
         current.append(id(block))
-        block_inputs += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+        per_block[id(block)][1] += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
 
     def leave(block: nn.Module, args: tuple, output: Any) -> None:
         current.pop()
@@ -114,10 +148,27 @@ def _trace_activations(module: nn.Module, batch: Any, blocks: list[nn.Module]) -
             stack.callback(block.register_forward_pre_hook(enter).remove)
             stack.callback(block.register_forward_hook(leave).remove)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        stack.enter_context(_OutputsOf(KEPT_OPS, product))
         stack.enter_context(mock.patch.object(type(module), "log", lambda *a, **k: None, create=True))
         step = getattr(module, "training_step", None)
         step(meta_batch, 0) if step is not None else module(meta_batch)
-    in_blocks = sum(per_block.values())
+    traced = tuple(BlockActivations(*per_block[id(b)]) for b in blocks)
     # Checkpointed: each block keeps only its input; backward recomputes one block at a time.
-    checkpointed = total - in_blocks + block_inputs + max(per_block.values(), default=0)
-    return total, checkpointed
+    checkpointed = total - sum(b.saved for b in traced) + sum(b.inputs for b in traced) + max((b.saved for b in traced), default=0)
+    return total, checkpointed, traced
+
+
+class _OutputsOf(TorchDispatchMode):
+    """Within: `record(tensor)` for every tensor output of the ops in `ops`."""
+
+    def __init__(self, ops: frozenset, record: Callable[[torch.Tensor], None]) -> None:
+        super().__init__()
+        self.ops, self.record = ops, record
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        if func in self.ops:
+            for tensor in output if isinstance(output, (tuple, list)) else (output,):
+                if isinstance(tensor, torch.Tensor):
+                    self.record(tensor)
+        return output

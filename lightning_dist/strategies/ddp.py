@@ -16,11 +16,12 @@ from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.memory.layout import Layout
-from lightning_dist.parallel import block_classes_for, resolve_block_classes
+from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
+from lightning_dist.parallel.block_options import BlockOptions
 from lightning_dist.parallel.collective_timeout import forming_process_group
 from lightning_dist.parallel.devices import prepare_rank, process_group_timeout
 from lightning_dist.parallel.dims import ParallelDims
-from lightning_dist.parallel.regional_compile import ReportsCompilation, compile_blocks
+from lightning_dist.parallel.regional_compile import ReportsCompilation
 from lightning_dist.strategies.launcher import guarded
 
 
@@ -32,9 +33,11 @@ class DDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, _LightningD
     at any world size.
 
     Args:
+        activation_checkpointing: recompute activations in backward: true (every block), "ops" (every block,
+            keeping the outputs of its matrix products and attention), or an integer k (every k-th block).
         compile: compile each block with torch.compile (regional compilation) before DDP wraps the model.
-        block_class: the repeated layer (class or dotted path, or a list) that `compile` compiles; unset: the
-            classes of the model's layer stacks.
+        block_class: the repeated layer (class or dotted path, or a list) that the two options above act on; unset:
+            the classes of the model's layer stacks.
     """
 
     strategy_name = "ld_ddp"
@@ -44,6 +47,7 @@ class DDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, _LightningD
         *args: Any,
         gradient_as_bucket_view: bool = True,
         timeout: timedelta | float | None = None,
+        activation_checkpointing: bool | str | int = False,
         compile: bool = False,
         block_class: str | type[nn.Module] | Sequence[str | type[nn.Module]] | None = None,
         **kwargs: Any,
@@ -53,8 +57,7 @@ class DDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, _LightningD
         super().__init__(
             *args, gradient_as_bucket_view=gradient_as_bucket_view, timeout=process_group_timeout(timeout), **kwargs
         )
-        self.compile = compile
-        self.block_classes = () if block_class is None else resolve_block_classes(block_class, "strategy.block_class")
+        self.blocks = BlockOptions.of(block_class, activation_checkpointing, compile)
 
     @override
     def _configure_launcher(self) -> None:
@@ -62,19 +65,23 @@ class DDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, _LightningD
         self._launcher = guarded(self, self._launcher, self.preflight)
 
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
-        """On the launching process: a model to compile block by block must have blocks."""
+        """On the launching process: a model to checkpoint or compile block by block must have blocks."""
         model = fit_arguments.get("model")
-        if self.compile and isinstance(model, nn.Module) and next(model.parameters(), None) is not None:
-            block_classes_for(model, self.block_classes, ["compile"])
+        if self.blocks.needed_by and isinstance(model, nn.Module) and next(model.parameters(), None) is not None:
+            self.blocks.classes_in(model)
 
     @override
     def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
-        if self.compile:  # each block compiled in place, before DDP registers its gradient hooks
-            compile_blocks(model, block_classes_for(model, self.block_classes, ["compile"]))
+        self.blocks.apply(model)  # in place, before DDP registers its gradient hooks
         return super()._setup_model(model)
 
+    @property
+    def activation_checkpointing(self) -> CheckpointPlan | None:
+        return self.blocks.checkpointing
+
     def memory_layout(self, name: str) -> Layout:
-        return Layout(name, "torch")  # everything replicated, nothing offloaded
+        # Everything replicated, nothing offloaded.
+        return Layout(name, "torch", activation_checkpointing=self.activation_checkpointing)
 
     @property
     def parallel_dims(self) -> ParallelDims:

@@ -30,14 +30,15 @@ from lightning_dist.deepspeed_config.preflight import check_before_launch
 from lightning_dist.deepspeed_config.zero import OPTIMIZER_TILE, ZeroSection
 from lightning_dist.memory.layout import Layout, deepspeed_layout
 from lightning_dist.optim.offload import optimizer_for_offload
-from lightning_dist.parallel import block_classes_for, resolve_block_classes
+from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
+from lightning_dist.parallel.block_options import BlockOptions
 from lightning_dist.parallel.autotp import check_tensor_parallel_inputs, initialize_inference_engine
 from lightning_dist.parallel.collective_timeout import forming_process_group
 from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.outermost_forward import run_root_hooks_once_per_forward
-from lightning_dist.parallel.regional_compile import ReportsCompilation, compile_blocks
+from lightning_dist.parallel.regional_compile import ReportsCompilation
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel, has_meta_parameters, parameters_on_meta
 from lightning_dist.parallel.zero3_runtime import prepare_zero3_runtime
 from lightning_dist.parallel.zero_engine import initialize_deferred_parameters, use_deepspeed_accelerator
@@ -61,9 +62,11 @@ class DeepSpeedStrategy(
         tensor_parallel_size: DeepSpeed AutoTP: ranks that split each linear layer of a `transformers` model (the
             config's `tensor_parallel.autotp_size`); ZeRO partitions over the data-parallel ranks that are left.
             Unset: the config file's size, else 1.
+        activation_checkpointing: recompute activations in backward: true (every block), "ops" (every block,
+            keeping the outputs of its matrix products and attention), or an integer k (every k-th block).
         compile: compile each block with torch.compile (regional compilation) before `deepspeed.initialize`.
-        block_class: the repeated layer (class or dotted path, or a list) that `compile` compiles; unset: the
-            classes of the model's layer stacks.
+        block_class: the repeated layer (class or dotted path, or a list) that the two options above act on; unset:
+            the classes of the model's layer stacks.
     """
 
     strategy_name = "ld_deepspeed"
@@ -78,11 +81,11 @@ class DeepSpeedStrategy(
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         tensor_parallel_size: int | None = None,
+        activation_checkpointing: bool | str | int = False,
         compile: bool = False,
         block_class: str | type[nn.Module] | Sequence[str | type[nn.Module]] | None = None,
     ) -> None:
-        self.compile = compile
-        self.block_classes = () if block_class is None else resolve_block_classes(block_class, "strategy.block_class")
+        self.blocks = BlockOptions.of(block_class, activation_checkpointing, compile)
         self.run_config = RunConfig.of(stage, offload_optimizer, offload_parameters, nvme_path, config, tensor_parallel_size)
         super().__init__(
             stage=2 if stage is None else stage, config=self.run_config.user_config, sub_group_size=OPTIMIZER_TILE,
@@ -108,6 +111,10 @@ class DeepSpeedStrategy(
 
     def memory_layout(self, name: str) -> Layout:
         return deepspeed_layout(self, name)
+
+    @property
+    def activation_checkpointing(self) -> CheckpointPlan | None:
+        return self.blocks.checkpointing
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -162,9 +169,20 @@ class DeepSpeedStrategy(
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
         """On the launching process: resolve the config with what is known before `setup`, and check it can run."""
         check_before_launch(self.resolution, trainer, fit_arguments)
+        self.check_block_options()
         model = fit_arguments.get("model")
-        if self.compile and isinstance(model, nn.Module) and next(model.parameters(), None) is not None:
-            block_classes_for(model, self.block_classes, ["compile"])
+        if self.blocks.needed_by and isinstance(model, nn.Module) and next(model.parameters(), None) is not None:
+            self.blocks.classes_in(model)
+
+    def check_block_options(self) -> None:
+        """Op-level checkpointing replays a block's ops in backward and must meet the same ones; ZeRO-3 gathers
+        and frees the block's parameters inside it, at other points when recomputing (measured: "aten.empty ...
+        encountered during backward but not found in storage")."""
+        plan = self.blocks.checkpointing
+        if plan is not None and plan.ops and int(self.zero.stage) >= 3:
+            raise ValueError("strategy.activation_checkpointing=ops: ZeRO-3 gathers and frees parameters inside each "
+                             "block, which op-level checkpointing cannot replay; use true (every block) or an integer "
+                             "k (every k-th block)")
 
     def resolution(self, trainer: Any, model: Any, loader: Any = None, datamodule: Any = None, in_rank: bool = True) -> Resolution:
         return self.run_config.resolve(self.base_config, self.world_size, trainer, model, loader, datamodule, in_rank)
@@ -214,8 +232,8 @@ class DeepSpeedStrategy(
         if self.zero_stage_3:
             prepare_zero3_runtime(self.config)
         import_muon_with_deferred_compilation()
-        if self.compile:  # each block compiled in place; DeepSpeed's hooks then wrap the compiled blocks
-            compile_blocks(self.model, block_classes_for(self.model, self.block_classes, ["compile"]))
+        self.check_block_options()
+        self.blocks.apply(self.model)  # in place; DeepSpeed's hooks then wrap the checkpointed, compiled blocks
         super().init_deepspeed()
         if self.tensor_parallel_size > 1:
             check_tensor_parallel_inputs(self.deepspeed_engine, self.root_device)

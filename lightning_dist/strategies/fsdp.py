@@ -26,20 +26,19 @@ from lightning_dist.memory.layout import Layout, fsdp_layout
 from lightning_dist.optim import require_shardable_optimizer
 from lightning_dist.parallel import (
     BlockClasses,
-    apply_activation_checkpointing,
     apply_fully_shard,
-    block_classes_for,
     materialize_shards,
     mixed_precision_policy,
     offload_policy,
-    resolve_block_classes,
     sharding_layout,
 )
 from lightning_dist.parallel.collective_timeout import forming_process_group
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.dims import TENSOR_PARALLEL, ParallelDims
 from lightning_dist.parallel.grad_norm import clip_grad_norm_
-from lightning_dist.parallel.regional_compile import ReportsCompilation, compile_blocks
+from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
+from lightning_dist.parallel.block_options import BlockOptions
+from lightning_dist.parallel.regional_compile import ReportsCompilation
 from lightning_dist.parallel.tensor_parallel import (
     TensorParallelPlan, apply_tensor_parallel, check_plan, check_sizes, resolve_plan,
 )
@@ -60,7 +59,8 @@ class FSDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, ForgetsUnb
         block_class: the repeated layer (class or dotted path, or a list of them: an encoder's and a decoder's) that
             becomes one FSDP unit each, and what activation checkpointing wraps. Unset: the classes of the model's
             layer stacks (`nn.ModuleList`s of one class).
-        activation_checkpointing: recompute each block's activations in backward instead of storing them.
+        activation_checkpointing: recompute activations in backward: true (every block), "ops" (every block,
+            keeping the outputs of its matrix products and attention), or an integer k (every k-th block).
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
         save_distributed_checkpoint: each rank writes its shard (a checkpoint directory); False gathers one file.
         tensor_parallel_size: ranks of one tensor-parallel group, which split each planned layer (within a node);
@@ -79,7 +79,7 @@ class FSDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, ForgetsUnb
         self,
         sharding_strategy: str = "FULL_SHARD",
         block_class: str | type[nn.Module] | Sequence[str | type[nn.Module]] | None = None,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | str | int = False,
         cpu_offload: bool = False,
         save_distributed_checkpoint: bool = True,
         tensor_parallel_size: int = 1,
@@ -96,14 +96,12 @@ class FSDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, ForgetsUnb
         )
         self.reshard_after_forward, self.hybrid = sharding_layout(sharding_strategy)
         self.sharding_strategy = str(sharding_strategy).upper()
-        self.block_classes = () if block_class is None else resolve_block_classes(block_class, "strategy.block_class")
-        self.activation_checkpointing = activation_checkpointing
+        self.blocks = BlockOptions.of(block_class, activation_checkpointing, compile)
         self.cpu_offload = cpu_offload
         self.tensor_parallel_size = tensor_parallel_size
         self.data_parallel_replicate_size = data_parallel_replicate_size
         self.tensor_parallel_plan = None if tensor_parallel_plan is None else check_plan(
             dict(tensor_parallel_plan), "strategy.tensor_parallel_plan")
-        self.compile = compile
 
     @override
     def _configure_launcher(self) -> None:
@@ -132,8 +130,11 @@ class FSDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, ForgetsUnb
 
     def block_classes_of(self, model: nn.Module) -> BlockClasses:
         """The configured block classes, each present in `model`, or those inferred from its layer stacks."""
-        needed_by = ["activation checkpointing"] * self.activation_checkpointing + ["compile"] * self.compile
-        return block_classes_for(model, self.block_classes, needed_by)
+        return self.blocks.classes_in(model)
+
+    @property
+    def activation_checkpointing(self) -> CheckpointPlan | None:
+        return self.blocks.checkpointing
 
     precision_support = PrecisionSupport(fp16_loss_scaling=False)  # FSDP2 has no gradient scaler for fp16
 
@@ -211,10 +212,7 @@ class FSDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, ForgetsUnb
         if self.parallel_dims.tp > 1 and not any(isinstance(p, DTensor) for p in model.parameters()):
             # Split first (a configure_model that split the model itself is left as it is), as torchtitan orders it.
             apply_tensor_parallel(model, self.device_mesh[TENSOR_PARALLEL], self.tensor_parallel_plan_of(model))
-        if self.activation_checkpointing:
-            apply_activation_checkpointing(model, block_classes)
-        if self.compile:
-            compile_blocks(model, block_classes)
+        self.blocks.apply(model, block_classes)  # activation checkpointing, then compilation
         apply_fully_shard(
             model,
             mesh=self.parallel_dims.sharding_mesh(self.device_mesh),

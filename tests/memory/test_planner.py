@@ -9,7 +9,9 @@ import torch
 
 import lightning_dist  # noqa: F401
 from lightning_dist.memory import GB, ModelFacts, layout_of, plan_memory
+from lightning_dist.memory.layout import Layout
 from lightning_dist.models.gpt import GPTLanguageModel, TransformerBlock
+from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
 from lightning_dist.strategies.presets import PRESETS
 
 
@@ -103,6 +105,23 @@ def test_activation_checkpointing_shrinks_activations_in_the_plan():
     plain, checkpointed = (preset_plan(n, facts, "32-true", devices=2) for n in ("fsdp", "fsdp_activation_checkpointing"))
     assert plain.device["activations"] == facts.activation_bytes
     assert checkpointed.device["activations"] == facts.checkpointed_activation_bytes
+
+
+def test_selective_checkpointing_plans_between_none_and_every_block():
+    batch = (torch.zeros(8, 128, dtype=torch.long), torch.zeros(8, 128, dtype=torch.long))
+    facts = ModelFacts.of(GPTLanguageModel, batch, (TransformerBlock,))
+    blocks = facts.block_activations
+    assert len(blocks) == 4 and all(0 < b.inputs < b.products < b.saved for b in blocks)
+    none, full, ops, every_2 = (facts.activations_under(plan) for plan in
+                                (None, CheckpointPlan(), CheckpointPlan(ops=True), CheckpointPlan(every=2)))
+    assert (none, full) == (facts.activation_bytes, facts.checkpointed_activation_bytes)
+    assert full < ops < none and full < every_2 < none
+    # Every other block: two of the four blocks keep only their inputs; one is recomputed at a time.
+    saved, inputs = blocks[0].saved, blocks[0].inputs
+    assert every_2 == none - 2 * (saved - inputs) + saved
+    layout = Layout("fsdp", "torch", shard_parameters=True, shard_gradients=True, shard_optimizer=True,
+                    activation_checkpointing=CheckpointPlan(ops=True))
+    assert plan_memory(facts, layout, "32-true", devices=2).device["activations"] == ops
 
 
 def test_zero_3_keeps_parameters_under_its_persistence_threshold_whole():
