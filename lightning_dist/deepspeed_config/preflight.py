@@ -32,7 +32,8 @@ def native_ops_needed(config: dict[str, Any]) -> list[str]:
 def check_offload_ready(config: dict[str, Any]) -> None:
     """Raise ValueError naming every NVMe directory that cannot be written and every native op that does not load."""
     problems = [problem for key, path in nvme_paths(config).items() if (problem := _directory_problem(key, path))]
-    problems += [problem for name in native_ops_needed(config) if (problem := _native_op_problem(name))]
+    # A first build takes minutes: with a directory to fix first, only whether the ops can be built is checked.
+    problems += [problem for name in native_ops_needed(config) if (problem := _native_op_problem(name, build=not problems))]
     if problems:
         raise ValueError("offload cannot start: " + " | ".join(problems))
 
@@ -47,20 +48,21 @@ def _directory_problem(key: str, path: str | None) -> str | None:
     return None
 
 
-def _native_op_problem(builder_name: str) -> str | None:
+def _native_op_problem(builder_name: str, build: bool = True) -> str | None:
     from deepspeed.accelerator import get_accelerator
 
     from lightning_dist._compat.deepspeed import announce_op_builds, remember_cpu_info, say_on_local_rank_zero
 
     remember_cpu_info()  # asked here once, for this process and the ranks it starts
-    announce_op_builds(say_on_local_rank_zero)  # a first build takes minutes: say so before it starts
-
     builder = get_accelerator().create_op_builder(builder_name)
     hint = INSTALL_HINTS[builder_name]
     if builder is None:
         return f"DeepSpeed has no {builder_name} for the {get_accelerator().device_name()} accelerator"
     if not builder.is_compatible(verbose=False):
         return f"DeepSpeed's {builder.NAME} op cannot be built here: {hint}"
+    if not build:
+        return None
+    announce_op_builds(say_on_local_rank_zero)  # a first build takes minutes: say so before it starts
     try:
         builder.load(verbose=False)
     except Exception as error:  # noqa: BLE001 - a compiler or linker failure; its text goes into the message

@@ -14,11 +14,11 @@ from unittest import mock
 
 import torch
 from torch import nn
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_dist._compat.torch import storage_identity, storage_owner, tree_map
 from lightning_dist.deepspeed_config.facts import hidden_size_of
+from lightning_dist.memory.attention_kernel import fused_attention
 from lightning_dist.parallel.activation_checkpoint import KEPT_OPS, CheckpointPlan
 from lightning_dist.parallel.classes import block_modules
 
@@ -148,6 +148,7 @@ def _trace_activations(module: nn.Module, batch: Any, blocks: list[nn.Module]) -
             stack.callback(block.register_forward_pre_hook(enter).remove)
             stack.callback(block.register_forward_hook(leave).remove)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        stack.enter_context(fused_attention())  # meta has no fused kernel: its math path saves T x T weights
         stack.enter_context(_OutputsOf(KEPT_OPS, product))
         stack.enter_context(mock.patch.object(type(module), "log", lambda *a, **k: None, create=True))
         step = getattr(module, "training_step", None)

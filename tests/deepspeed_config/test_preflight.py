@@ -44,6 +44,28 @@ def test_unwritable_directory_is_named(tmp_path):
         check_offload_ready(nvme_config(directory))
 
 
+class _Buildable:
+    NAME = "async_io"
+    loaded = False
+
+    def is_compatible(self, verbose=False):
+        return True
+
+    def load(self, verbose=False):
+        _Buildable.loaded = True
+
+
+def test_a_directory_to_fix_is_named_before_minutes_of_building(tmp_path, monkeypatch):
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(get_accelerator(), "create_op_builder", lambda name: _Buildable())
+    with pytest.raises(ValueError, match="nvme_path=.*: no such directory"):
+        check_offload_ready(nvme_config(tmp_path / "nope"))
+    assert not _Buildable.loaded
+    check_offload_ready(nvme_config(tmp_path))
+    assert _Buildable.loaded  # with the directory right, the ops are built (and loaded) before launch
+
+
 class _NoLibaio:
     NAME = "async_io"
 
@@ -51,7 +73,7 @@ class _NoLibaio:
         return False
 
 
-def test_missing_libaio_fails_fast_with_the_install_hint(tmp_path, monkeypatch):
+def test_missing_libaio_fails_fast_with_the_install_hint(tmp_path, monkeypatch, deepspeed_ops):  # CPU Adam built
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()

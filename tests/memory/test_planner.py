@@ -124,6 +124,17 @@ def test_selective_checkpointing_plans_between_none_and_every_block():
     assert plan_memory(facts, layout, "32-true", devices=2).device["activations"] == ops
 
 
+def test_traced_attention_saves_what_a_fused_kernel_saves():
+    # The fused kernels save q, k, v, the output and a row per query: linear in the context. Meta's math path would
+    # save the (T x T) weights too, and a block would save more than twice as much at twice the context.
+    def block_at(context: int):
+        batch = (torch.zeros(8, context, dtype=torch.long),) * 2
+        return ModelFacts.of(partial(GPTLanguageModel, block_size=256), batch, (TransformerBlock,)).block_activations[0]
+
+    short, long = block_at(128), block_at(256)
+    assert (long.saved, long.products, long.inputs) == (2 * short.saved, 2 * short.products, 2 * short.inputs)
+
+
 def test_zero_3_keeps_parameters_under_its_persistence_threshold_whole():
     facts = ModelFacts.of(GPTLanguageModel)  # every parameter of the tiny GPT has fewer than 1e5 elements
     assert max(facts.parameter_sizes) < 100_000 and sum(facts.parameter_sizes) == facts.parameters

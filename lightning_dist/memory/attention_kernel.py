@@ -1,0 +1,33 @@
+"""Attention as a device runs it, on meta and fake tensors.
+
+`scaled_dot_product_attention` picks its kernel by device type. Meta and fake tensors have no fused kernel registered,
+so there it falls back to the math path, which materialises and saves the (T x T) attention weights: an activation
+trace then counts memory no real run holds (the fused kernels save q, k, v, the output and one log-sum-exp row per
+query) and misses what op-level checkpointing keeps. Within `fused_attention()`, every call runs the fused kernel's
+own meta function instead: CPU's flash kernel, whose saved tensors match CUDA's flash and efficient kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+
+class fused_attention(TorchFunctionMode):
+    """Within: `F.scaled_dot_product_attention`, however it was imported, runs a fused kernel."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _flash(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _flash(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if enable_gqa and key.shape[-3] != query.shape[-3]:  # grouped queries: the fused kernels read shared heads
+        repeats = query.shape[-3] // key.shape[-3]
+        key, value = (t.repeat_interleave(repeats, dim=-3) for t in (key, value))
+    output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    return output
