@@ -11,11 +11,12 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_dist._compat import Fenced
 
 __all__ = [
-    "CheckpointWrapper", "apply_to_tensors", "checkpoint_wrapper", "compilation_events", "cpu_supports_fp16",
+    "CheckpointWrapper", "TorchDispatchMode", "apply_to_tensors", "cpu_flash_attention", "checkpoint_wrapper", "compilation_events", "cpu_supports_fp16",
     "default_process_group_store", "flatten_mesh_dims", "inductor_cache_dir", "is_compiled", "storage_identity",
     "forward_hook_tables", "fsdp_param_group", "local_shard_region", "own_parameters", "parameter_registration",
     "reopen_fsdp_forward", "set_default_process_group_timeout", "saved_file_extents", "storage_owner", "tree_map",
@@ -41,6 +42,8 @@ FENCED = [
     Fenced("torch._dynamo.callback", "CompilationCallbackHandler.register_start_callback", ("self", "callback")),
     Fenced("torch._dynamo.callback", "CompilationCallbackHandler.register_end_callback", ("self", "callback")),
     Fenced("torch._inductor.runtime.cache_dir_utils", "cache_dir", ()),
+    Fenced("torch.utils._python_dispatch", "TorchDispatchMode"),  # the base of every dispatch mode; torch has no other
+    Fenced("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu"),
 ]
 
 
@@ -188,3 +191,12 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return cache_dir()
+
+
+def cpu_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                        dropout_p: float, is_causal: bool, scale: float | None) -> torch.Tensor:
+    """Attention by CPU's fused (flash) kernel, whatever the tensors' device: it has meta and autograd kernels, and
+    saves for backward what the CUDA fused kernels save. `scaled_dot_product_attention` picks it only for CPU tensors."""
+    output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    return output

@@ -9,9 +9,10 @@ own meta function instead: CPU's flash kernel, whose saved tensors match CUDA's 
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from lightning_dist._compat.torch import cpu_flash_attention
 
 
 class fused_attention(TorchFunctionMode):
@@ -28,6 +29,4 @@ def _flash(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
     if enable_gqa and key.shape[-3] != query.shape[-3]:  # grouped queries: the fused kernels read shared heads
         repeats = query.shape[-3] // key.shape[-3]
         key, value = (t.repeat_interleave(repeats, dim=-3) for t in (key, value))
-    output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-    return output
+    return cpu_flash_attention(query, key, value, attn_mask, dropout_p, is_causal, scale)

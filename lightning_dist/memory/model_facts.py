@@ -14,9 +14,8 @@ from unittest import mock
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_dist._compat.torch import storage_identity, storage_owner, tree_map
+from lightning_dist._compat.torch import TorchDispatchMode, storage_identity, storage_owner, tree_map
 from lightning_dist.deepspeed_config.facts import hidden_size_of
 from lightning_dist.memory.attention_kernel import fused_attention
 from lightning_dist.parallel.activation_checkpoint import KEPT_OPS, CheckpointPlan
