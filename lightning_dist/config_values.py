@@ -67,6 +67,8 @@ RULES = (
     Rule("seed", "an integer", integer()),
     Rule("compile", "true or false (true: each block of the model compiled with torch.compile)",
          lambda value: isinstance(value, bool)),
+    Rule("checkpoint.async", "true or false (true: checkpoints written in the background)",
+         lambda value: isinstance(value, bool)),
     Rule("trainer.max_steps", "an integer >= -1 (-1: no limit)", integer(-1)),
     Rule("trainer.max_epochs", "null or an integer >= -1 (-1: no limit)", optional(integer(-1))),
     Rule("trainer.min_steps", "null or an integer >= 0", optional(integer(0))),

@@ -2,6 +2,7 @@
 `resume=true`, again and again, until the run finishes; then its weights must equal an uninterrupted run's.
 
     python -m scripts.fault_loop --strategy fsdp --kills 20 --workdir /tmp/faults
+    python -m scripts.fault_loop --strategy fsdp --kills 20 --workdir /tmp/faults_async checkpoint.async=true
 
 The test suite runs a scaled-down loop (tests/checkpoints/test_fault_loop.py); this is the long one.
 """
@@ -38,7 +39,8 @@ class FaultLoop:
     kills: list[str] = field(default_factory=list)  # what was being written at each kill
 
 
-def train_through_kills(strategy: str, runs_root: Path, kills: int, seed: int = 0, timeout_s: float = 600) -> FaultLoop:
+def train_through_kills(strategy: str, runs_root: Path, kills: int, seed: int = 0, timeout_s: float = 600,
+                        overrides: tuple[str, ...] = ()) -> FaultLoop:
     """Run, and have every rank SIGKILLed 0-15 ms into the run's save number 0-3 (counted from its start), `kills`
     times, each time starting the same command again; then let the last attempt finish. The kill comes from a
     timer inside the run (tests/probes.py KillDuringSave): polling from outside misses saves that last 10 ms."""
@@ -48,7 +50,8 @@ def train_through_kills(strategy: str, runs_root: Path, kills: int, seed: int = 
         run_dir = runs_root / f"attempt{attempt:02d}"
         armed = {"FAULT_KILL_AT_SAVE": str(rng.randint(0, 3)), "FAULT_KILL_DELAY_S": f"{rng.uniform(0, 0.015):.4f}"}
         env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", **(armed if attempt < kills else {})}
-        command = [sys.executable, str(REPO / "train.py"), f"strategy={strategy}", f"hydra.run.dir={run_dir}", *OVERRIDES]
+        command = [sys.executable, str(REPO / "train.py"), f"strategy={strategy}", f"hydra.run.dir={run_dir}",
+                   *OVERRIDES, *overrides]
         with open(runs_root / f"attempt{attempt:02d}.log", "w") as log:
             process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             try:
@@ -82,12 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("overrides", nargs="*", help="more of train.py's overrides, for every attempt")
     args = parser.parse_args(argv)
     reference_dir = args.workdir / "uninterrupted"
     subprocess.run([sys.executable, str(REPO / "train.py"), f"strategy={args.strategy}", f"hydra.run.dir={reference_dir}",
-                    *OVERRIDES], cwd=REPO, check=True, capture_output=True)
+                    *OVERRIDES, *args.overrides], cwd=REPO, check=True, capture_output=True)
     (args.workdir / "runs").mkdir(parents=True, exist_ok=True)
-    loop = train_through_kills(args.strategy, args.workdir / "runs", args.kills, args.seed)
+    loop = train_through_kills(args.strategy, args.workdir / "runs", args.kills, args.seed,
+                               overrides=tuple(args.overrides))
     print("\n".join(loop.kills))
     final, reference = (torch.load(d / "gathered_state.pt") for d in (loop.final_run, reference_dir))
     worst = max((final[k].float() - reference[k].float()).abs().max().item() for k in reference if k != "bytes_seen")

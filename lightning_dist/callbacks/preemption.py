@@ -103,6 +103,9 @@ class Preemption(L.Callback):
         else:
             path = str(Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt")
         trainer.save_checkpoint(path)  # every rank: sharded strategies save together
+        wait_for_checkpoints = getattr(trainer.strategy, "wait_for_checkpoints", None)
+        if wait_for_checkpoints is not None:  # checkpoint.async: the job ends next, so the write must be done first
+            wait_for_checkpoints()
         if checkpoint is not None:
             checkpoint.last_model_path = path
         return path

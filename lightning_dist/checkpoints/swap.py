@@ -27,27 +27,44 @@ def write_then_swap(strategy: Ranks, final: str | Path, write: Callable[[Path], 
     offloaded tensors with `copytree`) always get a fresh one.
     """
     final = Path(final)
-    partial = partial_path(final)
-    check_shared(strategy, final.parent)
-    if strategy.is_global_zero:
-        # Left behind by a save that was cut off. One rank owns the clean-up: on storage several nodes share, every
-        # node removing it at once fails on the files another node removed first.
-        _remove(partial, missing_ok=True)
-    strategy.barrier()
+    partial = clear_partial(strategy, final)
     try:
         write(partial)
     except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is one
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise
-        failed = SaveFailed(final, error)  # the space left is measured before the part written is removed
-        _remove(partial, missing_ok=True)  # on a full disk, it would stay in the way of the next save
-        raise failed from error
+        raise discard(partial, final, error) from error
     strategy.barrier()
     if strategy.is_global_zero:  # the storage is shared (`check_shared`): it sees every rank's part
-        if partial.is_dir():  # every rank's shards are written: the record of them comes last (manifest.py)
-            write_manifest(partial)
-        _swap(partial, final)
+        commit(partial, final)
     strategy.barrier()
+
+
+def clear_partial(strategy: Ranks, final: Path) -> Path:
+    """The partial path beside `final`, emptied of what a save that was cut off left there (a collective)."""
+    partial = partial_path(final)
+    check_shared(strategy, final.parent)
+    if strategy.is_global_zero:
+        # One rank owns the clean-up: on storage several nodes share, every node removing it at once fails on the
+        # files another node removed first.
+        _remove(partial, missing_ok=True)
+    strategy.barrier()
+    return partial
+
+
+def discard(partial: Path, final: Path, error: BaseException) -> SaveFailed:
+    """The failure of a save to `final`, said with the space left; its partial part removed (on a full disk, it
+    would stay in the way of the next save)."""
+    failed = SaveFailed(final, error)  # the space left is measured before the part written is removed
+    _remove(partial, missing_ok=True)
+    return failed
+
+
+def commit(partial: Path, final: Path) -> None:
+    """Once every rank's part is written: the record of a directory's shards, then the swap into place."""
+    if partial.is_dir():
+        write_manifest(partial)  # comes last (manifest.py)
+    _swap(partial, final)
 
 
 _seen_shared: set[Path] = set()

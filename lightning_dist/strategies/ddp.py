@@ -14,6 +14,7 @@ from typing_extensions import override
 from lightning_dist.checkpoints.formats import FILE
 from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
+from lightning_dist.checkpoints.background import BackgroundSaves
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.memory.layout import Layout
 from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
@@ -25,7 +26,7 @@ from lightning_dist.parallel.regional_compile import ReportsCompilation
 from lightning_dist.strategies.launcher import guarded
 
 
-class DDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, _LightningDDPStrategy):
+class DDPStrategy(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobalSteps, _LightningDDPStrategy):
     """Data-parallel training; registered as `ld_ddp` so it sits beside our FSDP and DeepSpeed presets.
 
     Lightning's DDP already runs on CPU. What this adds: gradients that live in DDP's buckets (one copy, not two),
@@ -38,6 +39,7 @@ class DDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, _LightningD
         compile: compile each block with torch.compile (regional compilation) before DDP wraps the model.
         block_class: the repeated layer (class or dotted path, or a list) that the two options above act on; unset:
             the classes of the model's layer stacks.
+        async_checkpoint: write checkpoints in the background: the step waits only while rank 0 copies the state.
     """
 
     strategy_name = "ld_ddp"
@@ -50,6 +52,7 @@ class DDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, _LightningD
         activation_checkpointing: bool | str | int = False,
         compile: bool = False,
         block_class: str | type[nn.Module] | Sequence[str | type[nn.Module]] | None = None,
+        async_checkpoint: bool = False,
         **kwargs: Any,
     ) -> None:
         # Gradients as views of DDP's all-reduce buckets: without it every rank holds each gradient twice (in
@@ -58,6 +61,7 @@ class DDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, _LightningD
             *args, gradient_as_bucket_view=gradient_as_bucket_view, timeout=process_group_timeout(timeout), **kwargs
         )
         self.blocks = BlockOptions.of(block_class, activation_checkpointing, compile)
+        self.async_checkpoint = async_checkpoint
 
     @override
     def _configure_launcher(self) -> None:

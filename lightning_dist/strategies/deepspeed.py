@@ -67,6 +67,7 @@ class DeepSpeedStrategy(
         compile: compile each block with torch.compile (regional compilation) before `deepspeed.initialize`.
         block_class: the repeated layer (class or dotted path, or a list) that the two options above act on; unset:
             the classes of the model's layer stacks.
+        async_checkpoint: refused before launch: DeepSpeed's engine writes its checkpoints itself.
     """
 
     strategy_name = "ld_deepspeed"
@@ -84,8 +85,10 @@ class DeepSpeedStrategy(
         activation_checkpointing: bool | str | int = False,
         compile: bool = False,
         block_class: str | type[nn.Module] | Sequence[str | type[nn.Module]] | None = None,
+        async_checkpoint: bool = False,
     ) -> None:
         self.blocks = BlockOptions.of(block_class, activation_checkpointing, compile)
+        self.async_checkpoint = async_checkpoint
         self.run_config = RunConfig.of(stage, offload_optimizer, offload_parameters, nvme_path, config, tensor_parallel_size)
         super().__init__(
             stage=2 if stage is None else stage, config=self.run_config.user_config, sub_group_size=OPTIMIZER_TILE,
@@ -170,6 +173,11 @@ class DeepSpeedStrategy(
         """On the launching process: resolve the config with what is known before `setup`, and check it can run."""
         check_before_launch(self.resolution, trainer, fit_arguments)
         self.check_block_options()
+        if self.async_checkpoint:
+            raise ValueError(
+                "checkpoint.async=true: DeepSpeed's engine writes its checkpoints itself, synchronously, and has no "
+                "hook to stage them; its own asynchronous writer is a ds_config setting (checkpoint.writer.decoupled, "
+                "FastPersist on the async_io op). Background saves are for the ddp and fsdp presets")
         model = fit_arguments.get("model")
         if self.blocks.needed_by and isinstance(model, nn.Module) and next(model.parameters(), None) is not None:
             self.blocks.classes_in(model)

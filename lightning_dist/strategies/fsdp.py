@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,6 +22,7 @@ from lightning_dist._compat.lightning import give_device_mesh, move_optimizers_t
 from lightning_dist.checkpoints.formats import DISTRIBUTED
 from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
 from lightning_dist.checkpoints.resume import load_for_resume, load_weights_from_rank_zero, restore_optimizer_by_name
+from lightning_dist.checkpoints.background import BackgroundSaves
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.memory.layout import Layout, fsdp_layout
 from lightning_dist.optim import require_shardable_optimizer
@@ -50,7 +52,9 @@ from lightning_dist.strategies.launcher import guarded
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-class FSDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, ModelParallelStrategy):
+class FSDPStrategy(
+    ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, ModelParallelStrategy
+):
     """Fully Sharded Data Parallel (FSDP2) on CPU (gloo) or CUDA (nccl).
 
     Args:
@@ -71,6 +75,8 @@ class FSDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, ForgetsUnb
             (`tp_plan`, parallel/tensor_parallel.py).
         compile: compile each block with torch.compile (regional compilation), after activation checkpointing and
             before sharding.
+        async_checkpoint: write checkpoints in the background: the step waits only while each rank copies its
+            shards to host memory.
     """
 
     strategy_name = "ld_fsdp"
@@ -86,6 +92,7 @@ class FSDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, ForgetsUnb
         data_parallel_replicate_size: int | None = None,
         tensor_parallel_plan: dict[str, str] | None = None,
         compile: bool = False,
+        async_checkpoint: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
     ) -> None:
@@ -98,6 +105,7 @@ class FSDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, ForgetsUnb
         self.sharding_strategy = str(sharding_strategy).upper()
         self.blocks = BlockOptions.of(block_class, activation_checkpointing, compile)
         self.cpu_offload = cpu_offload
+        self.async_checkpoint = async_checkpoint
         self.tensor_parallel_size = tensor_parallel_size
         self.data_parallel_replicate_size = data_parallel_replicate_size
         self.tensor_parallel_plan = None if tensor_parallel_plan is None else check_plan(
@@ -225,6 +233,16 @@ class FSDPStrategy(ReportsCompilation, SwappedSaves, LogsGlobalSteps, ForgetsUnb
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val)
+
+    def staged_write(self, checkpoint: dict[str, Any], partial: Path) -> Callable[[], None]:
+        """Background saves: the shards as Lightning's ModelParallelStrategy lays them out (`state_dict`,
+        `optimizer_<i>`), the rest as its metadata file."""
+        if not self._save_distributed_checkpoint:
+            return super().staged_write(checkpoint, partial)
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        for index, optimizer in enumerate(checkpoint.pop("optimizer_states", [])):
+            state[f"optimizer_{index}"] = optimizer
+        return self.sharded_write(state, checkpoint, partial)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

@@ -13,9 +13,12 @@ pytestmark = pytest.mark.slow
 
 # The two directory formats, whose saves take long enough for kills to cut them off midway (DDP's 10 MB file is
 # written in a few ms, and replaced atomically). Any preset, 20 kills: `python -m scripts.fault_loop --strategy ddp`.
-@pytest.mark.parametrize("name", ["fsdp", "deepspeed_stage_2"])
-def test_kill_9_during_saves_then_resume_ends_with_the_uninterrupted_weights(name, curve_runs, tmp_path):
-    loop = train_through_kills(name, tmp_path, kills=5, seed=sum(map(ord, name)))
+# With checkpoint.async=true the kill lands in a background write while training goes on.
+@pytest.mark.parametrize(("name", "overrides"),
+                         [("fsdp", ()), ("deepspeed_stage_2", ()), ("fsdp", ("checkpoint.async=true",))],
+                         ids=["fsdp", "deepspeed_stage_2", "fsdp checkpoint.async=true"])
+def test_kill_9_during_saves_then_resume_ends_with_the_uninterrupted_weights(name, overrides, curve_runs, tmp_path):
+    loop = train_through_kills(name, tmp_path, kills=5, seed=sum(map(ord, name)), overrides=overrides)
     assert len(loop.kills) == 5, loop.kills
     assert any(".partial" in kill for kill in loop.kills), loop.kills  # at least one cut a write off midway
     assert loop.returncode == 0, (tmp_path / loop.final_run.name).with_suffix(".log").read_text()[-3000:]
