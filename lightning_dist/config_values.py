@@ -67,6 +67,11 @@ RULES = (
     Rule("seed", "an integer", integer()),
     Rule("compile", "true or false (true: each block of the model compiled with torch.compile)",
          lambda value: isinstance(value, bool)),
+    Rule("dry_run", "true or false (true: the run set up and stepped on fake devices at its world size)",
+         lambda value: isinstance(value, bool)),
+    Rule("dry_run_ranks", "null or a list of global ranks (integers >= 0)",
+         optional(lambda value: (OmegaConf.is_list(value) or isinstance(value, (list, tuple))) and len(value) > 0
+                  and all(integer(0)(rank) for rank in value))),
     Rule("checkpoint.async", "true or false (true: checkpoints written in the background)",
          lambda value: isinstance(value, bool)),
     Rule("trainer.max_steps", "an integer >= -1 (-1: no limit)", integer(-1)),

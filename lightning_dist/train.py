@@ -43,6 +43,8 @@ from lightning_dist.config_values import check_values
 from lightning_dist.launch.isolated_job import JobFailed, needs_isolation, run_isolated
 from lightning_dist.launch.job_store import RefusedElsewhere, shared_choice
 from lightning_dist.launch.run_dir import discard_refused_run
+from lightning_dist.dry_run import RankView, dry_run_ranks
+from lightning_dist.dry_run import table as dry_run_table
 from lightning_dist.memory import AutoFit, Choice, MemoryPlan, ModelFacts, layout_of, plan_memory
 from lightning_dist.memory.compare import compare_presets
 from lightning_dist.parallel import BlockClasses, require_classes_in_model, resolve_block_classes
@@ -207,6 +209,37 @@ def plan(cfg: DictConfig) -> MemoryPlan:
     return memory_plan
 
 
+def dry_run(cfg: DictConfig) -> list[RankView]:
+    """`dry_run=true`: the strategy's set-up and two steps at the configured world size, seen from the first and the
+    last rank (or `dry_run_ranks`), under a fake process group and fake tensors; printed beside the plan."""
+    try:
+        check_values(cfg)
+        datamodule = _instantiate(cfg.data, "data")
+        _block_classes(cfg)
+        strategy = _instantiate(cfg.strategy, "strategy")
+        name = HydraConfig.get().runtime.choices.get("strategy") or type(strategy).__name__
+        if not hasattr(strategy, "build_device_mesh"):
+            raise ConfigError(f"dry_run=true: strategy={name} is not dry-run yet; the fsdp presets are (fsdp,"
+                              " fsdp_shard_grad_op, fsdp_activation_checkpointing, fsdp_cpu_offload, fsdp_tp, hsdp_tp);"
+                              f" plan=true gives every preset's memory")
+        devices, num_nodes = _device_count(cfg)
+        world = devices * num_nodes
+        ranks = tuple(cfg.get("dry_run_ranks") or (0, world - 1))
+        if any(not 0 <= rank < world for rank in ranks):
+            raise ConfigError(f"dry_run_ranks={list(ranks)}: global ranks of this run are 0 to {world - 1}")
+        facts = _model_facts(cfg, datamodule)
+        batch = next(iter(datamodule.train_dataloader()))
+        build = lambda: instantiate(_module_config(cfg), _convert_="all")  # noqa: E731
+        ranks = tuple(dict.fromkeys(ranks))  # each once, in the order given
+        views = dry_run_ranks(strategy, build, batch, cfg.trainer.precision, devices, num_nodes, ranks)
+        memory_plan = plan_memory(facts, layout_of(strategy, name), cfg.trainer.precision, devices=devices,
+                                  num_nodes=num_nodes)
+    except (InstantiationException, ValueError, TypeError) as error:
+        raise _config_error(error) from error
+    print(dry_run_table(views, name, cfg.trainer.precision, devices, num_nodes, memory_plan.device))
+    return views
+
+
 def _instantiate(node: DictConfig, key: str, **runtime_objects: Any) -> Any:
     log.debug(f"Instantiating {key} <{node.get('_target_')}>")
     # _convert_=all: strategies receive plain dicts and lists (a DeepSpeed config must be a real dict).
@@ -339,6 +372,9 @@ def run_job(cfg: DictConfig) -> Any:
             metrics = run_isolated(hydra_config)
         elif cfg.get("plan"):
             plan(cfg)
+            return {}
+        elif cfg.get("dry_run"):
+            dry_run(cfg)
             return {}
         else:
             metrics = train(cfg)

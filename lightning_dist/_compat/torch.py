@@ -16,7 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_dist._compat import Fenced
 
 __all__ = [
-    "CheckpointWrapper", "TorchDispatchMode", "apply_to_tensors", "cpu_flash_attention", "checkpoint_wrapper", "compilation_events", "cpu_supports_fp16",
+    "CheckpointWrapper", "TorchDispatchMode", "fake_process_group", "fake_tensors", "fsdp_memory_tracker",
+    "memory_categories", "apply_to_tensors", "cpu_flash_attention", "checkpoint_wrapper", "compilation_events", "cpu_supports_fp16",
     "default_process_group_store", "flatten_mesh_dims", "inductor_cache_dir", "is_compiled", "storage_identity",
     "forward_hook_tables", "fsdp_param_group", "local_shard_region", "own_parameters", "parameter_registration",
     "reopen_fsdp_forward", "set_default_process_group_timeout", "saved_file_extents", "storage_owner", "tree_map",
@@ -44,6 +45,11 @@ FENCED = [
     Fenced("torch._inductor.runtime.cache_dir_utils", "cache_dir", ()),
     Fenced("torch.utils._python_dispatch", "TorchDispatchMode"),  # the base of every dispatch mode; torch has no other
     Fenced("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu"),
+    # The dry run (lightning_dist/dry_run.py): torch's fake process group, fake tensors and FSDP2's memory tracker.
+    Fenced("torch.testing._internal.distributed.fake_pg", "FakeStore"),
+    Fenced("torch._subclasses.fake_tensor", "FakeTensorMode", ("allow_fallback_kernels", "allow_non_fake_inputs")),
+    Fenced("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker", ("mod", "optm")),
+    Fenced("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker.get_tracker_snapshot", ("self", "type")),
 ]
 
 
@@ -200,3 +206,39 @@ def cpu_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
     return output
+
+
+@contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """The default process group as rank `rank` of `world_size`: collectives complete at once, sending nothing.
+    torch's "fake" backend, registered by its test utilities' FakeStore module (no public home yet)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fake_tensors() -> Any:
+    """A mode in which tensors have shapes and devices but no storage; real and meta tensors met there are
+    converted (FSDP2 keeps meta tensors of its own)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fsdp_memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """torch's memory tracker for FSDP2 models: bytes by category (sharded and gathered parameters, gradients,
+    optimizer state, communication buffers, activations, temporaries), at the peak of what it followed."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    return FSDPMemTracker(model, optimizer)
+
+
+def memory_categories(tracker: Any) -> dict[str, int]:
+    """Bytes by category (SHARDED_PARAM, ACT, ..., and "Total") at the peak of the one device `tracker` followed."""
+    (categories,) = tracker.get_tracker_snapshot("peak").values()
+    return {str(getattr(key, "name", key)): int(value) for key, value in categories.items()}

@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
@@ -165,8 +166,13 @@ class FSDPStrategy(
         Strategy.setup_environment(self)
         with forming_process_group(self._timeout, lambda: self.global_rank):
             self._setup_distributed()
-        self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
-        give_device_mesh(self.lightning_module, self._device_mesh)
+        give_device_mesh(self.lightning_module, self.build_device_mesh(self.root_device.type))
+
+    def build_device_mesh(self, device_type: str) -> DeviceMesh:
+        """The mesh of this strategy's parallel dimensions over the default process group, kept as its own (a
+        collective: every rank builds it)."""
+        self._device_mesh = self.parallel_dims.build_mesh(device_type)
+        return self._device_mesh
 
     @override
     def _get_process_group_backend(self) -> str:

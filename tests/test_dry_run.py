@@ -1,0 +1,77 @@
+"""dry_run=true: the strategy's set-up and two steps at 64 ranks, seen from the first and the last, in one process,
+nothing allocated: the mesh coordinates, each parameter's shard and each rank's peak beside the plan."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from functools import partial
+
+import pytest
+import torch
+
+from tests.conftest import REPO, documented, run_documented
+
+PAGE = REPO / "docs" / "memory.md"
+
+
+@pytest.fixture(scope="module")
+def documented_dry_run(tmp_path_factory) -> subprocess.CompletedProcess:
+    command = documented(PAGE, "python train.py dry_run=true")
+    return run_documented(command, tmp_path_factory.mktemp("dry_run"), timeout=600)  # as typed, from a fresh directory
+
+
+def rows(output: str) -> dict[str, list[str]]:
+    return {cells[0]: cells[1:] for line in output.splitlines() if line.startswith("| ")
+            for cells in [[c.strip(" *") for c in line.strip("|").split("|")]]}
+
+
+def test_the_documented_dry_run_shows_both_ranks_in_the_mesh(documented_dry_run):
+    assert documented_dry_run.returncode == 0, documented_dry_run.stderr[-3000:]
+    out = documented_dry_run.stdout
+    assert "Dry run: fsdp, 32-true, 64 ranks (8 per node) on fake devices: nothing allocated, nothing sent" in out
+    assert "rank 0: data_parallel=0, tensor_parallel=0" in out and "rank 63: data_parallel=63, tensor_parallel=0" in out
+
+
+def test_every_shard_is_its_parameter_split_64_ways(documented_dry_run):
+    table = rows(documented_dry_run.stdout)
+    shards = {name: cells for name, cells in table.items() if name.startswith("model.")}
+    assert "model.blocks.0.mlp.2.weight" in shards and not any(".blocks.1." in name for name in shards)
+    for name, (global_shape, local_shape, placement) in shards.items():
+        whole, shard = eval(global_shape), eval(local_shape)  # noqa: S307 - our own table's lists
+        assert placement == "S(0)" and shard == [math.ceil(whole[0] / 64), *whole[1:]], name
+
+
+def test_the_peak_is_the_plans_give_or_take_what_the_plan_cannot_know(documented_dry_run):
+    table = rows(documented_dry_run.stdout)
+    rank_0, rank_63, plan = (float(v) for v in table["peak"])
+    assert rank_0 == rank_63 and abs(rank_0 - plan) / plan < 0.15
+    for static in ("sharded parameters", "optimizer state"):  # model state: the plan's arithmetic, to 1%
+        measured, _, planned = (float(v) for v in table[static])
+        assert abs(measured - planned) <= 0.01 * planned, static
+    assert "Not seen by a dry run: the CUDA context, library workspaces" in documented_dry_run.stdout
+
+
+def test_other_strategies_are_refused_in_one_line(tmp_path):
+    process = subprocess.run([sys.executable, str(REPO / "train.py"), "dry_run=true", "strategy=deepspeed_stage_3",
+                              f"hydra.run.dir={tmp_path}/run"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert process.returncode == 2
+    assert process.stderr.strip().splitlines()[-1].startswith(
+        "error: dry_run=true: strategy=deepspeed_stage_3 is not dry-run yet; the fsdp presets are (fsdp,")
+
+
+def test_hybrid_sharding_replicates_across_nodes_and_shards_within_one():
+    from lightning_dist.dry_run import dry_run_ranks
+    from lightning_dist.models.gpt import GPTLanguageModel
+    from lightning_dist.strategies import FSDPStrategy
+
+    batch = (torch.zeros(2, 64, dtype=torch.long), torch.zeros(2, 64, dtype=torch.long))
+    (view,) = dry_run_ranks(FSDPStrategy(sharding_strategy="HYBRID_SHARD"), partial(GPTLanguageModel, vocab_size=256),
+                            batch, "32-true", devices=4, num_nodes=2, ranks=(5,))
+    assert view.coordinate == {"data_parallel_replicate": 1, "data_parallel_shard": 1, "tensor_parallel": 0}
+    shards = {name: (whole, local, placement) for name, whole, local, placement in view.shards}
+    assert shards["model.token_embedding.weight"] == ((256, 128), (64, 128), "R, S(0)")
+    assert view.peak["SHARDED_PARAM"] > 0 and view.peak["Total"] >= sum(v for k, v in view.peak.items() if k != "Total")
