@@ -11,10 +11,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_dist.checkpoints.background import BackgroundSaves
 from lightning_dist.checkpoints.formats import FILE
 from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
-from lightning_dist.checkpoints.background import BackgroundSaves
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.memory.layout import Layout
 from lightning_dist.parallel.activation_checkpoint import CheckpointPlan

@@ -20,10 +20,10 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_dist._compat.lightning import give_device_mesh, move_optimizers_to_device
+from lightning_dist.checkpoints.background import BackgroundSaves
 from lightning_dist.checkpoints.formats import DISTRIBUTED
 from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
 from lightning_dist.checkpoints.resume import load_for_resume, load_weights_from_rank_zero, restore_optimizer_by_name
-from lightning_dist.checkpoints.background import BackgroundSaves
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.memory.layout import Layout, fsdp_layout
 from lightning_dist.optim import require_shardable_optimizer
