@@ -72,6 +72,7 @@ RULES = (
     Rule("dry_run_ranks", "null or a list of global ranks (integers >= 0)",
          optional(lambda value: (OmegaConf.is_list(value) or isinstance(value, (list, tuple))) and len(value) > 0
                   and all(integer(0)(rank) for rank in value))),
+    Rule("dry_run_device_memory_gb", "a number of GB above 0 (one device's memory)", number(above=0)),
     Rule("checkpoint.async", "true or false (true: checkpoints written in the background)",
          lambda value: isinstance(value, bool)),
     Rule("trainer.max_steps", "an integer >= -1 (-1: no limit)", integer(-1)),

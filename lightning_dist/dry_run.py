@@ -2,14 +2,16 @@
 seen from one rank of `devices x num_nodes`, in this one process, with nothing allocated and nothing sent.
 
 torch's fake process group completes every collective without sending anything, and fake tensors have shapes and
-devices but no storage. The model is built on the meta device and sharded there by the strategy's `parallelize`
-(its mesh, tensor parallelism, activation checkpointing, FSDP2), then given fake storage; FSDP2's memory tracker
-follows the second step (the first counts DTensor temporaries at their global shape) and reports the rank's peak by
-category. What a dry run cannot see: the CUDA context, library workspaces, allocator fragmentation, NCCL's buffers,
-and time.
+devices but no storage. The model is built on the meta device and set up by the strategy itself (FSDP: its mesh,
+tensor parallelism, activation checkpointing and FSDP2's sharding, then fake storage for the shards; DDP: its
+wrapper); torch's memory trackers follow the second step (the first counts DTensor temporaries at their global
+shape) and report the rank's peak by category. Fake tensors live on `cuda:<local rank>` for a GPU run (on this
+machine's CUDA, or with CUDA faked: `_compat/fake_cuda.py`) and every op and collective is device-checked
+(`parallel/device_check.py`); else on the host. What a dry run cannot see: the CUDA context, library workspaces,
+allocator fragmentation, NCCL's buffers, and time.
 
-So far: the fsdp presets (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, activation checkpointing, tensor parallelism),
-with CPU fakes. ddp and DeepSpeed: `plan=true`.
+ddp and the fsdp presets (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, activation checkpointing, tensor parallelism,
+CPU offload). DeepSpeed: `plan=true`.
 """
 
 from __future__ import annotations
@@ -17,15 +19,26 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 from unittest import mock
 
 import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
 from torch import nn
 
-from lightning_dist._compat.torch import fake_process_group, fake_tensors, fsdp_memory_tracker, memory_categories
+from lightning_dist._compat.fake_cuda import FakeCudaUnavailable, run_with_fake_cuda, shim_library
+from lightning_dist._compat.lightning import training_step_in_wrapper, wrapped_by_strategy
+from lightning_dist._compat.torch import (
+    ddp_on_fake_tensors, fake_pinned_memory, fake_process_group, fake_tensors, fsdp_memory_tracker,
+    memory_categories, meshes_built_outside_fake_tensors, module_memory_tracker, tree_map,
+)
 from lightning_dist.memory.attention_kernel import fused_attention
+from lightning_dist.memory.auto_fit import AutoFit
 from lightning_dist.parallel.classes import block_modules
+from lightning_dist.parallel.device_check import OneDevicePerRank, collective_devices
+from lightning_dist.parallel.devices import process_group_backend
+from lightning_dist.parallel.fsdp import shard_device
 from lightning_dist.parallel.sharded_init import parameters_on_meta
 
 # The tracker's categories, as the table names them, in the order a reader adds them up.
@@ -33,7 +46,7 @@ CATEGORIES = {
     "SHARDED_PARAM": "sharded parameters", "UNSHARDED_PARAM": "gathered parameters", "BUFFER": "buffers",
     "SHARDED_GRAD": "sharded gradients", "UNSHARDED_GRAD": "gathered gradients", "OPT": "optimizer state",
     "ALL_GATHER": "all-gather buffers", "REDUCE_SCATTER": "reduce-scatter buffers", "ACT": "activations",
-    "TEMP": "temporaries", "INP": "inputs",
+    "TEMP": "temporaries", "INP": "inputs", "PARAM": "parameters", "GRAD": "gradients",
 }
 
 
@@ -47,42 +60,146 @@ class RankView:
     rank: int
     coordinate: dict[str, int]
     shards: list[Shard]
-    peak: dict[str, int]  # bytes, by CATEGORIES' key, and "Total"
+    peak: dict[str, int]  # bytes on the rank's device, by CATEGORIES' key, and "Total"
+    host: int = 0  # bytes in host memory at its peak (offloaded state), where the device is not the host
+
+
+def can_dry_run(strategy: Any) -> bool:
+    """Whether `dry_run_ranks` knows the strategy: ours for DDP and FSDP (DeepSpeed's engine: not yet)."""
+    from lightning_dist.strategies import DDPStrategy, FSDPStrategy
+
+    return isinstance(strategy, (DDPStrategy, FSDPStrategy))
+
+
+def dry_run_configured(strategy_config: dict, module_config: dict, batch: Any, precision: str, devices: int,
+                       num_nodes: int, ranks: tuple[int, ...], device_type: str) -> list[RankView]:
+    """`dry_run_ranks` from configurations (plain containers, so that it can run in a process with CUDA faked)."""
+    from hydra.utils import instantiate
+
+    strategy = instantiate(strategy_config, _convert_="all")
+    build = partial(instantiate, module_config, _convert_="all")
+    return dry_run_ranks(strategy, build, batch, precision, devices, num_nodes, ranks, device_type)
+
+
+def dry_run_devices(accelerator: str, devices: int) -> tuple[str, Callable[..., Any], str]:
+    """Where the dry run's fake tensors live, how to run it, and what to say about it: on `cuda` for a GPU run
+    (on this machine's CUDA, else with CUDA faked in a process of its own), else on `cpu`. Where CUDA cannot be
+    faked, CPU fakes: the same bytes, without the device checks."""
+    if accelerator not in ("gpu", "cuda"):
+        return "cpu", _in_this_process, "on fake CPU devices"
+    if torch.cuda.is_available():
+        return "cuda", _in_this_process, "on fake tensors on this machine's CUDA"
+    try:
+        shim_library(devices)
+    except FakeCudaUnavailable as why:
+        return "cpu", _in_this_process, f"on fake CPU devices: CUDA cannot be faked here ({why})"
+    return "cuda", partial(run_with_fake_cuda, devices=devices), "on fake CUDA devices (this machine has none)"
+
+
+def _in_this_process(function: Callable[..., Any], *args: Any) -> Any:
+    return function(*args)
 
 
 def dry_run_ranks(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int,
-                  num_nodes: int, ranks: tuple[int, ...]) -> list[RankView]:
-    """Each of `ranks` (global ranks of devices x num_nodes) set up by `strategy` and trained two steps on `batch`."""
-    return [_one_rank(strategy, build, batch, precision, devices, num_nodes, rank) for rank in ranks]
+                  num_nodes: int, ranks: tuple[int, ...], device_type: str = "cpu") -> list[RankView]:
+    """Each of `ranks` (global ranks of devices x num_nodes) set up by `strategy` and trained two steps on `batch`,
+    on fake `device_type` devices (`cuda` needs CUDA, real or faked: `_compat/fake_cuda.py`)."""
+    return [_one_rank(strategy, build, batch, precision, devices, num_nodes, rank, device_type) for rank in ranks]
+
+
+class _DryRunEnvironment(LightningEnvironment):
+    """Rank `rank` of `devices` per node: what the strategy asks of its cluster, answered without one."""
+
+    def __init__(self, rank: int, devices: int, world_size: int) -> None:
+        super().__init__()
+        self.set_global_rank(rank)
+        self.set_world_size(world_size)
+        self.devices = devices
+
+    def local_rank(self) -> int:
+        return self.global_rank() % self.devices
+
+    def node_rank(self) -> int:
+        return self.global_rank() // self.devices
 
 
 def _one_rank(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int,
-              num_nodes: int, rank: int) -> RankView:
-    from lightning.pytorch.plugins.precision import Precision
-
+              num_nodes: int, rank: int, device_type: str) -> RankView:
+    strategy.cluster_environment = _DryRunEnvironment(rank, devices, devices * num_nodes)
+    strategy.num_nodes = num_nodes
+    strategy.parallel_devices = [torch.device(device_type, index) if device_type == "cuda" else torch.device("cpu")
+                                 for index in range(devices)]
+    strategy.precision_plugin = _precision_plugin(strategy, precision, device_type)
+    root = strategy.root_device
     with fake_process_group(rank, devices * num_nodes):
-        strategy.num_nodes = num_nodes
-        strategy.parallel_devices = [torch.device("cpu")] * devices
-        strategy.precision_plugin = Precision()
-        strategy.precision_plugin.precision = precision
-        mesh = strategy.build_device_mesh("cpu")
+        if device_type == "cuda":
+            torch.cuda.set_device(root)  # as Lightning's CUDA accelerator does before anything is built
+        shards = hasattr(strategy, "parallelize")  # FSDP; else the whole model on each rank, wrapped (DDP)
+        mesh = strategy.build_device_mesh(device_type) if shards else strategy.parallel_dims.build_mesh(device_type)
         with parameters_on_meta():
-            model = build()
-        strategy.parallelize(model)
+            module = build()
+        host_state = getattr(strategy, "cpu_offload", False)
         with ExitStack() as stack:
             stack.enter_context(fake_tensors())
-            stack.enter_context(fused_attention())  # the attention kernel a device runs, not fake CPU's math path
-            stack.enter_context(mock.patch.object(type(model), "log", lambda *a, **k: None, create=True))
-            model.to_empty(device="cpu")
-            optimizer = _optimizer(model)
-            _step(model, optimizer, batch)  # creates the optimizer state; its DTensor temporaries have global size
-            tracker = fsdp_memory_tracker(model, optimizer)
-            tracker.track_inputs((batch,))
+            stack.enter_context(meshes_built_outside_fake_tensors())
+            stack.enter_context(fake_pinned_memory())
+            model = _set_up(strategy, module, shard_device(host_state, root) if shards else root, stack)
+            backend = process_group_backend(root, host_state)
+            stack.enter_context(OneDevicePerRank(rank, collective_devices(backend, root)))
+            stack.enter_context(fused_attention())  # the kernel a device runs, not fake tensors' math path
+            stack.enter_context(mock.patch.object(type(module), "log", lambda *a, **k: None, create=True))
+            batch = tree_map(lambda t: torch.empty_like(t, device=root) if isinstance(t, torch.Tensor) else t, batch)
+            optimizer = _optimizer(module)
+            step = partial(_step, strategy, model, module, optimizer, batch)
+            step()  # creates the optimizer state; its DTensor temporaries have global size
+            tracker = (fsdp_memory_tracker if shards else module_memory_tracker)(model, optimizer)
+            if shards:
+                tracker.track_inputs((batch,))
             with tracker:
-                _step(model, optimizer, batch)
-            peak = memory_categories(tracker)
-        coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-        return RankView(rank, coordinate, _shards(model, strategy.block_classes_of(model)), peak)
+                step()
+            by_device = memory_categories(tracker)
+    peak = next(categories for device, categories in by_device.items() if device.startswith(root.type))
+    host = by_device.get("cpu", {}).get("Total", 0) if root.type != "cpu" else 0
+    coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    blocks = strategy.block_classes_of(module) if shards else strategy.blocks.classes_in(module)
+    return RankView(rank, coordinate, _shards(module, blocks), peak, host)
+
+
+def _set_up(strategy: Any, module: nn.Module, device: torch.device, stack: ExitStack) -> nn.Module:
+    """The strategy's own set-up of `module` (built on meta), in fake mode: FSDP shards it there, then its shards
+    get fake storage on `device` (the host under CPU offload); DDP wraps the whole model once it is on `device`.
+    Returns what the step runs: the module, or its wrapper."""
+    if hasattr(strategy, "parallelize"):
+        strategy.parallelize(module)  # FSDP2 makes empty tensors on the device as it wraps: in fake mode too
+        module.to_empty(device=device)
+        return module
+    module.to_empty(device=device)
+    stack.enter_context(ddp_on_fake_tensors())
+    wrapper = wrapped_by_strategy(strategy, module)
+    # DDP's default all-reduce hook expects the fake group's work to carry the tensors back; it does not.
+    wrapper.register_comm_hook(None, _all_reduce_bucket)
+    return wrapper
+
+
+def _all_reduce_bucket(state, bucket):  # noqa: ANN001, ANN202 - DDP refuses hooks annotated otherwise than it says
+    """DDP's all-reduce of one gradient bucket, done: the collective is made (and device-checked), nothing waits."""
+    import torch.distributed as dist
+
+    dist.all_reduce(bucket.buffer())
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+def _precision_plugin(strategy: Any, precision: str, device_type: str) -> Any:
+    """FSDP reads the precision from its plugin (its mixed-precision policy); DDP runs under autocast."""
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+    if not hasattr(strategy, "parallelize") and precision.endswith("-mixed"):
+        return MixedPrecision(precision, device_type)
+    plugin = Precision()
+    plugin.precision = precision
+    return plugin
 
 
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -92,9 +209,15 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return configured if isinstance(configured, torch.optim.Optimizer) else torch.optim.AdamW(model.parameters())
 
 
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> None:
-    step = getattr(model, "training_step", None)
-    loss = step(batch, 0) if step is not None else model(batch)
+def _step(strategy: Any, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> None:
+    """One training step as Lightning runs it: through the wrapper (`model`) where there is one, so that its
+    forward hooks run, and under the precision plugin's context."""
+    with strategy.precision_plugin.train_step_context():
+        if model is not module:
+            loss = training_step_in_wrapper(strategy, model, module, batch, 0)
+        else:
+            step = getattr(module, "training_step", None)
+            loss = step(batch, 0) if step is not None else module(batch)
     loss = loss["loss"] if isinstance(loss, dict) else loss
     loss.backward()
     optimizer.step()
@@ -115,18 +238,22 @@ def _shards(model: nn.Module, block_classes: tuple[type[nn.Module], ...]) -> lis
     return rows
 
 
+HEADROOM = AutoFit.headroom  # of a device's memory: what a plan or a dry run may fill
+
 # The plan's categories beside the tracker's that count the same bytes.
 PLANNED_AS = {"SHARDED_PARAM": "parameters", "SHARDED_GRAD": "gradients", "OPT": "optimizer_state",
+              "PARAM": "parameters", "GRAD": "gradients", "REDUCE_SCATTER": "reduce_scatter_buffer",
               "UNSHARDED_PARAM": "gathered_parameters", "BUFFER": "buffers", "ACT": "activations"}
 
 
 def table(views: list[RankView], name: str, precision: str, devices: int, num_nodes: int,
-          planned: dict[str, float]) -> str:
+          planned: dict[str, float], where: str = "on fake CPU devices", planned_host: float = 0.0,
+          device_memory_gb: float = 80.0) -> str:
     """The dry run's report: mesh coordinates, the first rank's shards, and each rank's peak beside the plan
-    (`planned`: bytes per device by the plan's categories)."""
+    (`planned`: bytes per device by the plan's categories; `planned_host`: host bytes per rank)."""
     world = devices * num_nodes
     unit, scale = ("GB", 1e9) if max(view.peak["Total"] for view in views) >= 1e9 else ("MB", 1e6)
-    lines = [f"Dry run: {name}, {precision}, {world} ranks ({devices} per node) on fake devices: nothing allocated,"
+    lines = [f"Dry run: {name}, {precision}, {world} ranks ({devices} per node) {where}: nothing allocated,"
              f" nothing sent; {unit} = 1e{len(str(int(scale))) - 1} bytes"]
     lines += [f"rank {v.rank}: " + ", ".join(f"{axis}={index}" for axis, index in v.coordinate.items()) for v in views]
     lines += ["", f"| parameter | global shape | rank {views[0].rank}'s shard | placement |", "|---|---|---|---|"]
@@ -136,7 +263,8 @@ def table(views: list[RankView], name: str, precision: str, devices: int, num_no
     shown = set()
     for key, label in CATEGORIES.items():
         plan_key = PLANNED_AS.get(key)
-        if not any(view.peak.get(key) for view in views) and not planned.get(plan_key, 0):
+        tracked = any(key in view.peak for view in views)  # FSDP's tracker and the module tracker differ
+        if not tracked or (not any(view.peak.get(key) for view in views) and not planned.get(plan_key, 0)):
             continue
         shown.add(plan_key)
         plan_cell = f"{planned[plan_key] / scale:.3f}" if plan_key in planned else ""
@@ -147,6 +275,14 @@ def table(views: list[RankView], name: str, precision: str, devices: int, num_no
             lines.append(f"| {plan_key} (plan only) | " + " | ".join("" for _ in views) + f" | {value / scale:.3f} |")
     totals = " | ".join(f"**{view.peak['Total'] / scale:.3f}**" for view in views)
     lines.append(f"| **peak** | {totals} | **{sum(planned.values()) / scale:.3f}** |")
-    lines += ["", "Not seen by a dry run: the CUDA context, library workspaces, allocator fragmentation, NCCL's"
-              " buffers, time."]
+    if any(view.host for view in views) or planned_host:
+        hosts = " | ".join(f"{view.host / scale:.3f}" for view in views)
+        lines.append(f"| host memory (offloaded state) | {hosts} | {planned_host / scale:.3f} |")
+    usable = HEADROOM * device_memory_gb * 1e9
+    highest = max(view.peak["Total"] for view in views)
+    verdict = "fits" if highest <= usable else "does not fit"
+    lines += ["", f"Verdict on {device_memory_gb:g} GB devices (dry_run_device_memory_gb), {HEADROOM:.0%} usable:"
+              f" {verdict} ({highest / 1e9:.2f} of {usable / 1e9:.2f} GB).",
+              f"Not seen by a dry run (the other {1 - HEADROOM:.0%}): the CUDA context, library workspaces, allocator"
+              " fragmentation, NCCL's buffers; nor time."]
     return "\n".join(lines)

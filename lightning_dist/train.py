@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from lightning_dist._compat.fake_cuda import FakeCudaRunFailed
 from lightning_dist._compat.hydra import is_a_rank_lightning_started
 from lightning_dist.callbacks import NonFiniteError, Preempted
 from lightning_dist.checkpoints.autoresume import RESUME_OWN_DIR, newest_complete_checkpoint, newest_whole_checkpoint_in
@@ -43,11 +44,12 @@ from lightning_dist.config_values import check_values
 from lightning_dist.launch.isolated_job import JobFailed, needs_isolation, run_isolated
 from lightning_dist.launch.job_store import RefusedElsewhere, shared_choice
 from lightning_dist.launch.run_dir import discard_refused_run
-from lightning_dist.dry_run import RankView, dry_run_ranks
+from lightning_dist.dry_run import RankView, can_dry_run, dry_run_configured, dry_run_devices
 from lightning_dist.dry_run import table as dry_run_table
 from lightning_dist.memory import AutoFit, Choice, MemoryPlan, ModelFacts, layout_of, plan_memory
 from lightning_dist.memory.compare import compare_presets
 from lightning_dist.parallel import BlockClasses, require_classes_in_model, resolve_block_classes
+from lightning_dist.parallel.device_check import DeviceMismatch
 from lightning_dist.parallel.collective_timeout import CollectiveFailure, explain_collective_failure
 from lightning_dist.parallel.peer_exits import say_leaving
 from lightning_dist.parallel.process_exit import close_process_group
@@ -218,10 +220,10 @@ def dry_run(cfg: DictConfig) -> list[RankView]:
         _block_classes(cfg)
         strategy = _instantiate(cfg.strategy, "strategy")
         name = HydraConfig.get().runtime.choices.get("strategy") or type(strategy).__name__
-        if not hasattr(strategy, "build_device_mesh"):
-            raise ConfigError(f"dry_run=true: strategy={name} is not dry-run yet; the fsdp presets are (fsdp,"
-                              " fsdp_shard_grad_op, fsdp_activation_checkpointing, fsdp_cpu_offload, fsdp_tp, hsdp_tp);"
-                              f" plan=true gives every preset's memory")
+        if not can_dry_run(strategy):
+            raise ConfigError(f"dry_run=true: strategy={name} is not dry-run yet; ddp and the fsdp presets are (ddp,"
+                              " fsdp, fsdp_shard_grad_op, fsdp_activation_checkpointing, fsdp_cpu_offload, fsdp_tp,"
+                              " hsdp_tp); plan=true gives every preset's memory")
         devices, num_nodes = _device_count(cfg)
         world = devices * num_nodes
         ranks = tuple(cfg.get("dry_run_ranks") or (0, world - 1))
@@ -229,14 +231,23 @@ def dry_run(cfg: DictConfig) -> list[RankView]:
             raise ConfigError(f"dry_run_ranks={list(ranks)}: global ranks of this run are 0 to {world - 1}")
         facts = _model_facts(cfg, datamodule)
         batch = next(iter(datamodule.train_dataloader()))
-        build = lambda: instantiate(_module_config(cfg), _convert_="all")  # noqa: E731
         ranks = tuple(dict.fromkeys(ranks))  # each once, in the order given
-        views = dry_run_ranks(strategy, build, batch, cfg.trainer.precision, devices, num_nodes, ranks)
         memory_plan = plan_memory(facts, layout_of(strategy, name), cfg.trainer.precision, devices=devices,
                                   num_nodes=num_nodes)
+        configs = (OmegaConf.to_container(cfg.strategy, resolve=True), OmegaConf.to_container(_module_config(cfg)))
     except (InstantiationException, ValueError, TypeError) as error:
         raise _config_error(error) from error
-    print(dry_run_table(views, name, cfg.trainer.precision, devices, num_nodes, memory_plan.device))
+    device_type, run, where = dry_run_devices(cfg.trainer.accelerator, devices)
+    try:
+        views = run(dry_run_configured, *configs, batch, cfg.trainer.precision, devices, num_nodes, ranks, device_type)
+    except (DeviceMismatch, FakeCudaRunFailed) as failure:
+        if isinstance(failure, FakeCudaRunFailed) and not str(failure).startswith(DeviceMismatch.__name__):
+            print(failure.child_traceback, file=sys.stderr)  # where it failed, in the process with CUDA faked
+            raise
+        raise ConfigError(f"dry_run=true found a device mismatch: {str(failure).removeprefix('DeviceMismatch: ')}")
+    print(dry_run_table(views, name, cfg.trainer.precision, devices, num_nodes, memory_plan.device, where,
+                        planned_host=memory_plan.host_total / devices,
+                        device_memory_gb=cfg.get("dry_run_device_memory_gb", 80)))
     return views
 
 

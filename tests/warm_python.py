@@ -35,7 +35,8 @@ PRELOADED = ("torch", "torch.distributed", "deepspeed", "hydra", "omegaconf", "t
 # Read by the preloaded libraries (or the interpreter) when they start, so a run that sets them differently starts
 # cold. Everything else in the environment is read at run time and is simply replaced in the child.
 READ_AT_START = ("PYTHONOPTIMIZE", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONHOME", "TORCH_LOGS",
-                 "PYTORCH_JIT", "LD_PRELOAD", "LD_LIBRARY_PATH", "DS_ACCELERATOR")
+                 "PYTORCH_JIT", "LD_PRELOAD", "LD_LIBRARY_PATH", "DS_ACCELERATOR",
+                 "LIGHTNING_DIST_FAKE_CUDA_DEVICES")  # the dry run's fake CUDA is loaded before torch
 HEADER = struct.Struct("!I")
 
 LAUNCHER = r'''#!{real_python} -IS

@@ -32,8 +32,8 @@ __all__ = [
     "ContinuingCSVWriter", "Launcher", "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput",
     "console_handler", "continuing_csv_writer", "end_job_as_its_failed_rank", "give_device_mesh",
     "is_stateful_loader", "load_distributed_checkpoint", "logs_this_step", "move_optimizers_to_device",
-    "module_optimizers", "remove_module_hooks", "set_threads_for_ranks", "train_data_source", "unified_precision",
-    "validate_cuda_device_indices",
+    "module_optimizers", "remove_module_hooks", "set_threads_for_ranks", "train_data_source",
+    "training_step_in_wrapper", "unified_precision", "validate_cuda_device_indices", "wrapped_by_strategy",
 ]
 
 FENCED = [
@@ -46,6 +46,9 @@ FENCED = [
     # The thread that watches the ranks a launcher started; `_child_processes` and `_termination_signal` with it.
     Fenced("lightning.fabric.strategies.launchers.subprocess_script", "_ChildProcessObserver._terminate_all", ("self",)),
     Fenced("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed", ("num_processes",)),
+    Fenced("lightning.pytorch.strategies.ddp", "DDPStrategy._setup_model", ("self", "model")),
+    Fenced("lightning.pytorch.strategies.strategy", "_ForwardRedirection.__call__",
+           ("self", "wrapper_module", "original_module", "method_name")),
     Fenced("lightning.fabric.utilities.optimizer", "_optimizers_to_device", ("optimizers", "device")),
     Fenced("lightning.fabric.strategies.deepspeed", "_validate_device_index_selection", ("parallel_devices",)),
     Fenced("lightning.fabric.connector", "_convert_precision_to_unified_args", ("precision",)),
@@ -66,6 +69,16 @@ FENCED = [
     Fenced("lightning.fabric.loggers.csv_logs", "_ExperimentWriter._record_new_keys", ("self",)),
     Fenced("lightning.fabric.loggers.csv_logs", "_ExperimentWriter._rewrite_with_new_header", ("self", "fieldnames")),
 ]
+
+
+def wrapped_by_strategy(strategy: Any, module: Any) -> Any:
+    """The wrapper `strategy.setup` puts around a LightningModule (DDP's), made the way setup makes it."""
+    return strategy._setup_model(module)
+
+
+def training_step_in_wrapper(strategy: Any, wrapper: Any, module: Any, *args: Any) -> Any:
+    """`module.training_step(*args)` as the strategy runs it: inside the wrapper's forward, so its hooks run."""
+    return strategy._forward_redirection(wrapper, module, "training_step", *args)
 
 
 def set_threads_for_ranks(num_processes: int) -> None:

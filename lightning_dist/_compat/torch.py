@@ -16,11 +16,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_dist._compat import Fenced
 
 __all__ = [
-    "CheckpointWrapper", "TorchDispatchMode", "fake_process_group", "fake_tensors", "fsdp_memory_tracker",
-    "memory_categories", "apply_to_tensors", "cpu_flash_attention", "checkpoint_wrapper", "compilation_events", "cpu_supports_fp16",
-    "default_process_group_store", "flatten_mesh_dims", "inductor_cache_dir", "is_compiled", "storage_identity",
-    "forward_hook_tables", "fsdp_param_group", "local_shard_region", "own_parameters", "parameter_registration",
-    "reopen_fsdp_forward", "set_default_process_group_timeout", "saved_file_extents", "storage_owner", "tree_map",
+    "apply_to_tensors", "attention_function_replaced", "checkpoint_wrapper", "CheckpointWrapper",
+    "compilation_events", "cpu_flash_attention", "cpu_supports_fp16", "ddp_on_fake_tensors",
+    "default_process_group_store", "device_mismatch", "fake_pinned_memory", "fake_process_group", "fake_tensors",
+    "flatten_mesh_dims", "forward_hook_tables", "fsdp_memory_tracker", "fsdp_param_group", "inductor_cache_dir",
+    "is_compiled", "local_shard_region", "memory_categories", "meshes_built_outside_fake_tensors",
+    "module_memory_tracker", "own_parameters", "parameter_registration", "reopen_fsdp_forward", "saved_file_extents",
+    "set_default_process_group_timeout", "storage_identity", "storage_owner", "TorchDispatchMode", "tree_map",
     "wrapped_module",
 ]
 
@@ -48,8 +50,14 @@ FENCED = [
     # The dry run (lightning_dist/dry_run.py): torch's fake process group, fake tensors and FSDP2's memory tracker.
     Fenced("torch.testing._internal.distributed.fake_pg", "FakeStore"),
     Fenced("torch._subclasses.fake_tensor", "FakeTensorMode", ("allow_fallback_kernels", "allow_non_fake_inputs")),
+    Fenced("torch._subclasses.fake_tensor", "FakeTensorDeviceMismatchError", ("func", "common_device", "device")),
+    Fenced("torch._subclasses.fake_tensor", "unset_fake_temporarily"),
+    Fenced("torch.nn.parallel.distributed", "_verify_param_shape_across_processes", ("process_group", "tensors")),
+    Fenced("torch.distributed", "Logger.set_runtime_stats_and_log"),
+    Fenced("torch.distributed", "Reducer._rebuild_buckets"),
     Fenced("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker", ("mod", "optm")),
     Fenced("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker.get_tracker_snapshot", ("self", "type")),
+    Fenced("torch.distributed._tools.mem_tracker", "MemTracker.track_external", ("self",)),
 ]
 
 
@@ -222,12 +230,77 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+@contextmanager
+def meshes_built_outside_fake_tensors() -> Iterator[None]:
+    """Device meshes made within (FSDP2 makes a DP x TP mesh as it shards a tensor-parallel model) compute their
+    coordinates with real ops on their few integers: fake tensors cannot (`nonzero` has no fake output shape)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    original = DeviceMesh.__init__
+
+    def construct(mesh: DeviceMesh, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            original(mesh, *args, **kwargs)
+
+    DeviceMesh.__init__ = construct
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original
+
+
+@contextmanager
+def attention_function_replaced(replacement: Callable[..., torch.Tensor]) -> Iterator[Callable[..., torch.Tensor]]:
+    """Within: `torch.nn.functional.scaled_dot_product_attention` is `replacement` (models call it by that name, in
+    forward and in the recomputation of checkpointed blocks). Yields the original."""
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = replacement
+    try:
+        yield original
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+@contextmanager
+def ddp_on_fake_tensors() -> Iterator[None]:
+    """Within: DDP is built and stepped over fake tensors and the fake process group. Three of its steps read
+    tensors or need CUDA's runtime, and are skipped: comparing parameter shapes across ranks (there is one rank
+    here), timing each step with a CUDA timer (a build without CUDA has none), and reordering its buckets after the
+    first step from an index tensor (the same bytes, in the order gradients came)."""
+    import torch.distributed as dist
+    from unittest import mock
+
+    with (mock.patch("torch.nn.parallel.distributed._verify_param_shape_across_processes"),
+          mock.patch.object(dist.Logger, "set_runtime_stats_and_log", lambda logger: None),
+          mock.patch.object(dist.Reducer, "_rebuild_buckets", lambda reducer: False)):
+        yield
+
+
+class fake_pinned_memory(TorchDispatchMode):
+    """Within (above fake tensors): pinning a fake host tensor gives a fake copy. Fake tensors do not implement
+    `pin_memory` (FSDP2 pins offloaded shards, DeepSpeed its host buffers); a pinned page counts as host memory."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.ops.aten._pin_memory.default:
+            return torch.empty_like(args[0])
+        return func(*args, **(kwargs or {}))
+
+
 def fake_tensors() -> Any:
     """A mode in which tensors have shapes and devices but no storage; real and meta tensors met there are
     converted (FSDP2 keeps meta tensors of its own)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def device_mismatch(error: Exception) -> tuple[torch.device, torch.device] | None:
+    """The two devices of a fake-tensor op given tensors on both, or None for any other error."""
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+
+    return (error.common_device, error.device) if isinstance(error, FakeTensorDeviceMismatchError) else None
 
 
 def fsdp_memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
@@ -238,7 +311,18 @@ def fsdp_memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> A
     return FSDPMemTracker(model, optimizer)
 
 
-def memory_categories(tracker: Any) -> dict[str, int]:
-    """Bytes by category (SHARDED_PARAM, ACT, ..., and "Total") at the peak of the one device `tracker` followed."""
-    (categories,) = tracker.get_tracker_snapshot("peak").values()
-    return {str(getattr(key, "name", key)): int(value) for key, value in categories.items()}
+def module_memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """torch's memory tracker for a model that is not FSDP's (DDP, DeepSpeed): parameters, buffers, gradients,
+    optimizer state, activations and temporaries, at the peak of what it followed."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    return tracker
+
+
+def memory_categories(tracker: Any) -> dict[str, dict[str, int]]:
+    """For each device `tracker` followed ("cuda:5", "cpu"): bytes by category (SHARDED_PARAM, ACT, ..., "Total")
+    at that device's peak."""
+    return {str(device): {str(getattr(key, "name", key)): int(value) for key, value in categories.items()}
+            for device, categories in tracker.get_tracker_snapshot("peak").items()}

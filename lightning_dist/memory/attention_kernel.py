@@ -5,22 +5,34 @@ so there it falls back to the math path, which materialises and saves the (T x T
 trace then counts memory no real run holds (the fused kernels save q, k, v, the output and one log-sum-exp row per
 query) and misses what op-level checkpointing keeps. Within `fused_attention()`, every call runs the fused kernel's
 own meta function instead: CPU's flash kernel, whose saved tensors match CUDA's flash and efficient kernels.
+
+Checkpointed blocks run their forward again in backward, where function modes do not reach: there the module
+attribute `F.scaled_dot_product_attention` is the fused kernel's for as long as the mode is on.
 """
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from lightning_dist._compat.torch import cpu_flash_attention
+from lightning_dist._compat.torch import attention_function_replaced, cpu_flash_attention
 
 
 class fused_attention(TorchFunctionMode):
-    """Within: `F.scaled_dot_product_attention`, however it was imported, runs a fused kernel."""
+    """Within: `F.scaled_dot_product_attention`, however it was imported, runs a fused kernel (in backward's
+    recomputation: called as `F.scaled_dot_product_attention`)."""
+
+    def __enter__(self):
+        self._replaced = attention_function_replaced(_flash)
+        self._original = self._replaced.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        self._replaced.__exit__(*exc_info)
+        return super().__exit__(*exc_info)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        if func is self._original:
             return _flash(*args, **kwargs)
         return func(*args, **kwargs)
 
@@ -30,3 +42,4 @@ def _flash(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
         repeats = query.shape[-3] // key.shape[-3]
         key, value = (t.repeat_interleave(repeats, dim=-3) for t in (key, value))
     return cpu_flash_attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
+

@@ -54,11 +54,15 @@ class MemoryPlan:
     device: dict[str, float] = field(default_factory=dict)   # bytes per device, by category
     host: dict[str, float] = field(default_factory=dict)     # bytes per node in host memory (offload)
     nvme: dict[str, float] = field(default_factory=dict)     # bytes per node on NVMe
+    # bytes per device that exist, but not at the peak: FSDP's gradients are written in backward as its
+    # activations are freed, so the peak holds the larger of the two
+    off_peak: dict[str, float] = field(default_factory=dict)
     activations_known: bool = True
 
     @property
     def model_state_per_device(self) -> float:
-        return sum(self.device.get(k, 0.0) for k in ("parameters", "gradients", "optimizer_state"))
+        return sum(self.device.get(k, 0.0) + self.off_peak.get(k, 0.0)
+                   for k in ("parameters", "gradients", "optimizer_state"))
 
     @property
     def device_total(self) -> float:
@@ -76,6 +80,7 @@ class MemoryPlan:
             rows = [f"| {where} | {name} | {value / GB:.3f} |" for name, value in categories.items() if value]
             if rows:
                 lines += [*rows, f"| {where} | **total** | **{sum(categories.values()) / GB:.3f}** |"]
+        lines += [f"| per device, not at the peak | {name} | {value / GB:.3f} |" for name, value in self.off_peak.items()]
         if not self.activations_known:
             lines.append("(activations not included: no batch to trace them with)")
         return "\n".join(lines)
@@ -158,7 +163,20 @@ def plan_memory(
         activations = activations * (10 + 24 / dims.tp) / 34
     # Traced in fp32; a 16-bit run saves (about) half.
     plan.device["activations"] = (activations or 0) * compute_bytes / 4
+    if layout.engine == "torch" and layout.shard_gradients:
+        _fsdp_backward(plan, (math.ceil(facts.largest_block / dims.tp) or n) * size.gradient)
     return plan
+
+
+def _fsdp_backward(plan: MemoryPlan, block_gradients: float) -> None:
+    """FSDP2 in backward, as its memory tracker follows it in a dry run: each block's whole gradients are
+    reduce-scattered from a buffer of their own (while the next block computes its own), and the sharded gradients
+    appear block by block as the activations are freed. At backward's start all the activations are there and no
+    gradients yet; at its end, the reverse: the peak holds the larger of the two."""
+    plan.device["reduce_scatter_buffer"] = block_gradients
+    if "gradients" in plan.device:  # not offloaded
+        smaller = "gradients" if plan.device["activations"] >= plan.device["gradients"] else "activations"
+        plan.off_peak[smaller] = plan.device.pop(smaller)
 
 
 def _swap_buffers(facts: ModelFacts, layout: Layout, size: StateBytes, partitions: int, devices: int) -> dict[str, float]:

@@ -6,7 +6,7 @@ from lightning_dist.parallel.classes import (
     resolve_module_class,
 )
 from lightning_dist.parallel.fsdp import (
-    apply_fully_shard, materialize_shards, mixed_precision_policy, offload_policy, sharding_layout,
+    apply_fully_shard, materialize_shards, mixed_precision_policy, offload_policy, shard_device, sharding_layout,
 )
 
 __all__ = [
@@ -21,5 +21,6 @@ __all__ = [
     "require_classes_in_model",
     "resolve_block_classes",
     "resolve_module_class",
+    "shard_device",
     "sharding_layout",
 ]

@@ -118,6 +118,11 @@ def register_step_method(model: FSDPModule, name: str) -> None:
     register_fsdp_forward_method(model, name)
 
 
+def shard_device(cpu_offload: bool, device: torch.device) -> torch.device:
+    """Where a rank on `device` keeps its shards: the host under CPU offload (FSDP2 requires them there)."""
+    return torch.device("cpu") if cpu_offload else device
+
+
 def materialize_shards(model: nn.Module, device: torch.device, seed: int) -> int:
     """After `fully_shard` on a model built on the meta device: allocate each rank's shards on `device` and
     initialise them (sharded_init.py), one module's full weights at a time. Returns the parameters initialised."""

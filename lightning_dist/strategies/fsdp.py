@@ -33,6 +33,7 @@ from lightning_dist.parallel import (
     materialize_shards,
     mixed_precision_policy,
     offload_policy,
+    shard_device,
     sharding_layout,
 )
 from lightning_dist.parallel.collective_timeout import forming_process_group
@@ -204,8 +205,8 @@ class FSDPStrategy(
         if has_meta_parameters(self.model):
             # The order torchtitan uses: shard the model while it has no memory, then initialise the shards.
             self.parallelize(self.model)
-            shard_device = torch.device("cpu") if self.cpu_offload else self.root_device
-            materialize_shards(self.model, shard_device, seed=self.broadcast(torch.initial_seed()))
+            device = shard_device(self.cpu_offload, self.root_device)
+            materialize_shards(self.model, device, seed=self.broadcast(torch.initial_seed()))
             self.model_to_device()  # the buffers
         else:
             self.model_to_device()

@@ -14,8 +14,8 @@ from lightning_dist.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrate
 # 7B parameters in 32 blocks of 200M; one micro-batch saves 8 GB of fp32 activations (4 GB in bf16).
 SEVEN_B = ModelFacts(parameters=7_000_000_000, largest_block=200_000_000, activation_bytes=8_000_000_000,
                      checkpointed_activation_bytes=2_000_000_000)
-# The same with a tensor-parallel plan that splits 6.4B of the 7B (its blocks' linear layers).
-SEVEN_B_PLANNED = ModelFacts(parameters=7_000_000_000, largest_block=200_000_000, activation_bytes=8_000_000_000,
+# The same with a tensor-parallel plan that splits 6.4B of the 7B (its blocks' linear layers), at twice the batch.
+SEVEN_B_PLANNED = ModelFacts(parameters=7_000_000_000, largest_block=200_000_000, activation_bytes=16_000_000_000,
                              checkpointed_activation_bytes=2_000_000_000, tensor_parallel_parameters=6_400_000_000)
 TINY = ModelFacts(parameters=842_496, largest_block=198_272, activation_bytes=88_261_636)
 
@@ -30,8 +30,9 @@ TINY = ModelFacts(parameters=842_496, largest_block=198_272, activation_bytes=88
      ["ddp", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload"]),
     (SEVEN_B, AutoFit(device_memory_gb=80, family="fsdp"), "fsdp_shard_grad_op", ["ddp"]),
     (SEVEN_B, AutoFit(device_memory_gb=40, family="fsdp"), "fsdp", ["ddp", "fsdp_shard_grad_op"]),
-    # On 8 devices FSDP holds 18.8 GB per device, of which 4.0 GB activations and 0.8 GB two gathered blocks; split
-    # over 2 ranks as well, 18.2 GB: more sharded state (4 data-parallel ranks, not 8), half the gathered blocks and
+    # On 8 devices FSDP holds 20.1 GB per device at backward's start: 8.0 GB activations (no gradients yet), 0.8 GB
+    # two gathered blocks and 0.8 one block's gradients being reduce-scattered; split over 2 ranks as well, 17.4 GB:
+    # more sharded state (4 data-parallel ranks, not 8), half the gathered blocks and the reduce-scatter buffer, and
     # two thirds of the activations. 21.7 GB x 0.85 = 18.4 GB usable.
     (SEVEN_B_PLANNED, AutoFit(device_memory_gb=21.7, host_memory_gb=512, family="fsdp"), "fsdp_tp",
      ["ddp", "fsdp_shard_grad_op", "fsdp"]),

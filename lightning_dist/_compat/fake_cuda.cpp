@@ -1,0 +1,31 @@
+// CUDA faked on a build of torch without it (lightning_dist/_compat/fake_cuda.py builds and loads this).
+// Two registrations: c10's own FakeGuardImpl as the CUDA device guard (device index state, no driver), and CUDA
+// hooks that say CUDA is there with $LIGHTNING_DIST_FAKE_CUDA_DEVICES devices. Loaded before torch is imported:
+// ATen reads the hooks once. Checked on torch 2.13.0.
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/impl/FakeGuardImpl.h>
+
+#include <cstdlib>
+
+namespace at {
+struct FakeCUDAHooks final : CUDAHooksInterface {
+  explicit FakeCUDAHooks(CUDAHooksArgs /*unused*/) {}
+  static int devices() {
+    const char* count = std::getenv("LIGHTNING_DIST_FAKE_CUDA_DEVICES");
+    return count ? std::atoi(count) : c10::impl::kFakeGuardImplMaxDevices;
+  }
+  void init() const override {}
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return true; }
+  bool hasCUDA() const override { return true; }
+  bool hasPrimaryContext(DeviceIndex /*device_index*/) const override { return true; }
+  int getNumGPUs() const override { return devices(); }
+  DeviceIndex deviceCount() const override { return static_cast<DeviceIndex>(devices()); }
+};
+// Under the name ATen asks its registry for ("CUDAHooks").
+C10_REGISTER_CLASS(CUDAHooksRegistry, CUDAHooks, FakeCUDAHooks);
+}  // namespace at
+
+namespace c10::impl {
+C10_REGISTER_GUARD_IMPL(CUDA, FakeGuardImpl<DeviceType::CUDA>);
+}  // namespace c10::impl

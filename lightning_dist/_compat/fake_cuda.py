@@ -1,0 +1,230 @@
+"""CUDA faked on a build of torch without it, for dry runs (`dry_run=true trainer=gpu` where there is no GPU).
+Checked on torch 2.13.0 only: any other torch is refused (`FakeCudaUnavailable`) and the dry run uses CPU fakes.
+
+Two pieces. A shared library (fake_cuda.cpp beside this file, built once with g++ against the installed wheel's own
+headers, a few seconds, then cached) registers c10's `FakeGuardImpl` as the CUDA device guard and CUDA hooks that
+report the devices: fake tensors on `cuda:5` then index, copy, initialise modules and run backward as on a GPU, and
+one meeting a tensor on `cpu` or `cuda:0` fails as it would there. ATen reads its CUDA hooks once, when torch is
+imported, so the library is loaded first, in a process of its own: `run_with_fake_cuda`. Then a stand-in for the
+parts of `torch.cuda` that a set-up calls (device count, `set_device`, streams, events, memory statistics), which a
+CPU build implements only by raising.
+
+This module imports torch only in that process, after the library: the caller's process never has CUDA faked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+CHECKED_ON = "2.13.0"
+SOURCE = Path(__file__).with_name("fake_cuda.cpp")
+MAX_DEVICES = 8  # per node: c10's FakeGuardImpl keeps the current device in an array of 8
+DEVICE_MEMORY = 80 * 2**30  # what `get_device_properties` reports; a dry run's verdict uses device_memory_gb
+
+
+class FakeCudaUnavailable(RuntimeError):
+    """CUDA cannot be faked here; the sentence says why."""
+
+
+class FakeCudaRunFailed(RuntimeError):
+    """The function run with CUDA faked raised; the message is its exception's, the traceback the child's."""
+
+    def __init__(self, message: str, child_traceback: str) -> None:
+        super().__init__(message)
+        self.child_traceback = child_traceback
+
+
+def run_with_fake_cuda(function: Callable[..., Any], *args: Any, devices: int) -> Any:
+    """`function(*args)` in a new Python process in which torch sees `devices` CUDA devices that hold nothing.
+    `function` and `args` travel by pickle (a module-level function; configurations as plain containers)."""
+    library = shim_library(devices)
+    with tempfile.TemporaryDirectory(prefix="fake_cuda_") as scratch:
+        call, result = Path(scratch, "call.pkl"), Path(scratch, "result.pkl")
+        call.write_bytes(pickle.dumps((function, args)))
+        # The child imports what this process can (the user's model beside their train.py, say).
+        search_path = os.pathsep.join(entry or os.getcwd() for entry in sys.path)
+        environment = {**os.environ, "LIGHTNING_DIST_FAKE_CUDA_DEVICES": str(devices), "PYTHONPATH": search_path}
+        process = subprocess.run([sys.executable, "-m", __name__, str(library), str(call), str(result)],
+                                 env=environment, check=False)
+        if not result.exists():
+            raise FakeCudaUnavailable(f"the process with CUDA faked ended with exit code {process.returncode}"
+                                      " before its result")
+        status, value, child_traceback = pickle.loads(result.read_bytes())
+    if status == "error":
+        raise FakeCudaRunFailed(value, child_traceback)
+    return value
+
+
+def shim_library(devices: int) -> Path:
+    """The built library for the installed torch (built now if not cached); FakeCudaUnavailable if it cannot be."""
+    if not 1 <= devices <= MAX_DEVICES:
+        raise FakeCudaUnavailable(f"{devices} devices per node; CUDA is faked for 1 to {MAX_DEVICES}")
+    version = _torch_version()
+    if version.split("+")[0] != CHECKED_ON:
+        raise FakeCudaUnavailable(f"torch {version} is installed; CUDA is faked for torch {CHECKED_ON} only")
+    if "+cpu" not in version and "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
+        raise FakeCudaUnavailable("this torch has CUDA: fake tensors go on its devices directly")
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        raise FakeCudaUnavailable("no C++ compiler (g++ or $CXX) to build the device shim")
+    torch_dir = Path(importlib.util.find_spec("torch").submodule_search_locations[0])
+    digest = hashlib.sha256(SOURCE.read_bytes() + version.encode()).hexdigest()[:16]
+    library = _cache_dir() / f"libfake_cuda-{digest}.so"
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    partial = library.with_suffix(f".{os.getpid()}.partial")  # concurrent builders each write their own, then swap
+    command = [compiler, "-shared", "-fPIC", "-O1", "-std=c++20", "-w", "-D_GLIBCXX_USE_CXX11_ABI=1",
+               f"-I{torch_dir / 'include'}", str(SOURCE), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu",
+               f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(partial)]
+    built = subprocess.run(command, capture_output=True, text=True, check=False)
+    if built.returncode != 0:
+        partial.unlink(missing_ok=True)
+        first_error = next((line for line in built.stderr.splitlines() if "error" in line), built.stderr[-300:])
+        raise FakeCudaUnavailable(f"the device shim did not build: {first_error.strip()}")
+    os.replace(partial, library)
+    return library
+
+
+def _torch_version() -> str:
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError as missing:
+        raise FakeCudaUnavailable("torch is not installed") from missing
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "lightning_dist" / "fake_cuda"
+
+
+def _stand_in_for_torch_cuda(devices: int) -> None:
+    """Replace what `torch.cuda` implements by raising on a CPU build with answers a device with nothing on it
+    gives. The device guard (the library) keeps the current device; streams and events order nothing, because fake
+    tensors have no work to order."""
+    import torch
+
+    _now = [0]  # the current device, as `set_device` left it
+
+    def index_of(device: Any) -> int:
+        if device is None:
+            return _now[0]
+        index = device if isinstance(device, int) else torch.device(device).index
+        return _now[0] if index is None or index < 0 else index
+
+    def set_device(device: Any) -> None:
+        index = index_of(device)
+        if index >= devices:
+            raise RuntimeError(f"CUDA error: invalid device ordinal {index} (this node has {devices})")
+        _now[0] = index
+
+    class Event:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def record(self, stream: Any = None) -> None:
+            pass
+
+        def wait(self, stream: Any = None) -> None:
+            pass
+
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end: Any) -> float:
+            return 0.0
+
+    class Stream:
+        def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+            self.device = torch.device("cuda", index_of(device))
+            self.priority = priority
+
+        def wait_stream(self, stream: Any) -> None:
+            pass
+
+        def wait_event(self, event: Any) -> None:
+            pass
+
+        def record_event(self, event: Any = None) -> Event:
+            return event or Event()
+
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+    default_streams: dict[int, Stream] = {}
+
+    def current_stream(device: Any = None) -> Stream:
+        index = index_of(device)
+        return default_streams.setdefault(index, Stream(index))
+
+    @contextmanager
+    def stream(stream: Any) -> Any:
+        yield stream
+
+    @contextmanager
+    def device(device: Any) -> Any:
+        before = _now[0]
+        set_device(device)
+        try:
+            yield
+        finally:
+            _now[0] = before
+
+    def properties(device: Any = None) -> SimpleNamespace:
+        return SimpleNamespace(name="fake CUDA device", major=9, minor=0, total_memory=DEVICE_MEMORY,
+                               multi_processor_count=132, is_integrated=False)
+
+    zero = lambda *args, **kwargs: 0  # noqa: E731 - nothing is allocated
+    nothing = lambda *args, **kwargs: None  # noqa: E731
+    answers = {
+        "is_available": lambda: True, "is_initialized": lambda: True, "_lazy_init": nothing, "init": nothing,
+        "device_count": lambda: devices, "current_device": lambda: _now[0], "set_device": set_device,
+        "device": device, "get_device_name": lambda device=None: "fake CUDA device",
+        "get_device_capability": lambda device=None: (9, 0), "get_device_properties": properties,
+        "is_bf16_supported": lambda *args, **kwargs: True, "synchronize": nothing, "empty_cache": nothing,
+        "Stream": Stream, "Event": Event, "current_stream": current_stream, "default_stream": current_stream,
+        "stream": stream, "set_stream": nothing, "memory_allocated": zero, "max_memory_allocated": zero,
+        "memory_reserved": zero, "max_memory_reserved": zero, "reset_peak_memory_stats": nothing,
+        "memory_stats": lambda *args, **kwargs: {}, "mem_get_info": lambda device=None: (DEVICE_MEMORY,) * 2,
+    }
+    for name, answer in answers.items():
+        setattr(torch.cuda, name, answer)
+
+
+def _child(library: str, call: str, result: str) -> None:
+    import ctypes
+    import traceback
+
+    if "torch" in sys.modules:
+        raise RuntimeError("torch was imported before the device shim; ATen would not see the fake CUDA hooks")
+    ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
+    _stand_in_for_torch_cuda(int(os.environ["LIGHTNING_DIST_FAKE_CUDA_DEVICES"]))
+    function, args = pickle.loads(Path(call).read_bytes())
+    try:
+        outcome = ("ok", function(*args), "")
+    except Exception as error:  # noqa: BLE001 - reported to the parent, which raises it
+        outcome = ("error", f"{type(error).__name__}: {error}", traceback.format_exc())
+    Path(result).write_bytes(pickle.dumps(outcome))
+
+
+if __name__ == "__main__":
+    _child(*sys.argv[1:4])

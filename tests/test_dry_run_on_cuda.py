@@ -1,0 +1,111 @@
+"""The dry run with CUDA faked (no GPU here): every preset's set-up and steps on `cuda:<local rank>` at 8 ranks,
+with the device check that a CPU run cannot make; and three device bugs it finds, one at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from lightning_dist.dry_run import can_dry_run, dry_run_configured, dry_run_devices
+from tests.conftest import REPO
+from tests.dry_run_bugs import dry_run_each
+
+CONF = REPO / "lightning_dist" / "conf"
+
+MODEL = {"_target_": "tests.dry_run_bugs.BuggyGPT", "vocab_size": 256, "block_size": 64, "n_layer": 2}
+BATCH = (torch.zeros(2, 64, dtype=torch.long), torch.zeros(2, 64, dtype=torch.long))
+
+
+def dry_run(bug: str | None, rank: int = 5) -> list:
+    device_type, run, where = dry_run_devices("gpu", 8)
+    assert (device_type, where) == ("cuda", "on fake CUDA devices (this machine has none)")
+    strategy = {"_target_": "lightning_dist.strategies.FSDPStrategy"}
+    return run(dry_run_configured, strategy, {**MODEL, "bug": bug}, BATCH, "bf16-mixed", 8, 1, (rank,), "cuda")
+
+
+def test_a_correct_model_passes_on_its_own_device():
+    (view,) = dry_run(None)
+    assert view.coordinate == {"data_parallel": 5, "tensor_parallel": 0}
+    assert view.peak["SHARDED_PARAM"] > 0 and view.peak["ACT"] > 0
+
+
+@pytest.mark.parametrize(("bug", "message"), [
+    ("host_positions", "rank 5: aten.embedding.default was given tensors on cuda:5 and cpu"),
+    ("device_0_positions", "rank 5: aten.embedding.default was given tensors on cuda:5 and cuda:0"),
+    ("host_count_gathered", "rank 5: the collective c10d.allgather_.default was given a tensor on cpu; this rank's"
+                            " collectives send tensors on cuda:5"),
+])
+def test_each_device_bug_is_named_with_its_op_and_both_devices(bug, message):
+    from lightning_dist._compat.fake_cuda import FakeCudaRunFailed
+
+    with pytest.raises(FakeCudaRunFailed) as failure:
+        dry_run(bug)
+    assert str(failure.value).startswith(f"DeviceMismatch: {message}"), failure.value.child_traceback[-2000:]
+
+
+def preset_runs(rank: int) -> dict[str, tuple]:
+    """Every preset a dry run knows, composed as `train.py strategy=NAME trainer=gpu trainer.devices=8` composes
+    it, on the default model: `dry_run_configured`'s arguments for `rank` of 8."""
+    from hydra.utils import instantiate
+
+    runs = {}
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for path in sorted((CONF / "strategy").glob("*.yaml")):
+            cfg = compose("train", overrides=[f"strategy={path.stem}", "trainer=gpu", "trainer.devices=8"])
+            strategy = OmegaConf.to_container(cfg.strategy, resolve=True)
+            if path.stem == "auto_fit" or not can_dry_run(instantiate(strategy)):
+                continue
+            model = OmegaConf.to_container(cfg.model, resolve=True)
+            model.pop("block_class", None)
+            runs[path.stem] = (strategy, {k: v for k, v in model.items() if k not in ("optimizer", "scheduler")},
+                               BATCH, cfg.trainer.precision, 8, 1, (rank,), "cuda")
+    return runs
+
+
+@pytest.fixture(scope="module")
+def every_preset_on_rank_7():
+    runs = preset_runs(7)
+    device_type, run, _ = dry_run_devices("gpu", 8)
+    return runs, run(dry_run_each, runs)
+
+
+def test_every_preset_runs_on_its_rank_s_own_device(every_preset_on_rank_7):
+    runs, views = every_preset_on_rank_7
+    assert sorted(views) == ["ddp", "fsdp", "fsdp_activation_checkpointing", "fsdp_cpu_offload",
+                             "fsdp_shard_grad_op", "fsdp_tp", "hsdp_tp"]
+    for name, (view,) in views.items():
+        assert view.rank == 7 and view.peak["Total"] > 0, name
+    assert views["ddp"][0].coordinate["data_parallel_replicate"] == 7
+    assert views["fsdp"][0].coordinate == {"data_parallel": 7, "tensor_parallel": 0}
+    assert views["fsdp_tp"][0].coordinate == {"data_parallel": 3, "tensor_parallel": 1}
+
+
+def test_offloaded_state_is_on_the_host_and_the_rest_on_the_device(every_preset_on_rank_7):
+    _, views = every_preset_on_rank_7
+    (offloaded,), (resident,) = views["fsdp_cpu_offload"], views["fsdp"]
+    assert offloaded.host > 0 and resident.host == 0
+    assert offloaded.peak.get("SHARDED_PARAM", 0) == 0 and offloaded.peak.get("OPT", 0) == 0
+    assert resident.peak["SHARDED_PARAM"] > 0 and resident.peak["OPT"] > 0
+
+
+def test_a_device_bug_ends_the_command_in_one_line_naming_op_and_devices(tmp_path):
+    import subprocess
+    import sys
+
+    process = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "dry_run=true", "trainer=gpu", "trainer.devices=8",
+         "dry_run_ranks=[5]", "model._target_=tests.dry_run_bugs.BuggyGPT", "+model.bug=host_positions"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert process.returncode == 2, process.stderr[-3000:]
+    assert process.stderr.strip().splitlines()[-1] == (
+        "error: dry_run=true found a device mismatch: rank 5: aten.embedding.default was given tensors on cuda:5 and"
+        " cpu; a GPU run fails here the same way")
+
+
+def test_where_cuda_cannot_be_faked_the_dry_run_says_why_and_uses_cpu_fakes():
+    device_type, run, where = dry_run_devices("gpu", 16)
+    assert device_type == "cpu"
+    assert where == "on fake CPU devices: CUDA cannot be faked here (16 devices per node; CUDA is faked for 1 to 8)"
+    assert dry_run_devices("cpu", 8)[::2] == ("cpu", "on fake CPU devices")
