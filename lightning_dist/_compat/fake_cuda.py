@@ -113,8 +113,8 @@ def _cache_dir() -> Path:
 
 def _stand_in_for_torch_cuda(devices: int) -> None:
     """Replace what `torch.cuda` implements by raising on a CPU build with answers a device with nothing on it
-    gives. The device guard (the library) keeps the current device; streams and events order nothing, because fake
-    tensors have no work to order."""
+    gives. `set_device` keeps the device that `"cuda"` without an index means (fake tensors ask `current_device`);
+    streams and events order nothing, because fake tensors have no work to order."""
     import torch
 
     _now = [0]  # the current device, as `set_device` left it
