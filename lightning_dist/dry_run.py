@@ -16,7 +16,8 @@ CPU offload). DeepSpeed: `plan=true`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -40,6 +41,8 @@ from lightning_dist.parallel.device_check import OneDevicePerRank, collective_de
 from lightning_dist.parallel.devices import process_group_backend
 from lightning_dist.parallel.fsdp import shard_device
 from lightning_dist.parallel.sharded_init import parameters_on_meta
+
+log = logging.getLogger(__name__)
 
 # The tracker's categories, as the table names them, in the order a reader adds them up.
 CATEGORIES = {
@@ -98,6 +101,24 @@ def dry_run_devices(accelerator: str, devices: int) -> tuple[str, Callable[..., 
 
 def _in_this_process(function: Callable[..., Any], *args: Any) -> Any:
     return function(*args)
+
+
+def dry_run(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision: str = "32-true", devices: int = 1,
+            num_nodes: int = 1, ranks: Sequence[int] | None = None, accelerator: str = "gpu") -> list[RankView]:
+    """The dry run for plain Lightning: `strategy` (ours, as given to `L.Trainer`) sets up the module `build()`
+    returns and trains it two steps on `batch`, as each of `ranks` (default: the first and the last) of `devices`
+    per node on `num_nodes` nodes, on fake devices. For `accelerator="gpu"` on a machine without CUDA, CUDA is
+    faked in a process of its own: `strategy`, `build` (a class, or a function importable by name) and `batch`
+    travel there by pickle."""
+    world = devices * num_nodes
+    ranks = tuple(dict.fromkeys(ranks if ranks is not None else (0, world - 1)))
+    if any(not 0 <= rank < world for rank in ranks):
+        raise ValueError(f"ranks={list(ranks)}: global ranks of this run are 0 to {world - 1}")
+    if not can_dry_run(strategy):
+        raise ValueError(f"{type(strategy).__name__} is not dry-run yet; DDPStrategy and FSDPStrategy are")
+    device_type, run, where = dry_run_devices(accelerator, devices)
+    log.info(f"Dry run {where}")
+    return run(dry_run_ranks, strategy, build, batch, precision, devices, num_nodes, ranks, device_type)
 
 
 def dry_run_ranks(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int,

@@ -109,3 +109,18 @@ def test_where_cuda_cannot_be_faked_the_dry_run_says_why_and_uses_cpu_fakes():
     assert device_type == "cpu"
     assert where == "on fake CPU devices: CUDA cannot be faked here (16 devices per node; CUDA is faked for 1 to 8)"
     assert dry_run_devices("cpu", 8)[::2] == ("cpu", "on fake CPU devices")
+
+
+def test_the_documented_python_api_runs_as_typed_from_a_fresh_directory(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    page = (REPO / "docs" / "memory.md").read_text()
+    (code,) = [block for block in re.findall(r"```python\n(.*?)```", page, re.S) if "dry_run(" in block]
+    process = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert process.returncode == 0, process.stderr[-3000:]
+    first, last = process.stdout.splitlines()
+    assert first.startswith("0 {'data_parallel': 0, 'tensor_parallel': 0} ") and first.endswith(" MB")
+    assert last.startswith("63 {'data_parallel': 63, 'tensor_parallel': 0} ")
+    assert first.split("} ")[1] == last.split("} ")[1]  # every rank holds the same
