@@ -50,6 +50,7 @@ CATEGORIES = {
     "SHARDED_GRAD": "sharded gradients", "UNSHARDED_GRAD": "gathered gradients", "OPT": "optimizer state",
     "ALL_GATHER": "all-gather buffers", "REDUCE_SCATTER": "reduce-scatter buffers", "ACT": "activations",
     "TEMP": "temporaries", "INP": "inputs", "PARAM": "parameters", "GRAD": "gradients",
+    "OTH": "gradient buckets",  # what the dry run gives the module tracker itself: DDP's buckets
 }
 
 
@@ -176,6 +177,8 @@ def _one_rank(strategy: Any, build: Callable[[], nn.Module], batch: Any, precisi
             tracker = (fsdp_memory_tracker if shards else module_memory_tracker)(model, optimizer)
             if shards:
                 tracker.track_inputs((batch,))
+            else:  # DDP's gradient buckets, made before the tracker: the gradients are views of them
+                tracker.track_external(*(p.grad for p in module.parameters() if p.grad is not None))
             with tracker:
                 step()
             by_device = memory_categories(tracker)
@@ -231,8 +234,9 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def _step(strategy: Any, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> None:
-    """One training step as Lightning runs it: through the wrapper (`model`) where there is one, so that its
-    forward hooks run, and under the precision plugin's context."""
+    """One training step as Lightning runs it: gradients cleared, then forward through the wrapper (`model`) where
+    there is one, so that its hooks run, under the precision plugin's context; backward; the optimizer's step."""
+    optimizer.zero_grad()
     with strategy.precision_plugin.train_step_context():
         if model is not module:
             loss = training_step_in_wrapper(strategy, model, module, batch, 0)
@@ -242,7 +246,6 @@ def _step(strategy: Any, model: nn.Module, module: nn.Module, optimizer: torch.o
     loss = loss["loss"] if isinstance(loss, dict) else loss
     loss.backward()
     optimizer.step()
-    optimizer.zero_grad()
 
 
 def _shards(model: nn.Module, block_classes: tuple[type[nn.Module], ...]) -> list[Shard]:
@@ -263,7 +266,7 @@ HEADROOM = AutoFit.headroom  # of a device's memory: what a plan or a dry run ma
 
 # The plan's categories beside the tracker's that count the same bytes.
 PLANNED_AS = {"SHARDED_PARAM": "parameters", "SHARDED_GRAD": "gradients", "OPT": "optimizer_state",
-              "PARAM": "parameters", "GRAD": "gradients", "REDUCE_SCATTER": "reduce_scatter_buffer",
+              "PARAM": "parameters", "OTH": "gradients", "REDUCE_SCATTER": "reduce_scatter_buffer",
               "UNSHARDED_PARAM": "gathered_parameters", "BUFFER": "buffers", "ACT": "activations"}
 
 

@@ -138,6 +138,10 @@ def plan_memory(
         # SHARD_GRAD_OP, which keeps them from forward to backward.
         gathered = n if layout.keep_gathered else 2 * (math.ceil(facts.largest_block / dims.tp) or n)
         plan.device["gathered_parameters"] = min(gathered, n) * compute_bytes
+    if layout.engine == "torch" and not layout.shard_parameters and precision in ("bf16-mixed", "16-mixed"):
+        # Autocast casts each fp32 weight to 16 bits as forward uses it and keeps the copy: matrix products save
+        # their inputs for backward. At backward's start every weight has its copy (the dry run shows them).
+        plan.device["autocast_weight_copies"] = n * 2
     if layout.engine == "torch" and not layout.shard_gradients:
         # DDP rebuilds its gradient buckets at the start of the second step, in the order gradients arrived: the
         # new buckets are allocated while the old ones (the gradients themselves, as bucket views) still exist.

@@ -143,3 +143,20 @@ def test_zero_3_keeps_parameters_under_its_persistence_threshold_whole():
     big = ModelFacts.of(lambda: GPTLanguageModel(d_model=512, n_head=8))  # its 512 x 2048 matrices are partitioned only
     persistent = sum(n for n in big.parameter_sizes if n < 100_000)
     assert preset_plan("deepspeed_stage_3", big, "32-true", devices=2).device["parameters"] == big.parameters * 2 + persistent * 4
+
+
+def test_autocast_keeps_a_16_bit_copy_of_every_weight_under_ddp_only():
+    facts = ModelFacts(parameters=1_000_000, largest_block=100_000, activation_bytes=4_000_000)
+    assert preset_plan("ddp", facts, "bf16-mixed").device["autocast_weight_copies"] == 2_000_000
+    assert "autocast_weight_copies" not in preset_plan("ddp", facts, "32-true").device
+    assert "autocast_weight_copies" not in preset_plan("fsdp", facts, "bf16-mixed").device  # gathers in bf16 itself
+
+
+def test_fsdp_s_peak_holds_the_larger_of_gradients_and_activations_and_one_block_being_reduce_scattered():
+    activation_heavy = ModelFacts(parameters=1_000_000, largest_block=100_000, activation_bytes=40_000_000)
+    plan = preset_plan("fsdp", activation_heavy, "32-true", devices=4)
+    assert plan.device["reduce_scatter_buffer"] == 100_000 * 4
+    assert plan.off_peak == {"gradients": 1_000_000 * 4 / 4} and "gradients" not in plan.device
+    assert plan.model_state_per_device == 1_000_000 * 16 / 4  # the gradients still count as model state
+    state_heavy = ModelFacts(parameters=1_000_000, largest_block=100_000, activation_bytes=4_000)
+    assert "activations" in preset_plan("fsdp", state_heavy, "32-true", devices=4).off_peak
