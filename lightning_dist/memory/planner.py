@@ -54,8 +54,8 @@ class MemoryPlan:
     device: dict[str, float] = field(default_factory=dict)   # bytes per device, by category
     host: dict[str, float] = field(default_factory=dict)     # bytes per node in host memory (offload)
     nvme: dict[str, float] = field(default_factory=dict)     # bytes per node on NVMe
-    # bytes per device that exist, but not at the peak: FSDP's gradients are written in backward as its
-    # activations are freed, so the peak holds the larger of the two
+    # bytes per device that exist, but not at the peak: of two parts of a step never held together (FSDP's
+    # gradients and activations, DDP's bucket rebuild and activations) the peak holds the larger
     off_peak: dict[str, float] = field(default_factory=dict)
     activations_known: bool = True
 
@@ -168,19 +168,23 @@ def plan_memory(
     # Traced in fp32; a 16-bit run saves (about) half.
     plan.device["activations"] = (activations or 0) * compute_bytes / 4
     if layout.engine == "torch" and layout.shard_gradients:
-        _fsdp_backward(plan, (math.ceil(facts.largest_block / dims.tp) or n) * size.gradient)
+        # FSDP2 reduce-scatters each block's whole gradients from a buffer of their own, while the next block
+        # computes; its sharded gradients appear block by block as backward frees the activations.
+        plan.device["reduce_scatter_buffer"] = (math.ceil(facts.largest_block / dims.tp) or n) * size.gradient
+        _never_together(plan, ("activations",), ("gradients",))
+    if "bucket_rebuild" in plan.device:
+        # DDP rebuilds its buckets as the second step starts, before forward has saved anything.
+        _never_together(plan, ("activations", "autocast_weight_copies"), ("bucket_rebuild",))
     return plan
 
 
-def _fsdp_backward(plan: MemoryPlan, block_gradients: float) -> None:
-    """FSDP2 in backward, as its memory tracker follows it in a dry run: each block's whole gradients are
-    reduce-scattered from a buffer of their own (while the next block computes its own), and the sharded gradients
-    appear block by block as the activations are freed. At backward's start all the activations are there and no
-    gradients yet; at its end, the reverse: the peak holds the larger of the two."""
-    plan.device["reduce_scatter_buffer"] = block_gradients
-    if "gradients" in plan.device:  # not offloaded
-        smaller = "gradients" if plan.device["activations"] >= plan.device["gradients"] else "activations"
-        plan.off_peak[smaller] = plan.device.pop(smaller)
+def _never_together(plan: MemoryPlan, first: tuple[str, ...], second: tuple[str, ...]) -> None:
+    """Two groups of a step's memory that are never held at once (as a dry run's memory tracker shows): the peak
+    holds the larger; the other is listed off the peak."""
+    held = [sum(plan.device.get(key, 0.0) for key in group) for group in (first, second)]
+    for key in second if held[0] >= held[1] else first:
+        if key in plan.device:
+            plan.off_peak[key] = plan.device.pop(key)
 
 
 def _swap_buffers(facts: ModelFacts, layout: Layout, size: StateBytes, partitions: int, devices: int) -> dict[str, float]:

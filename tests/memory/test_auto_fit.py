@@ -55,7 +55,7 @@ def test_auto_fit_picks_the_least_sharded_strategy_that_fits(facts, fit, chosen,
 def test_rejections_say_what_was_needed_and_what_was_usable():
     choice = AutoFit(device_memory_gb=40).choose(SEVEN_B, "bf16-mixed", 4)
     assert dict(choice.rejected) == {
-        "ddp": "needs 144.00 GB per device, 34.00 GB usable",
+        "ddp": "needs 140.00 GB per device, 34.00 GB usable",  # the bucket rebuild outweighs activations and copies
         "deepspeed_stage_2": "needs 42.50 GB per device, 34.00 GB usable",
     }
     assert choice.strategy.config["zero_optimization"]["stage"] == 3
