@@ -94,6 +94,19 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(groups.get(module, module)))
 
 
+def pytest_xdist_node_collection_finished(node, ids) -> None:
+    """Under `--dist loadgroup`, the groups must have reached the test ids, where xdist's scheduler reads them. Where
+    they have not (a pytest the installed xdist cannot add them for), the suite would still pass, at twice the time:
+    every shared run made once per worker, every module fixture once per chunk of its tests. Stop before any runs."""
+    if node.config.getvalue("dist") == "loadgroup" and ids and not any("@" in test_id for test_id in ids):
+        import xdist
+
+        pytest.exit(f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__}: --dist loadgroup left the"
+                    f" groups out of the test ids ({ids[0]}), so each group would be split across workers; install"
+                    " what pyproject.toml's dev extra pins (pip install -e '.[dev]'), or run in one process (-n 0)",
+                    returncode=4)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def warm_interpreter(tmp_path_factory):
     """Every Python process the suite starts, forked from one that has imported torch, DeepSpeed, Hydra and
