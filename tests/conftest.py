@@ -215,10 +215,14 @@ def run_train(run_dir: Path, *overrides: str, timeout: float = 600, script: Path
 
 @pytest.fixture(scope="session")
 def deepspeed_ops() -> None:
-    """JIT-build DeepSpeed's CPU Adam once per session (about 2 minutes when not cached in ~/.cache). Its
-    shared-memory comm op is never built (`_compat.deepspeed.skip_shared_memory_comm_op`)."""
+    """JIT-build DeepSpeed's CPU Adam once per session (about 2 minutes when not cached in ~/.cache), as a run
+    would: a build lock left by a process that ended is removed first. Its shared-memory comm op is never built
+    (`_compat.deepspeed.skip_shared_memory_comm_op`)."""
     from deepspeed.accelerator import get_accelerator
 
+    from lightning_dist._compat.deepspeed import announce_op_builds
+
+    announce_op_builds(lambda line: print(line, file=sys.stderr))
     get_accelerator().create_op_builder("CPUAdamBuilder").load(verbose=False)
 
 

@@ -262,8 +262,12 @@ def op_is_built(name: str) -> bool:
 
 def announce_op_builds(say: Callable[[str], None]) -> None:
     """Before DeepSpeed compiles a native op on first use (minutes, with no output of its own), `say` one line:
-    which op, what for, that it happens once, and where it is cached. Idempotent."""
+    which op, what for, that it happens once, and where it is cached. Before any load, a build lock a process that
+    ended left behind is removed (lightning_dist/op_build_lock.py), and said so. Idempotent."""
     from deepspeed.ops.op_builder.builder import OpBuilder
+
+    from lightning_dist._compat.torch import extension_build_lock
+    from lightning_dist.op_build_lock import clear_abandoned
 
     if getattr(OpBuilder.jit_load, "announces_builds", False):
         return
@@ -271,6 +275,8 @@ def announce_op_builds(say: Callable[[str], None]) -> None:
 
     @functools.wraps(jit_load)
     def announced(self: Any, verbose: bool = True) -> Any:
+        if self.name not in OpBuilder._loaded_ops:
+            clear_abandoned(extension_build_lock(op_build_directory(self.name)), say)
         if self.name not in OpBuilder._loaded_ops and not op_is_built(self.name):
             purpose = OP_PURPOSES.get(self.name, "this run")
             say(f"DeepSpeed is compiling its {self.name} op for {purpose}: once per machine (a few minutes), cached in"

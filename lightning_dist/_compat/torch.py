@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from lightning_dist._compat import Fenced
 __all__ = [
     "apply_to_tensors", "attention_function_replaced", "checkpoint_wrapper", "CheckpointWrapper",
     "compilation_events", "cpu_flash_attention", "cpu_supports_fp16", "ddp_on_fake_tensors",
-    "default_process_group_store", "device_mismatch", "fake_pinned_memory", "fake_process_group", "fake_tensors",
+    "default_process_group_store", "device_mismatch", "extension_build_lock", "fake_pinned_memory", "fake_process_group", "fake_tensors",
     "flatten_mesh_dims", "forward_hook_tables", "fsdp_memory_tracker", "fsdp_param_group", "inductor_cache_dir",
     "is_compiled", "local_shard_region", "memory_categories", "meshes_built_outside_fake_tensors",
     "module_memory_tracker", "own_parameters", "parameter_registration", "reopen_fsdp_forward", "saved_file_extents",
@@ -45,6 +46,8 @@ FENCED = [
     Fenced("torch._dynamo.callback", "CompilationCallbackHandler.register_start_callback", ("self", "callback")),
     Fenced("torch._dynamo.callback", "CompilationCallbackHandler.register_end_callback", ("self", "callback")),
     Fenced("torch._inductor.runtime.cache_dir_utils", "cache_dir", ()),
+    # The lock a JIT extension build holds (`_jit_compile` names it `lock` in the build directory).
+    Fenced("torch.utils.file_baton", "FileBaton.try_acquire", ("self",)),
     Fenced("torch.utils._python_dispatch", "TorchDispatchMode"),  # the base of every dispatch mode; torch has no other
     Fenced("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu"),
     # The dry run (lightning_dist/dry_run.py): torch's fake process group, fake tensors and FSDP2's memory tracker.
@@ -205,6 +208,12 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return cache_dir()
+
+
+def extension_build_lock(build_directory: Path) -> Path:
+    """The file one process creates and holds open while it compiles (or checks) a JIT extension in
+    `build_directory`; every other process loading that extension waits until it is removed."""
+    return build_directory / "lock"
 
 
 def cpu_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
