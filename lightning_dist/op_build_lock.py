@@ -30,7 +30,8 @@ def clear_abandoned(lock: Path, say: Callable[[str], None]) -> bool:
         return False
     if time.time() - status.st_mtime < SETTLED_S or not _holders_visible(status.st_uid) or _held_open(lock):
         return False
-    if _filesystem_type(lock) in NETWORK_FILESYSTEMS or _filesystem_type(lock).startswith("fuse"):
+    filesystem = _filesystem_type(lock)
+    if filesystem in NETWORK_FILESYSTEMS or filesystem.startswith("fuse"):
         say(f"{lock} is held by no process on this machine: unless one on another machine is compiling into"
             f" {lock.parent}, remove it (loading this op waits until it is gone)")
         return False

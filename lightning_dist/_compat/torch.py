@@ -19,10 +19,11 @@ from lightning_dist._compat import Fenced
 __all__ = [
     "apply_to_tensors", "attention_function_replaced", "checkpoint_wrapper", "CheckpointWrapper",
     "compilation_events", "cpu_flash_attention", "cpu_supports_fp16", "ddp_on_fake_tensors",
-    "default_process_group_store", "device_mismatch", "extension_build_lock", "fake_pinned_memory", "fake_process_group", "fake_tensors",
-    "flatten_mesh_dims", "forward_hook_tables", "fsdp_memory_tracker", "fsdp_param_group", "inductor_cache_dir",
-    "is_compiled", "local_shard_region", "memory_categories", "meshes_built_outside_fake_tensors",
-    "module_memory_tracker", "own_parameters", "parameter_registration", "reopen_fsdp_forward", "saved_file_extents",
+    "default_process_group_store", "device_mismatch", "extension_build_lock", "fake_pinned_memory",
+    "fake_process_group", "fake_tensors", "flatten_mesh_dims", "forward_hook_tables", "fsdp_memory_tracker",
+    "fsdp_param_group", "inductor_cache_dir", "is_compiled", "local_shard_region", "memory_categories",
+    "meshes_built_outside_fake_tensors", "module_memory_tracker", "own_parameters", "parameter_registration",
+    "reopen_fsdp_forward", "saved_file_extents",
     "set_default_process_group_timeout", "storage_identity", "storage_owner", "TorchDispatchMode", "tree_map",
     "wrapped_module",
 ]
