@@ -11,7 +11,7 @@ machine's CUDA, or with CUDA faked: `_compat/fake_cuda.py`) and every op and col
 allocator fragmentation, NCCL's buffers, and time.
 
 ddp and the fsdp presets (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, activation checkpointing, tensor parallelism,
-CPU offload). DeepSpeed: `plan=true`.
+CPU offload) here; DeepSpeed's ZeRO 1-3 and its offload in `dry_run_deepspeed.py`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from torch import nn
 
+from lightning_dist._compat.deepspeed import zero3_whole_shape
 from lightning_dist._compat.fake_cuda import FakeCudaUnavailable, run_with_fake_cuda, shim_library
 from lightning_dist._compat.lightning import training_step_in_wrapper, wrapped_by_strategy
 from lightning_dist._compat.torch import (
@@ -51,6 +52,7 @@ CATEGORIES = {
     "ALL_GATHER": "all-gather buffers", "REDUCE_SCATTER": "reduce-scatter buffers", "ACT": "activations",
     "TEMP": "temporaries", "INP": "inputs", "PARAM": "parameters", "GRAD": "gradients",
     "OTH": "gradient buckets",  # what the dry run gives the module tracker itself: DDP's buckets
+    "ENGINE_BUFFERS": "DeepSpeed's buffers",  # its gradient buckets above all (dry_run_deepspeed.py)
 }
 
 
@@ -66,12 +68,17 @@ class RankView:
     shards: list[Shard]
     peak: dict[str, int]  # bytes on the rank's device, by CATEGORIES' key, and "Total"
     host: int = 0  # bytes in host memory at its peak (offloaded state), where the device is not the host
+    engine: str = "torch"  # or "deepspeed": which of the plan's categories each of the tracker's counts
 
 
 def can_dry_run(strategy: Any) -> bool:
-    """Whether `dry_run_ranks` knows the strategy: ours for DDP and FSDP (DeepSpeed's engine: not yet)."""
-    from lightning_dist.strategies import DDPStrategy, FSDPStrategy
+    """Whether `dry_run_ranks` knows the strategy: ours for DDP, FSDP and DeepSpeed (not yet: DeepSpeed's AutoTP,
+    which needs a Hugging Face model)."""
+    from lightning_dist.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 
+    if isinstance(strategy, DeepSpeedStrategy):
+        return strategy.run_config.zero_options.tensor_parallel_size in (None, 1) and not (
+            (strategy.base_config.get("tensor_parallel") or {}).get("autotp_size", 1) > 1)
     return isinstance(strategy, (DDPStrategy, FSDPStrategy))
 
 
@@ -116,7 +123,8 @@ def dry_run(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision
     if any(not 0 <= rank < world for rank in ranks):
         raise ValueError(f"ranks={list(ranks)}: global ranks of this run are 0 to {world - 1}")
     if not can_dry_run(strategy):
-        raise ValueError(f"{type(strategy).__name__} is not dry-run yet; DDPStrategy and FSDPStrategy are")
+        raise ValueError(f"{type(strategy).__name__} is not dry-run yet; DDPStrategy, FSDPStrategy and"
+                         " DeepSpeedStrategy (without AutoTP) are")
     device_type, run, where = dry_run_devices(accelerator, devices)
     log.info(f"Dry run {where}")
     return run(dry_run_ranks, strategy, build, batch, precision, devices, num_nodes, ranks, device_type)
@@ -151,6 +159,8 @@ def _one_rank(strategy: Any, build: Callable[[], nn.Module], batch: Any, precisi
     strategy.num_nodes = num_nodes
     strategy.parallel_devices = [torch.device(device_type, index) if device_type == "cuda" else torch.device("cpu")
                                  for index in range(devices)]
+    if hasattr(strategy, "zero"):
+        return _deepspeed_rank(strategy, build, batch, precision, devices * num_nodes, rank, device_type)
     strategy.precision_plugin = _precision_plugin(strategy, precision, device_type)
     root = strategy.root_device
     with fake_process_group(rank, devices * num_nodes):
@@ -171,7 +181,7 @@ def _one_rank(strategy: Any, build: Callable[[], nn.Module], batch: Any, precisi
             stack.enter_context(fused_attention())  # the kernel a device runs, not fake tensors' math path
             stack.enter_context(mock.patch.object(type(module), "log", lambda *a, **k: None, create=True))
             batch = tree_map(lambda t: torch.empty_like(t, device=root) if isinstance(t, torch.Tensor) else t, batch)
-            optimizer = _optimizer(module)
+            optimizer = configured_optimizer(module)
             step = partial(_step, strategy, model, module, optimizer, batch)
             step()  # creates the optimizer state; its DTensor temporaries have global size
             tracker = (fsdp_memory_tracker if shards else module_memory_tracker)(model, optimizer)
@@ -187,6 +197,16 @@ def _one_rank(strategy: Any, build: Callable[[], nn.Module], batch: Any, precisi
     coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
     blocks = strategy.block_classes_of(module) if shards else strategy.blocks.classes_in(module)
     return RankView(rank, coordinate, _shards(module, blocks), peak, host)
+
+
+def _deepspeed_rank(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision: str, world: int, rank: int,
+                    device_type: str) -> RankView:
+    from lightning_dist.dry_run_deepspeed import deepspeed_rank
+
+    module, by_device, coordinate = deepspeed_rank(strategy, build, batch, precision, world, rank, device_type)
+    peak = next(categories for device, categories in by_device.items() if device.startswith(device_type))
+    host = by_device.get("cpu", {}).get("Total", 0) if device_type != "cpu" else 0
+    return RankView(rank, coordinate, _shards(module, strategy.blocks.classes_in(module)), peak, host, "deepspeed")
 
 
 def _set_up(strategy: Any, module: nn.Module, device: torch.device, stack: ExitStack) -> nn.Module:
@@ -226,7 +246,8 @@ def _precision_plugin(strategy: Any, precision: str, device_type: str) -> Any:
     return plugin
 
 
-def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+def configured_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer the module's `configure_optimizers` makes (the first, if several), else AdamW."""
     configured = model.configure_optimizers() if hasattr(model, "configure_optimizers") else None
     configured = configured[0] if isinstance(configured, (list, tuple)) else configured
     configured = configured.get("optimizer") if isinstance(configured, dict) else configured
@@ -256,6 +277,10 @@ def _shards(model: nn.Module, block_classes: tuple[type[nn.Module], ...]) -> lis
     for name, parameter in model.named_parameters():
         if name.startswith(others):
             continue
+        if partitioned := zero3_whole_shape(parameter):  # ZeRO-3: a slice of the flattened parameter
+            whole, local, persistent = partitioned
+            rows.append((name, whole, local, "flat partition, and whole (persistent)" if persistent else "flat partition"))
+            continue
         local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
         placements = ", ".join(str(p) for p in getattr(parameter, "placements", ())) or "whole"
         rows.append((name, tuple(parameter.shape), tuple(local.shape), placements))
@@ -264,17 +289,23 @@ def _shards(model: nn.Module, block_classes: tuple[type[nn.Module], ...]) -> lis
 
 HEADROOM = AutoFit.headroom  # of a device's memory: what a plan or a dry run may fill
 
-# The plan's categories beside the tracker's that count the same bytes.
-PLANNED_AS = {"SHARDED_PARAM": "parameters", "SHARDED_GRAD": "gradients", "OPT": "optimizer_state",
+# The plan's categories beside the tracker's that count the same bytes, for each engine.
+PLANNED_AS = {
+    "torch": {"SHARDED_PARAM": "parameters", "SHARDED_GRAD": "gradients", "OPT": "optimizer_state",
               "PARAM": "parameters", "OTH": "gradients", "REDUCE_SCATTER": "reduce_scatter_buffer",
-              "UNSHARDED_PARAM": "gathered_parameters", "BUFFER": "buffers", "ACT": "activations"}
+              "UNSHARDED_PARAM": "gathered_parameters", "BUFFER": "buffers", "ACT": "activations"},
+    "deepspeed": {"SHARDED_PARAM": "parameters", "PARAM": "parameters", "SHARDED_GRAD": "gradients",
+                  "GRAD": "gradients", "OPT": "optimizer_state", "UNSHARDED_PARAM": "gathered_parameters",
+                  "ENGINE_BUFFERS": "gradient_bucket", "TEMP": "optimizer_step", "BUFFER": "buffers",
+                  "ACT": "activations"},
+}
 
 
 def table(views: list[RankView], name: str, precision: str, devices: int, num_nodes: int,
           planned: dict[str, float], where: str = "on fake CPU devices", planned_host: float = 0.0,
-          device_memory_gb: float = 80.0) -> str:
+          device_memory_gb: float = 80.0, planned_nvme: float = 0.0) -> str:
     """The dry run's report: mesh coordinates, the first rank's shards, and each rank's peak beside the plan
-    (`planned`: bytes per device by the plan's categories; `planned_host`: host bytes per rank)."""
+    (`planned`: bytes per device by the plan's categories; `planned_host`, `planned_nvme`: bytes per rank)."""
     world = devices * num_nodes
     unit, scale = ("GB", 1e9) if max(view.peak["Total"] for view in views) >= 1e9 else ("MB", 1e6)
     lines = [f"Dry run: {name}, {precision}, {world} ranks ({devices} per node) {where}: nothing allocated,"
@@ -285,8 +316,9 @@ def table(views: list[RankView], name: str, precision: str, devices: int, num_no
     ranks = " | ".join(f"rank {view.rank} ({unit})" for view in views)
     lines += ["", f"| category | {ranks} | plan ({unit}) |", "|---|" + "---:|" * (len(views) + 1)]
     shown = set()
+    planned_as = PLANNED_AS[views[0].engine]
     for key, label in CATEGORIES.items():
-        plan_key = PLANNED_AS.get(key)
+        plan_key = planned_as.get(key)
         tracked = any(key in view.peak for view in views)  # FSDP's tracker and the module tracker differ
         if not tracked or (not any(view.peak.get(key) for view in views) and not planned.get(plan_key, 0)):
             continue
@@ -302,11 +334,16 @@ def table(views: list[RankView], name: str, precision: str, devices: int, num_no
     if any(view.host for view in views) or planned_host:
         hosts = " | ".join(f"{view.host / scale:.3f}" for view in views)
         lines.append(f"| host memory (offloaded state) | {hosts} | {planned_host / scale:.3f} |")
+    if planned_nvme:  # DeepSpeed's swaps to NVMe are native I/O on real buffers: traced as host offload instead
+        lines.append("| NVMe (offloaded state) | " + " | ".join("in host memory" for _ in views) +
+                     f" | {planned_nvme / scale:.3f} |")
     usable = HEADROOM * device_memory_gb * 1e9
     highest = max(view.peak["Total"] for view in views)
     verdict = "fits" if highest <= usable else "does not fit"
     lines += ["", f"Verdict on {device_memory_gb:g} GB devices (dry_run_device_memory_gb), {HEADROOM:.0%} usable:"
               f" {verdict} ({highest / 1e9:.2f} of {usable / 1e9:.2f} GB).",
+              *(["NVMe offload is traced as host offload (a dry run writes no files): the host row holds what the"
+                 " drive would."] if planned_nvme else []),
               f"Not seen by a dry run (the other {1 - HEADROOM:.0%}): the CUDA context, library workspaces, allocator"
               " fragmentation, NCCL's buffers; nor time."]
     return "\n".join(lines)

@@ -221,9 +221,8 @@ def dry_run(cfg: DictConfig) -> list[RankView]:
         strategy = _instantiate(cfg.strategy, "strategy")
         name = HydraConfig.get().runtime.choices.get("strategy") or type(strategy).__name__
         if not can_dry_run(strategy):
-            raise ConfigError(f"dry_run=true: strategy={name} is not dry-run yet; ddp and the fsdp presets are (ddp,"
-                              " fsdp, fsdp_shard_grad_op, fsdp_activation_checkpointing, fsdp_cpu_offload, fsdp_tp,"
-                              " hsdp_tp); plan=true gives every preset's memory")
+            raise ConfigError(f"dry_run=true: strategy={name} is not dry-run yet (every preset is; DeepSpeed's AutoTP,"
+                              " strategy.tensor_parallel_size > 1, is not); plan=true gives its memory")
         devices, num_nodes = _device_count(cfg)
         world = devices * num_nodes
         ranks = tuple(cfg.get("dry_run_ranks") or (0, world - 1))
@@ -247,7 +246,8 @@ def dry_run(cfg: DictConfig) -> list[RankView]:
         raise ConfigError(f"dry_run=true found a device mismatch: {str(failure).removeprefix('DeviceMismatch: ')}")
     print(dry_run_table(views, name, cfg.trainer.precision, devices, num_nodes, memory_plan.device, where,
                         planned_host=memory_plan.host_total / devices,
-                        device_memory_gb=cfg.get("dry_run_device_memory_gb", 80)))
+                        device_memory_gb=cfg.get("dry_run_device_memory_gb", 80),
+                        planned_nvme=sum(memory_plan.nvme.values()) / devices))
     return views
 
 

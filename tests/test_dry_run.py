@@ -25,10 +25,18 @@ def documented_dry_run(tmp_path_factory) -> subprocess.CompletedProcess:
     return run_documented(command, tmp_path_factory.mktemp("dry_run"), timeout=600)  # as typed, from a fresh directory
 
 
+TARGET_7B = ("python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_7b dry_run=true trainer=gpu"
+             " trainer.devices=8 trainer.num_nodes=8 strategy=")
+
+
 @pytest.fixture(scope="module")
 def documented_7b_dry_run() -> subprocess.CompletedProcess:
-    command = documented(PAGE, "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_7b dry_run=true")
-    return run_documented(command, REPO, timeout=600)  # from the repository, as the recipe's commands are typed
+    return run_documented(documented(PAGE, TARGET_7B + "fsdp"), REPO, timeout=600)  # as the recipe's are typed
+
+
+@pytest.fixture(scope="module")
+def documented_7b_zero3_dry_run() -> subprocess.CompletedProcess:
+    return run_documented(documented(PAGE, TARGET_7B + "deepspeed_stage_3"), REPO, timeout=600)
 
 
 def rows(output: str) -> dict[str, list[str]]:
@@ -79,13 +87,30 @@ def test_the_7b_target_s_static_parts_are_the_plans_and_its_peak_within_15_perce
     assert f"fits ({rank_0:.2f} of 68.00 GB)." in documented_7b_dry_run.stdout
 
 
-def test_other_strategies_are_refused_in_one_line(tmp_path):
+def test_the_7b_target_under_zero_3_keeps_the_plans_partitions_and_peaks_within_15_percent(documented_7b_zero3_dry_run):
+    run = documented_7b_zero3_dry_run
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Dry run: deepspeed_stage_3, bf16-mixed, 64 ranks (8 per node) on fake CUDA devices" in run.stdout
+    assert "rank 0: data_parallel=0, tensor_parallel=0" in run.stdout and "rank 63: data_parallel=63," in run.stdout
+    table = rows(run.stdout)
+    # A flat partition of each weight: 1/64 of its elements (6.4e9 / 64 in bf16 is 0.2 GB per rank).
+    whole, partition, placement = table["model.blocks.0.mlp.0.weight"]
+    assert placement == "flat partition" and eval(partition) == [math.prod(eval(whole)) // 64]  # noqa: S307
+    for static in ("sharded parameters", "sharded gradients", "optimizer state"):
+        measured, _, planned = (float(v) for v in table[static])
+        assert abs(measured - planned) <= 0.01 * planned, static
+    rank_0, rank_63, plan = (float(v) for v in table["peak"])
+    assert rank_0 == rank_63 and abs(rank_0 - plan) / plan < 0.15, (rank_0, plan)
+
+
+def test_what_it_cannot_run_is_refused_in_one_line(tmp_path):
     process = subprocess.run([sys.executable, str(REPO / "train.py"), "dry_run=true", "strategy=deepspeed_stage_3",
-                              f"hydra.run.dir={tmp_path}/run"],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                              "strategy.tensor_parallel_size=2"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=300)
     assert process.returncode == 2
-    assert process.stderr.strip().splitlines()[-1].startswith(
-        "error: dry_run=true: strategy=deepspeed_stage_3 is not dry-run yet; ddp and the fsdp presets are (ddp,")
+    assert process.stderr.strip().splitlines()[-1] == (
+        "error: dry_run=true: strategy=deepspeed_stage_3 is not dry-run yet (every preset is; DeepSpeed's AutoTP,"
+        " strategy.tensor_parallel_size > 1, is not); plan=true gives its memory")
 
 
 def test_hybrid_sharding_replicates_across_nodes_and_shards_within_one():
@@ -100,3 +125,22 @@ def test_hybrid_sharding_replicates_across_nodes_and_shards_within_one():
     shards = {name: (whole, local, placement) for name, whole, local, placement in view.shards}
     assert shards["model.token_embedding.weight"] == ((256, 128), (64, 128), "R, S(0)")
     assert view.peak["SHARDED_PARAM"] > 0 and view.peak["Total"] >= sum(v for k, v in view.peak.items() if k != "Total")
+
+
+def test_zero_3_on_fake_host_devices_partitions_every_weight_flat():
+    from lightning_dist.dry_run import dry_run_ranks
+    from lightning_dist.models.gpt import GPTLanguageModel
+    from lightning_dist.strategies import DeepSpeedStrategy
+
+    batch = (torch.zeros(2, 64, dtype=torch.long), torch.zeros(2, 64, dtype=torch.long))
+    # Every weight partitioned: none kept whole on every rank (DeepSpeed keeps those under 1e5 elements by default).
+    strategy = DeepSpeedStrategy(config={"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    (view,) = dry_run_ranks(strategy, partial(GPTLanguageModel, vocab_size=256), batch, "32-true", devices=4,
+                            num_nodes=2, ranks=(6,))
+    assert view.coordinate == {"data_parallel": 6, "tensor_parallel": 0} and view.engine == "deepspeed"
+    shards = {name: (whole, local) for name, whole, local, _ in view.shards}
+    assert shards["model.blocks.0.mlp.0.weight"] == ((512, 128), (512 * 128 // 8,))
+    parameters = 875_264  # fp32 under 32-true: an eighth of every weight, its gradient, master copy and moments
+    assert abs(view.peak["SHARDED_PARAM"] - parameters * 4 / 8) <= 2 * 512
+    assert abs(view.peak["SHARDED_GRAD"] - parameters * 4 / 8) <= 2 * 512
+    assert 0 <= view.peak["OPT"] - parameters * 12 / 8 <= 3 * 4 * 512

@@ -73,8 +73,10 @@ def every_preset_on_rank_7():
 
 def test_every_preset_runs_on_its_rank_s_own_device(every_preset_on_rank_7):
     runs, views = every_preset_on_rank_7
-    assert sorted(views) == ["ddp", "fsdp", "fsdp_activation_checkpointing", "fsdp_cpu_offload",
-                             "fsdp_shard_grad_op", "fsdp_tp", "hsdp_tp"]
+    assert sorted(views) == ["ddp", "deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload",
+                             "deepspeed_stage_3", "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme",
+                             "fsdp", "fsdp_activation_checkpointing", "fsdp_cpu_offload", "fsdp_shard_grad_op",
+                             "fsdp_tp", "hsdp_tp"]
     for name, (view,) in views.items():
         assert view.rank == 7 and view.peak["Total"] > 0, name
     assert views["ddp"][0].coordinate["data_parallel_replicate"] == 7
@@ -88,6 +90,30 @@ def test_offloaded_state_is_on_the_host_and_the_rest_on_the_device(every_preset_
     assert offloaded.host > 0 and resident.host == 0
     assert offloaded.peak.get("SHARDED_PARAM", 0) == 0 and offloaded.peak.get("OPT", 0) == 0
     assert resident.peak["SHARDED_PARAM"] > 0 and resident.peak["OPT"] > 0
+
+
+# The default model's parameters; its master weights and Adam's two moments are 12 bytes of each, per rank.
+PARAMETERS = 875_264
+OPTIMIZER_STATE = PARAMETERS // 8 * 12
+
+
+def test_zero_keeps_what_each_stage_says_where_deepspeed_puts_it(every_preset_on_rank_7):
+    _, views = every_preset_on_rank_7
+    peak = {name: view.peak for name, (view,) in views.items()}
+    host = {name: view.host for name, (view,) in views.items()}
+    for name in ("deepspeed_stage_1", "deepspeed_stage_2"):  # whole bf16 weights; a shard of fp32 state, padded
+        assert peak[name]["PARAM"] == PARAMETERS * 2 and "SHARDED_PARAM" not in peak[name], name
+        assert 0 <= peak[name]["OPT"] - OPTIMIZER_STATE <= 3 * 4 * 512, name
+        # Two of Lightning's 2e8-element gradient buckets in bf16, whatever the model's size (as the plan counts).
+        assert peak[name]["ENGINE_BUFFERS"] >= 2 * 200_000_000 * 2, name
+    # ZeRO-3: an eighth of every bf16 weight and gradient, kept between uses; gathered for a block at a time.
+    assert abs(peak["deepspeed_stage_3"]["SHARDED_PARAM"] - PARAMETERS * 2 / 8) <= 2 * 512
+    assert abs(peak["deepspeed_stage_3"]["SHARDED_GRAD"] - PARAMETERS * 2 / 8) <= 2 * 512
+    assert peak["deepspeed_stage_3"]["ENGINE_BUFFERS"] < 1e6 and host["deepspeed_stage_3"] < 100
+    for name in ("deepspeed_stage_2_offload", "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme"):
+        # The optimizer's state and step on the host (NVMe traced as host memory); none of it on the device.
+        assert peak[name].get("OPT", 0) == 0 and host[name] >= OPTIMIZER_STATE, name
+    assert peak["deepspeed_stage_3_offload"].get("SHARDED_PARAM", 0) == 0
 
 
 def test_a_device_bug_ends_the_command_in_one_line_naming_op_and_devices(tmp_path):

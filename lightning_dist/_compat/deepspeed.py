@@ -3,6 +3,7 @@ the patches replace functions with the exact signatures of that release)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -293,3 +294,107 @@ def say_on_local_rank_zero(line: str) -> None:
 
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(line, file=sys.stderr, flush=True)
+
+
+# The dry run of a ZeRO engine (lightning_dist/dry_run_deepspeed.py), over torch's fake process group.
+FENCED += [
+    Fenced("deepspeed.runtime.zero.utils", "assert_ints_same_as_other_ranks"),  # (ints); its profiler wrapper hides it
+    Fenced("deepspeed.runtime.zero.partition_parameters", "assert_ints_same_as_other_ranks"),
+    Fenced("deepspeed.runtime.zero.partitioned_param_coordinator", "assert_ints_same_as_other_ranks"),
+    Fenced("deepspeed.utils.groups", "_WORLD_GROUP"),
+    Fenced("deepspeed.comm.comm", "cdb"),
+    Fenced("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"),
+    # (self, current_submodule, forward); its profiler wrapper hides them
+    Fenced("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator.fetch_sub_module"),
+    Fenced("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.setup_buckets", ("self",)),
+]
+# Where ZeRO-3's optimizer keeps each parameter's gradient partition (a view of one flat buffer, when contiguous).
+_ZERO3_GRADIENT_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+
+
+@contextmanager
+def over_a_fake_process_group() -> Iterator[None]:
+    """Within: DeepSpeed sets up and steps over torch's fake process group, as one rank, and forgets it after.
+    ZeRO-3 checks that ranks agree on a list by broadcasting rank 0's and comparing: nothing arrives over the fake
+    group, so the check is skipped. DeepSpeed keeps the process groups it made (and its comm backend) in module
+    globals; they are put back as they were, so that a later run (another world size) makes its own."""
+    import importlib
+    from unittest import mock
+
+    groups = importlib.import_module("deepspeed.utils.groups")
+    comm = importlib.import_module("deepspeed.comm.comm")
+    kept = {name: copy.copy(value) for name, value in vars(groups).items() if name.startswith("_") and name.isupper()}
+    backend = comm.cdb
+    modules = [importlib.import_module(f"deepspeed.runtime.zero.{name}")
+               for name in ("utils", "partition_parameters", "partitioned_param_coordinator")]
+    try:
+        with contextlib.ExitStack() as patches:
+            for module in modules:
+                patches.enter_context(mock.patch.object(module, "assert_ints_same_as_other_ranks", lambda ints: None))
+            yield
+    finally:
+        vars(groups).update(kept)
+        comm.cdb = backend
+
+
+@contextmanager
+def after_each_gather(callback: Callable[[torch.nn.Module], None]) -> Iterator[None]:
+    """Within: `callback(module)` once ZeRO-3 has gathered a module's parameters for its forward or backward."""
+    from unittest import mock
+
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as coordinator
+
+    fetch = coordinator.fetch_sub_module
+
+    def fetch_then_call(self: Any, current_submodule: torch.nn.Module, forward: bool) -> None:
+        fetch(self, current_submodule, forward)
+        callback(current_submodule)
+
+    with mock.patch.object(coordinator, "fetch_sub_module", fetch_then_call):
+        yield
+
+
+@contextmanager
+def after_bucket_setup(callback: Callable[[list[torch.Tensor]], None]) -> Iterator[None]:
+    """Within: `callback(buffers)` once ZeRO-1/2 have made the gradient buckets a backward fills (`ipg_buckets`:
+    one per gradient dtype, two buffers each with overlap_comm)."""
+    from unittest import mock
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    setup = DeepSpeedZeroOptimizer.setup_buckets
+
+    def setup_then_call(self: Any) -> None:
+        setup(self)
+        callback([buffer for bucket in self.ipg_buckets.values() for buffer in bucket.buffer])
+
+    with mock.patch.object(DeepSpeedZeroOptimizer, "setup_buckets", setup_then_call):
+        yield
+
+
+def zero3_partitions(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Each parameter's ZeRO-3 partition: the part this rank keeps between uses (`ds_tensor`)."""
+    return [param.ds_tensor for param in module.parameters() if getattr(param, "ds_tensor", None) is not None]
+
+
+def zero3_persistent(module: torch.nn.Module, recurse: bool = True) -> list[torch.nn.Parameter]:
+    """The parameters ZeRO-3 keeps whole on every rank (smaller than its persistence threshold)."""
+    return [param for param in module.parameters(recurse=recurse) if getattr(param, "ds_persist", False)]
+
+
+def zero3_whole_shape(param: torch.nn.Parameter) -> tuple[tuple[int, ...], tuple[int, ...], bool] | None:
+    """(the whole shape, this rank's partition's shape, whether ZeRO-3 keeps it whole) of a ZeRO-3 parameter; None
+    for any other."""
+    if getattr(param, "ds_tensor", None) is None:
+        return None
+    return tuple(param.ds_shape), tuple(param.ds_tensor.shape), bool(getattr(param, "ds_persist", False))
+
+
+def zero3_gradient_partitions(optimizer: Any) -> list[torch.Tensor]:
+    """ZeRO-3's gradient partitions, which it keeps from step to step (one flat buffer, when contiguous); none
+    below stage 3."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        return []
+    return [t for t in getattr(optimizer, _ZERO3_GRADIENT_PARTITIONS).values() if t is not None]

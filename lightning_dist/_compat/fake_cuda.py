@@ -130,6 +130,7 @@ def _stand_in_for_torch_cuda(devices: int) -> None:
         if index >= devices:
             raise RuntimeError(f"CUDA error: invalid device ordinal {index} (this node has {devices})")
         _now[0] = index
+        torch.accelerator.set_device_index(index)  # the device guard's too: ATen resolves "cuda" with it
 
     class Event:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -208,6 +209,12 @@ def _stand_in_for_torch_cuda(devices: int) -> None:
     }
     for name, answer in answers.items():
         setattr(torch.cuda, name, answer)
+    # Profiler ranges (DeepSpeed marks every ZeRO function with one): a build without CUDA has no NVTX library.
+    for name in ("range_push", "range_pop", "mark", "range_start", "range_end"):
+        setattr(torch.cuda.nvtx, name, zero)
+    # Telling the caching allocator which stream still uses a tensor (DeepSpeed does, as ZeRO-3 frees a gathered
+    # parameter): nothing is allocated, and the streams above are not torch's.
+    torch.Tensor.record_stream = lambda tensor, stream: None
 
 
 def _child(library: str, call: str, result: str) -> None:

@@ -47,6 +47,8 @@ FENCED = [
     Fenced("lightning.fabric.strategies.launchers.subprocess_script", "_ChildProcessObserver._terminate_all", ("self",)),
     Fenced("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed", ("num_processes",)),
     Fenced("lightning.pytorch.strategies.ddp", "DDPStrategy._setup_model", ("self", "model")),
+    Fenced("lightning.pytorch.strategies.deepspeed", "DeepSpeedStrategy._setup_model_and_optimizer",
+           ("self", "model", "optimizer")),
     Fenced("lightning.pytorch.strategies.strategy", "_ForwardRedirection.__call__",
            ("self", "wrapper_module", "original_module", "method_name")),
     Fenced("lightning.fabric.utilities.optimizer", "_optimizers_to_device", ("optimizers", "device")),
@@ -74,6 +76,12 @@ FENCED = [
 def wrapped_by_strategy(strategy: Any, module: Any) -> Any:
     """The wrapper `strategy.setup` puts around a LightningModule (DDP's), made the way setup makes it."""
     return strategy._setup_model(module)
+
+
+def deepspeed_engine(strategy: Any, module: Any, optimizer: Any) -> tuple[Any, Any]:
+    """(engine, its optimizer) for a LightningModule, made as the DeepSpeed strategy's `setup` makes them, from its
+    resolved `config`."""
+    return strategy._setup_model_and_optimizer(module, optimizer)
 
 
 def training_step_in_wrapper(strategy: Any, wrapper: Any, module: Any, *args: Any) -> Any:

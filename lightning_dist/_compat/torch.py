@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_dist._compat import Fenced
@@ -22,9 +24,11 @@ __all__ = [
     "default_process_group_store", "device_mismatch", "extension_build_lock", "fake_pinned_memory",
     "fake_process_group", "fake_tensors", "flatten_mesh_dims", "forward_hook_tables", "fsdp_memory_tracker",
     "fsdp_param_group", "inductor_cache_dir", "is_compiled", "local_shard_region", "memory_categories",
-    "meshes_built_outside_fake_tensors", "module_memory_tracker", "own_parameters", "parameter_registration",
+    "fake_parameters_converted_in_place", "fake_scalars", "meshes_built_outside_fake_tensors",
+    "module_memory_tracker", "own_parameters", "parameter_registration", "storage_categorized_tracker",
     "reopen_fsdp_forward", "saved_file_extents",
-    "set_default_process_group_timeout", "storage_identity", "storage_owner", "TorchDispatchMode", "tree_map",
+    "set_default_process_group_timeout", "storage_identity", "storage_owner", "tensors_from_data_made_on_the_host",
+    "TorchDispatchMode", "tree_map",
     "wrapped_module",
 ]
 
@@ -62,6 +66,14 @@ FENCED = [
     Fenced("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker", ("mod", "optm")),
     Fenced("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker.get_tracker_snapshot", ("self", "type")),
     Fenced("torch.distributed._tools.mem_tracker", "MemTracker.track_external", ("self",)),
+    # The trackers' per-op peak update (_RankPeakOnly), the state it reads, and how a storage gets its category.
+    Fenced("torch.distributed._tools.mem_tracker", "MemTracker._update_peak_stats", ("self", "peak_state")),
+    Fenced("torch.distributed._tools.mem_tracker", "MemTracker._update_and_maybe_create_winfos",
+           ("self", "t", "reftype", "update_existing")),
+    Fenced("torch.distributed._tools.mem_tracker", "_RefType"),
+    Fenced("torch.distributed._tools.mem_tracker", "_TOTAL_KEY"),
+    Fenced("torch.distributed._tools.common_utils", "get_untyped_storages", ("t",)),
+    Fenced("torch.utils", "swap_tensors", ("t1", "t2")),
 ]
 
 
@@ -318,17 +330,115 @@ def fsdp_memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> A
     optimizer state, communication buffers, activations, temporaries), at the peak of what it followed."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    return FSDPMemTracker(model, optimizer)
+    return _rank_peak_only(FSDPMemTracker)(model, optimizer)
 
 
 def module_memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
-    """torch's memory tracker for a model that is not FSDP's (DDP, DeepSpeed): parameters, buffers, gradients,
-    optimizer state, activations and temporaries, at the peak of what it followed."""
+    """torch's memory tracker for a model that is not FSDP's (DDP): parameters, buffers, gradients, optimizer
+    state, activations and temporaries, at the peak of what it followed."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = MemTracker()
+    tracker = _rank_peak_only(MemTracker)()
     tracker.track_external(model, optimizer)
     return tracker
+
+
+@functools.cache
+def _rank_peak_only(tracker_class: type) -> type:
+    """`tracker_class` keeping the rank's peak only. torch's trackers also keep each module's own peak, walking
+    every module they follow on every op: 150 of the 190 s a 7B model's ZeRO-3 step took, for figures no dry run
+    reads."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    def _update_peak_stats(self: Any, peak_state: Any) -> None:
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
+                self._peak_mem[device] = snapshot[_TOTAL_KEY]
+                self._peak_mem_snap[device] = dict(snapshot)
+
+    return type(tracker_class.__name__, (tracker_class,), {"_update_peak_stats": _update_peak_stats})
+
+
+def storage_categorized_tracker(categories: dict[str, str], module: nn.Module) -> Any:
+    """torch's module memory tracker with categories of its own (name: label; "PARAM", "GRAD", "OPT", ... are the
+    tracker's, and may be renamed, e.g. "UNSHARDED_PARAM": "Parameter"), following `module`. Its `categorize(name,
+    tensors)` puts their storages in category `name` for good: the tracker's own later guesses (every parameter a
+    forward meets is "Parameter") do not move them; `categorize(name, tensors, fixed_for_good=False)` only moves those
+    no fixed category holds."""
+    from torch.distributed._tools.common_utils import get_untyped_storages
+    from torch.distributed._tools.mem_tracker import MemTracker, _RefType
+
+    kinds = _RefType("Categories", list(categories.items()))
+    fixed: set[Any] = set()  # the categories `categorize` gave
+
+    class Tracker(_rank_peak_only(MemTracker)):
+        def _update_and_maybe_create_winfos(self, t: torch.Tensor, reftype: Any, update_existing: bool = False) -> Any:
+            known = [self._WINFO[storage][0] for storage in get_untyped_storages(t) if storage in self._WINFO]
+            if any(winfo.reftype in fixed for winfo in known):
+                return set(known)
+            return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+
+        def categorize(self, name: str, tensors: Iterable[torch.Tensor], fixed_for_good: bool = True) -> None:
+            fixed.discard(kinds[name])
+            for tensor in tensors:
+                self._update_and_maybe_create_winfos(tensor, kinds[name])
+            if fixed_for_good:
+                fixed.add(kinds[name])
+
+    tracker = Tracker()
+    tracker._ref_class = kinds
+    tracker.track_external(module)
+    return tracker
+
+
+class fake_scalars(TorchDispatchMode):
+    """Within (above fake tensors): reading a fake tensor's value (`.item()`, `if tensor:`) gives 1.0 for a
+    floating-point tensor, 0 for an integer one and False for a flag, where fake tensors refuse (they have no
+    values). DeepSpeed's step reads its gradient norm (finite: the step is taken), overflow flags (none) and torch
+    Adam's step count (one: Adam divides by its bias correction); the memory a step takes depends on none of them."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            tensor = args[0]
+            return False if tensor.dtype == torch.bool else 1.0 if tensor.is_floating_point() else 0
+        return func(*args, **(kwargs or {}))
+
+
+class tensors_from_data_made_on_the_host(TorchFunctionMode):
+    """Within (above fake tensors): `torch.tensor(data, device=...)` for a device other than the host is made on
+    the host, then copied into a fake tensor on the device. Fake mode makes such a tensor for real and keeps it as
+    a constant, and ops on constants run for real: where CUDA is faked there is no real CUDA tensor to make
+    (DeepSpeed makes its gradient norm's error flag so)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if func is torch.tensor and device is not None and torch.device(device).type != "cpu":
+            requires_grad = kwargs.pop("requires_grad", False)
+            on_host = func(*args, **{**kwargs, "device": "cpu"})
+            made = torch.empty(on_host.shape, dtype=on_host.dtype, device=device).copy_(on_host)
+            return made.requires_grad_(requires_grad) if requires_grad else made
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def fake_parameters_converted_in_place() -> Iterator[None]:
+    """Within: `Module.to(...)` and its kin convert fake parameters by giving them the converted data, where torch
+    swaps each parameter with its converted copy, which fake tensors refuse (their mode holds weak references to
+    them). DeepSpeed's engine moves and casts the module it is given."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from unittest import mock
+
+    swap = torch.utils.swap_tensors
+
+    def swap_or_assign(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        if isinstance(t1, FakeTensor) or isinstance(t2, FakeTensor):
+            t1.data = t2.data
+        else:
+            swap(t1, t2)
+
+    with mock.patch.object(torch.utils, "swap_tensors", swap_or_assign):
+        yield
 
 
 def memory_categories(tracker: Any) -> dict[str, dict[str, int]]:

@@ -31,7 +31,8 @@ class Layout:
     offload_optimizer: str | None = None   # "cpu" or "nvme": optimizer state (and gradient partitions) live there
     offload_parameters: str | None = None
     activation_checkpointing: CheckpointPlan | None = None  # which blocks are recomputed in backward, and how
-    reduce_bucket_elements: int = 0    # a gradient bucket allocated up front on the device (ZeRO-3)
+    reduce_bucket_elements: int = 0    # a gradient bucket made whole on the device (ZeRO's contiguous gradients)
+    reduce_buckets: int = 1            # how many: two under ZeRO-1/2 with overlap_comm (one fills, one is sent)
     persistence_threshold: int = 0     # ZeRO-3 keeps parameters smaller than this whole on every rank
     sized_by_hidden_size: bool = False  # a ZeRO-3 preset: its reduce bucket follows the model's hidden size
     sub_group_size: int = 0            # ZeRO-3's optimizer tile: it steps on one flat group of this many at a time
@@ -81,14 +82,19 @@ def deepspeed_layout(strategy: Any, name: str) -> Layout:
     param_swap = {**_DEEPSPEED_OFFLOAD_PARAM, **(zero.get("offload_param") or {})}
     optimizer_swaps = (zero.get("offload_optimizer") or {}).get("buffer_count", _DEEPSPEED_OPTIMIZER_SWAP_BUFFERS)
     contiguous = zero.get("contiguous_gradients", True)
+    overlap = zero.get("overlap_comm", stage == 3)  # DeepSpeed's default: on for ZeRO-3 only
     bucket = zero.get("reduce_bucket_size", _DEEPSPEED_REDUCE_BUCKET)
     persistence = zero.get("stage3_param_persistence_threshold", DEFAULT_PERSISTENCE_THRESHOLD)
     return Layout(
-        name, "deepspeed", shard_parameters=stage >= 3, shard_gradients=stage >= 2, shard_optimizer=stage >= 1,
-        offload_optimizer=section.optimizer.device,
+        # ZeRO-1 with overlap_comm reduces each gradient into its partition as backward makes it, as ZeRO-2 does
+        # (DeepSpeed 0.19.8, stage_1_and_2.py; seen in a dry run): no whole gradients are kept.
+        name, "deepspeed", shard_parameters=stage >= 3, shard_gradients=stage >= 2 or (stage == 1 and overlap),
+        shard_optimizer=stage >= 1, offload_optimizer=section.optimizer.device,
         offload_parameters=section.parameters.device if stage >= 3 else None,
-        # ZeRO-3 allocates its gradient bucket whole when it starts; "auto" is sized from the model later.
-        reduce_bucket_elements=int(bucket) if stage >= 3 and contiguous and isinstance(bucket, (int, float)) else 0,
+        # With contiguous gradients, each backward fills buckets made whole on the device: ZeRO-3 one, made as it
+        # starts, ZeRO-1/2 one or, overlapping communication, two. "auto" is sized from the model later.
+        reduce_bucket_elements=int(bucket) if stage >= 1 and contiguous and isinstance(bucket, (int, float)) else 0,
+        reduce_buckets=2 if stage < 3 and overlap else 1,
         persistence_threshold=int(persistence) if stage >= 3 and isinstance(persistence, (int, float)) else 0,
         # A preset's ZeRO-3 reduce bucket follows the model's hidden size when it has one (DeepSpeedStrategy.resolution).
         sized_by_hidden_size=stage >= 3 and preset,

@@ -62,7 +62,7 @@ class MemoryPlan:
     @property
     def model_state_per_device(self) -> float:
         return sum(self.device.get(k, 0.0) + self.off_peak.get(k, 0.0)
-                   for k in ("parameters", "gradients", "optimizer_state"))
+                   for k in ("parameters", "persistent_parameters", "gradients", "optimizer_state"))
 
     @property
     def device_total(self) -> float:
@@ -108,14 +108,19 @@ def plan_memory(
     def shard(count: float, sharded: bool) -> float:
         return math.ceil(count / dims.dp_shard) if sharded else count
 
+    gradients_offload = layout.offload_optimizer if layout.shard_gradients else None
+    host_gradient = size.gradient
+    if layout.engine == "deepspeed" and gradients_offload:
+        # The host optimizer steps on fp32 copies of the gradient partitions, which stay in the gradient dtype
+        # beside them (a dry run of every offload preset shows both).
+        host_gradient = size.gradient + size.master
     parameters = shard(n * size.parameter, layout.shard_parameters)
-    gradients = shard(n * size.gradient, layout.shard_gradients)
+    gradients = shard(n * host_gradient, layout.shard_gradients)
     optimizer_state = shard(n * (size.master + moments * size.moment), layout.shard_optimizer)
     plan = MemoryPlan(layout, precision, world, devices)
 
     # Where each part lives: the device unless offloaded; offloaded parts add up over a node's ranks. DeepSpeed
     # keeps gradient partitions in host memory when the optimizer state is on NVMe: it swaps only the latter.
-    gradients_offload = layout.offload_optimizer if layout.shard_gradients else None
     placements = (
         ("parameters", parameters, layout.offload_parameters),
         ("gradients", gradients, "cpu" if gradients_offload == "nvme" else gradients_offload),
@@ -127,10 +132,17 @@ def plan_memory(
         else:
             (plan.host if offload == "cpu" else plan.nvme)[name] = value * devices
     plan.host.update(_swap_buffers(facts, layout, size, dims.dp_shard, devices))
+    if layout.engine == "deepspeed" and gradients_offload and not layout.shard_parameters:
+        # ZeRO-1/2 move each gradient to the host through a buffer the size of the largest parameter, one on the
+        # device and one pinned in host memory.
+        staging = max(facts.parameter_sizes, default=0) * size.gradient
+        plan.device["offload_staging_buffer"] = staging
+        plan.host["offload_staging_buffer"] = staging * devices
     if layout.persistence_threshold:
-        # Once ZeRO-3 has traced a step it keeps its small parameters whole on every rank, beside their partitions.
+        # Once ZeRO-3 has traced a step it keeps its small parameters whole on every rank, beside their partitions
+        # (a dry run sees it release them as a step ends, and gather them again).
         persistent = sum(numel for numel in facts.parameter_sizes if numel < layout.persistence_threshold)
-        plan.device["parameters"] = plan.device.get("parameters", 0) + persistent * size.parameter
+        plan.device["persistent_parameters"] = persistent * size.parameter
 
     compute_bytes = 2 if precision in HALF_PRECISIONS else 4
     if layout.shard_parameters or layout.offload_parameters:
@@ -150,7 +162,7 @@ def plan_memory(
     if layout.sized_by_hidden_size and facts.hidden_size:
         bucket = HIDDEN_SIZE_RULES["reduce_bucket_size"](facts.hidden_size)
     if bucket:
-        plan.device["gradient_bucket"] = bucket * size.gradient
+        plan.device["gradient_bucket"] = layout.reduce_buckets * bucket * size.gradient
     if layout.sub_group_size and not layout.offload_optimizer:
         # ZeRO-3 steps on one flat fp32 group at a time: a copy of its gradients, and torch Adam's temporaries
         # (sqrt of the second moment, divided), each the size of the group. (Offloaded, DeepSpeed's CPU Adam needs
