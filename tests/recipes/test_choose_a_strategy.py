@@ -31,7 +31,7 @@ def test_plan_of_the_target_lists_every_preset():
 
 
 @pytest.mark.parametrize(("options", "chosen"), [
-    (["strategy.device_memory_gb=80"], "auto_fit: chose deepspeed_stage_2: 32.80 GB per device of 68.00 GB usable"),
+    (["strategy.device_memory_gb=80"], "auto_fit: chose deepspeed_stage_2: 33.60 GB per device of 68.00 GB usable"),
     (["strategy.device_memory_gb=24", "strategy.host_memory_gb=512"], "auto_fit: chose deepspeed_stage_3_offload: 9.47 GB"),
     # The fsdp ladder's tensor-parallel rung: FSDP's 19.91 GB do not fit, split over 2 ranks as well they do.
     (["strategy.device_memory_gb=22", "strategy.host_memory_gb=512", "strategy.family=fsdp"],
