@@ -279,7 +279,8 @@ def _shards(model: nn.Module, block_classes: tuple[type[nn.Module], ...]) -> lis
             continue
         if partitioned := zero3_whole_shape(parameter):  # ZeRO-3: a slice of the flattened parameter
             whole, local, persistent = partitioned
-            rows.append((name, whole, local, "flat partition, and whole (persistent)" if persistent else "flat partition"))
+            kept = "flat partition, and whole (persistent)" if persistent else "flat partition"
+            rows.append((name, whole, local, kept))
             continue
         local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
         placements = ", ".join(str(p) for p in getattr(parameter, "placements", ())) or "whole"

@@ -49,7 +49,8 @@ from lightning_dist.parallel.zero_engine import use_deepspeed_accelerator
 
 # What torch says about DeepSpeed's code on fake tensors, once per call site: it checks a partition's alignment by
 # its data pointer (fake tensors have none), and calls collectives by names torch deprecates.
-FAKE_RUN_WARNINGS = (r"Accessing the data pointer of FakeTensor is deprecated", r"`torch\.distributed\.\w+` is deprecated")
+FAKE_RUN_WARNINGS = (r"Accessing the data pointer of FakeTensor is deprecated",
+                     r"`torch\.distributed\.\w+` is deprecated")
 
 
 def tracker_categories(parameters_sharded: bool) -> dict[str, str]:
