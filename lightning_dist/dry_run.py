@@ -77,8 +77,7 @@ def can_dry_run(strategy: Any) -> bool:
     from lightning_dist.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 
     if isinstance(strategy, DeepSpeedStrategy):
-        return strategy.run_config.zero_options.tensor_parallel_size in (None, 1) and not (
-            (strategy.base_config.get("tensor_parallel") or {}).get("autotp_size", 1) > 1)
+        return strategy.tensor_parallel_size == 1
     return isinstance(strategy, (DDPStrategy, FSDPStrategy))
 
 
@@ -159,7 +158,7 @@ def _one_rank(strategy: Any, build: Callable[[], nn.Module], batch: Any, precisi
     strategy.num_nodes = num_nodes
     strategy.parallel_devices = [torch.device(device_type, index) if device_type == "cuda" else torch.device("cpu")
                                  for index in range(devices)]
-    if hasattr(strategy, "zero"):
+    if _is_deepspeed(strategy):
         return _deepspeed_rank(strategy, build, batch, precision, devices * num_nodes, rank, device_type)
     strategy.precision_plugin = _precision_plugin(strategy, precision, device_type)
     root = strategy.root_device
@@ -197,6 +196,12 @@ def _one_rank(strategy: Any, build: Callable[[], nn.Module], batch: Any, precisi
     coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
     blocks = strategy.block_classes_of(module) if shards else strategy.blocks.classes_in(module)
     return RankView(rank, coordinate, _shards(module, blocks), peak, host)
+
+
+def _is_deepspeed(strategy: Any) -> bool:
+    from lightning_dist.strategies import DeepSpeedStrategy
+
+    return isinstance(strategy, DeepSpeedStrategy)
 
 
 def _deepspeed_rank(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision: str, world: int, rank: int,
