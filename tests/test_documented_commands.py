@@ -29,7 +29,9 @@ RUN_ELSEWHERE = {
     "python train.py dry_run=true trainer=gpu trainer.devices=8 trainer.num_nodes=8 strategy=fsdp": (
         "tests/test_dry_run.py", 'documented(PAGE, "python train.py dry_run=true")'),
     "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_7b dry_run=true trainer=gpu trainer.devices=8 trainer.num_nodes=8 strategy=fsdp": (
-        "tests/test_dry_run.py", 'model=gpt_7b dry_run=true")'),
+        "tests/test_dry_run.py", 'documented(PAGE, TARGET_7B + "fsdp")'),
+    "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_7b dry_run=true trainer=gpu trainer.devices=8 trainer.num_nodes=8 strategy=deepspeed_stage_3": (
+        "tests/test_dry_run.py", 'documented(PAGE, TARGET_7B + "deepspeed_stage_3")'),
     "python -m lightning_dist.prepare cpu_adam": ("tests/test_prepare.py", 'documented(REPO / "docs" / "install.md"'),
     # tensor parallelism on 4 ranks: the same overrides, 20 steps, losses compared with ddp's
     "python train.py strategy=fsdp_tp trainer.devices=4": ("tests/strategies/test_tensor_parallel.py", '"strategy=fsdp_tp"'),
