@@ -127,11 +127,18 @@ def test_hybrid_sharding_replicates_across_nodes_and_shards_within_one():
     assert view.peak["SHARDED_PARAM"] > 0 and view.peak["Total"] >= sum(v for k, v in view.peak.items() if k != "Total")
 
 
-def test_zero_3_on_fake_host_devices_partitions_every_weight_flat():
+def test_zero_3_on_fake_host_devices_partitions_every_weight_flat(monkeypatch):
+    import deepspeed.utils.groups
+    import torch.distributed as dist
+
     from lightning_dist.dry_run import dry_run_ranks
     from lightning_dist.models.gpt import GPTLanguageModel
     from lightning_dist.strategies import DeepSpeedStrategy
 
+    # What a DeepSpeed run earlier in the same process leaves: its world group cached, the group itself long gone.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    monkeypatch.setattr(deepspeed.utils.groups, "_WORLD_GROUP", stale := dist.new_group([0]))
+    dist.destroy_process_group()
     batch = (torch.zeros(2, 64, dtype=torch.long), torch.zeros(2, 64, dtype=torch.long))
     # Every weight partitioned: none kept whole on every rank (DeepSpeed keeps those under 1e5 elements by default).
     strategy = DeepSpeedStrategy(config={"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
@@ -144,3 +151,4 @@ def test_zero_3_on_fake_host_devices_partitions_every_weight_flat():
     assert abs(view.peak["SHARDED_PARAM"] - parameters * 4 / 8) <= 2 * 512
     assert abs(view.peak["SHARDED_GRAD"] - parameters * 4 / 8) <= 2 * 512
     assert 0 <= view.peak["OPT"] - parameters * 12 / 8 <= 3 * 4 * 512
+    assert deepspeed.utils.groups._WORLD_GROUP is stale  # the process's own state, put back

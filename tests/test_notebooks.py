@@ -51,7 +51,7 @@ def test_memory_notebook_plans_chooses_and_generates_from_a_consolidated_checkpo
     text = outputs(execute(nbformat.read(NOTEBOOKS / "memory_and_strategy.ipynb", as_version=4)))
     assert "**6.45B parameters, bf16-mixed, 8 devices**" in text
     assert "| deepspeed_stage_3 | 12.9 |" in text
-    assert "8 x 80 GB, 512 GB host: deepspeed_stage_2 (28.5 GB per device)" in text
+    assert "8 x 80 GB, 512 GB host: deepspeed_stage_2 (29.3 GB per device)" in text
     assert "8 x 24 GB, 512 GB host: deepspeed_stage_3 (18.4 GB per device)" in text
     assert "8 x 16 GB, 512 GB host: deepspeed_stage_3_offload" in text
     assert "checkpoint: ['checkpoint', 'latest'," in text

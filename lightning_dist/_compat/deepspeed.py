@@ -317,23 +317,27 @@ def over_a_fake_process_group() -> Iterator[None]:
     """Within: DeepSpeed sets up and steps over torch's fake process group, as one rank, and forgets it after.
     ZeRO-3 checks that ranks agree on a list by broadcasting rank 0's and comparing: nothing arrives over the fake
     group, so the check is skipped. DeepSpeed keeps the process groups it made (and its comm backend) in module
-    globals; they are put back as they were, so that a later run (another world size) makes its own."""
+    globals, which an earlier run in this process may have left pointing at groups long gone: they start empty
+    here, and are put back as they were after."""
     import importlib
     from unittest import mock
 
     groups = importlib.import_module("deepspeed.utils.groups")
     comm = importlib.import_module("deepspeed.comm.comm")
-    kept = {name: copy.copy(value) for name, value in vars(groups).items() if name.startswith("_") and name.isupper()}
+    caches = {name: value for name, value in vars(groups).items()
+              if name.startswith("_") and name.isupper() and not isinstance(value, str)}  # a group, or groups by key
     backend = comm.cdb
     modules = [importlib.import_module(f"deepspeed.runtime.zero.{name}")
                for name in ("utils", "partition_parameters", "partitioned_param_coordinator")]
+    vars(groups).update({name: {} if isinstance(value, dict) else None for name, value in caches.items()})
+    comm.cdb = None
     try:
         with contextlib.ExitStack() as patches:
             for module in modules:
                 patches.enter_context(mock.patch.object(module, "assert_ints_same_as_other_ranks", lambda ints: None))
             yield
     finally:
-        vars(groups).update(kept)
+        vars(groups).update(caches)
         comm.cdb = backend
 
 
