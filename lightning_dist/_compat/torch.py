@@ -21,15 +21,13 @@ from lightning_dist._compat import Fenced
 __all__ = [
     "apply_to_tensors", "attention_function_replaced", "checkpoint_wrapper", "CheckpointWrapper",
     "compilation_events", "cpu_flash_attention", "cpu_supports_fp16", "ddp_on_fake_tensors",
-    "default_process_group_store", "device_mismatch", "extension_build_lock", "fake_pinned_memory",
-    "fake_process_group", "fake_tensors", "flatten_mesh_dims", "forward_hook_tables", "fsdp_memory_tracker",
-    "fsdp_param_group", "inductor_cache_dir", "is_compiled", "local_shard_region", "memory_categories",
-    "fake_parameters_converted_in_place", "fake_scalars", "meshes_built_outside_fake_tensors",
-    "module_memory_tracker", "own_parameters", "parameter_registration", "storage_categorized_tracker",
-    "reopen_fsdp_forward", "saved_file_extents",
-    "set_default_process_group_timeout", "storage_identity", "storage_owner", "tensors_from_data_made_on_the_host",
-    "TorchDispatchMode", "tree_map",
-    "wrapped_module",
+    "default_process_group_store", "device_mismatch", "extension_build_lock", "fake_parameters_converted_in_place",
+    "fake_pinned_memory", "fake_process_group", "fake_scalars", "fake_tensors", "flatten_mesh_dims",
+    "forward_hook_tables", "fsdp_memory_tracker", "fsdp_param_group", "inductor_cache_dir", "is_compiled",
+    "local_shard_region", "memory_categories", "meshes_built_outside_fake_tensors", "module_memory_tracker",
+    "own_parameters", "parameter_registration", "reopen_fsdp_forward", "saved_file_extents",
+    "set_default_process_group_timeout", "storage_categorized_tracker", "storage_identity", "storage_owner",
+    "tensors_from_data_made_on_the_host", "TorchDispatchMode", "tree_map", "wrapped_module",
 ]
 
 FENCED = [
@@ -66,7 +64,7 @@ FENCED = [
     Fenced("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker", ("mod", "optm")),
     Fenced("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker.get_tracker_snapshot", ("self", "type")),
     Fenced("torch.distributed._tools.mem_tracker", "MemTracker.track_external", ("self",)),
-    # The trackers' per-op peak update (_RankPeakOnly), the state it reads, and how a storage gets its category.
+    # The trackers' per-op peak update (_rank_peak_only), the state it reads, and how a storage gets its category.
     Fenced("torch.distributed._tools.mem_tracker", "MemTracker._update_peak_stats", ("self", "peak_state")),
     Fenced("torch.distributed._tools.mem_tracker", "MemTracker._update_and_maybe_create_winfos",
            ("self", "t", "reftype", "update_existing")),
@@ -426,8 +424,9 @@ def fake_parameters_converted_in_place() -> Iterator[None]:
     """Within: `Module.to(...)` and its kin convert fake parameters by giving them the converted data, where torch
     swaps each parameter with its converted copy, which fake tensors refuse (their mode holds weak references to
     them). DeepSpeed's engine moves and casts the module it is given."""
-    from torch._subclasses.fake_tensor import FakeTensor
     from unittest import mock
+
+    from torch._subclasses.fake_tensor import FakeTensor
 
     swap = torch.utils.swap_tensors
 
