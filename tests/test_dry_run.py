@@ -136,9 +136,8 @@ def test_zero_3_on_fake_host_devices_partitions_every_weight_flat(monkeypatch):
     from lightning_dist.strategies import DeepSpeedStrategy
 
     # What a DeepSpeed run earlier in the same process leaves: its world group cached, the group itself long gone.
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    monkeypatch.setattr(deepspeed.utils.groups, "_WORLD_GROUP", stale := dist.new_group([0]))
-    dist.destroy_process_group()
+    stale = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    monkeypatch.setattr(deepspeed.utils.groups, "_WORLD_GROUP", stale)
     batch = (torch.zeros(2, 64, dtype=torch.long), torch.zeros(2, 64, dtype=torch.long))
     # Every weight partitioned: none kept whole on every rank (DeepSpeed keeps those under 1e5 elements by default).
     strategy = DeepSpeedStrategy(config={"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
