@@ -81,6 +81,7 @@ def _mount_point(path) -> str:
 def test_an_op_whose_lock_was_abandoned_loads_instead_of_waiting_forever(tmp_path, deepspeed_ops):
     """The op as this suite built it, copied with a lock a killed process left: `prepare` loads it in seconds."""
     from lightning_dist._compat.deepspeed import op_build_directory
+    from lightning_dist._compat.torch import extension_build_lock
 
     extensions = tmp_path / "extensions"
     shutil.copytree(op_build_directory("cpu_adam"), extensions / "cpu_adam", ignore=shutil.ignore_patterns("lock"))
@@ -89,5 +90,10 @@ def test_an_op_whose_lock_was_abandoned_loads_instead_of_waiting_forever(tmp_pat
                              env={**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)}, capture_output=True,
                              text=True, timeout=300)  # without the removal: waits here until the timeout
     assert process.returncode == 0, process.stderr[-3000:]
-    assert f"removed {lock}, left behind by a process that ended" in process.stdout
-    assert "cpu_adam: ready in" in process.stdout and not lock.exists()
+    assert "cpu_adam: ready in" in process.stdout
+    if extension_build_lock(lock.parent) is None:
+        # torch 2.14 on: an advisory lock on the file, which ended with its holder. The file stays and blocks
+        # nothing: it is neither removed nor said to be left behind (at every load).
+        assert "left behind" not in process.stdout and lock.exists()
+    else:
+        assert f"removed {lock}, left behind by a process that ended" in process.stdout and not lock.exists()

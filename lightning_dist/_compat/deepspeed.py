@@ -276,8 +276,8 @@ def announce_op_builds(say: Callable[[str], None]) -> None:
 
     @functools.wraps(jit_load)
     def announced(self: Any, verbose: bool = True) -> Any:
-        if self.name not in OpBuilder._loaded_ops:
-            clear_abandoned(extension_build_lock(op_build_directory(self.name)), say)
+        if self.name not in OpBuilder._loaded_ops and (lock := extension_build_lock(op_build_directory(self.name))):
+            clear_abandoned(lock, say)
         if self.name not in OpBuilder._loaded_ops and not op_is_built(self.name):
             purpose = OP_PURPOSES.get(self.name, "this run")
             say(f"DeepSpeed is compiling its {self.name} op for {purpose}: once per machine (a few minutes), cached in"

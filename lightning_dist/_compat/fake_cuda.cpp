@@ -1,7 +1,10 @@
 // CUDA faked on a build of torch without it (lightning_dist/_compat/fake_cuda.py builds and loads this).
 // Two registrations: c10's own FakeGuardImpl as the CUDA device guard (device index state, no driver), and CUDA
 // hooks that say CUDA is there with $LIGHTNING_DIST_FAKE_CUDA_DEVICES devices. Loaded before torch is imported:
-// ATen reads the hooks once. Checked on torch 2.13.0.
+// ATen reads the hooks once. A CUDA build's own libraries register theirs as torch loads: the hooks here are
+// preferred over them (the registry keeps the higher priority, saying so on stderr), and the guard, which the last
+// registration wins, is registered again once torch is loaded (`fake_cuda_register_guard`).
+// Built against each installed wheel's headers; checked on torch 2.11.0 (CUDA build), 2.13.0 (CPU) and 2.15.0 (CUDA).
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/impl/FakeGuardImpl.h>
 
@@ -23,9 +26,14 @@ struct FakeCUDAHooks final : CUDAHooksInterface {
   DeviceIndex deviceCount() const override { return static_cast<DeviceIndex>(devices()); }
 };
 // Under the name ATen asks its registry for ("CUDAHooks").
-C10_REGISTER_CLASS(CUDAHooksRegistry, CUDAHooks, FakeCUDAHooks);
+C10_REGISTER_CLASS_WITH_PRIORITY(CUDAHooksRegistry, CUDAHooks, c10::REGISTRY_PREFERRED, FakeCUDAHooks);
 }  // namespace at
 
 namespace c10::impl {
 C10_REGISTER_GUARD_IMPL(CUDA, FakeGuardImpl<DeviceType::CUDA>);
 }  // namespace c10::impl
+
+extern "C" void fake_cuda_register_guard() {
+  static const c10::impl::FakeGuardImpl<c10::DeviceType::CUDA> guard;
+  c10::impl::registerDeviceGuard(c10::DeviceType::CUDA, &guard);
+}

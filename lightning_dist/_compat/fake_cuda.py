@@ -1,11 +1,13 @@
-"""CUDA faked on a build of torch without it, for dry runs (`dry_run=true trainer=gpu` where there is no GPU).
-Checked on torch 2.13.0 only: any other torch is refused (`FakeCudaUnavailable`) and the dry run uses CPU fakes.
+"""CUDA faked where there is no GPU, for dry runs (`dry_run=true trainer=gpu`): on torch's CPU builds, and on its
+CUDA builds on a machine without a GPU. Checked on torch 2.11.0 and 2.15.0 (CUDA builds, on a CPU) and 2.13.0 (CPU
+build); where the shim does not build against the installed torch, the dry run says so and uses CPU fakes.
 
 Two pieces. A shared library (fake_cuda.cpp beside this file, built once with g++ against the installed wheel's own
 headers, a few seconds, then cached) registers c10's `FakeGuardImpl` as the CUDA device guard and CUDA hooks that
 report the devices: fake tensors on `cuda:5` then index, copy, initialise modules and run backward as on a GPU, and
 one meeting a tensor on `cpu` or `cuda:0` fails as it would there. ATen reads its CUDA hooks once, when torch is
-imported, so the library is loaded first, in a process of its own: `run_with_fake_cuda`. Then a stand-in for the
+imported, so the library is loaded first, in a process of its own: `run_with_fake_cuda` (a CUDA build registers
+its own guard as torch loads, so the fake one is registered again after). Then a stand-in for the
 parts of `torch.cuda` that a set-up calls (device count, `set_device`, streams, events, memory statistics), which a
 CPU build implements only by raising.
 
@@ -29,7 +31,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-CHECKED_ON = "2.13.0"
 SOURCE = Path(__file__).with_name("fake_cuda.cpp")
 MAX_DEVICES = 8  # per node: c10's FakeGuardImpl keeps the current device in an array of 8
 DEVICE_MEMORY = 80 * 2**30  # what `get_device_properties` reports; a dry run's verdict uses device_memory_gb
@@ -73,9 +74,7 @@ def shim_library(devices: int) -> Path:
     if not 1 <= devices <= MAX_DEVICES:
         raise FakeCudaUnavailable(f"{devices} devices per node; CUDA is faked for 1 to {MAX_DEVICES}")
     version = _torch_version()
-    if version.split("+")[0] != CHECKED_ON:
-        raise FakeCudaUnavailable(f"torch {version} is installed; CUDA is faked for torch {CHECKED_ON} only")
-    if "+cpu" not in version and "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
         raise FakeCudaUnavailable("this torch has CUDA: fake tensors go on its devices directly")
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
@@ -215,6 +214,11 @@ def _stand_in_for_torch_cuda(devices: int) -> None:
     # Telling the caching allocator which stream still uses a tensor (DeepSpeed does, as ZeRO-3 frees a gathered
     # parameter): nothing is allocated, and the streams above are not torch's.
     torch.Tensor.record_stream = lambda tensor, stream: None
+    # Fake tensors make one real tensor on each CUDA device they meet, where torch says it has CUDA (on a CUDA
+    # build, through these answers): there is no device to make it on, and nothing here needs its context.
+    from torch._subclasses import fake_tensor
+
+    fake_tensor.init_gpu_context = lambda device: None
 
 
 def _child(library: str, call: str, result: str) -> None:
@@ -223,7 +227,10 @@ def _child(library: str, call: str, result: str) -> None:
 
     if "torch" in sys.modules:
         raise RuntimeError("torch was imported before the device shim; ATen would not see the fake CUDA hooks")
-    ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
+    shim = ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
+    import torch  # noqa: F401 - a CUDA build registers its device guard as it loads: the fake one goes back over it
+
+    shim.fake_cuda_register_guard()
     _stand_in_for_torch_cuda(int(os.environ["LIGHTNING_DIST_FAKE_CUDA_DEVICES"]))
     function, args = pickle.loads(Path(call).read_bytes())
     try:

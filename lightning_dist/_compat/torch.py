@@ -1,8 +1,10 @@
-"""torch internals. Checked on torch 2.13.0."""
+"""torch internals. Checked on torch 2.11.0, 2.13.0 and 2.15.0 (CI's compatibility tier runs the oldest and the
+newest); where releases differ, each function here chooses by what the installed torch has, not by its version."""
 
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -23,7 +25,7 @@ __all__ = [
     "compilation_events", "cpu_flash_attention", "cpu_supports_fp16", "ddp_on_fake_tensors",
     "default_process_group_store", "device_mismatch", "extension_build_lock", "fake_parameters_converted_in_place",
     "fake_pinned_memory", "fake_process_group", "fake_scalars", "fake_tensors", "flatten_mesh_dims",
-    "forward_hook_tables", "fsdp_memory_tracker", "fsdp_param_group", "inductor_cache_dir", "is_compiled",
+    "forward_hook_tables", "fsdp_memory_tracker", "fsdp_param_groups", "inductor_cache_dir", "is_compiled",
     "local_shard_region", "memory_categories", "meshes_built_outside_fake_tensors", "module_memory_tracker",
     "own_parameters", "parameter_registration", "reopen_fsdp_forward", "saved_file_extents",
     "set_default_process_group_timeout", "storage_categorized_tracker", "storage_identity", "storage_owner",
@@ -56,8 +58,8 @@ FENCED = [
     # The dry run (lightning_dist/dry_run.py): torch's fake process group, fake tensors and FSDP2's memory tracker.
     Fenced("torch.testing._internal.distributed.fake_pg", "FakeStore"),
     Fenced("torch._subclasses.fake_tensor", "FakeTensorMode", ("allow_fallback_kernels", "allow_non_fake_inputs")),
-    Fenced("torch._subclasses.fake_tensor", "FakeTensorDeviceMismatchError", ("func", "common_device", "device")),
     Fenced("torch._subclasses.fake_tensor", "unset_fake_temporarily"),
+    Fenced("torch._subclasses.fake_tensor", "init_gpu_context", ("device",)),  # fake_cuda.py: not on a fake device
     Fenced("torch.nn.parallel.distributed", "_verify_param_shape_across_processes", ("process_group", "tensors")),
     Fenced("torch.distributed", "Logger.set_runtime_stats_and_log"),
     Fenced("torch.distributed", "Reducer._rebuild_buckets"),
@@ -108,9 +110,15 @@ def storage_owner(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._base if tensor._base is not None else tensor
 
 
-def fsdp_param_group(unit: nn.Module) -> Any:
-    """FSDP2's record of one unit's parameters (sharding, offload, dtypes), or None for a unit that holds none."""
-    return unit._get_fsdp_state()._fsdp_param_group
+def fsdp_param_groups(unit: nn.Module) -> list[Any]:
+    """FSDP2's records of one unit's parameters (sharding, offload, dtypes): none for a unit that holds none. torch
+    2.12 turned the unit's one `_fsdp_param_group` into a list, `_fsdp_param_groups`, keeping the singular name as a
+    property that raises once a unit has several."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
 
 
 def flatten_mesh_dims(mesh: DeviceMesh, dims: Sequence[str], name: str) -> DeviceMesh:
@@ -136,8 +144,7 @@ def reopen_fsdp_forward(model: nn.Module) -> None:
     method which calls `forward` is itself the forward pass (see `parallel.fsdp.register_step_method`)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-    state = model._get_fsdp_state()
-    for holder in (state, *state._fsdp_param_groups):
+    for holder in (model._get_fsdp_state(), *fsdp_param_groups(model)):
         holder._training_state = TrainingState.FORWARD
 
 
@@ -221,10 +228,14 @@ def inductor_cache_dir() -> str:
     return cache_dir()
 
 
-def extension_build_lock(build_directory: Path) -> Path:
+def extension_build_lock(build_directory: Path) -> Path | None:
     """The file one process creates and holds open while it compiles (or checks) a JIT extension in
-    `build_directory`; every other process loading that extension waits until it is removed."""
-    return build_directory / "lock"
+    `build_directory`, where every other process loading that extension waits until it is removed (torch's
+    `FileBaton`, through 2.13). None where torch holds an OS advisory lock on that file instead (2.14 on): the kernel
+    releases it when its holder ends, and the file, which stays, blocks nothing."""
+    from torch.utils import cpp_extension
+
+    return build_directory / "lock" if hasattr(cpp_extension, "FileBaton") else None
 
 
 def cpu_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
@@ -316,11 +327,27 @@ def fake_tensors() -> Any:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def device_mismatch(error: Exception) -> tuple[torch.device, torch.device] | None:
-    """The two devices of a fake-tensor op given tensors on both, or None for any other error."""
-    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+# How fake tensors refuse an op given tensors on two devices, where no error class says it (the class came in torch
+# 2.13: 2.11 and 2.12 raise a RuntimeError saying this), and an in-place op on a tensor on another device than the
+# op's (every version): each with the op's device first.
+_DEVICE_MISMATCH_MESSAGES = (
+    (re.compile(r"Unhandled FakeTensor Device Propagation for \S+, found two different devices (\S+), (\S+)$"), 1, 2),
+    (re.compile(r"FakeTensor is wrapped to wrong device, found (\S+), expected (\S+)$"), 2, 1),
+)
 
-    return (error.common_device, error.device) if isinstance(error, FakeTensorDeviceMismatchError) else None
+
+def device_mismatch(error: Exception) -> tuple[torch.device, torch.device] | None:
+    """The two devices of a fake-tensor op given tensors on both (the op's first), or None for any other error."""
+    from torch._subclasses import fake_tensor
+
+    mismatch = getattr(fake_tensor, "FakeTensorDeviceMismatchError", None)
+    if mismatch is not None and isinstance(error, mismatch):
+        return error.common_device, error.device
+    if isinstance(error, RuntimeError):
+        for pattern, first, second in _DEVICE_MISMATCH_MESSAGES:
+            if found := pattern.search(str(error).strip()):
+                return torch.device(found.group(first)), torch.device(found.group(second))
+    return None
 
 
 def fsdp_memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_dist._compat.torch import CheckpointWrapper, fsdp_param_group
+from lightning_dist._compat.torch import CheckpointWrapper, fsdp_param_groups
 
 
 def local_part(param: torch.Tensor) -> torch.Tensor:
@@ -89,7 +89,8 @@ def _fsdp_params(module: nn.Module) -> list[Any]:
     return [
         fsdp_param
         for unit in module.modules()
-        if isinstance(unit, FSDPModule) and (group := fsdp_param_group(unit)) is not None
+        if isinstance(unit, FSDPModule)
+        for group in fsdp_param_groups(unit)
         for fsdp_param in group.fsdp_params
     ]
 

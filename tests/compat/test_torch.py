@@ -1,0 +1,88 @@
+"""The functions lightning_dist/_compat/torch.py puts in front of torch's internals, each doing what it says on the
+installed torch. The fence test checks that a fenced name still exists; a name that exists on every release but
+changed its meaning (an attribute that became a list, a lock file that became an advisory lock) is caught only
+here. CI runs this module on the oldest and the newest torch we support as well (`-m compat`)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dist._compat import torch as fence
+
+pytestmark = pytest.mark.compat
+
+
+class TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+def test_fsdp_s_parameter_groups_are_found_and_a_step_method_reopens_forward():
+    """torch 2.11 keeps one `_fsdp_param_group` per unit; 2.12 on, a list (the singular name raises for several)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    with fence.fake_process_group(0, 2):
+        model = TwoLayers()
+        fully_shard(model.first)
+        fully_shard(model)
+        (first,) = fence.fsdp_param_groups(model.first)
+        (root,) = fence.fsdp_param_groups(model)
+        assert [p.sharded_param.to_local().shape for p in first.fsdp_params] == [(2, 4), (2,)]  # the shards of rank 0 of 2
+        assert [p.sharded_param.to_local().shape for p in root.fsdp_params] == [(1, 4), (1,)]
+
+        fence.reopen_fsdp_forward(model)
+        assert root._training_state == TrainingState.FORWARD
+        assert model._get_fsdp_state()._training_state == TrainingState.FORWARD
+
+
+def test_an_fsdp_unit_without_parameters_has_no_groups():
+    from torch.distributed.fsdp import fully_shard
+
+    with fence.fake_process_group(0, 2):
+        holder = nn.Module()
+        holder.register_buffer("steps", torch.zeros(()))
+        fully_shard(holder)
+        assert fence.fsdp_param_groups(holder) == []
+
+
+def test_the_build_lock_is_the_one_torch_s_extension_builder_takes():
+    """Through torch 2.13 a lock file whose existence blocks (FileBaton), which a killed process leaves behind; from
+    2.14 an advisory lock on the same file (FileLock), which ends with its holder and leaves a file that blocks
+    nothing: only the first is ever cleared."""
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    source = inspect.getsource(cpp_extension._jit_compile)
+    lock = fence.extension_build_lock(Path("/build/op"))
+    if lock is None:
+        assert "FileLock(os.path.join(build_directory, 'lock'))" in source and "FileBaton(" not in source
+    else:
+        assert lock == Path("/build/op/lock")
+        assert "FileBaton(os.path.join(build_directory, 'lock'))" in source
+
+
+def test_a_device_mismatch_under_fake_tensors_names_both_devices():
+    """An op given host and meta tensors under fake tensors: each release words it otherwise (2.13 added an error
+    class); an in-place op on a tensor of another device than the op's is worded alike in every release."""
+    with fence.fake_tensors() as mode:
+        host = mode.from_tensor(torch.zeros(3))
+        other = mode.from_tensor(torch.zeros(3, device="meta"))
+        scalar_on_host = mode.from_tensor(torch.zeros(()))
+        scalar_elsewhere = mode.from_tensor(torch.zeros((), device="meta"))
+        with pytest.raises(RuntimeError) as given_two:
+            torch.add(host, other)
+        with pytest.raises(RuntimeError) as written_on_another:
+            scalar_on_host.add_(scalar_elsewhere)
+    assert set(fence.device_mismatch(given_two.value)) == {torch.device("cpu"), torch.device("meta")}
+    assert fence.device_mismatch(written_on_another.value) == (torch.device("meta"), torch.device("cpu"))
+    assert fence.device_mismatch(RuntimeError("something else")) is None
