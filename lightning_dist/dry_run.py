@@ -136,8 +136,9 @@ def dry_run_ranks(strategy: Any, build: Callable[[], nn.Module], batch: Any, pre
     return [_one_rank(strategy, build, batch, precision, devices, num_nodes, rank, device_type) for rank in ranks]
 
 
-class _DryRunEnvironment(LightningEnvironment):
-    """Rank `rank` of `devices` per node: what the strategy asks of its cluster, answered without one."""
+class FakeRankEnvironment(LightningEnvironment):
+    """Rank `rank` of `devices` per node: what the strategy asks of its cluster, answered without one. The other
+    ranks are never started (a Trainer given this launches nothing)."""
 
     def __init__(self, rank: int, devices: int, world_size: int) -> None:
         super().__init__()
@@ -151,10 +152,14 @@ class _DryRunEnvironment(LightningEnvironment):
     def node_rank(self) -> int:
         return self.global_rank() // self.devices
 
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
 
 def _one_rank(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int,
               num_nodes: int, rank: int, device_type: str) -> RankView:
-    strategy.cluster_environment = _DryRunEnvironment(rank, devices, devices * num_nodes)
+    strategy.cluster_environment = FakeRankEnvironment(rank, devices, devices * num_nodes)
     strategy.num_nodes = num_nodes
     strategy.parallel_devices = [torch.device(device_type, index) if device_type == "cuda" else torch.device("cpu")
                                  for index in range(devices)]
@@ -224,20 +229,7 @@ def _set_up(strategy: Any, module: nn.Module, device: torch.device, stack: ExitS
         return module
     module.to_empty(device=device)
     stack.enter_context(ddp_on_fake_tensors())
-    wrapper = wrapped_by_strategy(strategy, module)
-    # DDP's default all-reduce hook expects the fake group's work to carry the tensors back; it does not.
-    wrapper.register_comm_hook(None, _all_reduce_bucket)
-    return wrapper
-
-
-def _all_reduce_bucket(state, bucket):  # noqa: ANN001, ANN202 - DDP refuses hooks annotated otherwise than it says
-    """DDP's all-reduce of one gradient bucket, done: the collective is made (and device-checked), nothing waits."""
-    import torch.distributed as dist
-
-    dist.all_reduce(bucket.buffer())
-    done: torch.futures.Future = torch.futures.Future()
-    done.set_result(bucket.buffer())
-    return done
+    return wrapped_by_strategy(strategy, module)
 
 
 def _precision_plugin(strategy: Any, precision: str, device_type: str) -> Any:

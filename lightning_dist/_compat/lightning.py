@@ -29,7 +29,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning_dist._compat import Fenced
 
 __all__ = [
-    "ContinuingCSVWriter", "Launcher", "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput",
+    "ContinuingCSVWriter", "Launcher", "checkpoint_contents", "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput",
     "console_handler", "continuing_csv_writer", "end_job_as_its_failed_rank", "give_device_mesh",
     "is_stateful_loader", "load_distributed_checkpoint", "logs_this_step", "move_optimizers_to_device",
     "module_optimizers", "remove_module_hooks", "set_threads_for_ranks", "train_data_source",
@@ -47,6 +47,8 @@ FENCED = [
     Fenced("lightning.fabric.strategies.launchers.subprocess_script", "_ChildProcessObserver._terminate_all", ("self",)),
     Fenced("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed", ("num_processes",)),
     Fenced("lightning.pytorch.strategies.ddp", "DDPStrategy._setup_model", ("self", "model")),
+    Fenced("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector.dump_checkpoint",
+           ("self", "weights_only")),
     Fenced("lightning.pytorch.strategies.deepspeed", "DeepSpeedStrategy._setup_model_and_optimizer",
            ("self", "model", "optimizer")),
     Fenced("lightning.pytorch.strategies.strategy", "_ForwardRedirection.__call__",
@@ -71,6 +73,12 @@ FENCED = [
     Fenced("lightning.fabric.loggers.csv_logs", "_ExperimentWriter._record_new_keys", ("self",)),
     Fenced("lightning.fabric.loggers.csv_logs", "_ExperimentWriter._rewrite_with_new_header", ("self", "fieldnames")),
 ]
+
+
+def checkpoint_contents(trainer: Any) -> dict[str, Any]:
+    """What `trainer.save_checkpoint` would hand the strategy to write now: the module's and the optimizers' state,
+    the loops', the callbacks'. Lightning's own saves build it so."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
 
 def wrapped_by_strategy(strategy: Any, module: Any) -> Any:

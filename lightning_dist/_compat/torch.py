@@ -3,6 +3,7 @@ newest); where releases differ, each function here chooses by what the installed
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -23,13 +24,15 @@ from lightning_dist._compat import Fenced
 __all__ = [
     "apply_to_tensors", "attention_function_replaced", "checkpoint_wrapper", "CheckpointWrapper",
     "compilation_events", "cpu_flash_attention", "cpu_supports_fp16", "ddp_on_fake_tensors",
-    "default_process_group_store", "device_mismatch", "extension_build_lock", "fake_parameters_converted_in_place",
-    "fake_pinned_memory", "fake_process_group", "fake_scalars", "fake_tensors", "flatten_mesh_dims",
-    "forward_hook_tables", "fsdp_memory_tracker", "fsdp_param_groups", "inductor_cache_dir", "is_compiled",
-    "local_shard_region", "memory_categories", "meshes_built_outside_fake_tensors", "module_memory_tracker",
-    "own_parameters", "parameter_registration", "reopen_fsdp_forward", "saved_file_extents",
-    "set_default_process_group_timeout", "storage_categorized_tracker", "storage_identity", "storage_owner",
-    "tensors_from_data_made_on_the_host", "TorchDispatchMode", "tree_map", "wrapped_module",
+    "data_loaded_outside_fake_tensors", "default_process_group_store", "device_mismatch", "extension_build_lock",
+    "fake_parameters_converted_in_place", "fake_devices", "fake_pinned_memory", "fake_process_group",
+    "fake_scalars", "fake_tensors", "fake_tensors_as_tensors", "flatten_mesh_dims", "forward_hook_tables",
+    "fsdp_memory_tracker", "fsdp_param_groups", "inductor_cache_dir", "is_compiled",
+    "largest_data_dependent_shapes", "local_shard_region", "memory_categories", "meshes_built_outside_fake_tensors",
+    "module_memory_tracker", "object_collectives_kept_local", "outside_fake_tensors", "own_parameters", "parameter_registration",
+    "reopen_fsdp_forward", "saved_file_extents", "set_default_process_group_timeout", "storage_categorized_tracker",
+    "storage_identity", "storage_owner", "tensors_from_data_made_on_the_host", "TorchDispatchMode", "tree_map",
+    "wrapped_module",
 ]
 
 FENCED = [
@@ -58,7 +61,9 @@ FENCED = [
     # The dry run (lightning_dist/dry_run.py): torch's fake process group, fake tensors and FSDP2's memory tracker.
     Fenced("torch.testing._internal.distributed.fake_pg", "FakeStore"),
     Fenced("torch._subclasses.fake_tensor", "FakeTensorMode", ("allow_fallback_kernels", "allow_non_fake_inputs")),
+    Fenced("torch._subclasses.fake_tensor", "FakeTensorMode.avoid_device_init"),  # overridden: fake_tensors()
     Fenced("torch._subclasses.fake_tensor", "unset_fake_temporarily"),
+    Fenced("torch.utils._python_dispatch", "_disable_current_modes", ()),
     Fenced("torch._subclasses.fake_tensor", "init_gpu_context", ("device",)),  # fake_cuda.py: not on a fake device
     Fenced("torch.nn.parallel.distributed", "_verify_param_shape_across_processes", ("process_group", "tensors")),
     Fenced("torch.distributed", "Logger.set_runtime_stats_and_log"),
@@ -263,21 +268,104 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
 
 @contextmanager
 def meshes_built_outside_fake_tensors() -> Iterator[None]:
-    """Device meshes made within (FSDP2 makes a DP x TP mesh as it shards a tensor-parallel model) compute their
-    coordinates with real ops on their few integers: fake tensors cannot (`nonzero` has no fake output shape)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    """Device meshes made within (FSDP2 makes a DP x TP mesh as it shards a tensor-parallel model; a strategy slices
+    its mesh) compute their coordinates with real ops on their few integers, outside every dispatch mode: fake
+    tensors cannot (`nonzero` has no fake output shape), nor may the modes above them answer for them. A rank
+    tensor sliced from a real mesh in fake mode is a fake one that keeps its values: those are used."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import _disable_current_modes
 
     original = DeviceMesh.__init__
 
+    def real(value: Any) -> Any:
+        return value.constant if isinstance(value, FakeTensor) and value.constant is not None else value
+
     def construct(mesh: DeviceMesh, *args: Any, **kwargs: Any) -> None:
-        with unset_fake_temporarily():
-            original(mesh, *args, **kwargs)
+        with _disable_current_modes():
+            original(mesh, *[real(a) for a in args], **{k: real(v) for k, v in kwargs.items()})
 
     DeviceMesh.__init__ = construct
     try:
         yield
     finally:
         DeviceMesh.__init__ = original
+
+
+@contextmanager
+def object_collectives_kept_local() -> Iterator[None]:
+    """Within: the collectives of picklable objects answer with this rank's own object (as if every rank had sent
+    it), where over torch's fake process group nothing arrives to unpickle. Lightning broadcasts its log directory
+    and checkpoint paths so; our callbacks gather their figures."""
+    import torch.distributed as dist
+    from unittest import mock
+
+    def broadcast_object_list(object_list: list, *args: Any, **kwargs: Any) -> None:
+        return None  # the list holds this rank's objects, as rank 0's would arrive
+
+    def all_gather_object(object_list: list, obj: Any, *args: Any, **kwargs: Any) -> None:
+        object_list[:] = [obj] * len(object_list)
+
+    def gather_object(obj: Any, object_gather_list: list | None = None, *args: Any, **kwargs: Any) -> None:
+        if object_gather_list is not None:
+            object_gather_list[:] = [obj] * len(object_gather_list)
+
+    with (mock.patch.object(dist, "broadcast_object_list", broadcast_object_list),
+          mock.patch.object(dist, "all_gather_object", all_gather_object),
+          mock.patch.object(dist, "gather_object", gather_object)):
+        yield
+
+
+@contextmanager
+def data_loaded_outside_fake_tensors() -> Iterator[None]:
+    """Within: a data loader's iterator is made, and each batch loaded, outside fake tensors: its sampler reads
+    values (`randperm(...).tolist()`), and its batches are real host tensors, which a step then moves to its device."""
+    from unittest import mock
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils.data import DataLoader
+
+    make_iterator = DataLoader.__iter__
+
+    class RealBatches:
+        def __init__(self, loader: DataLoader) -> None:
+            with unset_fake_temporarily():
+                self.batches = make_iterator(loader)
+
+        def __iter__(self) -> RealBatches:
+            return self
+
+        def __next__(self) -> Any:
+            with unset_fake_temporarily():
+                return next(self.batches)
+
+        def __len__(self) -> int:
+            return len(self.batches)
+
+    with mock.patch.object(DataLoader, "__iter__", lambda loader: RealBatches(loader)):
+        yield
+
+
+@contextmanager
+def outside_fake_tensors() -> Iterator[None]:
+    """Within: tensors are real again, every dispatch mode set aside (fake tensors' and those above them)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
+@contextmanager
+def fake_devices() -> Iterator[Any]:
+    """Within: every tensor made or moved is a fake tensor (yields the mode), with what fake tensors do otherwise
+    than devices done as devices do: pinning, reading values, value-dependent shapes, deep copies, `.data =`,
+    tensors from data on a device, converting parameters in place, and device meshes."""
+    with contextlib.ExitStack() as stack:
+        mode = stack.enter_context(fake_tensors())
+        for context in (meshes_built_outside_fake_tensors(), fake_pinned_memory(), fake_scalars(),
+                        largest_data_dependent_shapes(), fake_tensors_as_tensors(),
+                        tensors_from_data_made_on_the_host(), fake_parameters_converted_in_place()):
+            stack.enter_context(context)
+        yield mode
 
 
 @contextmanager
@@ -299,14 +387,34 @@ def ddp_on_fake_tensors() -> Iterator[None]:
     """Within: DDP is built and stepped over fake tensors and the fake process group. Three of its steps read
     tensors or need CUDA's runtime, and are skipped: comparing parameter shapes across ranks (there is one rank
     here), timing each step with a CUDA timer (a build without CUDA has none), and reordering its buckets after the
-    first step from an index tensor (the same bytes, in the order gradients came)."""
+    first step from an index tensor (the same bytes, in the order gradients came). Each DDP made here all-reduces
+    its buckets through a hook of its own (`_all_reduce_bucket`)."""
     import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
     from unittest import mock
+
+    construct = DistributedDataParallel.__init__
+
+    def construct_with_hook(wrapper: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
+        construct(wrapper, *args, **kwargs)
+        wrapper.register_comm_hook(None, _all_reduce_bucket)
 
     with (mock.patch("torch.nn.parallel.distributed._verify_param_shape_across_processes"),
           mock.patch.object(dist.Logger, "set_runtime_stats_and_log", lambda logger: None),
-          mock.patch.object(dist.Reducer, "_rebuild_buckets", lambda reducer: False)):
+          mock.patch.object(dist.Reducer, "_rebuild_buckets", lambda reducer: False),
+          mock.patch.object(DistributedDataParallel, "__init__", construct_with_hook)):
         yield
+
+
+def _all_reduce_bucket(state, bucket):  # noqa: ANN001, ANN202 - DDP refuses hooks annotated otherwise than it says
+    """DDP's all-reduce of one gradient bucket, done: the collective is made (and device-checked), nothing waits.
+    DDP's own all-reduce expects the fake group's work to carry the tensors back; it does not."""
+    import torch.distributed as dist
+
+    dist.all_reduce(bucket.buffer())
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
 
 
 class fake_pinned_memory(TorchDispatchMode):
@@ -321,10 +429,26 @@ class fake_pinned_memory(TorchDispatchMode):
 
 def fake_tensors() -> Any:
     """A mode in which tensors have shapes and devices but no storage; real and meta tensors met there are
-    converted (FSDP2 keeps meta tensors of its own)."""
+    converted (FSDP2 keeps meta tensors of its own). No real device is ever touched: a value made from data is made
+    on the host, and a copy to a device is never run for real (what torch's mode does where it has no CUDA; here
+    CUDA may be faked, or be a real device a dry run must not allocate on)."""
+    return _FakeTensorsWithoutDevices(allow_non_fake_inputs=True)
+
+
+@functools.cache
+def _fake_tensor_mode_class() -> type:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    return FakeTensorMode
+
+
+def _FakeTensorsWithoutDevices(**options: Any) -> Any:  # noqa: N802 - a class, made on first use (torch imports late)
+    return _without_devices(_fake_tensor_mode_class())(**options)
+
+
+@functools.cache
+def _without_devices(mode_class: type) -> type:
+    return type("FakeTensorsWithoutDevices", (mode_class,), {"avoid_device_init": property(lambda self: True)})
 
 
 # How fake tensors refuse an op given tensors on two devices, where no error class says it (the class came in torch
@@ -423,22 +547,75 @@ class fake_scalars(TorchDispatchMode):
     Adam's step count (one: Adam divides by its bias correction); the memory a step takes depends on none of them."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
             tensor = args[0]
             return False if tensor.dtype == torch.bool else 1.0 if tensor.is_floating_point() else 0
+        if func is torch.ops.aten.is_nonzero.default:  # `if tensor:`, which fake tensors answer by reading it
+            return False
         return func(*args, **(kwargs or {}))
 
 
+class largest_data_dependent_shapes(TorchDispatchMode):
+    """Within (above fake tensors): an op whose output's shape depends on values (`nonzero`, through which a boolean
+    mask indexes) gives its largest output, every element selected, where fake tensors refuse (they have no values
+    to count). torchmetrics' perplexity masks the ignored targets so; for memory and devices, an upper bound."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.ops.aten.nonzero.default:
+            return self._every_position(args[0]).t()
+        if func is torch.ops.aten.index.Tensor and any(_is_mask(index) for index in args[1]):
+            indices = [list(self._every_position(index)) if _is_mask(index) else [index] for index in args[1]]
+            return func(args[0], [index for group in indices for index in group])
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def _every_position(mask: torch.Tensor) -> torch.Tensor:
+        """What `nonzero(mask)` gives where every element is selected, one row per dimension."""
+        return torch.empty((mask.dim(), mask.numel()), dtype=torch.long, device=mask.device)
+
+
+def _is_mask(index: torch.Tensor | None) -> bool:
+    return index is not None and index.dtype == torch.bool
+
+
+class fake_tensors_as_tensors(TorchFunctionMode):
+    """Within (above fake tensors): two things a fake tensor does otherwise than a tensor, done as a tensor does.
+    `tensor.data = other` moves `tensor` to `other`'s device (a fake tensor keeps reporting its old one: DeepSpeed
+    moves each parameter it partitions so). `copy.deepcopy` of a fake tensor is its clone, where torch's deep copy
+    of its storage fails (on the meta device): torchmetrics deep-copies every state's default, Lightning's logged
+    values among them."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.Tensor.__deepcopy__ and _is_fake(args[0]):
+            original, memo = args[0], args[1]
+            copied = original.detach().clone().requires_grad_(original.requires_grad)
+            memo[id(original)] = copied
+            return copied
+        result = func(*args, **(kwargs or {}))
+        # `==`: each read of a descriptor's `__set__` makes a new method wrapper
+        if func == torch.Tensor.data.__set__ and _is_fake(args[0]) and _is_fake(args[1]):
+            args[0].fake_device = args[1].fake_device
+        return result
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
 class tensors_from_data_made_on_the_host(TorchFunctionMode):
-    """Within (above fake tensors): `torch.tensor(data, device=...)` for a device other than the host is made on
-    the host, then copied into a fake tensor on the device. Fake mode makes such a tensor for real and keeps it as
-    a constant, and ops on constants run for real: where CUDA is faked there is no real CUDA tensor to make
-    (DeepSpeed makes its gradient norm's error flag so)."""
+    """Within (above fake tensors): `torch.tensor(data, device=...)` (and `torch.as_tensor` of data that is not a
+    tensor) for a device other than the host is made on the host, then copied into a fake tensor on the device.
+    Fake mode makes such a tensor for real and keeps it as a constant, and ops on constants run for real: where CUDA
+    is faked there is no real CUDA tensor to make (DeepSpeed makes its gradient norm's error flag so, torchmetrics a
+    weight)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         device = kwargs.get("device")
-        if func is torch.tensor and device is not None and torch.device(device).type != "cpu":
+        from_data = func is torch.tensor or (func is torch.as_tensor and not isinstance(args[0], torch.Tensor))
+        if from_data and device is not None and torch.device(device).type != "cpu":
             requires_grad = kwargs.pop("requires_grad", False)
             on_host = func(*args, **{**kwargs, "device": "cpu"})
             made = torch.empty(on_host.shape, dtype=on_host.dtype, device=device).copy_(on_host)
@@ -450,7 +627,10 @@ class tensors_from_data_made_on_the_host(TorchFunctionMode):
 def fake_parameters_converted_in_place() -> Iterator[None]:
     """Within: `Module.to(...)` and its kin convert fake parameters by giving them the converted data, where torch
     swaps each parameter with its converted copy, which fake tensors refuse (their mode holds weak references to
-    them). DeepSpeed's engine moves and casts the module it is given."""
+    them). DeepSpeed's engine moves and casts the module it is given. A parameter built on the meta device and given
+    fake memory (`sharded_init.give_memory`) is swapped with it all the same: the weak references the mode keeps to
+    the real tensors it converted are looked up for real tensors only, and this one becomes fake."""
+    from types import SimpleNamespace
     from unittest import mock
 
     from torch._subclasses.fake_tensor import FakeTensor
@@ -458,8 +638,12 @@ def fake_parameters_converted_in_place() -> Iterator[None]:
     swap = torch.utils.swap_tensors
 
     def swap_or_assign(t1: torch.Tensor, t2: torch.Tensor) -> None:
-        if isinstance(t1, FakeTensor) or isinstance(t2, FakeTensor):
+        if isinstance(t1, FakeTensor) and isinstance(t2, FakeTensor):
             t1.data = t2.data
+            t1.fake_device = t2.fake_device  # the device a fake tensor reports: `.data =` leaves it (`.to("cuda")`)
+        elif isinstance(t1, FakeTensor) or isinstance(t2, FakeTensor):
+            with mock.patch.object(torch.utils, "weakref", SimpleNamespace(getweakrefs=lambda tensor: [])):
+                swap(t1, t2)
         else:
             swap(t1, t2)
 

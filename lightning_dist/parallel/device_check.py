@@ -15,6 +15,9 @@ import torch
 from lightning_dist._compat.torch import TorchDispatchMode, device_mismatch, tree_map
 
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")  # process groups' ops, and the functional ones DTensor uses
+# Collectives whose tensor the process group makes itself, on the device its backend uses (a barrier's placeholder:
+# the fake backend's is on the host, nccl's on the rank's device), and sends nothing of the caller's.
+OWN_PLACEHOLDERS = ("barrier",)
 
 
 def collective_devices(backend: str, root: torch.device) -> tuple[torch.device, ...]:
@@ -38,7 +41,7 @@ class OneDevicePerRank(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func.namespace in COLLECTIVE_NAMESPACES:
+        if func.namespace in COLLECTIVE_NAMESPACES and func.overloadpacket.__name__ not in OWN_PLACEHOLDERS:
             self._check_collective(func, (args, kwargs))
         try:
             return func(*args, **kwargs)

@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy, DeepSpeedStrateg
 from torch import nn
 from typing_extensions import override
 
+from lightning_dist._compat.deepspeed import zero3_partitions
 from lightning_dist._compat.lightning import validate_cuda_device_indices
 from lightning_dist.checkpoints.into_deepspeed import load_deepspeed_checkpoint
 from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
@@ -37,6 +38,7 @@ from lightning_dist.parallel.collective_timeout import forming_process_group
 from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.dims import ParallelDims
+from lightning_dist.parallel.module_state import move_module_state
 from lightning_dist.parallel.outermost_forward import run_root_hooks_once_per_forward
 from lightning_dist.parallel.regional_compile import ReportsCompilation
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel, has_meta_parameters, parameters_on_meta
@@ -237,12 +239,18 @@ class DeepSpeedStrategy(
                 # configure_optimizers must see the parameters' shapes: once partitioned, each one reads (0,).
                 self._optimizer_before_partitioning = self._init_optimizers()
             initialize_deferred_parameters(self.model, self.config, self.root_device, self.broadcast(torch.initial_seed()))
+        elif zero3_partitions(self.lightning_module):
+            # Partitioned by an earlier stage (fit, then test), whose teardown moved the module to the host
+            # (Lightning's `.cpu()`): ZeRO-3's placeholders with it, and the small parameters it keeps whole and never
+            # gathers again (measured with CUDA faked: the test's first embedding on the host). Back on the device.
+            self.lightning_module.to(self.root_device)
         if self.zero_stage_3:
             prepare_zero3_runtime(self.config)
         import_muon_with_deferred_compilation()
         self.check_block_options()
         self.blocks.apply(self.model)  # in place; DeepSpeed's hooks then wrap the checkpointed, compiled blocks
         super().init_deepspeed()
+        move_module_state(self.lightning_module, self.root_device)  # ZeRO-3 placed the parameters only
         if self.tensor_parallel_size > 1:
             check_tensor_parallel_inputs(self.deepspeed_engine, self.root_device)
         run_root_hooks_once_per_forward(self.deepspeed_engine)  # timers, profiler, ZeRO-3 trace: once per step

@@ -38,6 +38,7 @@ from lightning_dist.parallel import (
 )
 from lightning_dist.parallel.collective_timeout import forming_process_group
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
+from lightning_dist.parallel.module_state import move_module_state
 from lightning_dist.parallel.dims import TENSOR_PARALLEL, ParallelDims
 from lightning_dist.parallel.grad_norm import clip_grad_norm_
 from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
@@ -266,6 +267,9 @@ class FSDPStrategy(
 
     @override
     def model_to_device(self) -> None:
-        # With CPU offload the shards live in host memory; FSDP moves each unit to the device when it runs.
-        if not self.cpu_offload:
+        # With CPU offload the shards live in host memory (FSDP moves each unit to the device when it runs); the
+        # rest of the module's state, its buffers and metrics, is used on the device.
+        if self.cpu_offload:
+            move_module_state(self.model, self.root_device)
+        else:
             super().model_to_device()
