@@ -37,7 +37,7 @@ from torchmetrics import Metric
 from lightning_dist._compat.deepspeed import over_a_fake_process_group
 from lightning_dist._compat.lightning import checkpoint_contents
 from lightning_dist._compat.torch import (
-    data_loaded_outside_fake_tensors, ddp_on_fake_tensors, fake_devices, fake_process_group,
+    data_loaded_outside_fake_tensors, ddp_on_fake_tensors, fake_devices, fake_process_group, made_fake_in_place,
     object_collectives_kept_local, outside_fake_tensors, tree_map,
 )
 from lightning_dist.callbacks.finite_watch import FiniteWatch
@@ -199,7 +199,7 @@ def _on_fake_devices(strategy: Any, rank: int) -> Iterator[None]:
             with outside_fake_tensors():  # again for `test`: its process groups and meshes from real integers
                 set_up_environment()
             if not stack_entered:
-                stack.enter_context(fake_devices())
+                made_fake_in_place(strategy.lightning_module, stack.enter_context(fake_devices()))
                 root = strategy.root_device
                 backend = getattr(strategy, "process_group_backend", None) or "nccl"
                 stack.enter_context(OneDevicePerRank(rank, collective_devices(backend, root)))
@@ -219,14 +219,17 @@ def _is_deepspeed(strategy: Any) -> bool:
 @contextmanager
 def _deepspeed_on_fake_tensors() -> Iterator[None]:
     """The resolved config as a dry run runs it (NVMe traced as host offload, torch's optimizer allowed on the host),
-    and the module's own optimizer kept under offload, where DeepSpeed's CPU Adam (a native op) would step it."""
+    and the module's own optimizer kept under offload, where DeepSpeed's CPU Adam (a native op) would step it: no
+    native op is built or loaded (the preflight's build of them is the real run's)."""
+    from lightning_dist.deepspeed_config import preflight
     from lightning_dist.dry_run_deepspeed import dry_run_config
     from lightning_dist.strategies import deepspeed as deepspeed_strategy
 
     config_in_effect = deepspeed_strategy.config_in_effect
     with (mock.patch.object(deepspeed_strategy, "config_in_effect",
                             lambda *args, **kwargs: dry_run_config(config_in_effect(*args, **kwargs))),
-          mock.patch.object(deepspeed_strategy, "optimizer_for_offload", lambda optimizer, *args: optimizer)):
+          mock.patch.object(deepspeed_strategy, "optimizer_for_offload", lambda optimizer, *args: optimizer),
+          mock.patch.object(preflight, "native_ops_needed", lambda config: [])):
         yield
 
 

@@ -28,7 +28,7 @@ __all__ = [
     "fake_parameters_converted_in_place", "fake_devices", "fake_pinned_memory", "fake_process_group",
     "fake_scalars", "fake_tensors", "fake_tensors_as_tensors", "flatten_mesh_dims", "forward_hook_tables",
     "fsdp_memory_tracker", "fsdp_param_groups", "inductor_cache_dir", "is_compiled",
-    "largest_data_dependent_shapes", "local_shard_region", "memory_categories", "meshes_built_outside_fake_tensors",
+    "largest_data_dependent_shapes", "local_shard_region", "made_fake_in_place", "memory_categories", "meshes_built_outside_fake_tensors",
     "module_memory_tracker", "object_collectives_kept_local", "outside_fake_tensors", "own_parameters", "parameter_registration",
     "reopen_fsdp_forward", "saved_file_extents", "set_default_process_group_timeout", "storage_categorized_tracker",
     "storage_identity", "storage_owner", "tensors_from_data_made_on_the_host", "TorchDispatchMode", "tree_map",
@@ -602,6 +602,13 @@ def _is_fake(tensor: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(tensor, FakeTensor)
+
+
+def made_fake_in_place(module: nn.Module, mode: Any) -> None:
+    """Every real tensor of `module` (parameters, buffers, torchmetrics' states) becomes a fake one of `mode`, each
+    parameter the same object (optimizers and engines that hold it see the change); meta tensors stay as they are.
+    Within `fake_parameters_converted_in_place`."""
+    apply_to_tensors(module, lambda t: t if t.is_meta or _is_fake(t) else mode.from_tensor(t))
 
 
 class tensors_from_data_made_on_the_host(TorchFunctionMode):
