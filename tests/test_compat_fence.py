@@ -16,6 +16,8 @@ import pytest
 from lightning_dist._compat import fenced, versions
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.compat  # also run on the oldest and the newest torch (.ci/compat_tier)
+
 PACKAGE = REPO / "lightning_dist"
 FENCE = PACKAGE / "_compat"
 LIBRARIES = ("torch", "lightning", "deepspeed", "hydra")

@@ -12,6 +12,8 @@ from lightning_dist.dry_run import can_dry_run, dry_run_configured, dry_run_devi
 from tests.conftest import REPO
 from tests.dry_run_bugs import dry_run_each
 
+pytestmark = pytest.mark.compat  # also run on the oldest and the newest torch (.ci/compat_tier)
+
 CONF = REPO / "lightning_dist" / "conf"
 
 MODEL = {"_target_": "tests.dry_run_bugs.BuggyGPT", "vocab_size": 256, "block_size": 64, "n_layer": 2}

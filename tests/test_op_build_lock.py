@@ -16,6 +16,8 @@ from lightning_dist.op_build_lock import clear_abandoned
 from tests import warm_python
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.compat  # also run on the oldest and the newest torch (.ci/compat_tier)
+
 
 def abandoned_lock(directory):
     lock = directory / "lock"

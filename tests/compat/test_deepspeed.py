@@ -3,6 +3,8 @@ the symbols they patch still exist)."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import subprocess
@@ -11,6 +13,8 @@ import sys
 import cpuinfo
 
 from lightning_dist._compat.deepspeed import CPU_INFO_ENV, remember_cpu_info
+
+pytestmark = pytest.mark.compat  # also run on the oldest and the newest torch (.ci/compat_tier)
 
 FAKE_CPU = {"arch": "X86_64", "flags": ["avx2", "fma"], "brand_raw": "a CPU no machine has"}
 

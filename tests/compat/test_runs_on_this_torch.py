@@ -1,0 +1,76 @@
+"""On the torch of this venv (CI's compatibility tier: the oldest and the newest we support), every preset trains
+with a validation and a checkpoint, as the command users type, from a fresh directory, then resumes from that
+checkpoint; compiled blocks train; the dry run sets up and steps at 8 ranks with CUDA faked."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import PRESET_NAMES, REPO, TRAIN_ENV
+
+pytestmark = [pytest.mark.compat, pytest.mark.slow]
+
+# The issue's acceptance command, as typed (tensor parallelism splits each layer over 2 of 4 ranks).
+COMMAND = "python train.py strategy={name} trainer.max_steps=6 trainer.val_check_interval=3"
+WIDER = {"fsdp_tp": "trainer.devices=4", "hsdp_tp": "trainer.devices=4"}
+
+
+def typed(command: str, cwd, *more: str) -> subprocess.CompletedProcess:
+    words = shlex.split(command)
+    assert words[:2] == ["python", "train.py"]
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *words[2:], *more], cwd=cwd, capture_output=True,
+                          text=True, timeout=900, env=TRAIN_ENV)
+
+
+def only_run(cwd):
+    (run_dir,) = (cwd / "logs" / "train" / "runs").iterdir()
+    return run_dir
+
+
+def logged_steps(run_dir) -> list[int]:
+    with open(run_dir / "csv" / "metrics.csv") as handle:
+        return sorted({int(row["step"]) for row in csv.DictReader(handle) if row.get("train_loss")})
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_each_preset_trains_validates_saves_and_resumes(name, tmp_path):
+    command = " ".join([COMMAND.format(name=name), WIDER.get(name, "")]).strip()
+    if name.endswith("_nvme"):
+        command += f" strategy.nvme_path={tmp_path}"
+    first_dir, resumed_dir = tmp_path / "first", tmp_path / "resumed"
+    first_dir.mkdir(), resumed_dir.mkdir()
+    first = typed(command, first_dir)
+    assert first.returncode == 0, first.stderr[-4000:]
+    run_dir = only_run(first_dir)
+    summary = json.loads((run_dir / "metrics.json").read_text())
+    assert summary["global_step"] == 6 and summary["metrics"]["val_loss"] > 0 and summary["metrics"]["test_loss"] > 0
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert last.exists()
+
+    resumed = typed(command.replace("max_steps=6", "max_steps=8"), resumed_dir, f"ckpt_path={last}", "test=false")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    resumed_summary = json.loads((only_run(resumed_dir) / "metrics.json").read_text())
+    assert resumed_summary["global_step"] == 8
+    assert min(logged_steps(only_run(resumed_dir)), default=0) > 6  # continued after step 6, not from the start
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+def test_compiled_blocks_train(name, tmp_path):
+    run = typed(COMMAND.format(name=name), tmp_path, "compile=true", "test=false")
+    assert run.returncode == 0, run.stderr[-4000:]
+    summary = json.loads((only_run(tmp_path) / "metrics.json").read_text())
+    assert summary["global_step"] == 6 and summary["metrics"]["val_loss"] > 0
+
+
+@pytest.mark.parametrize("name", ["fsdp", "deepspeed_stage_3"])
+def test_the_dry_run_sets_up_and_steps_at_8_ranks_with_cuda_faked(name, tmp_path):
+    run = typed(f"python train.py dry_run=true trainer=gpu trainer.devices=8 strategy={name}", tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "ranks (8 per node) on fake CUDA devices (this machine has none)" in run.stdout
+    assert "**peak**" in run.stdout
