@@ -42,6 +42,7 @@ from lightning_dist._compat.torch import (
 )
 from lightning_dist.callbacks.finite_watch import FiniteWatch
 from lightning_dist.dry_run import FakeRankEnvironment
+from lightning_dist.memory.attention_kernel import fused_attention
 from lightning_dist.parallel.device_check import DeviceMismatch, OneDevicePerRank, collective_devices
 from lightning_dist.parallel.module_state import misplaced_module_state, same_device
 from lightning_dist.parallel.sharded_init import parameters_on_meta
@@ -200,6 +201,7 @@ def _on_fake_devices(strategy: Any, rank: int) -> Iterator[None]:
                 set_up_environment()
             if not stack_entered:
                 made_fake_in_place(strategy.lightning_module, stack.enter_context(fake_devices()))
+                stack.enter_context(fused_attention())  # the kernel a device runs (CUDA builds ask cuDNN otherwise)
                 root = strategy.root_device
                 backend = getattr(strategy, "process_group_backend", None) or "nccl"
                 stack.enter_context(OneDevicePerRank(rank, collective_devices(backend, root)))

@@ -7,7 +7,8 @@ mkdir -p .whl
 platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" -d .whl \
     hydra-core==1.3.8 omegaconf==2.3.1 hydra-submitit-launcher==1.2.0 submitit==1.5.4 hjson==3.1.0 \
-    pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
+    pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 \
+    pytest==9.1.1 pluggy==1.7.0 iniconfig==2.3.1  # for a machine without pytest (gpu_check.sh runs in one process)
 # Published as source only: built here into pure-Python wheels (DeepSpeed compiles its CUDA ops there, on first use).
 DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps --no-build-isolation -w .whl deepspeed==0.19.8 antlr4-python3-runtime==4.9.3
 ls -la .whl

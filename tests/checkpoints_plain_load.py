@@ -27,9 +27,10 @@ def check(consolidated_path: str, gathered_path: str) -> None:
     for name, tensor in gathered.items():
         assert loaded[name].shape == tensor.shape, (name, loaded[name].shape, tensor.shape)
         assert torch.equal(loaded[name], tensor), (name, (loaded[name] - tensor).abs().max())
-    assert model.model.lm_head.weight is model.model.token_embedding.weight  # still tied
-    assert model.bytes_seen.sum() > 0  # the buffer came back with its values, not re-initialised
-    assert "deepspeed" not in sys.modules and not torch.distributed.is_initialized()
+    assert model.model.lm_head.weight is model.model.token_embedding.weight, "the head no longer shares the embedding"
+    assert model.bytes_seen.sum() > 0, "the buffer bytes_seen is all zeros: re-initialised, not loaded"
+    assert "deepspeed" not in sys.modules, "loading imported DeepSpeed"
+    assert not torch.distributed.is_initialized(), "loading started a process group"
 
 
 if __name__ == "__main__":
@@ -41,5 +42,5 @@ if __name__ == "__main__":
             print(f"{consolidated_path}: OK")
         except AssertionError:
             failed += 1
-            print(f"{consolidated_path}: {traceback.format_exc(limit=1).strip().splitlines()[-1]}")
+            print(f"{consolidated_path}: {traceback.format_exc(limit=1).strip().splitlines()[-1]}", flush=True)
     sys.exit(1 if failed else 0)

@@ -61,6 +61,7 @@ needs_libaio = pytest.mark.skipif(
 )
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's: the GPU suite runs without it (scripts/gpu_check.sh)
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto`: one worker per core, up to 4. A training run keeps about 1.2 of 2 cores busy (its ranks wait on
     each other and on start-up), so two workers on our 2-core machines finish the suite in about 0.6 of the time
@@ -77,16 +78,20 @@ MEMORY_HEAVY = {"tests.parallel.test_sharded_init": "memory-heavy", "tests.memor
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
-    """GPU tests leave the run where no CUDA device is visible: deselected, so they never count as passed. The rest
-    are grouped for pytest-xdist (`--dist loadgroup`): a module stays in one worker (its module fixtures are made
-    once), and the modules reading one kind of shared session run form one group."""
+    """GPU tests leave the run where fewer CUDA devices are visible than they need (`gpu(devices=N)`, 1 unless
+    said): deselected, so they never count as passed. The rest are grouped for pytest-xdist (`--dist loadgroup`): a
+    module stays in one worker (its module fixtures are made once), and the modules reading one kind of shared
+    session run form one group."""
     import torch
 
-    if not torch.cuda.is_available():
-        gpu = [item for item in items if item.get_closest_marker("gpu")]
-        if gpu:
-            config.hook.pytest_deselected(items=gpu)
-            items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    unrunnable = [item for item in items
+                  if (marker := item.get_closest_marker("gpu")) and marker.kwargs.get("devices", 1) > visible]
+    if unrunnable:
+        config.hook.pytest_deselected(items=unrunnable)
+        items[:] = [item for item in items if item not in unrunnable]
+    if not config.pluginmanager.has_plugin("xdist"):  # one process (the GPU suite runs so): nothing to group
+        return
     groups = {**MEMORY_HEAVY, **{item.module.__name__: SHARED_RUN_GROUPS[name] for item in items
                                  for name in item.fixturenames if name in SHARED_RUN_GROUPS}}
     for item in items:
@@ -94,6 +99,7 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(groups.get(module, module)))
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids) -> None:
     """Under `--dist loadgroup`, the groups must have reached the test ids, where xdist's scheduler reads them. Where
     they have not (a pytest the installed xdist cannot add them for), the suite would still pass, at twice the time:

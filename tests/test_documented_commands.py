@@ -25,6 +25,7 @@ SET_UP = ("python -m venv ", "pip install ", "dpkg -s libaio-dev")
 # what that test's file must hold for it.
 RUN_ELSEWHERE = {
     "python -m pytest": (".ci/run", "test-command"),  # the whole suite; its fast tier is part of it
+    "bash .ci/compat_tier prepare 2.11.0": (".ci/run", "bash .ci/compat_tier prepare"),  # CI's compatibility tier
     "mkdocs build --strict": ("tests/test_docs.py", '"--strict"'),
     "python train.py dry_run=true trainer=gpu trainer.devices=8 trainer.num_nodes=8 strategy=fsdp": (
         "tests/test_dry_run.py", 'documented(PAGE, "python train.py dry_run=true")'),

@@ -154,6 +154,8 @@ def _stand_in_for_torch_cuda(devices: int) -> None:
         def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
             self.device = torch.device("cuda", index_of(device))
             self.priority = priority
+            # What torch.Stream says of itself (FSDP2 hands them to an op as it frees a reduced gradient, 2.15)
+            self.stream_id, self.device_index, self.device_type = 0, self.device.index, 1  # 1: c10's CUDA
 
         def wait_stream(self, stream: Any) -> None:
             pass
@@ -205,6 +207,7 @@ def _stand_in_for_torch_cuda(devices: int) -> None:
         "stream": stream, "set_stream": nothing, "memory_allocated": zero, "max_memory_allocated": zero,
         "memory_reserved": zero, "max_memory_reserved": zero, "reset_peak_memory_stats": nothing,
         "memory_stats": lambda *args, **kwargs: {}, "mem_get_info": lambda device=None: (DEVICE_MEMORY,) * 2,
+        "is_current_stream_capturing": lambda: False,  # optimizers ask before each step; no CUDA graph is captured
     }
     for name, answer in answers.items():
         setattr(torch.cuda, name, answer)
@@ -221,6 +224,25 @@ def _stand_in_for_torch_cuda(devices: int) -> None:
     fake_tensor.init_gpu_context = lambda device: None
 
 
+@contextmanager
+def _registry_notices_dropped() -> Any:
+    """Within: what is written to stderr, but the line c10's registry prints for each of a CUDA build's own
+    registrations that the shim's take precedence over ("Higher priority item already registered, ...")."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith("Higher priority item already registered")]
+            sys.stderr.write("".join(kept))
+
+
 def _child(library: str, call: str, result: str) -> None:
     import ctypes
     import traceback
@@ -228,8 +250,8 @@ def _child(library: str, call: str, result: str) -> None:
     if "torch" in sys.modules:
         raise RuntimeError("torch was imported before the device shim; ATen would not see the fake CUDA hooks")
     shim = ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
-    import torch  # noqa: F401 - a CUDA build registers its device guard as it loads: the fake one goes back over it
-
+    with _registry_notices_dropped():
+        import torch  # noqa: F401 - a CUDA build registers its device guard as it loads: the fake one goes back over it
     shim.fake_cuda_register_guard()
     _stand_in_for_torch_cuda(int(os.environ["LIGHTNING_DIST_FAKE_CUDA_DEVICES"]))
     function, args = pickle.loads(Path(call).read_bytes())

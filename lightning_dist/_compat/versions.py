@@ -24,7 +24,8 @@ def requirements() -> dict[str, str]:
     for line in declared:
         requirement = Requirement(line)
         if requirement.name in FENCED_LIBRARIES and requirement.marker is None:
-            found[requirement.name] = str(requirement.specifier)
+            # The range as it reads: its lower bound first (">=2.11,<2.16"), where packaging sorts as text.
+            found[requirement.name] = ",".join(sorted(map(str, requirement.specifier), key=lambda s: (s[0] != ">", s)))
     return found
 
 

@@ -86,3 +86,30 @@ def test_a_device_mismatch_under_fake_tensors_names_both_devices():
     assert set(fence.device_mismatch(given_two.value)) == {torch.device("cpu"), torch.device("meta")}
     assert fence.device_mismatch(written_on_another.value) == (torch.device("meta"), torch.device("cpu"))
     assert fence.device_mismatch(RuntimeError("something else")) is None
+
+
+def test_fake_tensors_do_what_tensors_do_where_the_loop_needs_it():
+    """What lightning_dist/fake_loop.py relies on, on every release: a parameter built on the meta device and given
+    fake memory stays the same object; a fake tensor deep-copies; a boolean mask selects every element; reading a
+    value gives 1.0, 0 or False. (`.data =` across devices needs two: tests/test_loop_on_cuda.py.)"""
+    import copy
+
+    from lightning_dist.parallel.sharded_init import give_memory, parameters_on_meta
+
+    with parameters_on_meta():
+        layer = nn.Linear(4, 2)
+    weight = layer.weight
+    with fence.fake_devices() as mode:
+        fence.made_fake_in_place(layer, mode)  # meta parameters stay: a strategy initialises them
+        assert layer.weight.is_meta
+        give_memory(layer.weight, torch.ones(2, 4))
+        assert layer.weight is weight and not layer.weight.is_meta and fence._is_fake(layer.weight)
+
+        buffer_owner = nn.Module()
+        buffer_owner.register_buffer("steps", torch.zeros(3))
+        fence.made_fake_in_place(buffer_owner, mode)
+        assert fence._is_fake(buffer_owner.steps)
+
+        assert copy.deepcopy(torch.zeros(2)).shape == (2,)
+        assert torch.ones(5)[torch.ones(5) > 2].shape == (5,)
+        assert (torch.ones(()).item(), torch.ones((), dtype=torch.long).item(), bool(torch.ones(()) > 0)) == (1.0, 0, False)

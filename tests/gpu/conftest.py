@@ -16,7 +16,9 @@ import pytest
 
 from tests.conftest import PRESET_NAMES, REPO, TRAIN_ENV, TrainRun, train_command
 
-GPU = ("trainer=gpu", "trainer.devices=1", "test=false", "trainer.log_every_n_steps=1", "callbacks.progress_bar=null")
+# Fit, then test, as `python train.py` runs them: the sanity check, the validation at the last step and the test loop
+# update the model's torchmetrics metrics (the first GPU run failed there under ZeRO-3: states left on the host).
+GPU = ("trainer=gpu", "trainer.devices=1", "trainer.log_every_n_steps=1", "callbacks.progress_bar=null")
 STEPS = 20
 # Checkpoints every 10 steps (kept), for the resume tests; the probe model writes its gathered weights at the end.
 FP32_RUN = (
@@ -33,6 +35,9 @@ PRECISION_CELLS = [
     ("deepspeed_stage_3", "bf16-mixed"), ("deepspeed_stage_3", "16-mixed"),
 ]
 RESUMED = ["ddp", "fsdp", "deepspeed_stage_3"]
+# Tensor parallelism over 2 GPUs of one node (data parallelism of 1): where 2 are visible.
+TENSOR_PARALLEL_RUN = ("trainer=gpu", "trainer.devices=2", "trainer.max_steps=10", "trainer.log_every_n_steps=1",
+                       "callbacks.progress_bar=null")
 PARALLEL = int(os.environ.get("LD_GPU_PARALLEL", "6"))
 
 
@@ -58,7 +63,7 @@ def nvme_overrides(name: str, run_dir: Path) -> list[str]:
 @pytest.fixture(scope="session")
 def measurements():
     """What the suite measured, by section; written to $LD_GPU_MEASUREMENTS at the end of the session."""
-    found: dict[str, dict] = {"fp32": {}, "precision": {}, "resume": {}}
+    found: dict[str, dict] = {"fp32": {}, "precision": {}, "resume": {}, "consolidated": {}, "tensor_parallel": {}}
     yield found
     if os.environ.get("LD_GPU_MEASUREMENTS"):
         Path(os.environ["LD_GPU_MEASUREMENTS"]).write_text(json.dumps(found, indent=2))
@@ -92,3 +97,11 @@ def resumed_runs(tmp_path_factory, fp32_runs) -> dict[str, TrainRun]:
         checkpoint = fp32_runs[name].run_dir / "checkpoints" / "step000010.ckpt"
         jobs[name] = (tmp_path_factory.mktemp(f"resumed_{name}"), [f"strategy={name}", *GPU, *FP32_RUN, f"ckpt_path={checkpoint}"])
     return run_many(jobs)
+
+
+@pytest.fixture(scope="session")
+def tensor_parallel_runs(tmp_path_factory) -> dict[str, TrainRun]:
+    from tests.conftest import TENSOR_PARALLEL_NAMES
+
+    return run_many({name: (tmp_path_factory.mktemp(f"tp_{name}"), [f"strategy={name}", *TENSOR_PARALLEL_RUN])
+                     for name in TENSOR_PARALLEL_NAMES}, parallel=1)

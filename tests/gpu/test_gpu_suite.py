@@ -1,6 +1,7 @@
-"""On a CUDA device (world size 1, nccl): every preset trains, matches DDP in fp32, runs the precisions the matrix
-promises, saves, resumes and consolidates, and reports CUDA peak memory. Run by scripts/gpu_check.sh; deselected
-where no GPU is visible."""
+"""On a CUDA device (world size 1, nccl): every preset trains, validates and tests with the model's metrics, matches
+DDP in fp32, runs the precisions the matrix promises, saves, resumes and consolidates, and reports CUDA peak memory;
+the tensor-parallel presets train where 2 GPUs are visible. Run by scripts/gpu_check.sh; deselected where the GPUs
+a test needs are not visible."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import pytest
 
 from lightning_dist.equivalence import read_train_losses
 from tests.conftest import PRESET_NAMES, REPO, TENSOR_PARALLEL_NAMES
+from tests.gpu.conftest import PRECISION_CELLS, RESUMED, STEPS
+from tests.strategies.test_cuda_choices import expected_backend
 
 # One GPU: no tensor-parallel group of 2 fits it.
 ONE_DEVICE_NAMES = [name for name in PRESET_NAMES if name not in TENSOR_PARALLEL_NAMES]
-from tests.gpu.conftest import PRECISION_CELLS, RESUMED, STEPS
-from tests.strategies.test_cuda_choices import expected_backend
 
 pytestmark = pytest.mark.gpu
 
@@ -44,6 +45,20 @@ def test_every_preset_trains_twenty_steps_on_one_gpu_with_nccl(fp32_runs, measur
         "final_loss": losses[STEPS - 1], "peak_cuda_bytes": peak["bytes"],
         "median_step_time_s": summary.get("median_step_time_s"), "placement": placement["parameter_devices"],
     }
+
+
+@pytest.mark.parametrize("name", ONE_DEVICE_NAMES)
+def test_every_preset_validates_and_tests_with_the_model_s_metrics(fp32_runs, measurements, name):
+    """The sanity check, the validation at the last step and the test loop all update torchmetrics metrics on the
+    device; a state left on the host fails the first of them."""
+    run = fp32_runs[name]
+    assert run.process.returncode == 0, run.output[-4000:]
+    metrics = run.summary["metrics"]
+    found = {key: metrics.get(key) for key in ("val_loss", "val_ppl", "test_loss", "test_ppl")}
+    assert all(value is not None and 0 < value < 1e4 for value in found.values()), found
+    validated_at = sorted(run.val_losses())
+    assert validated_at[0] == 0 and validated_at[-1] >= STEPS - 1, validated_at  # the sanity check and the last step
+    measurements["fp32"].setdefault(name, {}).update({"val_loss": found["val_loss"], "test_loss": found["test_loss"]})
 
 
 @pytest.mark.parametrize("name", [n for n in ONE_DEVICE_NAMES if n != "ddp"])
@@ -91,7 +106,8 @@ def test_a_run_resumed_from_step_ten_repeats_the_uninterrupted_losses(fp32_runs,
 
 
 @pytest.mark.parametrize("name", RESUMED)
-def test_the_last_checkpoint_consolidates_into_a_file_that_loads_without_a_gpu_process_group(fp32_runs, tmp_path, name):
+def test_the_last_checkpoint_consolidates_into_a_file_that_loads_without_a_gpu_process_group(fp32_runs, measurements,
+                                                                                              tmp_path, name):
     run = fp32_runs[name]
     output = tmp_path / "model.ckpt"
     consolidate = subprocess.run([sys.executable, "-m", "lightning_dist.checkpoints.consolidate",
@@ -99,4 +115,20 @@ def test_the_last_checkpoint_consolidates_into_a_file_that_loads_without_a_gpu_p
     assert consolidate.returncode == 0, consolidate.stderr[-3000:]
     load = subprocess.run([sys.executable, "-m", "tests.checkpoints_plain_load", str(output), str(run.run_dir / "gathered_state.pt")],
                           cwd=REPO, capture_output=True, text=True)
-    assert load.stdout.strip() == "OK", load.stderr[-3000:]
+    # The checker prints `PATH: OK`, or `PATH: AssertionError: what differed`, for each file it loads.
+    measurements["consolidated"][name] = load.stdout.strip().removeprefix(f"{output}: ") or load.stderr[-300:]
+    assert load.stdout.strip() == f"{output}: OK", (load.stdout + load.stderr)[-3000:]
+
+
+@pytest.mark.gpu(devices=2)
+@pytest.mark.parametrize("name", TENSOR_PARALLEL_NAMES)
+def test_the_tensor_parallel_presets_train_validate_and_test_on_two_gpus(tensor_parallel_runs, measurements, name):
+    run = tensor_parallel_runs[name]
+    assert run.process.returncode == 0, run.output[-4000:]
+    summary = run.summary
+    assert (summary["world_size"], summary["global_step"]) == (2, 10)
+    losses = read_train_losses(run.run_dir)
+    assert losses[9] < losses[0], losses
+    assert all(0 < summary["metrics"][key] < 1e4 for key in ("val_loss", "test_loss")), summary["metrics"]
+    measurements["tensor_parallel"][name] = {"final_loss": losses[9], "val_loss": summary["metrics"]["val_loss"],
+                                             "peak_cuda_bytes": max(p["bytes"] for p in summary["peak_memory_per_rank"])}
