@@ -31,10 +31,11 @@ from torch import nn
 from lightning_dist._compat.deepspeed import zero3_whole_shape
 from lightning_dist._compat.fake_cuda import FakeCudaUnavailable, run_with_fake_cuda, shim_library
 from lightning_dist._compat.lightning import training_step_in_wrapper, wrapped_by_strategy
-from lightning_dist._compat.torch import (
+from lightning_dist._compat.fake_tensors import (
     ddp_on_fake_tensors, fake_pinned_memory, fake_process_group, fake_tensors, fsdp_memory_tracker,
-    memory_categories, meshes_built_outside_fake_tensors, module_memory_tracker, tree_map,
+    memory_categories, meshes_built_outside_fake_tensors, module_memory_tracker,
 )
+from lightning_dist._compat.torch import tree_map
 from lightning_dist.memory.attention_kernel import fused_attention
 from lightning_dist.memory.auto_fit import AutoFit
 from lightning_dist.parallel.classes import block_modules

@@ -3,7 +3,7 @@ from its resolved config, over torch's fake process group and on fake tensors, s
 
 DeepSpeed's own code runs: its partitioning, its flat buffers, its gradient buckets, its hooks and its step. What
 a fake tensor cannot do is answered here: its values read as finite, non-overflowing numbers
-(`_compat/torch.fake_scalars`), its parameters are converted in place (`fake_parameters_converted_in_place`),
+(`_compat/fake_tensors.fake_scalars`), its parameters are converted in place (`fake_parameters_converted_in_place`),
 checks that ranks agree are skipped (nothing arrives over the fake group), and a native op cannot step it: an
 offloaded optimizer steps with torch's AdamW in place of DeepSpeed's CPU Adam (the same state), and NVMe offload
 is traced as host offload (nothing is written; the plan says what NVMe holds).
@@ -34,10 +34,11 @@ from lightning_dist._compat.deepspeed import (
     zero3_persistent,
 )
 from lightning_dist._compat.lightning import deepspeed_engine, training_step_in_wrapper
-from lightning_dist._compat.torch import (
+from lightning_dist._compat.fake_tensors import (
     fake_parameters_converted_in_place, fake_pinned_memory, fake_process_group, fake_scalars, fake_tensors,
-    memory_categories, storage_categorized_tracker, tensors_from_data_made_on_the_host, tree_map,
+    memory_categories, storage_categorized_tracker, tensors_from_data_made_on_the_host,
 )
+from lightning_dist._compat.torch import tree_map
 from lightning_dist.deepspeed_config.for_run import config_in_effect
 from lightning_dist.dry_run import configured_optimizer
 from lightning_dist.memory.attention_kernel import fused_attention

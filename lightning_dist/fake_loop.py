@@ -36,10 +36,11 @@ from torchmetrics import Metric
 
 from lightning_dist._compat.deepspeed import over_a_fake_process_group
 from lightning_dist._compat.lightning import checkpoint_contents
-from lightning_dist._compat.torch import (
+from lightning_dist._compat.fake_tensors import (
     data_loaded_outside_fake_tensors, ddp_on_fake_tensors, fake_devices, fake_process_group, made_fake_in_place,
-    object_collectives_kept_local, outside_fake_tensors, tree_map,
+    object_collectives_kept_local, outside_fake_tensors,
 )
+from lightning_dist._compat.torch import tree_map
 from lightning_dist.callbacks.finite_watch import FiniteWatch
 from lightning_dist.dry_run import FakeRankEnvironment
 from lightning_dist.memory.attention_kernel import fused_attention

@@ -31,6 +31,6 @@ class Fenced:
 
 def fenced() -> list[Fenced]:
     """Every symbol behind the fence, from each library's module."""
-    from lightning_dist._compat import deepspeed, hydra, lightning, python, torch
+    from lightning_dist._compat import deepspeed, fake_tensors, hydra, lightning, python, torch
 
-    return [*torch.FENCED, *lightning.FENCED, *deepspeed.FENCED, *hydra.FENCED, *python.FENCED]
+    return [*torch.FENCED, *fake_tensors.FENCED, *lightning.FENCED, *deepspeed.FENCED, *hydra.FENCED, *python.FENCED]

@@ -1,5 +1,5 @@
-"""The functions lightning_dist/_compat/torch.py puts in front of torch's internals, each doing what it says on the
-installed torch. The fence test checks that a fenced name still exists; a name that exists on every release but
+"""The functions lightning_dist/_compat/torch.py and fake_tensors.py put in front of torch's internals, each doing what
+it says on the installed torch. The fence test checks that a fenced name still exists; a name that exists on every release but
 changed its meaning (an attribute that became a list, a lock file that became an advisory lock) is caught only
 here. CI runs this module on the oldest and the newest torch we support as well (`-m compat`)."""
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_dist._compat import fake_tensors as fakes
 from lightning_dist._compat import torch as fence
 
 pytestmark = pytest.mark.compat
@@ -30,7 +31,7 @@ def test_fsdp_s_parameter_groups_are_found_and_a_step_method_reopens_forward():
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-    with fence.fake_process_group(0, 2):
+    with fakes.fake_process_group(0, 2):
         model = TwoLayers()
         fully_shard(model.first)
         fully_shard(model)
@@ -47,7 +48,7 @@ def test_fsdp_s_parameter_groups_are_found_and_a_step_method_reopens_forward():
 def test_an_fsdp_unit_without_parameters_has_no_groups():
     from torch.distributed.fsdp import fully_shard
 
-    with fence.fake_process_group(0, 2):
+    with fakes.fake_process_group(0, 2):
         holder = nn.Module()
         holder.register_buffer("steps", torch.zeros(()))
         fully_shard(holder)
@@ -74,7 +75,7 @@ def test_the_build_lock_is_the_one_torch_s_extension_builder_takes():
 def test_a_device_mismatch_under_fake_tensors_names_both_devices():
     """An op given host and meta tensors under fake tensors: each release words it otherwise (2.13 added an error
     class); an in-place op on a tensor of another device than the op's is worded alike in every release."""
-    with fence.fake_tensors() as mode:
+    with fakes.fake_tensors() as mode:
         host = mode.from_tensor(torch.zeros(3))
         other = mode.from_tensor(torch.zeros(3, device="meta"))
         scalar_on_host = mode.from_tensor(torch.zeros(()))
@@ -83,9 +84,9 @@ def test_a_device_mismatch_under_fake_tensors_names_both_devices():
             torch.add(host, other)
         with pytest.raises(RuntimeError) as written_on_another:
             scalar_on_host.add_(scalar_elsewhere)
-    assert set(fence.device_mismatch(given_two.value)) == {torch.device("cpu"), torch.device("meta")}
-    assert fence.device_mismatch(written_on_another.value) == (torch.device("meta"), torch.device("cpu"))
-    assert fence.device_mismatch(RuntimeError("something else")) is None
+    assert set(fakes.device_mismatch(given_two.value)) == {torch.device("cpu"), torch.device("meta")}
+    assert fakes.device_mismatch(written_on_another.value) == (torch.device("meta"), torch.device("cpu"))
+    assert fakes.device_mismatch(RuntimeError("something else")) is None
 
 
 def test_fake_tensors_do_what_tensors_do_where_the_loop_needs_it():
@@ -99,16 +100,16 @@ def test_fake_tensors_do_what_tensors_do_where_the_loop_needs_it():
     with parameters_on_meta():
         layer = nn.Linear(4, 2)
     weight = layer.weight
-    with fence.fake_devices() as mode:
-        fence.made_fake_in_place(layer, mode)  # meta parameters stay: a strategy initialises them
+    with fakes.fake_devices() as mode:
+        fakes.made_fake_in_place(layer, mode)  # meta parameters stay: a strategy initialises them
         assert layer.weight.is_meta
         give_memory(layer.weight, torch.ones(2, 4))
-        assert layer.weight is weight and not layer.weight.is_meta and fence._is_fake(layer.weight)
+        assert layer.weight is weight and not layer.weight.is_meta and fakes._is_fake(layer.weight)
 
         buffer_owner = nn.Module()
         buffer_owner.register_buffer("steps", torch.zeros(3))
-        fence.made_fake_in_place(buffer_owner, mode)
-        assert fence._is_fake(buffer_owner.steps)
+        fakes.made_fake_in_place(buffer_owner, mode)
+        assert fakes._is_fake(buffer_owner.steps)
 
         assert copy.deepcopy(torch.zeros(2)).shape == (2,)
         assert torch.ones(5)[torch.ones(5) > 2].shape == (5,)
