@@ -26,6 +26,7 @@ import traceback
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 from unittest import mock
 
@@ -65,47 +66,65 @@ class LoopReport:
     resumed_from_step: int | None = None
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What a rank's run is made of, as train.py composes it (plain containers: they travel to the process with
+    CUDA faked by pickle)."""
+
+    strategy: dict
+    module: dict
+    data: dict
+    callbacks: list[dict]
+    precision: str
+    devices: int
+    num_nodes: int
+    rank: int
+
+    def trainer(self, report: LoopReport, directory: str, resuming: bool) -> tuple[L.Trainer, nn.Module, Any]:
+        """A new Trainer, module and data module: fit's (2 steps, then a validation) or a resumed run's (1 step
+        more, validated)."""
+        from hydra.utils import instantiate
+
+        build = partial(instantiate, _convert_="all")
+        strategy = build(self.strategy)
+        with parameters_on_meta() if getattr(strategy, "initializes_shards", False) else nullcontext():
+            module = build(self.module)  # as train.py builds it for this strategy
+        world = self.devices * self.num_nodes
+        trainer = L.Trainer(
+            accelerator="cuda", devices=self.devices, num_nodes=self.num_nodes, strategy=strategy,
+            precision=self.precision, plugins=[FakeRankEnvironment(self.rank, self.devices, world)],
+            default_root_dir=directory, max_steps=STEPS + 1 if resuming else STEPS, val_check_interval=1 if resuming else STEPS,
+            check_val_every_n_epoch=None, limit_val_batches=1, limit_test_batches=1,
+            num_sanity_val_steps=0 if resuming else 1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[*map(build, self.callbacks), StateAudit(report, take_checkpoint=not resuming)])
+        return trainer, module, build(self.data)
+
+
 def loop_on_fake_devices(strategy_config: dict, module_config: dict, data_config: dict, callback_configs: list[dict],
                          precision: str, devices: int, num_nodes: int, rank: int) -> LoopReport:
     """Rank `rank` of `devices` x `num_nodes`, on fake `cuda` devices (CUDA real or faked: run it where
-    `dry_run.dry_run_devices` says), from configurations as train.py composes them (plain containers, so that it
-    can run in a process with CUDA faked)."""
-    from hydra.utils import instantiate
-
-    build = lambda config: instantiate(config, _convert_="all")  # noqa: E731
-    world = devices * num_nodes
+    `dry_run.dry_run_devices` says), from configurations as train.py composes them."""
+    run = _Run(strategy_config, module_config, data_config, callback_configs, precision, devices, num_nodes, rank)
     report = LoopReport(rank, f"cuda:{rank % devices}")
-    with tempfile.TemporaryDirectory(prefix="fake_loop_") as directory, ExitStack() as world_stack:
-        for context in (fake_process_group(rank, world), object_collectives_kept_local(),
+    with tempfile.TemporaryDirectory(prefix="fake_loop_") as directory, ExitStack() as world:
+        for context in (fake_process_group(rank, devices * num_nodes), object_collectives_kept_local(),
                         data_loaded_outside_fake_tensors(), ddp_on_fake_tensors(),
                         # The finite watch's verdict is read from values: fake ones read as 1.0 would be a record.
                         mock.patch.object(FiniteWatch, "describe", lambda watch, records, step: None)):
-            world_stack.enter_context(context)
+            world.enter_context(context)
 
-        def run(max_steps: int, checkpoint: dict | None) -> dict[str, Any]:
-            strategy = build(strategy_config)
-            with parameters_on_meta() if getattr(strategy, "initializes_shards", False) else nullcontext():
-                module = build(module_config)
-            trainer = L.Trainer(
-                accelerator="cuda", devices=devices, num_nodes=num_nodes, strategy=strategy, precision=precision,
-                plugins=[FakeRankEnvironment(rank, devices, world)], default_root_dir=directory,
-                max_steps=max_steps, val_check_interval=1 if checkpoint else STEPS, check_val_every_n_epoch=None,
-                limit_val_batches=1, limit_test_batches=1, num_sanity_val_steps=0 if checkpoint else 1,
-                logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                callbacks=[*(build(config) for config in callback_configs), audit := StateAudit(report)])
-            datamodule = build(data_config)
-            with _on_fake_devices(strategy, rank), _metric_named(module):
-                if checkpoint is not None:
-                    strategy.load_checkpoint = lambda path, weights_only=None: checkpoint  # noqa: ARG005
-                    trainer.fit(module, datamodule=datamodule, ckpt_path="the checkpoint in memory")
-                    return checkpoint
-                trainer.fit(module, datamodule=datamodule)
-                trainer.test(module, datamodule=datamodule)
-                return audit.saved
-
-        saved = run(STEPS, None)
+        trainer, module, datamodule = run.trainer(report, directory, resuming=False)
+        with _on_fake_devices(trainer.strategy, rank), _metric_named(module):
+            trainer.fit(module, datamodule=datamodule)
+            trainer.test(module, datamodule=datamodule)
+        saved = next(c for c in trainer.callbacks if isinstance(c, StateAudit)).saved
         report.resumed_from_step = saved.get("global_step")
-        run(STEPS + 1, saved)
+
+        trainer, module, datamodule = run.trainer(report, directory, resuming=True)
+        trainer.strategy.load_checkpoint = lambda path, weights_only=None: saved  # noqa: ARG005 - read from memory
+        with _on_fake_devices(trainer.strategy, rank), _metric_named(module):
+            trainer.fit(module, datamodule=datamodule, ckpt_path="the checkpoint in memory")
     return report
 
 
@@ -114,8 +133,9 @@ class StateAudit(L.Callback):
     while fitting, the optimizer state that is not where its parameter is; the steps taken and metrics logged; and
     takes the checkpoint a ModelCheckpoint would save after fit's validation (`saved`, as it would be loaded)."""
 
-    def __init__(self, report: LoopReport) -> None:
+    def __init__(self, report: LoopReport, take_checkpoint: bool) -> None:
         self.report = report
+        self.take_checkpoint = take_checkpoint
         self.saved: dict[str, Any] | None = None
 
     def _audit(self, trainer: L.Trainer, module: nn.Module, stage: str) -> None:
@@ -127,7 +147,7 @@ class StateAudit(L.Callback):
             self.report.misplaced[stage] = found
 
     def on_validation_end(self, trainer: L.Trainer, module: nn.Module) -> None:
-        if trainer.sanity_checking or self.saved is not None:
+        if trainer.sanity_checking or not self.take_checkpoint or self.saved is not None:
             return
         saved = checkpoint_contents(trainer)
         self.report.saved = _devices_by_section(saved)

@@ -61,9 +61,8 @@ def test_each_preset_trains_validates_saves_and_resumes(name, tmp_path):
     assert min(logged_steps(only_run(resumed_dir)), default=0) > 6  # continued after step 6, not from the start
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp"])
-def test_compiled_blocks_train(name, tmp_path):
-    run = typed(COMMAND.format(name=name), tmp_path, "compile=true", "test=false")
+def test_compiled_blocks_train_under_fsdp(tmp_path):
+    run = typed(COMMAND.format(name="fsdp"), tmp_path, "compile=true", "test=false")
     assert run.returncode == 0, run.stderr[-4000:]
     summary = json.loads((only_run(tmp_path) / "metrics.json").read_text())
     assert summary["global_step"] == 6 and summary["metrics"]["val_loss"] > 0
