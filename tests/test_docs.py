@@ -107,7 +107,7 @@ def test_a_broken_link_fails_the_strict_build_naming_it(tmp_path):
     """The site's own pages (MkDocs' check) and files of the repository outside docs/ (our hook's)."""
     (tmp_path / "mkdocs.yml").write_text((REPO / "mkdocs.yml").read_text())
     shutil.copytree(DOCS, tmp_path / "docs")
-    for name in ("README.md", "BENCHMARKS.md", "recipes", "tests"):
+    for name in ("README.md", "BENCHMARKS.md", "GPU.md", "recipes", "tests"):
         (tmp_path / name).symlink_to(REPO / name)
     with (tmp_path / "docs" / "install.md").open("a") as page:
         page.write("\n[gone](nowhere.md) and [gone too](../recipes/nowhere/README.md)\n")
