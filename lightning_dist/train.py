@@ -31,7 +31,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from lightning_dist._compat.fake_cuda import FakeCudaRunFailed
 from lightning_dist._compat.hydra import is_a_rank_lightning_started
 from lightning_dist.callbacks import NonFiniteError, Preempted
-from lightning_dist.checkpoints.autoresume import RESUME_OWN_DIR, newest_complete_checkpoint, newest_whole_checkpoint_in
+from lightning_dist.checkpoints.autoresume import (
+    RESUME_OWN_DIR, finished_run, newest_complete_checkpoint, newest_whole_checkpoint_in,
+)
 from lightning_dist.checkpoints.contents import check_autotp_layout, check_checkpoint_matches
 from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
@@ -57,6 +59,7 @@ from lightning_dist.parallel.sharded_init import parameters_on_meta
 from lightning_dist.precision import check_precision, device_type
 from lightning_dist.strategies import DeepSpeedStrategy
 from lightning_dist.strategies.launcher import PreflightError, preflight
+from lightning_dist.summary_file import SUMMARY_NAME, read_summary
 from lightning_dist.writable import unwritable_because
 
 log = logging.getLogger(__name__)
@@ -315,6 +318,15 @@ def _fit_and_test(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
+class NothingLeftToTrain(Exception):
+    """`resume=true` found the last save of a run that trained to its end: this run trains nothing, says so, and
+    leaves no run directory behind (`summary`: that run's)."""
+
+    def __init__(self, said: str, summary: dict) -> None:
+        super().__init__(said)
+        self.summary = summary
+
+
 # Rank 0 decides what to resume from; the ranks it starts inherit the decision through the environment, so a
 # checkpoint written meanwhile cannot make them disagree.
 _RESUME_ENV = "LIGHTNING_DIST_RESUME_FROM"
@@ -326,21 +338,39 @@ def _checkpoint_to_resume(cfg: DictConfig) -> str | None:
     if _RESUME_ENV in os.environ:
         return os.environ[_RESUME_ENV] or None
     output_dir = Path(cfg.paths.output_dir)
+    said = f"resume={'true' if cfg.resume is True else cfg.resume}: "
+    passed: list[str] = []
+
+    def passed_over(checkpoint: Path, why: str) -> None:
+        passed.append(str(checkpoint))
+        log.info(f"{said}passed over {checkpoint}: {why}")
 
     def newest() -> str | None:
         if cfg.resume == RESUME_OWN_DIR:  # a requeued job: its own run directory only, never another job's
-            found = newest_whole_checkpoint_in(output_dir)
+            found = newest_whole_checkpoint_in(output_dir, passed_over)
         else:
             # As typed: an override such as `+model.path=${paths.output_dir}/x` resolves to another path in every run.
             overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
-            found = newest_complete_checkpoint(output_dir.parent, overrides)
+            found = newest_complete_checkpoint(output_dir.parent, overrides, passed_over)
         return str(found) if found else None
 
     # Global rank 0's choice on every rank of a torchrun job (launch/job_store.py), where each runs this search.
     found = shared_choice(newest, timedelta(seconds=cfg.strategy.get("timeout") or 1800))
-    nothing = (f"no complete checkpoint in {output_dir}" if cfg.resume == RESUME_OWN_DIR
-               else "no earlier complete checkpoint of this command")
-    log.info(f"resume={'true' if cfg.resume is True else cfg.resume}: {f'resuming from {found}' if found else f'{nothing}; starting afresh'}")
+    # Every rank asks (the run directories are on storage they share), so that every rank ends here together.
+    if found is not None and cfg.resume is True and (finished := finished_run(Path(found))) is not None:
+        raise NothingLeftToTrain(
+            f"{said}nothing left to train: the newest whole checkpoint of this command, {found}, is the last save of a"
+            f" run that trained to its end ({finished / SUMMARY_NAME}); pass ckpt_path={found} with a larger"
+            " trainer.max_steps to train on from it, or resume=false to start afresh", read_summary(finished))
+    if found is None:
+        nothing = (f"no complete checkpoint in {output_dir}" if cfg.resume == RESUME_OWN_DIR
+                   else "no earlier complete checkpoint of this command")
+        log.info(said + nothing + (f" (passed over {len(passed)}, named above)" if passed else "") + "; starting afresh")
+    elif Path(found).parent.parent != output_dir:
+        log.info(f"{said}resuming from {found}: an earlier run's, in {Path(found).parent.parent} ({output_dir} has no"
+                 " checkpoint of its own)")
+    else:
+        log.info(f"{said}resuming from {found}")
     os.environ[_RESUME_ENV] = found or ""
     return found
 
@@ -383,9 +413,11 @@ def run_job(cfg: DictConfig) -> Any:
             metrics = run_isolated(hydra_config)
         elif cfg.get("plan"):
             plan(cfg)
+            _leave_nothing(hydra_config, multirun)
             return {}
         elif cfg.get("dry_run"):
             dry_run(cfg)
+            _leave_nothing(hydra_config, multirun)
             return {}
         else:
             metrics = train(cfg)
@@ -403,11 +435,24 @@ def run_job(cfg: DictConfig) -> Any:
             raise  # Hydra reports the failed job and runs the others
         log.error(f"{error}: this trial counts as failed")
         return math.nan  # an optimizing sweeper records a failed trial and goes on
+    except NothingLeftToTrain as done:  # exit 0: a requeued job of a finished run has nothing to do, and did it
+        if not multirun:
+            discard_refused_run(Path(hydra_config.runtime.output_dir), hydra_config.job.name)
+        if is_rank_zero():
+            log.info(str(done))
+        return _objective(cfg, done.summary.get("metrics") or {})
     except Preempted as preempted:  # saved; the exit code (75) tells a scheduler or script to run it again
         if preempted.code:
             print(str(preempted), file=sys.stderr)
         sys.exit(preempted.code)
     return _objective(cfg, metrics)
+
+
+def _leave_nothing(hydra_config: Any, multirun: bool) -> None:
+    """A plan or a dry run trains nothing and leaves nothing (Hydra's `.hydra/`, the job's log, the run's claim):
+    the run it was for can then go into the same directory."""
+    if not multirun:  # a sweep's job directories are the sweep's record
+        discard_refused_run(Path(hydra_config.runtime.output_dir), hydra_config.job.name)
 
 
 def exit_code(error: BaseException) -> int:

@@ -172,8 +172,9 @@ def _check(command: str, process: subprocess.CompletedProcess, run_dir: Path | N
     elif "-m hydra/launcher=local" in command:
         (sweep,) = (cwd / "logs" / "train" / "multiruns").iterdir()
         assert sorted(p.name for p in sweep.glob("*/metrics.json") for p in [p.parent]) == ["0", "1"]
-    elif "resume=true" in command:
-        assert "resume=true: resuming from" in output and "checkpoints/last.ckpt" in output
+    elif "resume=true" in command:  # the page's first run, of the same overrides, trained to its end
+        assert "resume=true: nothing left to train: the newest whole checkpoint of this command, " in output
+        assert "checkpoints/last.ckpt, is the last save of a run that trained to its end" in output
     elif "lightning_dist.checkpoints.consolidate" in command:
         consolidated = torch.load(cwd / "model.ckpt", weights_only=True)
         assert "model.token_embedding.weight" in consolidated["state_dict"]

@@ -84,6 +84,9 @@ class RunSummary(L.Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        finish_checkpoints = getattr(trainer.strategy, "finish_checkpoints", None)
+        if finish_checkpoints is not None:  # background saves: one that failed ends the run here, on every rank
+            finish_checkpoints()
         # Every rank must take part in the gather, so this runs before the rank-0-only write.
         mine = [self.batches_on_this_rank, torch.get_num_threads(), trainer.node_rank]
         per_rank = gather_numbers(mine, trainer.strategy.root_device, dtype=torch.int64)

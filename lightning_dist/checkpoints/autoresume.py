@@ -1,12 +1,16 @@
-"""Find where an interrupted run of the same command got to: its newest checkpoint that is whole."""
+"""Find where an interrupted run of the same command got to: its newest checkpoint that is whole, naming each
+newer one passed over and why."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
-from lightning_dist.checkpoints.whole import is_whole
+from lightning_dist.checkpoints.formats import is_complete
+from lightning_dist.checkpoints.whole import first_problem
+from lightning_dist.summary_file import read_summary
 
 # `resume=run_dir`: only the run directory itself (hydra.run.dir), as a job requeued by its scheduler wants;
 # `resume=true` also searches its sibling directories for earlier runs of the same command.
@@ -14,12 +18,15 @@ RESUME_OWN_DIR = "run_dir"
 # Overrides that do not make a run a different run.
 _IGNORED_PREFIXES = ("resume=", "ckpt_path=", "hydra.")
 
+PassedOver = Callable[[Path, str], None]  # told each checkpoint the search passes over, and why
+
 
 def same_command(overrides: list[str]) -> list[str]:
     return sorted(o for o in overrides if not o.lstrip("+~").startswith(_IGNORED_PREFIXES))
 
 
-def newest_complete_checkpoint(runs_root: Path, overrides: list[str]) -> Path | None:
+def newest_complete_checkpoint(runs_root: Path, overrides: list[str], passed_over: PassedOver = lambda path, why: None
+                               ) -> Path | None:
     """The newest whole checkpoint among earlier runs under `runs_root` started with the same overrides.
 
     Runs are Hydra run directories (their `.hydra/overrides.yaml` says how they were started); newer runs are
@@ -33,18 +40,43 @@ def newest_complete_checkpoint(runs_root: Path, overrides: list[str]) -> Path | 
         and same_command(yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()) or []) == wanted
     ]
     for run in sorted(runs, key=lambda r: r.stat().st_mtime, reverse=True):
-        if (found := newest_whole_checkpoint_in(run)) is not None:
+        if (found := newest_whole_checkpoint_in(run, passed_over)) is not None:
             return found
     return None
 
 
-def newest_whole_checkpoint_in(run: Path) -> Path | None:
+def newest_whole_checkpoint_in(run: Path, passed_over: PassedOver = lambda path, why: None) -> Path | None:
     """The newest whole checkpoint in one run directory (`resume=run_dir`: a requeued job's own, whatever its
     overrides), by modification time; a damaged newer one is passed over for an older whole one (whole.py)."""
     # A `.NAME.partial` is a save that has not been swapped in (swap.py); `.NAME.previous`, a complete one that
     # stepped aside for it and is the one to use if the swap was cut off.
     saved = [p for p in (Path(run) / "checkpoints").glob("*") if not p.name.endswith(".partial")]
-    for checkpoint in sorted(saved, key=lambda p: p.stat().st_mtime, reverse=True):
-        if is_whole(checkpoint):
+    for checkpoint in sorted(saved, key=_modified, reverse=True):
+        if (problem := unusable(checkpoint)) is None:
             return checkpoint
+        passed_over(checkpoint, problem)
     return None
+
+
+def unusable(checkpoint: Path) -> str | None:
+    """Why `checkpoint` cannot be resumed from (a link to nothing, a save cut off, a file changed since), or None."""
+    if checkpoint.is_symlink() and not checkpoint.exists():
+        return f"a link to {checkpoint.readlink()}, which does not exist"
+    if not is_complete(checkpoint):
+        return "its save did not finish"
+    return first_problem(checkpoint)
+
+
+def finished_run(checkpoint: Path) -> Path | None:
+    """The run directory `checkpoint` was saved in, if that run trained to its end and `checkpoint` is its last
+    save (its summary says both): resuming from it would train nothing."""
+    run = checkpoint.parent.parent
+    summary = read_summary(run)
+    finished = "global_step" in summary and "stopped_by" not in summary
+    last = summary.get("last_checkpoint")
+    return run if finished and last and Path(last).resolve() == checkpoint.resolve() else None
+
+
+def _modified(path: Path) -> float:
+    # A link to nothing has no target to ask; its own time places it.
+    return path.stat().st_mtime if path.exists() else path.lstat().st_mtime

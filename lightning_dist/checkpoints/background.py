@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_dist.checkpoints.swap import SaveFailed, clear_partial, commit, discard
+from lightning_dist.checkpoints.swap import SaveFailed, SaveFailedElsewhere, clear_partial, commit, discard
+from lightning_dist.parallel.devices import gather_objects
 
 LIGHTNING_METADATA = "meta.pt"  # what Lightning's ModelParallelStrategy writes beside the shards: loops, callbacks
 
@@ -29,13 +30,22 @@ class BackgroundWriter:
     def __init__(self) -> None:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._pending: dict[Path, Future] = {}
+        self._failed = False  # a write failed: nothing is removed from then on
 
     def submit(self, final: Path, write: Callable[[], None]) -> None:
-        self._pending[final] = self._thread.submit(write)
+        def run() -> None:
+            try:
+                write()
+            except BaseException:
+                self._failed = True
+                raise
+
+        self._pending[final] = self._thread.submit(run)
 
     def submit_after_writes(self, action: Callable[[], None]) -> None:
-        """Run `action` once every save submitted before it is written (a superseded checkpoint's removal)."""
-        self._thread.submit(action)
+        """Run `action` (a superseded checkpoint's removal) once every save submitted before it is written, and only
+        if they all were: the save that was to replace it may be the one that failed."""
+        self._thread.submit(lambda: None if self._failed else action())
 
     def wait(self, final: Path | None = None) -> BaseException | None:
         """Wait for the save to `final` (None: for every save); the first error one raised, else None."""
@@ -132,6 +142,22 @@ class BackgroundSaves:
             error, self._writer = self._writer.close(), None
             if error is not None:
                 raise error
+
+    def finish_checkpoints(self) -> None:
+        """Fit's end, on every rank together (a collective): the saves are waited for, and a failed one fails every
+        rank with its line (under DDP only rank 0 writes: alone, it would leave the others to be killed by
+        Lightning's launcher). The run's summary calls it before it says the run finished."""
+        error = None
+        if self._writer is not None:
+            error, self._writer = self._writer.close(), None
+        if self.async_checkpoint:
+            said = [failure for failure in gather_objects(None if error is None else str(error)) if failure]
+            if said:
+                raise error or SaveFailedElsewhere(said[0])
+
+    def on_train_end(self) -> None:
+        self.finish_checkpoints()
+        super().on_train_end()  # type: ignore[misc]
 
     def teardown(self) -> None:
         self.wait_for_checkpoints()

@@ -10,6 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
 from lightning_dist.checkpoints.manifest import write_manifest
 from lightning_dist.checkpoints.ranks import Ranks
 
@@ -95,9 +98,30 @@ class SwappedSaves:
     in when complete. `last` is saved again and again under one name; a save cut off midway must not cost the
     previous one, and DeepSpeed's NVMe offload cannot save over an earlier save at all."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if type(self.checkpoint_io) is TorchCheckpointIO:  # type: ignore[attr-defined]  # Lightning's default
+            self.checkpoint_io = PartialFileIO()
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None) -> None:
         save = super().save_checkpoint  # type: ignore[misc]
         write_then_swap(self, self.broadcast(filepath), lambda path: save(checkpoint, path, storage_options))  # type: ignore[attr-defined]
+
+
+class PartialFileIO(TorchCheckpointIO):
+    """A file checkpoint written by torch.save straight to the partial path it is given. Lightning's own makes the
+    whole checkpoint a buffer in memory, writes that to the system's temp directory and copies it over (fsspec's
+    transaction, for atomicity): every save written twice, a full temp directory failing saves, a kill leaving a
+    checkpoint-sized file there. The swap (above) makes the save atomic already."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options (got {storage_options!r})")
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        # Our file, closed however the write ends: torch's own writer stays open in a failed save's traceback, and a
+        # removed file's space comes back only once it is closed (on a full disk, nothing else could be written).
+        with open(path, "wb") as file:
+            torch.save(checkpoint, file)
 
 
 def _swap(partial: Path, final: Path) -> None:
@@ -131,6 +155,13 @@ class SaveFailed(RuntimeError):
         # The last line: torch.distributed.checkpoint puts each rank's traceback under its own first line.
         reason = (str(error).strip().splitlines() or [type(error).__name__])[-1].strip()
         super().__init__(f"saving the checkpoint {final} failed ({reason}); {space_left(final.parent)}")
+
+
+class SaveFailedElsewhere(SaveFailed):
+    """Another rank's save failed (said as that rank said it): this rank ends with it."""
+
+    def __init__(self, said: str) -> None:
+        RuntimeError.__init__(self, said)
 
 
 class NotShared(SaveFailed):

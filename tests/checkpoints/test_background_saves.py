@@ -59,6 +59,9 @@ class _OneRank:
     def teardown(self):
         pass
 
+    def on_train_end(self):
+        pass
+
 
 class _Strategy(BackgroundSaves, SwappedSaves, _OneRank):
     async_checkpoint = True
@@ -104,6 +107,20 @@ def test_a_superseded_checkpoint_is_removed_only_after_the_saves_before_it(tmp_p
     strategy.checkpoint_io.gate.set()
     strategy.teardown()  # the end of fit waits for the writes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step000004.ckpt"]
+
+
+def test_a_superseded_checkpoint_stays_when_the_save_that_was_to_replace_it_failed(tmp_path):
+    strategy = _Strategy()
+    old, new = tmp_path / "step000005.ckpt", tmp_path / "step000010.ckpt"
+    strategy.checkpoint_io.gate.set()
+    strategy.save_checkpoint({"global_step": 5}, old)
+    strategy.checkpoint_io.fail = True  # the disk is full by the next save
+    strategy.save_checkpoint({"global_step": 10}, new)
+    strategy.remove_checkpoint(old)  # queued behind the write that fails
+    with pytest.raises(SaveFailed, match=rf"^saving the checkpoint {new} failed \(No space left on device\); "):
+        strategy.finish_checkpoints()  # fit's end: the failure is raised there, not left to a teardown
+    assert torch.load(old)["global_step"] == 5  # the top-k checkpoint, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step000005.ckpt"]
 
 
 def test_the_writer_writes_in_the_order_saves_were_staged():
@@ -162,3 +179,36 @@ def test_a_ddp_run_saving_in_the_background_saves_what_a_synchronous_one_saves(c
         for moment in ("exp_avg", "exp_avg_sq"):
             for index, state in theirs["optimizer_states"][0]["state"].items():
                 assert torch.equal(ours["optimizer_states"][0]["state"][index][moment], state[moment]), (name, index)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs (mounting needs root, as our machines and CI run): room for one checkpoint of the default
+    model (10 MB) and the run's logs, not for a second checkpoint."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    assert mounted.returncode == 0, f"the full-disk test mounts a tmpfs: {mounted.stderr.strip()}"
+    yield disk
+    subprocess.run(["umount", "--lazy", str(disk)], check=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_keeps_the_checkpoint_it_was_to_replace_and_ends_every_rank_with_its_line(small_disk):
+    from lightning_dist.checkpoints.whole import is_whole
+    from tests.conftest import run_train
+
+    # A save every 5 steps, the newest kept: step 10's write fails, and the removal of step 5 queued behind it with it.
+    run = run_train(small_disk, "checkpoint.async=true", "callbacks.model_checkpoint.every_n_train_steps=5",
+                    "callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.save_last=false",
+                    "trainer.max_steps=12", "test=false")
+    assert run.process.returncode == 1, run.output[-3000:]
+    said = [line for line in run.output.splitlines() if line.startswith("error: ")]
+    assert len(said) == 2, said  # each rank, with the same line: neither is killed by the other's exit
+    assert all(line.startswith(f"error: saving the checkpoint {small_disk}/checkpoints/step000010.ckpt failed (")
+               and "the disk is full: " in line for line in said), said
+    assert "forcefully terminating" not in run.output
+    checkpoints = small_disk / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step000005.ckpt"]
+    assert is_whole(checkpoints / "step000005.ckpt")

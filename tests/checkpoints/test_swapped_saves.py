@@ -96,3 +96,23 @@ def test_only_global_rank_0_removes_a_cut_off_saves_leftover(tmp_path):
     assert seen == [["__1_0.distcp"]] and not final.exists()  # neither removed nor swapped in: global rank 0's part
     write_then_swap(ONE_RANK, final, lambda path: (seen.append(path.exists()), path.write_text("step 2")))
     assert seen[1] is False and final.read_text() == "step 2"  # global rank 0 removed it, wrote and swapped
+
+
+@pytest.mark.parametrize("strategy", ["DDPStrategy", "FSDPStrategy"])
+def test_a_file_checkpoint_is_written_once_straight_into_its_partial_path(strategy, tmp_path, monkeypatch):
+    import tempfile
+
+    import torch
+
+    import lightning_dist.strategies as strategies
+
+    def staged(*args, **kwargs):
+        raise AssertionError("the checkpoint was staged in the system's temp directory")
+
+    # Lightning's own writer stages every save there (fsspec's transaction makes its temp file with mkstemp).
+    monkeypatch.setattr(tempfile, "mkstemp", staged)
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", staged)
+    io = getattr(strategies, strategy)().checkpoint_io
+    final = tmp_path / "checkpoints" / "step000005.ckpt"
+    write_then_swap(ONE_RANK, final, lambda path: io.save_checkpoint({"weight": torch.arange(4.0)}, path))
+    assert torch.equal(torch.load(final)["weight"], torch.arange(4.0)) and leftovers(final.parent) == []
