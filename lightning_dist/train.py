@@ -459,6 +459,8 @@ def exit_code(error: BaseException) -> int:
     """The code the run exits with when `error` ends it (docs/faults.md, "Exit codes of train.py")."""
     if isinstance(error, (ConfigError, RefusedElsewhere)):
         return 2
+    if isinstance(error, NothingLeftToTrain):
+        return 0
     if isinstance(error, SystemExit):  # a preemption's 75 (or 0 on ranks that leave the report to rank 0)
         return error.code if isinstance(error.code, int) else 1
     return 1
