@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,10 @@ def test_a_regular_install_trains_from_another_directory(tmp_path):
     # No pip of its own: the venv would bring an old setuptools that cannot build a wheel without `wheel`.
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
+    # "System" is the base interpreter's site-packages, not this environment's (a venv of a venv): this environment's
+    # comes first through a .pth (its setuptools builds the wheel; the base's may be one that cannot).
+    (site,) = venv.glob("lib/python*/site-packages")
+    (site / "this_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     install = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
                               str(checkout)], capture_output=True, text=True, timeout=600)
     assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
