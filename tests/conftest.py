@@ -26,6 +26,18 @@ PRESET_NAMES = sorted(p.stem for p in (CONF_DIR / "strategy").glob("*.yaml") if 
 TENSOR_PARALLEL_NAMES = ["fsdp_tp", "hsdp_tp"]
 # The NVMe preset needs a directory on a drive; it has its own tests (tests/strategies/test_nvme_offload.py).
 STRATEGY_NAMES = [name for name in PRESET_NAMES if not name.endswith("_nvme") and name not in TENSOR_PARALLEL_NAMES]
+
+def in_the_suite(cases: list, kept: list | tuple, unpack: bool = False) -> list:
+    """`cases` for `parametrize`, those not in `kept` marked `extended`: the suite runs one case per engine and
+    checkpoint format, the whole matrix runs in `bash scripts/extended_checks.sh` (`-m extended`). Each case is a
+    real training run, and the whole matrix of every module took CI past its hour on our slower machines. `unpack`:
+    each case is a tuple of several parameters' values."""
+    unknown = [case for case in kept if case not in cases]
+    assert not unknown, f"kept cases that are not cases: {unknown}"
+    return [case if case in kept else pytest.param(*(case if unpack else (case,)), marks=pytest.mark.extended)
+            for case in cases]
+
+
 # Real DeepSpeed configs copied unchanged from public projects (their sources: tests/deepspeed_config/configs/README.md).
 DS_CONFIGS = REPO / "tests" / "deepspeed_config" / "configs"
 HF_ZERO2 = DS_CONFIGS / "transformers_ds_config_zero2.json"
@@ -106,7 +118,8 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """GPU tests leave the run where fewer CUDA devices are visible than they need (`gpu(devices=N)`, 1 unless
-    said): deselected, so they never count as passed. The rest are grouped for pytest-xdist (`--dist loadgroup`): a
+    said): deselected, so they never count as passed; so do the extended matrix's (`in_the_suite`) unless asked for
+    with `-m extended`. The rest are grouped for pytest-xdist (`--dist loadgroup`): a
     module stays in one worker (its module fixtures are made once), and the modules reading one kind of shared
     session run form one group."""
     import torch
@@ -114,6 +127,8 @@ def pytest_collection_modifyitems(config, items):
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     unrunnable = [item for item in items
                   if (marker := item.get_closest_marker("gpu")) and marker.kwargs.get("devices", 1) > visible]
+    if not extended_run(config):  # scripts/extended_checks.sh asks for them by name
+        unrunnable += [item for item in items if item.get_closest_marker("extended")]
     if unrunnable:
         config.hook.pytest_deselected(items=unrunnable)
         items[:] = [item for item in items if item not in unrunnable]
@@ -292,6 +307,18 @@ CURVE_OVERRIDES = (
     "callbacks.model_checkpoint.save_top_k=-1",
     "callbacks.model_checkpoint.monitor=null",
 )
+
+
+# The strategies whose 30-step curves the suite runs: each engine, with and without offload, and the checkpoint
+# formats the other engines resume from (tests/checkpoints/test_cross_strategy_resume.py). The others' curves run in
+# scripts/extended_checks.sh.
+CURVES_IN_THE_SUITE = ["ddp", "fsdp", "fsdp_cpu_offload", "fsdp_shard_grad_op", "deepspeed_stage_2",
+                       "deepspeed_stage_3", "deepspeed_stage_3_offload"]
+
+
+def extended_run(config) -> bool:
+    """Whether this run is the extended matrix's (`-m extended`), whose tests read every preset's curve."""
+    return "extended" in (config.getoption("markexpr") or "")
 
 
 @pytest.fixture(scope="session")

@@ -12,17 +12,18 @@ import torch
 from lightning_dist.checkpoints import CheckpointError, checkpoint_format, consolidate_checkpoint, load_consolidated
 from lightning_dist.checkpoints.consolidate import main as consolidate_main
 from tests import warm_python
-from tests.conftest import REPO, STRATEGY_NAMES, run_train
+from tests.conftest import CURVES_IN_THE_SUITE, REPO, STRATEGY_NAMES, extended_run, in_the_suite, run_train
 
 
 @pytest.fixture(scope="session")
-def plain_loads(curve_runs, tmp_path_factory) -> tuple[Path, dict[str, str]]:
+def plain_loads(curve_runs, tmp_path_factory, request) -> tuple[Path, dict[str, str]]:
     """Every preset's last checkpoint consolidated, then all of them loaded by one plain process: a fresh
     interpreter, which has not imported DeepSpeed (the warm one the suite forks has). The folder of consolidated
     files, and what the process said of each (name -> "OK" or the assertion that failed). Made once: pytest may
     order this module's tests around others of its worker, which would make a module fixture twice."""
     folder, files = tmp_path_factory.mktemp("consolidated"), []
-    for name in STRATEGY_NAMES:
+    names = STRATEGY_NAMES if extended_run(request.config) else CURVES_IN_THE_SUITE
+    for name in names:
         run = curve_runs(name)
         assert run.returncode == 0
         plain = consolidate_checkpoint(run.run_dir / "checkpoints" / "last.ckpt", folder / f"{name}.ckpt")
@@ -30,12 +31,12 @@ def plain_loads(curve_runs, tmp_path_factory) -> tuple[Path, dict[str, str]]:
     process = subprocess.run([warm_python.REAL_PYTHON, "-m", "tests.checkpoints_plain_load", *files], cwd=REPO,
                              capture_output=True, text=True, timeout=600)
     said = dict(line.split(": ", 1) for line in process.stdout.splitlines() if ": " in line)
-    assert len(said) == len(STRATEGY_NAMES), process.stdout + process.stderr[-3000:]
+    assert len(said) == len(names), process.stdout + process.stderr[-3000:]
     return folder, {Path(path).stem: outcome for path, outcome in said.items()}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", STRATEGY_NAMES)
+@pytest.mark.parametrize("name", in_the_suite(STRATEGY_NAMES, CURVES_IN_THE_SUITE))
 def test_consolidated_checkpoint_loads_strictly_in_a_plain_process(name, curve_runs, plain_loads):
     folder, said = plain_loads
     plain = folder / f"{name}.ckpt"

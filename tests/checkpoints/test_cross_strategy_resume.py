@@ -14,7 +14,7 @@ import torch
 
 from lightning_dist.checkpoints.consolidate import load_consolidated
 from lightning_dist.equivalence import run_strategy
-from tests.conftest import CURVE_OVERRIDES
+from tests.conftest import CURVE_OVERRIDES, in_the_suite
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,15 @@ TWO_STEPS = (*CURVE_OVERRIDES[:2], "trainer.max_steps=17", "callbacks.model_chec
              "callbacks.validate_at_max_steps=null", "trainer.num_sanity_val_steps=0")
 
 
-@pytest.mark.parametrize(("target", "source_name"), PAIRS, ids=[f"{t}_from_{s}" for t, s in PAIRS])
+# In the suite: DDP's file, FSDP's sharded directory, ZeRO-2's and ZeRO-3's directories (offloaded too), each read
+# by another engine, and ZeRO-3 from ZeRO-2, which DeepSpeed's own loader cannot read.
+IN_THE_SUITE = [("ddp", "deepspeed_stage_3"), ("fsdp", "deepspeed_stage_2"), ("deepspeed_stage_2", "ddp"),
+                ("deepspeed_stage_3", "fsdp_shard_grad_op"), ("deepspeed_stage_3_offload", "fsdp_cpu_offload"),
+                ("deepspeed_stage_3", "deepspeed_stage_2")]
+
+
+@pytest.mark.parametrize(("target", "source_name"), in_the_suite(PAIRS, IN_THE_SUITE, unpack=True),
+                         ids=[f"{t}_from_{s}" for t, s in PAIRS])
 def test_resumes_another_presets_checkpoint(target, source_name, curve_runs, tmp_path):
     source = curve_runs(source_name)
     checkpoint = source.run_dir / "checkpoints" / "step000015.ckpt"

@@ -14,7 +14,7 @@ import torch
 
 from lightning_dist.checkpoints.consolidate import load_consolidated
 from lightning_dist.equivalence import StrategyCurve, run_strategy
-from tests.conftest import CURVE_OVERRIDES
+from tests.conftest import CURVE_OVERRIDES, in_the_suite
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def _assert_restored(run: StrategyCurve, checkpoint) -> None:
         torch.testing.assert_close(restored[name], tensor, rtol=0, atol=0, msg=name)
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", in_the_suite(list(TARGETS), ["ddp", "fsdp_tp, tensor_parallel_size=1"]))
 def test_a_tensor_parallel_checkpoint_resumes_under_another_layout_and_back(target, source, tmp_path):
     checkpoint = source.run_dir / "checkpoints" / "step000015.ckpt"
     name, *overrides = TARGETS[target]

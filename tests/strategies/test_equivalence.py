@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_dist.equivalence import format_report, run_strategy
-from tests.conftest import CURVE_OVERRIDES, STRATEGY_NAMES
+from tests.conftest import CURVE_OVERRIDES, CURVES_IN_THE_SUITE, STRATEGY_NAMES, in_the_suite
 
 pytestmark = pytest.mark.slow
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 RELATIVE_TOLERANCE = {name: 1e-5 for name in STRATEGY_NAMES}
 
 
-@pytest.mark.parametrize("name", [n for n in STRATEGY_NAMES if n != "ddp"])
+@pytest.mark.parametrize("name", in_the_suite([n for n in STRATEGY_NAMES if n != "ddp"], CURVES_IN_THE_SUITE[1:]))
 def test_loss_curve_matches_ddp_at_every_step(name, curve_runs):
     reference, curve = curve_runs("ddp"), curve_runs(name)
     assert curve.returncode == 0 and reference.returncode == 0
@@ -28,7 +28,8 @@ def test_loss_curve_matches_ddp_at_every_step(name, curve_runs):
 
 # ddp, fsdp and ZeRO-2/3 resume from step 15 in tests/checkpoints/test_damaged_checkpoints.py, by resume=true passing
 # over a damaged newer checkpoint.
-@pytest.mark.parametrize("name", [n for n in STRATEGY_NAMES if n not in ("ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3")])
+@pytest.mark.parametrize("name", in_the_suite([n for n in STRATEGY_NAMES if n not in ("ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3")],
+                                              ["fsdp_cpu_offload", "deepspeed_stage_3_offload"]))
 def test_resume_from_step_15_continues_the_curve(name, curve_runs, tmp_path):
     full = curve_runs(name)
     checkpoint = full.run_dir / "checkpoints" / "step000015.ckpt"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lightning_dist.strategies import PRESETS, REGISTRY_PREFIX
-from tests.conftest import HF_ZERO2, REPO
+from tests.conftest import HF_ZERO2, REPO, in_the_suite
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,8 @@ PLAIN_SCRIPT_PATHS = ["ddp", "fsdp", "fsdp_activation_checkpointing", "fsdp_cpu_
                       "deepspeed_stage_3_offload"]
 
 
-@pytest.mark.parametrize("name", PLAIN_SCRIPT_PATHS)
+@pytest.mark.parametrize("name", in_the_suite(PLAIN_SCRIPT_PATHS, ["ddp", "fsdp_activation_checkpointing",
+                                                                  "deepspeed_stage_3_offload"]))
 def test_registered_name_trains_on_two_cpu_ranks(name, deepspeed_ops):
     # BoringModel has no repeated block to checkpoint: that preset trains torch's TransformerEncoder instead.
     model = "encoder" if name == "fsdp_activation_checkpointing" else "boring"

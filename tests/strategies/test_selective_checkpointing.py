@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from lightning_dist.equivalence import StrategyCurve, run_strategy
-from tests.conftest import CURVE_OVERRIDES, REPO
+from tests.conftest import CURVE_OVERRIDES, REPO, in_the_suite
 
 # Recomputation repeats the same float32 ops on the same inputs: the losses came out bit-identical to the eager
 # curves (measured for every case below); 1e-5 is the bound the strategies' equivalence test uses.
@@ -23,8 +23,13 @@ CASES = [("ddp", "ops", 4), ("ddp", "2", 2), ("fsdp", "ops", 4), ("fsdp", "2", 2
          ("deepspeed_stage_3", "2", 2)]
 
 
+# In the suite: each form once, under each engine (the rest: scripts/extended_checks.sh).
+IN_THE_SUITE = [("ddp", "ops", 4), ("fsdp", "2", 2), ("deepspeed_stage_3", "2", 2)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name, form, checkpointed", CASES, ids=[f"{n} {f}" for n, f, _ in CASES])
+@pytest.mark.parametrize("name, form, checkpointed", in_the_suite(CASES, IN_THE_SUITE, unpack=True),
+                         ids=[f"{n} {f}" for n, f, _ in CASES])
 def test_selective_forms_train_the_eager_losses(name, form, checkpointed, curve_runs, tmp_path):
     run = run_strategy(name, [*SHORTER, f"strategy.activation_checkpointing={form}"], tmp_path / "run")
     assert run.returncode == 0, run.output[-3000:]
