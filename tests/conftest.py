@@ -27,6 +27,7 @@ TENSOR_PARALLEL_NAMES = ["fsdp_tp", "hsdp_tp"]
 # The NVMe preset needs a directory on a drive; it has its own tests (tests/strategies/test_nvme_offload.py).
 STRATEGY_NAMES = [name for name in PRESET_NAMES if not name.endswith("_nvme") and name not in TENSOR_PARALLEL_NAMES]
 
+
 def in_the_suite(cases: list, kept: list | tuple, unpack: bool = False) -> list:
     """`cases` for `parametrize`, those not in `kept` marked `extended`: the suite runs one case per engine and
     checkpoint format, the whole matrix runs in `bash scripts/extended_checks.sh` (`-m extended`). Each case is a
@@ -119,9 +120,8 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items):
     """GPU tests leave the run where fewer CUDA devices are visible than they need (`gpu(devices=N)`, 1 unless
     said): deselected, so they never count as passed; so do the extended matrix's (`in_the_suite`) unless asked for
-    with `-m extended`. The rest are grouped for pytest-xdist (`--dist loadgroup`): a
-    module stays in one worker (its module fixtures are made once), and the modules reading one kind of shared
-    session run form one group."""
+    with `-m extended`. The rest are grouped for pytest-xdist (`--dist loadgroup`): a module stays in one worker
+    (its module fixtures are made once), and the modules reading one kind of shared session run form one group."""
     import torch
 
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -272,6 +272,17 @@ def deepspeed_ops() -> None:
 
     announce_op_builds(lambda line: print(line, file=sys.stderr))
     get_accelerator().create_op_builder("CPUAdamBuilder").load(verbose=False)
+
+
+@pytest.fixture(scope="session")
+def nvme_ops(deepspeed_ops) -> None:
+    """DeepSpeed's async_io op (NVMe offload) built once, here, before a run that needs it starts: a run builds it
+    itself otherwise, within its own timeout, which the build (5 minutes of both cores on a loaded machine, behind CPU
+    Adam's and the compatibility tier's) then spends (CI: the beyond-memory run timed out at 900 s so)."""
+    from lightning_dist.prepare import prepare
+
+    missing = prepare("async_io")
+    assert missing is None, missing
 
 
 ACCEPTANCE_OVERRIDES = ("trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=20", *BATCH_PROBE)

@@ -75,6 +75,7 @@ def test_the_peak_is_the_plans_give_or_take_what_the_plan_cannot_know(documented
     assert verdict in documented_dry_run.stdout
 
 
+@pytest.mark.extended  # the 64-rank dry run of the default model is the suite's
 def test_the_7b_target_s_static_parts_are_the_plans_and_its_peak_within_15_percent(documented_7b_dry_run):
     assert documented_7b_dry_run.returncode == 0, documented_7b_dry_run.stderr[-3000:]
     table = rows(documented_7b_dry_run.stdout)

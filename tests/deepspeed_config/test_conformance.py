@@ -62,7 +62,8 @@ def test_the_documentation_counts_the_outcomes_on_this_cpu():
 
 # Every refusal is said before a rank starts (seconds); of the configs that train, one of each stage and kind is
 # trained in the suite, the others' runs in scripts/extended_checks.sh.
-TRAINED_ELSEWHERE = ["llama_factory_ds_z0_config.json", "llama_factory_ds_z2_config.json",
+TRAINED_ELSEWHERE = ["deepspeed_examples_autotuning_ds_config_tune.json", "llama_factory_ds_z0_config.json",
+                     "llama_factory_ds_z2_autotp_config.json", "llama_factory_ds_z2_config.json",
                      "llama_factory_ds_z2_offload_config.json", "llama_factory_ds_z3_config.json"]
 
 

@@ -40,7 +40,7 @@ def zero2_runs(tmp_path_factory, deepspeed_ops):
     return get
 
 
-@pytest.mark.parametrize("precision", in_the_suite(["32-true", "bf16-mixed", "bf16-true"], ["32-true", "bf16-mixed"]))
+@pytest.mark.parametrize("precision", in_the_suite(["32-true", "bf16-mixed", "bf16-true"], ["32-true"]))
 def test_all_auto_zero2_file_trains_under_every_cpu_precision(zero2_runs, precision):
     run = zero2_runs(precision)
     assert run.process.returncode == 0, run.output[-3000:]

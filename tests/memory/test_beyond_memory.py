@@ -18,7 +18,7 @@ D_MODEL = 512  # the smallest width whose large partitions DeepSpeed swaps (>= 1
 
 
 @pytest.fixture(scope="module")
-def small_run(tmp_path_factory, deepspeed_ops):
+def small_run(tmp_path_factory, nvme_ops):
     root = tmp_path_factory.mktemp("beyond-memory")
     command = [sys.executable, str(REPO / "benchmarks" / "beyond_memory.py"), "--nvme", str(root / "nvme"),
                "--d-model", str(D_MODEL), "--n-layer", "2", "--steps", "3", "--lr", "1e-3", "--out", str(root / "out")]

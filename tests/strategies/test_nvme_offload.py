@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.slow, needs_libaio]
 
 
 @pytest.fixture(scope="module")
-def nvme_run(tmp_path_factory, deepspeed_ops):
+def nvme_run(tmp_path_factory, nvme_ops):
     nvme = tmp_path_factory.mktemp("nvme")
     run = run_train(
         tmp_path_factory.mktemp("nvme-run"), "strategy=deepspeed_stage_3_offload_nvme", f"strategy.nvme_path={nvme}",

@@ -39,8 +39,7 @@ PLAIN_SCRIPT_PATHS = ["ddp", "fsdp", "fsdp_activation_checkpointing", "fsdp_cpu_
                       "deepspeed_stage_3_offload"]
 
 
-@pytest.mark.parametrize("name", in_the_suite(PLAIN_SCRIPT_PATHS, ["ddp", "fsdp_activation_checkpointing",
-                                                                  "deepspeed_stage_3_offload"]))
+@pytest.mark.parametrize("name", in_the_suite(PLAIN_SCRIPT_PATHS, ["fsdp_activation_checkpointing", "deepspeed_stage_3_offload"]))
 def test_registered_name_trains_on_two_cpu_ranks(name, deepspeed_ops):
     # BoringModel has no repeated block to checkpoint: that preset trains torch's TransformerEncoder instead.
     model = "encoder" if name == "fsdp_activation_checkpointing" else "boring"
