@@ -82,6 +82,13 @@ def test_libraries_are_preloaded_but_not_lightning_nor_ours():
     assert done.stdout == "['deepspeed', 'torch']\n"
 
 
+def test_a_variable_dynamo_reads_at_import_is_read_by_a_fresh_interpreter():
+    code = "import torch._inductor.config as c; print(c.force_disable_caches)"
+    assert python("-c", code).stdout == "False\n"
+    done = python("-c", code, env={**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
+    assert done.stdout == "True\n"
+
+
 def test_warnings_options_from_the_environment_apply():
     code = "import warnings; warnings.warn('shown', UserWarning)"
     assert "UserWarning: shown" in python("-c", code).stderr

@@ -30,13 +30,16 @@ from pathlib import Path
 REAL_PYTHON = sys.executable  # in the pytest process, read before the suite replaces sys.executable
 # Not Lightning: importing it decides things from the process's state at that moment (which rank this is, from the
 # environment; whether its loggers print themselves or leave that to handlers already on the root logger), and a
-# child must decide them as a fresh process would. torchmetrics, imported by Lightning, is most of its import time.
-PRELOADED = ("torch", "torch.distributed", "deepspeed", "hydra", "omegaconf", "torchmetrics")
+# child must decide them as a fresh process would. torchmetrics and torch._dynamo, both imported by Lightning, are
+# most of its import time (dynamo alone 2 s of every rank's start on our 2-core machines, measured with py-spy).
+PRELOADED = ("torch", "torch.distributed", "torch._dynamo", "deepspeed", "hydra", "omegaconf", "torchmetrics")
 # Read by the preloaded libraries (or the interpreter) when they start, so a run that sets them differently starts
 # cold. Everything else in the environment is read at run time and is simply replaced in the child.
 READ_AT_START = ("PYTHONOPTIMIZE", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONHOME", "TORCH_LOGS",
                  "PYTORCH_JIT", "LD_PRELOAD", "LD_LIBRARY_PATH", "DS_ACCELERATOR",
                  "LIGHTNING_DIST_FAKE_CUDA_DEVICES")  # the dry run's fake CUDA is loaded before torch
+# dynamo's and inductor's configs read their variables when torch._dynamo is imported.
+READ_AT_START_PREFIXES = ("TORCHDYNAMO", "TORCHINDUCTOR", "TORCH_COMPILE")
 HEADER = struct.Struct("!I")
 
 LAUNCHER = r'''#!{real_python} -IS
@@ -165,7 +168,8 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
 
 def _reproducible(env: dict[str, str], start_environment: dict[str, str]) -> bool:
     env = {"DS_ACCELERATOR": start_environment["DS_ACCELERATOR"], **env}
-    return all(env.get(name) == start_environment.get(name) for name in READ_AT_START)
+    names = {*READ_AT_START, *(name for name in (*env, *start_environment) if name.startswith(READ_AT_START_PREFIXES))}
+    return all(env.get(name) == start_environment.get(name) for name in names)
 
 
 def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> None:
