@@ -1,5 +1,6 @@
 """Bad input gets one line that names the key and the valid choices, before any rank is spawned."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -131,6 +132,8 @@ REFUSED = [
     # that does not exist.
     (["strategy=fsdp_tp", "strategy.tensor_parallel_size=3"], "strategy.tensor_parallel_size=3: the run's 2 ranks"
      " (trainer.devices x trainer.num_nodes) do not divide into groups of these sizes"),
+    (["strategy=fsdp_tp", "strategy.tensor_parallel_size=3", "trainer.devices=4"], "strategy.tensor_parallel_size=3:"
+     " the run's 4 ranks (trainer.devices x trainer.num_nodes) do not divide into groups of these sizes"),
     (["strategy=hsdp_tp", "strategy.data_parallel_replicate_size=0"],
      "strategy.data_parallel_replicate_size=0: must be null, an integer >= 1, or -1 (the ranks that are left)"),
     (["strategy=fsdp_tp", "trainer.num_nodes=2", "strategy.tensor_parallel_size=4"], "strategy.tensor_parallel_size=4:"
@@ -142,6 +145,14 @@ REFUSED = [
      " strategy.tensor_parallel_plan"),
     (["strategy=fsdp_tp", "strategy.tensor_parallel_plan={blocks.*.attn.q:diagonal}"],
      "strategy.tensor_parallel_plan.blocks.*.attn.q=diagonal: no such style; choose one of: colwise, rowwise"),
+    # What a strategy cannot combine, refused from the config before torch loads (QUIET_REFUSALS below).
+    (["checkpoint.async=true", "strategy=deepspeed_stage_2"], "checkpoint.async=true: DeepSpeed's engine writes its"
+     " checkpoints itself, synchronously, and has no hook to stage them;"),
+    (["strategy.activation_checkpointing=ops", "strategy=deepspeed_stage_3"], "strategy.activation_checkpointing=ops:"
+     " ZeRO-3 gathers and frees parameters inside each block, which op-level checkpointing cannot replay; use true"
+     " (every block) or an integer k (every k-th block)"),
+    (["dry_run=true", "trainer.devices=100000"], "dry_run=true: 100000 ranks (trainer.devices x trainer.num_nodes);"
+     " the dry run steps its ranks in this process, up to 1024. For a larger world, plan=true says what each rank holds"),
     # DeepSpeed AutoTP: a size that does not divide the ranks, one that is no size, one the file contradicts.
     (["strategy=deepspeed_stage_2", "strategy.tensor_parallel_size=3"], "strategy: 1 problem: strategy.tensor_parallel_size=3:"
      " the 2 ranks do not divide into tensor-parallel groups of that size; choose one of 1, 2"),
@@ -184,6 +195,36 @@ def test_a_bad_value_is_one_error_line_and_exit_2_before_any_rank_starts(argumen
     assert "Traceback" not in process.stdout + process.stderr
     assert "Initializing distributed" not in process.stdout + process.stderr
     assert [path for path in work.rglob("*") if path.is_file()] == []  # nothing of the refused run
+
+
+# Refusals the config alone decides: made before torch, Lightning or DeepSpeed load (seconds of imports), so that
+# the refusal is the only line printed, in well under 2 s.
+QUIET_REFUSALS = [arguments for arguments, _ in REFUSED if arguments[0] in (
+    "checkpoint.async=true", "strategy.activation_checkpointing=ops", "dry_run=true")] + [
+    ["strategy=fsdp_tp", "strategy.tensor_parallel_size=3", "trainer.devices=4"],
+    ["strategy=hsdp_tp", "trainer.devices=4", "trainer.num_nodes=2", "strategy.data_parallel_replicate_size=3"]]
+
+
+def test_refusals_the_config_decides_load_no_torch_and_print_nothing_else():
+    probe = ("import sys, json\n"
+             "from lightning_dist.config_check import ConfigError, check_overrides\n"
+             "from lightning_dist.config_values import check_values\n"
+             "said = []\n"
+             "for arguments in json.loads(sys.argv[1]):\n"
+             "    try:\n"
+             "        check_values(check_overrides(arguments))\n"
+             "    except ConfigError as error:\n"
+             "        said.append(str(error))\n"
+             "print(json.dumps({'said': said, 'loaded': sorted({'torch', 'lightning', 'deepspeed'} & set(sys.modules))}))\n")
+    # -X importtime: a fresh interpreter (the suite's warm one has torch loaded already); its report goes to stderr.
+    done = subprocess.run([sys.executable, "-X", "importtime", "-c", probe, json.dumps(QUIET_REFUSALS)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["loaded"] == []
+    assert len(report["said"]) == len(QUIET_REFUSALS)
+    assert report["said"][-1] == ("strategy.tensor_parallel_size=2, strategy.data_parallel_replicate_size=3: the run's 8"
+                                  " ranks (trainer.devices x trainer.num_nodes) do not divide into groups of these sizes")
 
 
 def test_a_callback_or_logger_set_to_null_is_switched_off(tmp_path):

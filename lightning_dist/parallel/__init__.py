@@ -1,26 +1,33 @@
-"""Parallelism mechanics as plain functions: usable and testable without a Trainer."""
+"""Parallelism mechanics as plain functions: usable and testable without a Trainer.
 
-from lightning_dist.parallel.activation_checkpoint import apply_activation_checkpointing
-from lightning_dist.parallel.classes import (
-    BlockClasses, block_classes_for, infer_block_classes, require_classes_in_model, resolve_block_classes,
-    resolve_module_class,
-)
-from lightning_dist.parallel.fsdp import (
-    apply_fully_shard, materialize_shards, mixed_precision_policy, offload_policy, shard_device, sharding_layout,
-)
+The names load on first use, so that `lightning_dist.parallel.dims` (no torch) can be imported by the command line
+without loading torch through this package.
+"""
 
-__all__ = [
-    "apply_activation_checkpointing",
-    "apply_fully_shard",
-    "BlockClasses",
-    "block_classes_for",
-    "infer_block_classes",
-    "materialize_shards",
-    "mixed_precision_policy",
-    "offload_policy",
-    "require_classes_in_model",
-    "resolve_block_classes",
-    "resolve_module_class",
-    "shard_device",
-    "sharding_layout",
-]
+from typing import Any
+
+_NAMES = {
+    "apply_activation_checkpointing": "lightning_dist.parallel.activation_checkpoint",
+    "BlockClasses": "lightning_dist.parallel.classes",
+    "block_classes_for": "lightning_dist.parallel.classes",
+    "infer_block_classes": "lightning_dist.parallel.classes",
+    "require_classes_in_model": "lightning_dist.parallel.classes",
+    "resolve_block_classes": "lightning_dist.parallel.classes",
+    "resolve_module_class": "lightning_dist.parallel.classes",
+    "apply_fully_shard": "lightning_dist.parallel.fsdp",
+    "materialize_shards": "lightning_dist.parallel.fsdp",
+    "mixed_precision_policy": "lightning_dist.parallel.fsdp",
+    "offload_policy": "lightning_dist.parallel.fsdp",
+    "shard_device": "lightning_dist.parallel.fsdp",
+    "sharding_layout": "lightning_dist.parallel.dims",
+}
+
+__all__ = list(_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(_NAMES[name]), name)
+    raise AttributeError(f"module 'lightning_dist.parallel' has no attribute {name!r}")

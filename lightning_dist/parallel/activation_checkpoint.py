@@ -6,7 +6,6 @@ recomputes only the cheap element-wise and normalisation ops."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch

@@ -7,21 +7,42 @@ Ranks are laid out as torchtitan lays them: replicate outermost, tensor parallel
 tensor-parallel group are neighbours, on one node). The device mesh keeps Lightning's axis names
 (`data_parallel`, `tensor_parallel`, as its `ModelParallelStrategy` builds them) so that a `configure_model`
 written as Lightning's documentation shows works under our strategies too.
+
+No torch at import: the command line sizes a run from its config with this before anything loads torch
+(lightning_dist/config_values.py), so an impossible layout is refused in one line in well under a second.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-from lightning_dist._compat.torch import flatten_mesh_dims
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 DATA_PARALLEL = "data_parallel"  # Lightning's name for the whole data-parallel axis
 TENSOR_PARALLEL = "tensor_parallel"
 DATA_PARALLEL_REPLICATE = "data_parallel_replicate"  # HSDP: across nodes
 DATA_PARALLEL_SHARD = "data_parallel_shard"  # HSDP: within a node
+
+# FSDP1 sharding-strategy names and what they mean for FSDP2: whether to free gathered parameters after forward
+# (ZeRO-3 style) or keep them until backward (ZeRO-2 style), and whether shards are replicated across nodes.
+SHARDING_STRATEGIES: dict[str, tuple[bool, bool]] = {
+    # name: (reshard_after_forward, hybrid)
+    "FULL_SHARD": (True, False),
+    "SHARD_GRAD_OP": (False, False),
+    "HYBRID_SHARD": (True, True),
+}
+
+
+def sharding_layout(name: str) -> tuple[bool, bool]:
+    """(reshard_after_forward, hybrid) for an FSDP sharding-strategy name; a clear error for any other name."""
+    try:
+        return SHARDING_STRATEGIES[str(name).upper()]
+    except KeyError:
+        raise ValueError(
+            f"strategy.sharding_strategy: {name!r} is not supported; choose one of {', '.join(SHARDING_STRATEGIES)}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -95,6 +116,10 @@ class ParallelDims:
         """A device mesh over every rank with Lightning's axes, `data_parallel` x `tensor_parallel`; when the
         data-parallel state is both replicated and sharded (HSDP), `data_parallel` is the flattened
         `data_parallel_replicate` x `data_parallel_shard`, and those two axes are there as well."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from lightning_dist._compat.torch import flatten_mesh_dims
+
         if self.dp_replicate == 1:
             return init_device_mesh(device_type, (self.dp_shard, self.tp), mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL))
         mesh = init_device_mesh(
@@ -121,3 +146,20 @@ def parallel_dims_of(strategy: Any) -> ParallelDims:
     world_size = getattr(strategy, "world_size", 1) or 1
     replicas = (getattr(strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", world_size)
     return ParallelDims.resolve(world_size, dp_replicate=replicas, dp_shard=1, tp=-1)
+
+
+def check_sharding_sizes(devices: int, num_nodes: int, tp: int, dp_replicate: int | None, hybrid: bool) -> ParallelDims:
+    """FSDP's dimensions for `devices` x `num_nodes` ranks, or ValueError in one line naming the keys: the sizes
+    must divide the ranks, and a tensor-parallel group must fit the ranks of one node."""
+    sizes = f"strategy.tensor_parallel_size={tp}"
+    if dp_replicate is not None:
+        sizes += f", strategy.data_parallel_replicate_size={dp_replicate}"
+    try:
+        dims = ParallelDims.of_sharding(devices * num_nodes, num_nodes, tp, dp_replicate, hybrid)
+    except ValueError as error:
+        raise ValueError(f"{sizes}: the run's {devices * num_nodes} ranks (trainer.devices x trainer.num_nodes) do"
+                         " not divide into groups of these sizes") from error
+    if devices % dims.tp:
+        raise ValueError(f"strategy.tensor_parallel_size={dims.tp}: tensor parallelism splits each layer over ranks"
+                         f" of one node, and a node runs {devices} (trainer.devices); choose a size that divides it")
+    return dims

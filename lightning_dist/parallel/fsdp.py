@@ -23,26 +23,6 @@ from lightning_dist._compat.torch import (
 )
 from lightning_dist.parallel.sharded_init import initialize_parameters
 
-# FSDP1 sharding-strategy names and what they mean for FSDP2: whether to free gathered parameters after forward
-# (ZeRO-3 style) or keep them until backward (ZeRO-2 style), and whether shards are replicated across nodes.
-SHARDING_STRATEGIES: dict[str, tuple[bool, bool]] = {
-    # name: (reshard_after_forward, hybrid)
-    "FULL_SHARD": (True, False),
-    "SHARD_GRAD_OP": (False, False),
-    "HYBRID_SHARD": (True, True),
-}
-
-
-def sharding_layout(name: str) -> tuple[bool, bool]:
-    """(reshard_after_forward, hybrid) for an FSDP sharding-strategy name; a clear error for any other name."""
-    try:
-        return SHARDING_STRATEGIES[str(name).upper()]
-    except KeyError:
-        raise ValueError(
-            f"strategy.sharding_strategy: {name!r} is not supported; choose one of {', '.join(SHARDING_STRATEGIES)}"
-        ) from None
-
-
 def offload_policy(cpu_offload: bool, device: torch.device) -> OffloadPolicy:
     # Pinned host memory only speeds up copies to an accelerator; on a CPU-only machine pinning itself fails.
     return CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()

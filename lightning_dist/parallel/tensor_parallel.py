@@ -22,14 +22,12 @@ same results.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_dist.parallel.dims import ParallelDims
 
 STYLES = ("colwise", "rowwise")
 TensorParallelPlan = dict[str, str]
@@ -109,23 +107,6 @@ def resolve_plan(model: nn.Module, configured: TensorParallelPlan | None, size: 
         more = f" (and {len(problems) - 1} more layers)" if len(problems) > 1 else ""
         raise ValueError(f"strategy.tensor_parallel_size={size}: {problems[0]}{more}")
     return plan
-
-
-def check_sizes(dims_of: Callable[[], ParallelDims], devices: int, num_nodes: int, tp: int,
-                dp_replicate: int | None) -> None:
-    """The parallel sizes (`dims_of()` resolves them) fit `devices` x `num_nodes` ranks, and a tensor-parallel
-    group fits the ranks of one node. ValueError, in one line naming the keys, otherwise."""
-    sizes = f"strategy.tensor_parallel_size={tp}"
-    if dp_replicate is not None:
-        sizes += f", strategy.data_parallel_replicate_size={dp_replicate}"
-    try:
-        dims = dims_of()
-    except ValueError as error:
-        raise ValueError(f"{sizes}: the run's {devices * num_nodes} ranks (trainer.devices x trainer.num_nodes) do"
-                         " not divide into groups of these sizes") from error
-    if devices % dims.tp:
-        raise ValueError(f"strategy.tensor_parallel_size={dims.tp}: tensor parallelism splits each layer over ranks"
-                         f" of one node, and a node runs {devices} (trainer.devices); choose a size that divides it")
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: TensorParallelPlan) -> None:

@@ -46,6 +46,7 @@ from lightning_dist.parallel.zero3_runtime import prepare_zero3_runtime
 from lightning_dist.parallel.zero_engine import initialize_deferred_parameters, use_deepspeed_accelerator
 from lightning_dist.precision import PrecisionSupport
 from lightning_dist.strategies.launcher import guarded
+from lightning_dist.strategies.refusals import deepspeed_refusal
 
 
 class DeepSpeedStrategy(
@@ -174,25 +175,16 @@ class DeepSpeedStrategy(
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
         """On the launching process: resolve the config with what is known before `setup`, and check it can run."""
         check_before_launch(self.resolution, trainer, fit_arguments)
-        self.check_block_options()
-        if self.async_checkpoint:
-            raise ValueError(
-                "checkpoint.async=true: DeepSpeed's engine writes its checkpoints itself, synchronously, and has no "
-                "hook to stage them; its own asynchronous writer is a ds_config setting (checkpoint.writer.decoupled, "
-                "FastPersist on the async_io op). Background saves are for the ddp and fsdp presets")
+        self.check_options()
         model = fit_arguments.get("model")
         if self.blocks.needed_by and isinstance(model, nn.Module) and next(model.parameters(), None) is not None:
             self.blocks.classes_in(model)
 
-    def check_block_options(self) -> None:
-        """Op-level checkpointing replays a block's ops in backward and must meet the same ones; ZeRO-3 gathers
-        and frees the block's parameters inside it, at other points when recomputing (measured: "aten.empty ...
-        encountered during backward but not found in storage")."""
+    def check_options(self) -> None:
         plan = self.blocks.checkpointing
-        if plan is not None and plan.ops and int(self.zero.stage) >= 3:
-            raise ValueError("strategy.activation_checkpointing=ops: ZeRO-3 gathers and frees parameters inside each "
-                             "block, which op-level checkpointing cannot replay; use true (every block) or an integer "
-                             "k (every k-th block)")
+        refusal = deepspeed_refusal(self.zero.stage, plan is not None and plan.ops, self.async_checkpoint)
+        if refusal:
+            raise ValueError(refusal)
 
     def resolution(self, trainer: Any, model: Any, loader: Any = None, datamodule: Any = None, in_rank: bool = True) -> Resolution:
         return self.run_config.resolve(self.base_config, self.world_size, trainer, model, loader, datamodule, in_rank)
@@ -247,7 +239,7 @@ class DeepSpeedStrategy(
         if self.zero_stage_3:
             prepare_zero3_runtime(self.config)
         import_muon_with_deferred_compilation()
-        self.check_block_options()
+        self.check_options()
         self.blocks.apply(self.model)  # in place; DeepSpeed's hooks then wrap the checkpointed, compiled blocks
         super().init_deepspeed()
         move_module_state(self.lightning_module, self.root_device)  # ZeRO-3 placed the parameters only

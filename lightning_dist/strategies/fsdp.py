@@ -39,13 +39,13 @@ from lightning_dist.parallel import (
 from lightning_dist.parallel.collective_timeout import forming_process_group
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.module_state import move_module_state
-from lightning_dist.parallel.dims import TENSOR_PARALLEL, ParallelDims
+from lightning_dist.parallel.dims import TENSOR_PARALLEL, ParallelDims, check_sharding_sizes
 from lightning_dist.parallel.grad_norm import clip_grad_norm_
 from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
 from lightning_dist.parallel.block_options import BlockOptions
 from lightning_dist.parallel.regional_compile import ReportsCompilation
 from lightning_dist.parallel.tensor_parallel import (
-    TensorParallelPlan, apply_tensor_parallel, check_plan, check_sizes, resolve_plan,
+    TensorParallelPlan, apply_tensor_parallel, check_plan, resolve_plan,
 )
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel, has_meta_parameters, parameters_on_meta
 from lightning_dist.precision import PrecisionSupport
@@ -132,8 +132,8 @@ class FSDPStrategy(
 
     def check_parallel_sizes(self) -> None:
         """The sizes fit the ranks (trainer.devices x trainer.num_nodes), and a tensor-parallel group fits a node."""
-        check_sizes(lambda: self.parallel_dims, self.num_processes, self.num_nodes, self.tensor_parallel_size,
-                    self.data_parallel_replicate_size)
+        check_sharding_sizes(self.num_processes, self.num_nodes, self.tensor_parallel_size,
+                             self.data_parallel_replicate_size, self.hybrid)
 
     def tensor_parallel_plan_of(self, model: nn.Module) -> TensorParallelPlan:
         """The configured plan, or the model's own, checked against `model`."""

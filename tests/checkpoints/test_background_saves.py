@@ -146,13 +146,6 @@ def train_refusal(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-def test_deepspeed_presets_refuse_background_saves_before_launch(tmp_path):
-    process = train_refusal("strategy=deepspeed_stage_2", "checkpoint.async=true", cwd=tmp_path)
-    assert process.returncode == 2
-    assert process.stderr.strip().splitlines()[-1].startswith(
-        "error: checkpoint.async=true: DeepSpeed's engine writes its checkpoints itself, synchronously")
-
-
 def test_a_value_that_is_not_a_boolean_is_named_with_the_choices(tmp_path):
     process = train_refusal("checkpoint.async=maybe", cwd=tmp_path)
     assert process.returncode == 2
