@@ -34,7 +34,7 @@ from lightning_dist.callbacks import NonFiniteError, Preempted
 from lightning_dist.checkpoints.autoresume import (
     RESUME_OWN_DIR, finished_run, newest_complete_checkpoint, newest_whole_checkpoint_in,
 )
-from lightning_dist.checkpoints.contents import check_autotp_layout, check_checkpoint_matches
+from lightning_dist.checkpoints.contents import another_model, check_autotp_layout, check_checkpoint_matches
 from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
 from lightning_dist.checkpoints.swap import SaveFailed
@@ -65,8 +65,9 @@ from lightning_dist.writable import unwritable_because
 log = logging.getLogger(__name__)
 
 
-def build(cfg: DictConfig) -> dict[str, Any]:
-    """Instantiate data, model, strategy, callbacks, loggers and trainer; configuration mistakes -> ConfigError."""
+def build(cfg: DictConfig, resuming: bool = False) -> dict[str, Any]:
+    """Instantiate data, model, strategy, callbacks, loggers and trainer; configuration mistakes -> ConfigError.
+    `resuming`: `resume=true` chooses `ckpt_path` once the model is built, passing over another model's saves."""
     try:
         check_values(cfg)
         _check_accelerator(cfg.trainer.accelerator)
@@ -82,9 +83,11 @@ def build(cfg: DictConfig) -> dict[str, Any]:
             model = _instantiate(_module_config(cfg), "model")
         if block_classes:
             require_classes_in_model(model, block_classes, "model.block_class")
+        shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}  # meta tensors have them
+        if resuming:
+            cfg.ckpt_path = _checkpoint_to_resume(cfg, shapes)
         if cfg.get("ckpt_path"):
             check_whole(cfg.ckpt_path, trusted=cfg.get("trust_checkpoint", False))
-            shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}  # meta tensors have them
             check_checkpoint_matches(cfg.ckpt_path, shapes, trusted=cfg.get("trust_checkpoint", False))
             check_autotp_layout(cfg.ckpt_path, strategy.tensor_parallel_size if isinstance(strategy, DeepSpeedStrategy) else None)
             if not cfg.get("trust_checkpoint"):
@@ -287,8 +290,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 def _fit_and_test(cfg: DictConfig) -> dict[str, float]:
     L.seed_everything(cfg.seed, workers=True, verbose=is_rank_zero())
-    cfg.ckpt_path = _checkpoint_to_resume(cfg)
-    parts = build(cfg)
+    parts = build(cfg, resuming=True)
     trainer: L.Trainer = parts["trainer"]
     try:
         # On this process, before any other rank starts and before anything is said about the run.
@@ -332,7 +334,9 @@ class NothingLeftToTrain(Exception):
 _RESUME_ENV = "LIGHTNING_DIST_RESUME_FROM"
 
 
-def _checkpoint_to_resume(cfg: DictConfig) -> str | None:
+def _checkpoint_to_resume(cfg: DictConfig, shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """`resume=true`: the newest whole checkpoint of this command that holds this model's weights (`shapes`), each
+    one passed over named with why; the user's own `ckpt_path` when given."""
     if cfg.get("ckpt_path") or not cfg.get("resume"):
         return cfg.get("ckpt_path")
     if _RESUME_ENV in os.environ:
@@ -345,13 +349,19 @@ def _checkpoint_to_resume(cfg: DictConfig) -> str | None:
         passed.append(str(checkpoint))
         log.info(f"{said}passed over {checkpoint}: {why}")
 
+    def another_models(checkpoint: Path) -> str | None:
+        try:
+            return another_model(checkpoint, shapes, "resume", trusted=cfg.get("trust_checkpoint", False))
+        except CheckpointError as error:  # not a Lightning checkpoint at all
+            return " ".join(str(error).removeprefix(f"resume: {checkpoint} ").split())
+
     def newest() -> str | None:
         if cfg.resume == RESUME_OWN_DIR:  # a requeued job: its own run directory only, never another job's
-            found = newest_whole_checkpoint_in(output_dir, passed_over)
+            found = newest_whole_checkpoint_in(output_dir, passed_over, another_models)
         else:
             # As typed: an override such as `+model.path=${paths.output_dir}/x` resolves to another path in every run.
             overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
-            found = newest_complete_checkpoint(output_dir.parent, overrides, passed_over)
+            found = newest_complete_checkpoint(output_dir.parent, overrides, passed_over, another_models)
         return str(found) if found else None
 
     # Global rank 0's choice on every rank of a torchrun job (launch/job_store.py), where each runs this search.

@@ -19,14 +19,15 @@ RESUME_OWN_DIR = "run_dir"
 _IGNORED_PREFIXES = ("resume=", "ckpt_path=", "hydra.")
 
 PassedOver = Callable[[Path, str], None]  # told each checkpoint the search passes over, and why
+Vet = Callable[[Path], "str | None"]  # why a whole checkpoint cannot serve this run (another model's), or None
 
 
 def same_command(overrides: list[str]) -> list[str]:
     return sorted(o for o in overrides if not o.lstrip("+~").startswith(_IGNORED_PREFIXES))
 
 
-def newest_complete_checkpoint(runs_root: Path, overrides: list[str], passed_over: PassedOver = lambda path, why: None
-                               ) -> Path | None:
+def newest_complete_checkpoint(runs_root: Path, overrides: list[str], passed_over: PassedOver = lambda path, why: None,
+                               vet: Vet = lambda path: None) -> Path | None:
     """The newest whole checkpoint among earlier runs under `runs_root` started with the same overrides.
 
     Runs are Hydra run directories (their `.hydra/overrides.yaml` says how they were started); newer runs are
@@ -40,19 +41,21 @@ def newest_complete_checkpoint(runs_root: Path, overrides: list[str], passed_ove
         and same_command(yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()) or []) == wanted
     ]
     for run in sorted(runs, key=lambda r: r.stat().st_mtime, reverse=True):
-        if (found := newest_whole_checkpoint_in(run, passed_over)) is not None:
+        if (found := newest_whole_checkpoint_in(run, passed_over, vet)) is not None:
             return found
     return None
 
 
-def newest_whole_checkpoint_in(run: Path, passed_over: PassedOver = lambda path, why: None) -> Path | None:
+def newest_whole_checkpoint_in(run: Path, passed_over: PassedOver = lambda path, why: None,
+                                vet: Vet = lambda path: None) -> Path | None:
     """The newest whole checkpoint in one run directory (`resume=run_dir`: a requeued job's own, whatever its
-    overrides), by modification time; a damaged newer one is passed over for an older whole one (whole.py)."""
+    overrides), by modification time; a damaged newer one, or one `vet` refuses, is passed over for an older whole
+    one (whole.py)."""
     # A `.NAME.partial` is a save that has not been swapped in (swap.py); `.NAME.previous`, a complete one that
     # stepped aside for it and is the one to use if the swap was cut off.
     saved = [p for p in (Path(run) / "checkpoints").glob("*") if not p.name.endswith(".partial")]
     for checkpoint in sorted(saved, key=_modified, reverse=True):
-        if (problem := unusable(checkpoint)) is None:
+        if (problem := unusable(checkpoint) or vet(checkpoint)) is None:
             return checkpoint
         passed_over(checkpoint, problem)
     return None

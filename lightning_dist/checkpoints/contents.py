@@ -68,22 +68,25 @@ def _shape(tensor: Any) -> Shape | None:
 def check_checkpoint_matches(path: str | Path, expected: dict[str, Shape], key: str = "ckpt_path", trusted: bool = False) -> None:
     """CheckpointError when the checkpoint is of another model: its weights' names or shapes differ from the
     model's (`expected`, name -> shape, which a model built on the meta device gives without memory)."""
+    if (difference := another_model(path, expected, key, trusted)) is not None:
+        raise CheckpointError(f"{key}: {path} {difference}; build the model as the run that saved it did (its"
+                              " .hydra/config.yaml)")
+
+
+def another_model(path: str | Path, expected: dict[str, Shape], key: str = "ckpt_path", trusted: bool = False) -> str | None:
+    """How the checkpoint's weights differ from the model's (`expected`), or None where they are this model's."""
     found = state_dict_shapes(path, key, trusted)
     missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
     if missing or unexpected:
-        raise CheckpointError(
-            f"{key}: {path} holds another model's weights: {len(missing)} of this model's keys are missing"
-            f" (e.g. {', '.join(missing[:3]) or '-'}) and {len(unexpected)} are not in this model"
-            f" (e.g. {', '.join(unexpected[:3]) or '-'})"
-        )
+        return (f"holds another model's weights: {len(missing)} of this model's keys are missing"
+                f" (e.g. {', '.join(missing[:3]) or '-'}) and {len(unexpected)} are not in this model"
+                f" (e.g. {', '.join(unexpected[:3]) or '-'})")
     reshaped = [name for name in expected if found[name] is not None and tuple(found[name]) != tuple(expected[name])]
     if reshaped:
         first = reshaped[0]
-        raise CheckpointError(
-            f"{key}: {path} holds another model's weights: {len(reshaped)} have other shapes (e.g. {first} is"
-            f" {list(found[first])} there and {list(expected[first])} in this model); build the model as the run that"
-            " saved it did (its .hydra/config.yaml)"
-        )
+        return (f"holds another model's weights: {len(reshaped)} have other shapes (e.g. {first} is"
+                f" {list(found[first])} there and {list(expected[first])} in this model)")
+    return None
 
 
 def check_autotp_layout(path: str | Path, autotp_target: int | None, key: str = "ckpt_path") -> None:

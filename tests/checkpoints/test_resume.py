@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from lightning_dist.equivalence import read_train_losses
 from tests.conftest import REPO, run_train
@@ -30,14 +31,24 @@ def test_resume_switch_continues_from_the_newest_complete_checkpoint(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     (run_dir,) = (tmp_path / "train" / "runs").iterdir()
     checkpoints = run_dir / "checkpoints"
-    # The run was cut off while saving step 15: the file (and `last`) stop half-way.
-    for name in ("step000015.ckpt", "last.ckpt"):
-        data = (checkpoints / name).read_bytes()
-        (checkpoints / name).write_bytes(data[: len(data) // 3])
+    # The run was cut off while saving step 15: the file stops half-way. And `last` is, newest of all, another
+    # model's: a wider embedding (a user who changed model.d_model and copied a checkpoint in, say).
+    data = (checkpoints / "step000015.ckpt").read_bytes()
+    (checkpoints / "step000015.ckpt").write_bytes(data[: len(data) // 3])
+    other = torch.load(checkpoints / "step000010.ckpt", weights_only=False)
+    name, weight = next(iter(other["state_dict"].items()))
+    other["state_dict"][name] = torch.zeros(weight.shape[0] + 1, *weight.shape[1:])
+    (checkpoints / "last.ckpt").unlink()
+    torch.save(other, checkpoints / "last.ckpt")
 
     again = run_in(tmp_path, *EVERY_5_STEPS, "resume=true")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"resume=true: resuming from {checkpoints / 'step000010.ckpt'}" in again.stdout + again.stderr
+    said = again.stdout + again.stderr
+    assert (f"resume=true: passed over {checkpoints / 'last.ckpt'}: holds another model's weights: 1 have other shapes"
+            f" (e.g. {name} is {[weight.shape[0] + 1, *weight.shape[1:]]} there and {list(weight.shape)} in this model)"
+            in said), said[-3000:]
+    assert f"resume=true: passed over {checkpoints / 'step000015.ckpt'}: its save did not finish" in said
+    assert f"resume=true: resuming from {checkpoints / 'step000010.ckpt'}" in said
     resumed_dir = next(d for d in (tmp_path / "train" / "runs").iterdir() if d != run_dir)
     original, resumed = read_train_losses(run_dir), read_train_losses(resumed_dir)
     assert sorted(resumed) == [10, 11, 12, 13, 14]

@@ -1,5 +1,5 @@
-"""What `resume=true` passes over, and what it says: a link to nothing, a save cut off, a changed file, each named
-with its reason; starting afresh says how many it passed over; a checkpoint of another run directory is said to be
+"""What `resume=true` passes over, and what it says: a link to nothing, a save cut off, a changed file, another
+model's weights (tests/checkpoints/test_resume.py, in a real run), each named with its reason; starting afresh says how many it passed over; a checkpoint of another run directory is said to be
 that directory's; from the last save of a run that trained to its end, nothing is trained, and the line says so."""
 
 from __future__ import annotations
@@ -15,15 +15,27 @@ import torch
 import yaml
 
 from lightning_dist.checkpoints.autoresume import finished_run, newest_complete_checkpoint, newest_whole_checkpoint_in
-from tests.conftest import REPO
+from tests.conftest import CONF_DIR, REPO
 
 COMMAND = ["trainer.max_steps=2", "test=false"]
 
 
-def saved(path, step: int):
+def default_model_weights() -> dict:
+    """The state dict of the model `python train.py` builds (the bundled GPT), as a Lightning checkpoint holds it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        model = OmegaConf.to_container(compose("train", overrides=COMMAND).model, resolve=True)
+    model.pop("block_class")  # says what the blocks are; not an argument
+    return instantiate(model).state_dict()
+
+
+def saved(path, step: int, state_dict: dict | None = None):
     """A whole `.ckpt` file (torch.save's zip), modified `step` seconds after the epoch's start of this test."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"global_step": step, "weight": torch.zeros(1024)}, path)
+    torch.save({"global_step": step, "state_dict": state_dict or {"weight": torch.zeros(1024)}}, path)
     os.utime(path, (1_000_000 + step, 1_000_000 + step))
     return path
 
@@ -60,6 +72,15 @@ def test_links_to_nothing_cut_off_and_changed_saves_are_passed_over_each_with_it
     assert newest_whole_checkpoint_in(run) == whole  # the same search within one directory (resume=run_dir)
 
 
+def test_a_checkpoint_the_vet_refuses_is_passed_over_with_its_reason(tmp_path):
+    run = earlier_run(tmp_path, "earlier", COMMAND)
+    ours, theirs = saved(run / "checkpoints" / "step000010.ckpt", 10), saved(run / "checkpoints" / "last.ckpt", 12)
+    passed = []
+    found = newest_complete_checkpoint(tmp_path, COMMAND, lambda path, why: passed.append((path, why)),
+                                       vet=lambda path: "another model's" if path == theirs else None)
+    assert found == ours and passed == [(theirs, "another model's")]
+
+
 def test_only_the_last_save_of_a_run_that_trained_to_its_end_counts_as_finished(tmp_path):
     run = earlier_run(tmp_path, "earlier", COMMAND)
     early, last = saved(run / "checkpoints" / "step000005.ckpt", 5), saved(run / "checkpoints" / "last.ckpt", 10)
@@ -80,7 +101,7 @@ def resume_in(log_dir) -> subprocess.CompletedProcess:
 def test_resume_from_a_finished_run_s_last_save_trains_nothing_says_so_and_leaves_nothing(tmp_path):
     runs = tmp_path / "train" / "runs"
     run = earlier_run(runs, "2026-01-01_00-00-00", [f"paths.log_dir={tmp_path}", *COMMAND])
-    last = saved(run / "checkpoints" / "last.ckpt", 2)
+    last = saved(run / "checkpoints" / "last.ckpt", 2, default_model_weights())  # this model's: resume would take it
     (run / "metrics.json").write_text(json.dumps({"global_step": 2, "last_checkpoint": str(last), "metrics": {}}))
 
     started = time.monotonic()
