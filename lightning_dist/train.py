@@ -433,7 +433,7 @@ def run_job(cfg: DictConfig) -> Any:
             metrics = train(cfg)
     except (ConfigError, RefusedElsewhere, NonFiniteError, CollectiveFailure, JobFailed, SaveFailed) as error:
         if not multirun:
-            if isinstance(error, ConfigError):
+            if isinstance(error, (ConfigError, RefusedElsewhere)):
                 discard_refused_run(Path(hydra_config.runtime.output_dir), hydra_config.job.name)
             if isinstance(error, NonFiniteError) and is_a_rank_lightning_started(hydra_config.job.name):
                 # The ranks agree on a NaN stop (a collective), and rank 0 reports it with the job's exit code. A

@@ -31,7 +31,13 @@ def _job_key(name: str) -> str:
 
 
 REFUSED = "refused"
+REFUSERS = "refusers"  # counts the ranks that refused: the first says why, the others only count
+READ_BY = "refusal_read_by"  # counts the ranks that have read the refusal (or refused too)
 RESUME_FROM = "resume_from"
+# How long a refusing rank keeps its process, and so its node's agent and the store the agent hosts, alive for the
+# other ranks to read why: node 0's agent hosts it, and a run directory is claimed on node 0 (global rank 0). The
+# others read it within a second once they wait for the process group; a node still starting takes longer.
+LINGER_S = 30.0
 
 
 def agent_store(timeout: timedelta = timedelta(seconds=10)) -> Any | None:
@@ -45,19 +51,34 @@ def agent_store(timeout: timedelta = timedelta(seconds=10)) -> Any | None:
 
 
 def tell_refusal(message: str) -> None:
-    """This rank refused the run's configuration: say so to every other rank of the job (torchrun only)."""
+    """This rank refused the run's configuration: say so to every other rank of the job (torchrun only). On node 0,
+    wait until they have read it (up to `LINGER_S`): this process's end ends its agent and the store with it."""
     try:
         store = agent_store(timeout=timedelta(seconds=5))
-        if store is not None and refusal(store) is None:  # the first refusal is the one the job reports
-            store.set(_job_key(REFUSED), f"rank {os.environ.get('RANK', '?')}: {message}")
-    except Exception:  # noqa: BLE001  the refusal is said on this rank already; the others time out as before
+        if store is None:
+            return
+        if store.add(_job_key(REFUSERS), 1) > 1:  # the first refusal is the one the job reports
+            store.add(_job_key(READ_BY), 1)
+            return
+        store.set(_job_key(REFUSED), f"rank {os.environ.get('RANK', '?')}: {message}")
+        if os.environ.get("GROUP_RANK", "0") != "0":  # the store is on node 0 (its agent's): it stays when this ends
+            return
+        others = int(os.environ.get("WORLD_SIZE", "1")) - 1
+        deadline = time.monotonic() + LINGER_S
+        while store.add(_job_key(READ_BY), 0) < others and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+    except Exception:  # noqa: BLE001  the refusal is said on this rank already; the others learn that its node is gone
         pass
 
 
 def refusal(store: Any) -> str | None:
-    """Another rank's refusal ("rank N: <its line>"), if one was said."""
+    """Another rank's refusal ("rank N: <its line>"), if one was said; counted as read by this rank."""
     key = _job_key(REFUSED)
-    return store.get(key).decode() if store.check([key]) else None
+    if not store.check([key]):
+        return None
+    said = store.get(key).decode()
+    store.add(_job_key(READ_BY), 1)
+    return said
 
 
 def shared_choice(choose: Any, timeout: timedelta) -> str | None:

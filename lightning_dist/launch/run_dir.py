@@ -31,6 +31,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from lightning_dist.config_check import ConfigError
+from lightning_dist.launch.per_rank import config_subdir, launcher_ranks, log_suffix
 from lightning_dist.writable import unwritable_because
 
 CLAIM_FILE = ".run.lock"
@@ -137,6 +138,12 @@ def discard_refused_run(directory: Path, job_name: str) -> None:
             for path, aside in claim.set_aside.items():
                 aside.rename(path)
             return
+    rank, _, _ = launcher_ranks()
+    if rank != 0:  # a cluster's launcher started this rank: its log and its node's config are its own, the rest rank 0's
+        _remove(directory / f"{job_name}{log_suffix()}.log")
+        if (node_config := config_subdir()) is not None:
+            _remove(directory / node_config)
+        return
     ours = {".hydra", f"{job_name}.log", CLAIM_FILE}
     if not directory.is_dir() or not {entry.name for entry in directory.iterdir()} <= ours:
         return
@@ -144,10 +151,14 @@ def discard_refused_run(directory: Path, job_name: str) -> None:
         shutil.rmtree(directory)
         return
     for entry in directory.iterdir():
-        if entry.is_dir():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
+        _remove(entry)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
 
 
 def _refuse_if_in_use(directory: Path) -> None:
@@ -200,3 +211,13 @@ class OneRunPerDirectory(Callback):
             claim_run_dir(Path(str(config.hydra.run.dir)), continuing, config.hydra.output_subdir)
         except ConfigError as error:
             exit_with(error)
+
+
+def discard_this_run_of_the_job() -> None:
+    """`discard_refused_run` for the run this process is in, once another rank refused it: from anywhere (a thread
+    that ends the process while the process group forms), nothing if Hydra has not started the run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized() and HydraConfig.get().mode.name == "RUN":
+        config = HydraConfig.get()
+        discard_refused_run(Path(config.runtime.output_dir), config.job.name)

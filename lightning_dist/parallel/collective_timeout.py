@@ -34,6 +34,10 @@ _REFUSED = re.compile(r"connection refused", re.IGNORECASE)
 # How long past `strategy.timeout` a set-up stuck where no timeout of the library's reaches is given, before the
 # rank ends itself: the library's own timeout, when it fires, says more.
 SETUP_GRACE_S = 30.0
+# A torchrun worker that cannot reach the store its node-0 agent hosts for this long, while the process group forms,
+# has lost node 0: the agent ends with its workers, which stop only by failing or refusing (their output says why).
+# Each try to connect waits 10 s (job_store.agent_store).
+STORE_GONE_S = 30.0
 
 _setting_up = False  # within `forming_process_group`, until the process group formed
 
@@ -103,11 +107,25 @@ def forming_process_group(timeout: timedelta, rank: Callable[[], int]) -> Iterat
 
     def end_unless_formed() -> None:
         deadline = time.monotonic() + timeout.total_seconds() + SETUP_GRACE_S
-        store = _quietly(agent_store)  # a torchrun job's: where a rank that refused its configuration said so
+        store = None  # a torchrun job's: where a rank that refused its configuration said so
+        torchrun = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        reached = time.monotonic()
         while not formed.wait(1.0):
-            if store is not None and (said := _quietly(lambda: refusal(store))) is not None:
+            try:
+                store = store or agent_store()
+                said = refusal(store) if store is not None else None
+                reached = time.monotonic()
+            except Exception:  # noqa: BLE001  unreachable: node 0's agent ended, or the connection is slow
+                store, said = None, None
+            if said is not None:
                 print(f"error: {RefusedElsewhere(said)}", file=sys.stderr, flush=True)
+                _quietly(_discard_this_run)
                 os._exit(2)
+            if torchrun and time.monotonic() - reached > STORE_GONE_S:
+                print(f"error: rank {rank()}: the job's store (torchrun's agent on node 0, at"
+                      f" {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}) is gone, and with it node 0,"
+                      " before the process group formed (set-up); its own output says why", file=sys.stderr, flush=True)
+                os._exit(1)
             if time.monotonic() > deadline:
                 print(f"error: rank {rank()} waited longer than strategy.timeout={timeout.total_seconds():g} s (and"
                       f" {SETUP_GRACE_S:g} s more) for every rank to join the process group (set-up, before the"
@@ -123,12 +141,18 @@ def forming_process_group(timeout: timedelta, rank: Callable[[], int]) -> Iterat
         formed.set()
 
 
-def _quietly(ask: Callable[[], Any]) -> Any:
-    """`ask()`, or None if the store cannot answer (node 0's agent gone): the bound above still holds."""
+def _discard_this_run() -> None:
+    # A run refused leaves nothing in its directory (imported here: the command line's module, Hydra's callback).
+    from lightning_dist.launch.run_dir import discard_this_run_of_the_job
+
+    discard_this_run_of_the_job()
+
+
+def _quietly(do: Callable[[], Any]) -> None:
     try:
-        return ask()
-    except Exception:  # noqa: BLE001
-        return None
+        do()
+    except Exception:  # noqa: BLE001  the process ends next, with its line said
+        pass
 
 
 def _limit(trainer: Any) -> str:

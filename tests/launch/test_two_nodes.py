@@ -219,3 +219,22 @@ def test_a_configuration_one_node_refuses_ends_the_other_at_once(tmp_path):
     assert error_lines(nodes[1].output) == [f"error: {refused}"]
     assert error_lines(nodes[0].output) == [f"error: rank 1 refused the run's configuration, so this rank stops too: {refused}"]
     assert time.monotonic() - started < 45  # not 60 + 30
+
+
+def test_a_run_directory_node_0_refuses_ends_node_1_within_a_minute_naming_the_refusal(tmp_path):
+    # Only global rank 0 claims the run directory (launch/run_dir.py), on node 0, whose torchrun agent hosts the job's
+    # store: its refusal ends that agent, and with it the store node 1 waits on in the rendezvous (for
+    # strategy.timeout, 30 minutes by default).
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.json").write_text("{}")  # another run's
+    started = time.monotonic()
+    nodes = run_nodes(["strategy=ddp", "trainer.max_steps=4", "test=false"], run_dir, timeout=240)
+    ended = time.monotonic() - started
+    refused = (f"hydra.run.dir: {run_dir} holds another run (metrics.json); choose another directory, or continue that"
+               " run on purpose with resume=true or ckpt_path=<its checkpoint>")
+    assert error_lines(nodes[0].output) == [f"error: {refused}"], nodes[0].output[-3000:]
+    assert nodes[1].code != 0 and ended < 60, (ended, nodes[1].output[-3000:])
+    assert error_lines(nodes[1].output) == [
+        f"error: rank 0 refused the run's configuration, so this rank stops too: {refused}"], nodes[1].output[-3000:]
+    assert sorted(path.name for path in run_dir.iterdir()) == ["metrics.json"]  # nothing of the refused run
