@@ -21,8 +21,8 @@ __all__ = [
     "apply_to_tensors", "attention_function_replaced", "checkpoint_wrapper", "CheckpointWrapper",
     "compilation_events", "cpu_flash_attention", "cpu_supports_fp16", "default_process_group_store",
     "extension_build_lock", "flatten_mesh_dims", "forward_hook_tables", "fsdp_param_groups", "inductor_cache_dir",
-    "is_compiled", "local_shard_region", "own_parameters", "parameter_registration", "reopen_fsdp_forward",
-    "saved_file_extents", "set_default_process_group_timeout", "storage_identity", "storage_owner",
+    "is_compiled", "local_shard_region", "own_parameters", "parameter_registration", "read_entries",
+    "reopen_fsdp_forward", "saved_file_extents", "set_default_process_group_timeout", "storage_identity", "storage_owner",
     "TorchDispatchMode", "tree_map", "wrapped_module",
 ]
 
@@ -179,6 +179,28 @@ def saved_file_extents(checkpoint_dir: str) -> dict[str, int]:
     for where in (FileSystemReader(checkpoint_dir).read_metadata().storage_data or {}).values():
         extents[where.relative_path] = max(extents.get(where.relative_path, 0), where.offset + where.length)
     return extents
+
+
+def read_entries(checkpoint_dir: str, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensor entries of a torch.distributed.checkpoint directory whose names start with `prefix`, each read
+    alone (in this process, no process group) and keyed by the file that holds it."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(checkpoint_dir)
+    metadata = reader.read_metadata()
+    files = {index.fqn: where.relative_path for index, where in (metadata.storage_data or {}).items()}
+    entries = {name: torch.empty(entry.size, dtype=entry.properties.dtype)
+               for name, entry in metadata.state_dict_metadata.items()
+               if name.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+    if not entries:
+        return {}
+    nested: dict[str, Any] = {}
+    for name, tensor in entries.items():  # as saved: {"save_id": {"rank0": ...}}
+        parent, _, leaf = name.rpartition(".")
+        nested.setdefault(parent, {})[leaf] = tensor
+    load(nested, storage_reader=reader, no_dist=True)
+    return {files[name]: tensor for name, tensor in entries.items()}
 
 
 def is_compiled(module: nn.Module) -> bool:

@@ -18,10 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_dist.checkpoints.formats import LIGHTNING_METADATA
+from lightning_dist.checkpoints.save_id import SaveId, sharded_layout
 from lightning_dist.checkpoints.swap import SaveFailed, SaveFailedElsewhere, clear_partial, commit, discard
 from lightning_dist.parallel.devices import gather_objects
 
-LIGHTNING_METADATA = "meta.pt"  # what Lightning's ModelParallelStrategy writes beside the shards: loops, callbacks
 
 
 class BackgroundWriter:
@@ -115,18 +116,23 @@ class BackgroundSaves:
         staged, io = stage(checkpoint), self.checkpoint_io  # type: ignore[attr-defined]
         return lambda: io.save_checkpoint(staged, partial)
 
-    def sharded_write(self, state: dict[str, Any], metadata: dict[str, Any], partial: Path) -> Callable[[], None]:
-        """Stage a sharded state now (every rank its shards); the returned write is torch.distributed.checkpoint's
-        collective save, on the writer's process group. Lightning's metadata (loops, callbacks) is small and
-        written now, by global rank 0."""
+    def sharded_write(self, checkpoint: dict[str, Any], partial: Path, staged: bool = True) -> Callable[[], None]:
+        """A sharded checkpoint in Lightning's ModelParallelStrategy layout, each rank's shards carrying the save's
+        id (save_id.py); the returned write is torch.distributed.checkpoint's collective save. `staged`: every rank
+        copies its shards now and the write runs on the writer's process group (the writer thread); else it writes
+        the live state, on the training's group, when called. Lightning's metadata (loops, callbacks) is small and
+        written now, by global rank 0. A collective: every rank calls it."""
         from torch.distributed.checkpoint import save
 
-        staged = stage(state)
+        save_id = self.broadcast(SaveId.drawn(int(checkpoint.get("global_step", 0))))  # type: ignore[attr-defined]
+        state, metadata = sharded_layout(checkpoint, save_id, self.global_rank)  # type: ignore[attr-defined]
+        if staged:
+            state = stage(state)
         partial.mkdir(parents=True, exist_ok=True)
         if self.is_global_zero:  # type: ignore[attr-defined]
             torch.save(metadata, partial / LIGHTNING_METADATA)
-        group = self._writer_group
-        return lambda: save(staged, checkpoint_id=partial, process_group=group)
+        group = self._writer_group if staged else None
+        return lambda: save(state, checkpoint_id=partial, process_group=group)
 
     def remove_checkpoint(self, filepath: str | Path) -> None:
         """A superseded checkpoint (ModelCheckpoint's top-k) is removed only once the saves before it are written:

@@ -24,6 +24,7 @@ from lightning_dist._compat.deepspeed import merge_zero_partitions
 from lightning_dist.checkpoints.contents import autotp_refusal, autotp_size
 from lightning_dist.checkpoints.formats import DEEPSPEED, FILE, CheckpointError, deepspeed_tag_dir
 from lightning_dist.checkpoints.safe_load import load_file
+from lightning_dist.checkpoints.save_id import SAVE_ID
 from lightning_dist.checkpoints.source import CheckpointSource
 
 
@@ -148,6 +149,7 @@ def _load_distributed(path: Path) -> dict[str, Any]:
     from lightning_dist._compat.lightning import load_distributed_checkpoint
 
     checkpoint = load_distributed_checkpoint(path)
+    checkpoint.pop(SAVE_ID, None)  # which save the shards are of: checked (whole.py), nothing to restore
     optimizer_keys = sorted(k for k in checkpoint if k.startswith("optimizer_"))
     # DCP stores optimizer state keyed by parameter name already (one optimizer: the case we can map).
     by_name = checkpoint[optimizer_keys[0]]["state"] if len(optimizer_keys) == 1 else {}

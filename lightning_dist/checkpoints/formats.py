@@ -7,6 +7,7 @@ from pathlib import Path
 FILE = "file"                # torch.save'd dict: DDP, or anything consolidated
 DEEPSPEED = "deepspeed"      # directory with a `latest` tag file and per-rank ZeRO shards
 DISTRIBUTED = "distributed"  # torch.distributed.checkpoint directory (FSDP2): `.metadata` + shards + meta.pt
+LIGHTNING_METADATA = "meta.pt"  # what Lightning's ModelParallelStrategy writes beside the shards: loops, callbacks
 
 
 class CheckpointError(ValueError):
@@ -59,7 +60,7 @@ def is_complete(path: str | Path) -> bool:
     if is_deepspeed_dir(path):  # DeepSpeed writes `latest` after every rank's shards
         return any(deepspeed_tag_dir(path).glob("*model_states.pt"))
     # torch.distributed.checkpoint commits `.metadata` after all shards; Lightning adds meta.pt after that.
-    return is_distributed_dir(path) and (path / "meta.pt").is_file()
+    return is_distributed_dir(path) and (path / LIGHTNING_METADATA).is_file()
 
 
 def _starts_as_a_zip(path: Path) -> bool:

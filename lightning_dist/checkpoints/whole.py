@@ -4,7 +4,8 @@
 Our saves record a manifest (manifest.py); a `.ckpt` file carries its zip's CRCs. A directory saved without a
 manifest, by Lightning's or DeepSpeed's own strategies, is held to the files its format names: every file DCP's
 `.metadata` points into, at least as long as the bytes it points at, and one of each per-rank DeepSpeed file for the
-world size the save recorded.
+world size the save recorded; and a sharded save of ours, each file to the save its metadata file records
+(save_id.py).
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from lightning_dist.checkpoints.formats import (
-    CheckpointError, check_complete, deepspeed_tag_dir, is_complete, is_deepspeed_dir, is_distributed_dir,
+    LIGHTNING_METADATA, CheckpointError, check_complete, deepspeed_tag_dir, is_complete, is_deepspeed_dir,
+    is_distributed_dir,
 )
 from lightning_dist.checkpoints.manifest import has_manifest, manifest_problem, zip_problem
 from lightning_dist.checkpoints.safe_load import load_file
+from lightning_dist.checkpoints.save_id import mixed_save_problem
 
 
 def first_problem(path: str | Path, trusted: bool = False) -> str | None:
@@ -29,7 +32,7 @@ def first_problem(path: str | Path, trusted: bool = False) -> str | None:
     if is_deepspeed_dir(path):
         return _deepspeed_problem(deepspeed_tag_dir(path), trusted)
     if is_distributed_dir(path):
-        return _distributed_problem(path)
+        return _distributed_problem(path, trusted)
     return None
 
 
@@ -54,7 +57,7 @@ def _deepspeed_problem(tag_dir: Path, trusted: bool) -> str | None:
     return f"{missing[0]} is missing (the save had {model_states.get('dp_world_size')} ranks)" if missing else None
 
 
-def _distributed_problem(directory: Path) -> str | None:
+def _distributed_problem(directory: Path, trusted: bool) -> str | None:
     from lightning_dist._compat.torch import saved_file_extents
 
     for name, extent in sorted(saved_file_extents(str(directory)).items()):
@@ -63,4 +66,6 @@ def _distributed_problem(directory: Path) -> str | None:
             return f"{file} is missing (its .metadata names it)"
         if file.stat().st_size < extent:
             return f"{file} has {file.stat().st_size} bytes, its .metadata points at byte {extent}"
+    if (directory / LIGHTNING_METADATA).is_file():  # every shard of the one save it records (save_id.py)
+        return mixed_save_problem(directory, load_file(directory / LIGHTNING_METADATA, trusted=trusted))
     return None

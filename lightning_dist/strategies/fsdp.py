@@ -24,7 +24,7 @@ from lightning_dist.checkpoints.background import BackgroundSaves
 from lightning_dist.checkpoints.formats import DISTRIBUTED
 from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
 from lightning_dist.checkpoints.resume import load_for_resume, load_weights_from_rank_zero, restore_optimizer_by_name
-from lightning_dist.checkpoints.swap import SwappedSaves
+from lightning_dist.checkpoints.swap import SwappedSaves, write_then_swap
 from lightning_dist.memory.layout import Layout, fsdp_layout
 from lightning_dist.optim import require_shardable_optimizer
 from lightning_dist.parallel import (
@@ -242,15 +242,20 @@ class FSDPStrategy(
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val)
 
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None) -> None:
+        if not self._save_distributed_checkpoint or self.async_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (got {storage_options!r})")
+        # As Lightning's, with the save's id in every shard file (checkpoints/save_id.py), swapped in when whole.
+        write_then_swap(self, self.broadcast(filepath), lambda partial: self.sharded_write(checkpoint, partial, staged=False)())
+
     def staged_write(self, checkpoint: dict[str, Any], partial: Path) -> Callable[[], None]:
-        """Background saves: the shards as Lightning's ModelParallelStrategy lays them out (`state_dict`,
-        `optimizer_<i>`), the rest as its metadata file."""
+        """Background saves: the shards, each rank's staged now, and the rest as Lightning's metadata file."""
         if not self._save_distributed_checkpoint:
             return super().staged_write(checkpoint, partial)
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        for index, optimizer in enumerate(checkpoint.pop("optimizer_states", [])):
-            state[f"optimizer_{index}"] = optimizer
-        return self.sharded_write(state, checkpoint, partial)
+        return self.sharded_write(checkpoint, partial)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

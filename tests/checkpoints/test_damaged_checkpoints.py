@@ -1,6 +1,7 @@
 """A damaged checkpoint of each format (a flipped byte in a shard, a deleted shard): `ckpt_path` refuses it in one
 line naming the file, before any rank starts; `resume=true` passes over it for the older whole one and ends with the
-weights of the run that was never damaged.
+weights of the run that was never damaged. A directory without its manifest whose shard is another save's is
+refused too, naming both steps.
 
 Each format's 30-step curve run (checkpoints at steps 15 and 30, and `last`) is copied; in the copy step 30 gets a
 flipped byte and `last` loses a shard, so resuming must go back to step 15. These resumed runs are the step-15 resumes
@@ -14,6 +15,9 @@ import shutil
 import pytest
 import torch
 
+from lightning_dist.checkpoints.formats import CheckpointError
+from lightning_dist.checkpoints.manifest import MANIFEST
+from lightning_dist.checkpoints.whole import check_whole
 from lightning_dist.equivalence import COMPARISON_OVERRIDES, read_train_losses
 from tests.conftest import CURVE_OVERRIDES, in_the_suite, run_train
 
@@ -75,3 +79,21 @@ def test_a_damaged_checkpoint_is_refused_by_ckpt_path_and_passed_over_by_resume(
     assert set(final) == set(expected_weights)
     for key, tensor in expected_weights.items():
         torch.testing.assert_close(final[key], tensor, rtol=0, atol=1e-5, msg=key)
+
+
+def test_a_shard_of_another_save_is_refused_without_the_manifest_naming_both_steps(curve_runs, tmp_path):
+    # Without its manifest, a directory is held to the save its metadata file records: each rank's shard file
+    # carries that save's id (checkpoints/save_id.py). Rank 1's shard of step 15 has the shape and size of step 30's.
+    saved = curve_runs("fsdp").run_dir / "checkpoints"
+    mixed = tmp_path / "step000030.ckpt"
+    shutil.copytree(saved / "step000030.ckpt", mixed)
+    (mixed / MANIFEST).unlink()
+    check_whole(mixed)  # its own shards: whole
+    other = saved / "step000015.ckpt" / "__1_0.distcp"
+    assert other.stat().st_size == (mixed / "__1_0.distcp").stat().st_size
+    shutil.copy(other, mixed / "__1_0.distcp")
+    with pytest.raises(CheckpointError) as refused:
+        check_whole(mixed)
+    assert str(refused.value) == (
+        f"ckpt_path: {mixed} is damaged: {mixed / '__1_0.distcp'} is of the save at step 15; the rest of the checkpoint"
+        " is of the save at step 30; pass another checkpoint, or resume=true to continue from the newest whole one")
