@@ -5,14 +5,20 @@ at step 15. Each target resumes that checkpoint on 1 rank (the same single data-
 its weights arrive exactly, and its steps 15 to 17 give the source's losses; it saves at step 17, and `fsdp_tp` on
 2 ranks resumes that checkpoint in turn, its steps 17 and 18 again the source's. So each pair is tested both ways
 with one source run: DCP's 2-D shards into DDP's file, FSDP's 1-D shards and ZeRO-2's partitions, and out of them.
+A damaged or mixed tensor-parallel shard is refused, naming it.
 """
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 
 from lightning_dist.checkpoints.consolidate import load_consolidated
+from lightning_dist.checkpoints.formats import CheckpointError
+from lightning_dist.checkpoints.manifest import MANIFEST
+from lightning_dist.checkpoints.whole import check_whole
 from lightning_dist.equivalence import StrategyCurve, run_strategy
 from tests.conftest import CURVE_OVERRIDES, in_the_suite
 
@@ -70,3 +76,26 @@ def test_a_tensor_parallel_checkpoint_resumes_under_another_layout_and_back(targ
     assert sorted(back.losses) == [17, 18]
     for step in (17, 18):
         assert back.losses[step] == pytest.approx(source.losses[step], rel=1e-5), step
+
+
+def test_a_damaged_or_mixed_tensor_parallel_shard_is_refused_naming_it(source, tmp_path):
+    # What ckpt_path refuses and resume=true passes over (checkpoints/whole.py), for 2-D (dp x tp) shards: a flipped
+    # byte in rank 1's, and, with the manifest gone, rank 1's shard of the other save.
+    saved = source.run_dir / "checkpoints"
+    damaged, mixed = tmp_path / "damaged" / "step000015.ckpt", tmp_path / "mixed" / "step000015.ckpt"
+    for copy in (damaged, mixed):
+        shutil.copytree(saved / "step000015.ckpt", copy)
+    data = bytearray((damaged / "__1_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (damaged / "__1_0.distcp").write_bytes(bytes(data))
+    (mixed / MANIFEST).unlink()
+    shutil.copy(saved / "step000030.ckpt" / "__1_0.distcp", mixed / "__1_0.distcp")
+    said = {}
+    for checkpoint in (damaged, mixed):
+        with pytest.raises(CheckpointError) as refused:
+            check_whole(checkpoint)
+        said[checkpoint] = str(refused.value)
+    assert said[damaged].startswith(f"ckpt_path: {damaged} is damaged: {damaged / '__1_0.distcp'} does not match its"
+                                    " checksum: its contents changed after the save"), said[damaged]
+    assert said[mixed].startswith(f"ckpt_path: {mixed} is damaged: {mixed / '__1_0.distcp'} is of the save at step 30;"
+                                  " the rest of the checkpoint is of the save at step 15"), said[mixed]
