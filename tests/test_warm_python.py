@@ -82,6 +82,15 @@ def test_libraries_are_preloaded_but_not_lightning_nor_ours():
     assert done.stdout == "['deepspeed', 'torch']\n"
 
 
+def test_runs_are_warm_and_see_what_the_imports_set_in_the_environment():
+    # torch._dynamo's import sets TORCHINDUCTOR_CACHE_DIR: compared with the warm process's environment after its
+    # imports, every run looked changed and started cold (a whole suite run so, 30% slower).
+    code = "import os, sys; print(os.getppid() != int(sys.argv[1]), os.environ.get('TORCHINDUCTOR_CACHE_DIR'))"
+    fresh = subprocess.run([warm_python.REAL_PYTHON, "-c", "import os, torch._dynamo;"
+                            " print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"], capture_output=True, text=True)
+    assert python("-c", code, str(os.getpid())).stdout == f"True {fresh.stdout.strip()}\n"
+
+
 def test_a_variable_dynamo_reads_at_import_is_read_by_a_fresh_interpreter():
     code = "import torch._inductor.config as c; print(c.force_disable_caches)"
     assert python("-c", code).stdout == "False\n"

@@ -41,6 +41,7 @@ READ_AT_START = ("PYTHONOPTIMIZE", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONHO
 # dynamo's and inductor's configs read their variables when torch._dynamo is imported.
 READ_AT_START_PREFIXES = ("TORCHDYNAMO", "TORCHINDUCTOR", "TORCH_COMPILE")
 HEADER = struct.Struct("!I")
+_SET_BY_IMPORTS: dict[str, str] = {}
 
 LAUNCHER = r'''#!{real_python} -IS
 import json, os, signal, socket, struct, sys
@@ -108,10 +109,15 @@ def serve(socket_path: str, launcher: str) -> None:
     children `sys.executable` is `launcher`, so that the ranks a run starts are forked from here too."""
     import importlib
 
+    environment = dict(os.environ)
     for name in PRELOADED:
         importlib.import_module(name)
     from deepspeed.accelerator import get_accelerator
 
+    # What the imports put into the environment themselves (torch._dynamo: TORCHINDUCTOR_CACHE_DIR, its default): a
+    # child has them as a fresh interpreter would have after the same imports, unless its own environment says else.
+    global _SET_BY_IMPORTS
+    _SET_BY_IMPORTS = {name: value for name, value in os.environ.items() if environment.get(name) != value}
     # DeepSpeed picked its accelerator once, at import: a run that names that one (or none) is reproducible.
     start_environment = {**os.environ, "DS_ACCELERATOR": get_accelerator().device_name()}
     sys.executable = launcher
@@ -167,7 +173,8 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def _reproducible(env: dict[str, str], start_environment: dict[str, str]) -> bool:
-    env = {"DS_ACCELERATOR": start_environment["DS_ACCELERATOR"], **env}
+    # As the child's environment will be once the imports it skips have set theirs (`_SET_BY_IMPORTS`).
+    env = {"DS_ACCELERATOR": start_environment["DS_ACCELERATOR"], **_SET_BY_IMPORTS, **env}
     names = {*READ_AT_START, *(name for name in (*env, *start_environment) if name.startswith(READ_AT_START_PREFIXES))}
     return all(env.get(name) == start_environment.get(name) for name in names)
 
@@ -197,7 +204,7 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> None:
     sys.stderr.reconfigure(line_buffering=True, write_through=unbuffered)
     os.chdir(request["cwd"])
     os.environ.clear()
-    os.environ.update(env)
+    os.environ.update({**_SET_BY_IMPORTS, **env})
     if env.get("OMP_NUM_THREADS", "").isdigit():  # read by OpenMP when torch loaded, in the warm process
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     if env.get("PYTHONWARNINGS"):  # the interpreter's own start-up reads these; the child applies them itself
