@@ -112,6 +112,7 @@ def documented_network_commands() -> list[str]:
     return commands
 
 
+@pytest.mark.extended  # 2 to 3 minutes of waiting for the connection; a killed node's set-up is in the suite
 def test_a_node_advertising_an_address_the_other_cannot_reach_is_told_in_one_line(tmp_path, node_1_network):
     # The host name resolves to a loopback address, and gloo advertises it (GLOO_SOCKET_IFNAME unset): the node
     # that connects is refused at once, and the other, waiting in native code for a connection that never comes, is

@@ -12,7 +12,9 @@ import pytest
 
 from tests.conftest import REPO, TRAIN_ENV, needs_libaio
 
-pytestmark = [pytest.mark.slow, needs_libaio]
+# Extended (scripts/extended_checks.sh): its one run took 9 minutes of both cores alone and 20 in a loaded suite on
+# our 2-core machines; ZeRO-Infinity's training itself is in the suite (tests/strategies/test_nvme_offload.py).
+pytestmark = [pytest.mark.slow, pytest.mark.extended, needs_libaio]
 
 D_MODEL = 512  # the smallest width whose large partitions DeepSpeed swaps (>= 1 MiB each over 2 ranks)
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.conftest import run_train
+from tests.conftest import in_the_suite, run_train
 
 # Cold: "no rank left behind" is read from the process table by command line, which a forked rank does not show.
 pytestmark = [pytest.mark.slow, pytest.mark.cold]
@@ -26,7 +26,7 @@ def stall(rank: int) -> tuple[str, ...]:
 
 # Rank 0 waiting (its timeout is explained the same way whatever the strategy's collective), and rank 0 stuck (the
 # rank that gives up ends the job through Lightning's observer of the ranks it started).
-@pytest.mark.parametrize("name, stuck_rank", [("ddp", 1), ("deepspeed_stage_2", 0)])
+@pytest.mark.parametrize("name, stuck_rank", in_the_suite([("ddp", 1), ("deepspeed_stage_2", 0)], [("ddp", 1)], unpack=True))
 def test_a_stuck_rank_ends_the_job_within_a_minute_of_the_timeout(name, stuck_rank, tmp_path, deepspeed_ops):
     started = time.monotonic()
     run = run_train(tmp_path, f"strategy={name}", "trainer.max_steps=10", "test=false", f"strategy.timeout={TIMEOUT_S}",

@@ -95,6 +95,7 @@ def test_tensor_parallel_layouts_train_ddps_losses_and_hold_the_expected_shards(
     assert summary["world_size"] == 4
 
 
+@pytest.mark.extended  # its runs beyond the layouts' (tests/recipes/test_hf_causal_lm.py exports a model in the suite)
 def test_the_tensor_parallel_llamas_checkpoint_exports_as_a_save_pretrained_folder_with_its_logits(tp_runs, tmp_path):
     import torch
     import transformers
@@ -117,6 +118,7 @@ def test_the_tensor_parallel_llamas_checkpoint_exports_as_a_save_pretrained_fold
         assert (exported(input_ids=tokens).logits - trained.eval()(tokens)).abs().max().item() <= 1e-5
 
 
+@pytest.mark.extended  # two more runs beyond the layouts' (the AutoTP layout itself trains in the suite)
 def test_an_autotp_checkpoint_resumes_under_its_size_and_is_refused_elsewhere_in_one_line(tp_runs, tmp_path, capsys):
     from lightning_dist.checkpoints.consolidate import main as consolidate
 
