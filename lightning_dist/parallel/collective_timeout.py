@@ -112,7 +112,8 @@ def forming_process_group(timeout: timedelta, rank: Callable[[], int]) -> Iterat
         reached = time.monotonic()
         while not formed.wait(1.0):
             try:
-                store = store or agent_store()
+                if store is None:
+                    store = agent_store()
                 said = refusal(store) if store is not None else None
                 reached = time.monotonic()
             except Exception:  # noqa: BLE001  unreachable: node 0's agent ended, or the connection is slow
