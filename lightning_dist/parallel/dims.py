@@ -116,10 +116,6 @@ class ParallelDims:
         """A device mesh over every rank with Lightning's axes, `data_parallel` x `tensor_parallel`; when the
         data-parallel state is both replicated and sharded (HSDP), `data_parallel` is the flattened
         `data_parallel_replicate` x `data_parallel_shard`, and those two axes are there as well."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from lightning_dist._compat.torch import flatten_mesh_dims
-
         if self.dp_replicate == 1:
             return init_device_mesh(device_type, (self.dp_shard, self.tp), mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL))
         mesh = init_device_mesh(
@@ -146,6 +142,20 @@ def parallel_dims_of(strategy: Any) -> ParallelDims:
     world_size = getattr(strategy, "world_size", 1) or 1
     replicas = (getattr(strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", world_size)
     return ParallelDims.resolve(world_size, dp_replicate=replicas, dp_shard=1, tp=-1)
+
+
+def init_device_mesh(*args: Any, **kwargs: Any) -> DeviceMesh:
+    """torch's, imported when a mesh is built (this module loads no torch); a name of this module, where tests
+    put a CUDA mesh's stand-in."""
+    from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
+
+    return torch_init_device_mesh(*args, **kwargs)
+
+
+def flatten_mesh_dims(*args: Any, **kwargs: Any) -> Any:
+    from lightning_dist._compat.torch import flatten_mesh_dims as fenced
+
+    return fenced(*args, **kwargs)
 
 
 def check_sharding_sizes(devices: int, num_nodes: int, tp: int, dp_replicate: int | None, hybrid: bool) -> ParallelDims:
