@@ -30,7 +30,7 @@ class SaveId:
         return cls(step, random.SystemRandom().getrandbits(62))
 
     def as_tensor(self) -> torch.Tensor:
-        return torch.tensor([self.step, self.number], dtype=torch.int64)
+        return torch.tensor([self.step, self.number], dtype=torch.int64, device="cpu")  # never a device context's
 
     @classmethod
     def of_tensor(cls, tensor: torch.Tensor) -> SaveId:
