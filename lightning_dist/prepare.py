@@ -11,11 +11,9 @@ process on the machine reuses. The shared-memory comm op is never needed: our st
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
-
-from lightning_dist._compat.deepspeed import announce_op_builds, op_build_directory, remember_cpu_info
-from lightning_dist.deepspeed_config.preflight import INSTALL_HINTS
 
 BUILDERS = {"cpu_adam": "CPUAdamBuilder", "async_io": "AsyncIOBuilder"}
 
@@ -23,6 +21,8 @@ BUILDERS = {"cpu_adam": "CPUAdamBuilder", "async_io": "AsyncIOBuilder"}
 def prepare(name: str) -> str | None:
     """Build (or find built) op `name`; None when it is ready, else what to install."""
     from deepspeed.accelerator import get_accelerator
+
+    from lightning_dist.deepspeed_config.preflight import INSTALL_HINTS
 
     builder = get_accelerator().create_op_builder(BUILDERS[name])
     if builder is None:
@@ -39,6 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if unknown := [name for name in args.ops if name not in BUILDERS]:
         parser.error(f"{unknown[0]}: no such op; choose from {', '.join(BUILDERS)}")
+    import torch
+
+    if not torch.cuda.is_available():  # said, so DeepSpeed need not detect it: its warning that it fell back to the
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # CPU was the first line a machine without a GPU printed
+    from lightning_dist._compat.deepspeed import announce_op_builds, op_build_directory, remember_cpu_info
+
     remember_cpu_info()
     announce_op_builds(lambda line: print(line, flush=True))
     failed = 0

@@ -201,6 +201,18 @@ class FailAtStep(L.Callback):
             raise RuntimeError(f"injected failure at global step {self.global_step}")
 
 
+class HoldBeforeSetUp(L.Callback):
+    """On global rank `rank` (torchrun's RANK): writes its pid to `marker` and waits, as Hydra makes the callbacks,
+    before Lightning forms the process group. A test that kills the node once `marker` appears kills it inside the
+    set-up for certain: a kill timed by the other node's output landed after the group had formed on a loaded
+    machine, three tries in a row."""
+
+    def __init__(self, marker: str, rank: int = 1, seconds: float = 600) -> None:
+        if int(os.environ.get("RANK", 0)) == rank:
+            Path(marker).write_text(str(os.getpid()))
+            time.sleep(seconds)
+
+
 class SleepAtStep(L.Callback):
     """Rank `rank` stalls for `seconds` at the start of the training batch of `global_step`: a rank stuck mid-step
     while the others wait for it in the step's collectives."""

@@ -42,6 +42,9 @@ def test_a_first_build_is_announced_in_one_line_and_a_cached_op_is_not(tmp_path,
     assert len(said) == 1
 
 
+# Cold: what a fresh interpreter prints first. DeepSpeed's line that it fell back to the CPU came before ours there,
+# never in a process forked from the warm one (which had picked its accelerator already).
+@pytest.mark.cold
 def test_prepare_builds_or_finds_each_op_and_names_an_unknown_one(deepspeed_ops, tmp_path):
     documented_command = documented(REPO / "docs" / "install.md", "python -m lightning_dist.prepare")
     done = run_documented(documented_command, tmp_path, timeout=600)

@@ -153,18 +153,18 @@ def test_a_node_advertising_an_address_the_other_cannot_reach_is_told_in_one_lin
 
 
 def test_a_node_killed_in_the_set_up_ends_the_other_within_the_timeout_naming_the_set_up(tmp_path):
-    for attempt in range(3):  # node 1 may have joined the process group before the kill lands: then again
-        node_0, node_1 = start_nodes(list(FAILS_FAST), tmp_path / f"run{attempt}")
-        for line in node_0.stdout:  # node 0 starts to fit, the process group not formed yet: node 1 dies now
-            if line.startswith("Training gpt_tiny") or " - Training gpt_tiny" in line:
-                break
-        kill_node(node_1)
-        killed = time.monotonic()
-        survivor, _ = wait_for_nodes([node_0, node_1], timeout=TIMEOUT_S + 120)
-        assert survivor.code == 1 and time.monotonic() - killed < TIMEOUT_S + 60, survivor.output[-3000:]
-        said, = error_lines(survivor.output)
-        if "at global step 0" not in said:  # the group had formed: the kill came after the set-up
-            break
+    held = tmp_path / "node1_holds"  # node 1's rank, made and waiting before the process group forms
+    node_0, node_1 = start_nodes([*FAILS_FAST, "+callbacks.hold._target_=tests.probes.HoldBeforeSetUp",
+                                  f"+callbacks.hold.marker={held}"], tmp_path / "run")
+    deadline = time.monotonic() + 300
+    while not held.exists() and node_1.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert held.exists(), node_1.communicate()[0][-3000:] if node_1.poll() is not None else "node 1 never got there"
+    kill_node(node_1)
+    killed = time.monotonic()
+    survivor, _ = wait_for_nodes([node_0, node_1], timeout=TIMEOUT_S + 120)
+    assert survivor.code == 1 and time.monotonic() - killed < TIMEOUT_S + 60, survivor.output[-3000:]
+    said, = error_lines(survivor.output)
     assert said.startswith("error: rank 0 ") and "(set-up" in said, said
 
 
