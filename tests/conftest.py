@@ -323,8 +323,7 @@ CURVE_OVERRIDES = (
 # The strategies whose 30-step curves the suite runs: each engine, with and without offload, and the checkpoint
 # formats the other engines resume from (tests/checkpoints/test_cross_strategy_resume.py). The others' curves run in
 # scripts/extended_checks.sh.
-CURVES_IN_THE_SUITE = ["ddp", "fsdp", "fsdp_cpu_offload", "fsdp_shard_grad_op", "deepspeed_stage_2",
-                       "deepspeed_stage_3", "deepspeed_stage_3_offload"]
+CURVES_IN_THE_SUITE = ["ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload"]
 
 
 def extended_run(config) -> bool:

@@ -27,7 +27,7 @@ def test_a_kept_case_that_is_no_case_is_refused():
 
 def test_the_suite_reads_one_curve_per_engine_and_offload():
     assert set(CURVES_IN_THE_SUITE) <= set(STRATEGY_NAMES)
-    assert {"ddp", "fsdp", "fsdp_cpu_offload", "deepspeed_stage_2", "deepspeed_stage_3",
+    assert {"ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3",
             "deepspeed_stage_3_offload"} <= set(CURVES_IN_THE_SUITE)
 
 
@@ -42,7 +42,7 @@ def collected(*options: str) -> list[str]:
 def test_the_suite_deselects_the_extended_cases_and_the_script_selects_only_them():
     suite, extended = collected(), collected("-m", "extended")
     extended_cells = ["ddp-bf16-true", "fsdp-bf16-mixed", "deepspeed_stage_2-bf16-mixed", "deepspeed_stage_2-bf16-true",
-                      "deepspeed_stage_3-bf16-true"]
+                      "deepspeed_stage_3-bf16-mixed", "deepspeed_stage_3-bf16-true"]
     assert [test.split("[")[1].rstrip("]") for test in extended] == extended_cells
     assert not set(suite) & set(extended) and "test_cell_trains_with_the_named_dtypes[fsdp-bf16-true]" in "".join(suite)
     script = (REPO / "scripts" / "extended_checks.sh").read_text()

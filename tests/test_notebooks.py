@@ -12,7 +12,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 from nbformat.v4 import new_code_cell, new_notebook
 
-from tests.conftest import REPO
+from tests.conftest import REPO, in_the_suite
 
 # Cold: a kernel chooses matplotlib's inline backend as it starts, and the warm interpreter has imported matplotlib
 # (torchmetrics does) before any kernel existed.
@@ -77,7 +77,7 @@ trainer.fit(FailsOnRankOne(n_layer=2, d_model=64, block_size=64), datamodule=Pyd
 '''
 
 
-@pytest.mark.parametrize("strategy", ["ld_fsdp", "ld_deepspeed_stage_3"])
+@pytest.mark.parametrize("strategy", in_the_suite(["ld_fsdp", "ld_deepspeed_stage_3"], ["ld_fsdp"]))
 def test_a_failing_rank_raises_in_its_cell_within_a_minute(strategy, tmp_path, deepspeed_ops):
     notebook = new_notebook(cells=[new_code_cell("import lightning_dist"), new_code_cell(FAILING_RANK.format(strategy=strategy))])
     client = NotebookClient(notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})

@@ -41,10 +41,10 @@ for _name in ("deepspeed_stage_2", "deepspeed_stage_3"):
         REFUSALS[(_name, "16-mixed")] = "trainer.precision=16-mixed: DeepSpeed's CPU accelerator has no fp16 on this CPU"
 
 
-# In the suite: 32-true (the acceptance runs), bf16-mixed under DDP and ZeRO-3, bf16-true under FSDP (it gathers in
-# bf16), fp16 where the CPU has it; the other cells in scripts/extended_checks.sh.
+# In the suite: 32-true (the acceptance runs), bf16-mixed under DDP, bf16-true under FSDP (it gathers in bf16), fp16
+# where the CPU has it; the other cells in scripts/extended_checks.sh.
 EXTENDED_CELLS = [("ddp", "bf16-true"), ("fsdp", "bf16-mixed"), ("deepspeed_stage_2", "bf16-mixed"),
-                  ("deepspeed_stage_2", "bf16-true"), ("deepspeed_stage_3", "bf16-true")]
+                  ("deepspeed_stage_2", "bf16-true"), ("deepspeed_stage_3", "bf16-mixed"), ("deepspeed_stage_3", "bf16-true")]
 
 
 @pytest.mark.parametrize("cell", in_the_suite(list(RUNS), [cell for cell in RUNS if cell not in EXTENDED_CELLS]),

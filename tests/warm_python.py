@@ -69,7 +69,12 @@ try:
     conn.sendall(request)
     stream = conn.makefile("rb")
     reply = json.loads(stream.readline())
-except OSError:
+except OSError as error:  # no warm process to ask: said beside its socket, for whoever wonders why a run was slow
+    try:
+        with open(SOCKET + ".cold.log", "a") as log:
+            log.write(f"{{args}}: {{error!r}}\n")
+    except OSError:
+        pass
     cold()
 if "cold" in reply:
     cold()
@@ -133,7 +138,8 @@ def serve(socket_path: str, launcher: str) -> None:
         for _ in selector.select(timeout=0.1):
             conn, _ = listener.accept()
             request, fds = _receive(conn)
-            if not _reproducible(request["env"], start_environment):
+            if differing := _not_reproducible(request["env"], start_environment):
+                print(f"cold: {request['args']}: {', '.join(differing)} differ", flush=True)  # into warm.log
                 conn.sendall(b'{"cold": true}\n')
                 conn.close()
                 for fd in fds:
@@ -172,11 +178,12 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(body), fds
 
 
-def _reproducible(env: dict[str, str], start_environment: dict[str, str]) -> bool:
+def _not_reproducible(env: dict[str, str], start_environment: dict[str, str]) -> list[str]:
+    """The variables read at start that the request sets otherwise than the warm process has them."""
     # As the child's environment will be once the imports it skips have set theirs (`_SET_BY_IMPORTS`).
     env = {"DS_ACCELERATOR": start_environment["DS_ACCELERATOR"], **_SET_BY_IMPORTS, **env}
     names = {*READ_AT_START, *(name for name in (*env, *start_environment) if name.startswith(READ_AT_START_PREFIXES))}
-    return all(env.get(name) == start_environment.get(name) for name in names)
+    return sorted(name for name in names if env.get(name) != start_environment.get(name))
 
 
 def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> None:

@@ -32,6 +32,7 @@ def test_a_nan_stops_the_run_at_its_step_naming_the_rank_and_the_module(strategy
     assert all(float(row["monitor/grad_norm"]) < 100 for row in rows if row.get("monitor/grad_norm"))
 
 
+@pytest.mark.extended  # the NaN stop is the test above's; this is its timing at a later check
 def test_a_nan_found_at_a_later_check_names_its_own_step_and_is_never_saved(tmp_path):
     """Ranks compare notes only every N steps (no host sync per step) and before every checkpoint: the NaN of step
     6 is found when step 7's checkpoint is about to be written, and that checkpoint is not written.

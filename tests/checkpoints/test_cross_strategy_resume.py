@@ -29,6 +29,7 @@ PAIRS = [
     ("deepspeed_stage_2", "ddp"),
     ("deepspeed_stage_2_offload", "fsdp"),
     ("deepspeed_stage_3", "fsdp_shard_grad_op"),
+    ("deepspeed_stage_3", "fsdp"),
     ("deepspeed_stage_3_offload", "fsdp_cpu_offload"),
     # DeepSpeed into DeepSpeed where its own loader cannot: across ZeRO-3 and ZeRO-1/2, into an offloaded optimizer
     ("deepspeed_stage_3", "deepspeed_stage_2"),
@@ -43,7 +44,7 @@ TWO_STEPS = (*CURVE_OVERRIDES[:2], "trainer.max_steps=17", "callbacks.model_chec
 # In the suite: ZeRO-3's directory read by DDP, ZeRO-2's by FSDP, DDP's file by ZeRO-2, FSDP's sharded directory by
 # ZeRO-3, and ZeRO-3 from ZeRO-2, which DeepSpeed's own loader cannot read.
 IN_THE_SUITE = [("ddp", "deepspeed_stage_3"), ("fsdp", "deepspeed_stage_2"), ("deepspeed_stage_2", "ddp"),
-                ("deepspeed_stage_3", "fsdp_shard_grad_op"), ("deepspeed_stage_3", "deepspeed_stage_2")]
+                ("deepspeed_stage_3", "fsdp"), ("deepspeed_stage_3", "deepspeed_stage_2")]
 
 
 @pytest.mark.parametrize(("target", "source_name"), in_the_suite(PAIRS, IN_THE_SUITE, unpack=True),

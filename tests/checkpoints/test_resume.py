@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_dist.equivalence import read_train_losses
-from tests.conftest import REPO, run_train
+from tests.conftest import REPO, in_the_suite, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def test_resume_switch_without_an_earlier_run_starts_afresh(tmp_path):
     assert "no earlier complete checkpoint of this command; starting afresh" in process.stdout + process.stderr
 
 
-@pytest.mark.parametrize("strategy", ["deepspeed_stage_2", "fsdp"])
+@pytest.mark.parametrize("strategy", in_the_suite(["deepspeed_stage_2", "fsdp"], ["fsdp"]))
 def test_save_top_k_keeps_exactly_two_directory_checkpoints_plus_last(strategy, tmp_path, deepspeed_ops):
     run = run_train(
         tmp_path, f"strategy={strategy}", "trainer.max_steps=20", "test=false",

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, TRAIN_ENV
+from tests.conftest import REPO, TRAIN_ENV, in_the_suite
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ REPORTS = {
 }
 
 
-@pytest.mark.parametrize("option", sorted(REPORTS))
+@pytest.mark.parametrize("option", in_the_suite(sorted(REPORTS), ["pytorch_profiler"]))
 def test_each_rank_writes_its_profile_into_the_debug_run(option, tmp_path, deepspeed_ops):
     process = subprocess.run([sys.executable, str(REPO / "train.py"), f"debug={option}"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=600, env=TRAIN_ENV)

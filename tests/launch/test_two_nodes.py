@@ -176,7 +176,7 @@ LEFT_MID_RUN = {
 }
 
 
-@pytest.mark.parametrize("how", LEFT_MID_RUN)
+@pytest.mark.parametrize("how", in_the_suite(list(LEFT_MID_RUN), ["killed"]))
 def test_a_node_that_leaves_mid_run_is_named_as_exited_with_its_code_not_as_stuck(how, tmp_path):
     nodes = run_nodes([*FAILS_FAST, *LEFT_MID_RUN[how]], tmp_path / "run", timeout=TIMEOUT_S + 120)
     assert [node.code for node in nodes] == [1, 1], nodes[0].output[-3000:]

@@ -46,6 +46,9 @@ def test_auto_fit_chooses_for_the_target(options, chosen):
 README = REPO / "recipes" / "choose_a_strategy" / "README.md"
 
 
+# Four two-rank jobs (4 minutes of a loaded suite): in scripts/extended_checks.sh. The suite runs the README's own
+# sweep and report as written (tests/launch/test_multirun.py), the same launcher and report code.
+@pytest.mark.extended
 def test_sweep_of_the_candidates_and_its_report_as_written(tmp_path, deepspeed_ops):
     sweep_command = documented(README, "python train.py -m")
     process = run_documented(sweep_command, tmp_path)  # from a fresh directory, as typed: no hydra.sweep.dir

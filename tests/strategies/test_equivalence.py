@@ -29,7 +29,7 @@ def test_loss_curve_matches_ddp_at_every_step(name, curve_runs):
 # ddp, fsdp and ZeRO-2/3 resume from step 15 in tests/checkpoints/test_damaged_checkpoints.py, by resume=true passing
 # over a damaged newer checkpoint.
 @pytest.mark.parametrize("name", in_the_suite([n for n in STRATEGY_NAMES if n not in ("ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3")],
-                                              ["fsdp_cpu_offload", "deepspeed_stage_3_offload"]))
+                                              ["deepspeed_stage_3_offload"]))
 def test_resume_from_step_15_continues_the_curve(name, curve_runs, tmp_path):
     full = curve_runs(name)
     checkpoint = full.run_dir / "checkpoints" / "step000015.ckpt"

@@ -50,7 +50,7 @@ CLIPPING_PATHS = ["ddp", "fsdp", "fsdp_cpu_offload", "deepspeed_stage_2", "deeps
                   "deepspeed_stage_3_offload"]
 
 
-@pytest.mark.parametrize("name", in_the_suite(CLIPPING_PATHS, ["ddp", "deepspeed_stage_2_offload", "deepspeed_stage_3"]))
+@pytest.mark.parametrize("name", in_the_suite(CLIPPING_PATHS, ["ddp", "deepspeed_stage_3"]))
 def test_post_clip_global_norm_is_one_and_the_update_matches_ddp(name, clipped_updates):
     update = clipped_updates(name)
     post_clip_norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in update.values())) / LR
