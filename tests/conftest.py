@@ -12,7 +12,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+# The environment the suite was started with, before any import of ours or torch's: what a user's shell gives a run.
+# The runs get it, and the warm Python starts from it. torch._dynamo's import adds TORCHINDUCTOR_CACHE_DIR to the
+# environment of the process importing it; captured after the suite's own imports had done so, the runs' environment
+# lacked a variable the warm Python had, and every run of a whole suite started cold (a CI run of 77 minutes).
+TRAIN_ENV = dict(os.environ)  # no warning filters: the tests see the console a user sees
+
+import pytest  # noqa: E402
 
 from tests import warm_python
 
@@ -169,8 +175,8 @@ def warm_interpreter(tmp_path_factory):
     with open(directory / "warm.log", "w") as log:
         # In a session of its own, as each process it forks is: nothing they signal by group can reach the suite.
         server = subprocess.Popen([warm_python.REAL_PYTHON, "-m", "tests.warm_python", socket_path, str(launcher)],
-                                  cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  start_new_session=True)
+                                  cwd=REPO, env=TRAIN_ENV, stdout=log, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, start_new_session=True)
     warm_python.wait_until_serving(server, socket_path)
     sys.executable = str(launcher)
     try:
@@ -251,9 +257,6 @@ def train_command(run_dir: Path, *overrides: str, script: Path = REPO / "train.p
 
 # Counts what every training batch held (tests/probes.py BatchProbe), for throughput checks.
 BATCH_PROBE = ("+callbacks.batch_probe._target_=tests.probes.BatchProbe", "+callbacks.batch_probe.directory=${paths.output_dir}")
-
-TRAIN_ENV = dict(os.environ)  # no warning filters: the tests see the console a user sees
-
 
 def run_train(run_dir: Path, *overrides: str, timeout: float = 600, script: Path = REPO / "train.py") -> TrainRun:
     command = train_command(run_dir, *overrides, script=script)

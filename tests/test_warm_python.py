@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests import warm_python
+from tests.conftest import TRAIN_ENV
 
 pytestmark = pytest.mark.skipif(os.environ.get("LD_TESTS_COLD") == "1", reason="the suite runs cold: no warm interpreter")
 
@@ -89,6 +90,9 @@ def test_runs_are_warm_and_see_what_the_imports_set_in_the_environment():
     fresh = subprocess.run([warm_python.REAL_PYTHON, "-c", "import os, torch._dynamo;"
                             " print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"], capture_output=True, text=True)
     assert python("-c", code, str(os.getpid())).stdout == f"True {fresh.stdout.strip()}\n"
+    # As the runs are started: with the environment the suite was started with (TRAIN_ENV), from before the suite's
+    # own imports of torch._dynamo, which add the variable to this process's. Taken after them, it made every run cold.
+    assert python("-c", code, str(os.getpid()), env=TRAIN_ENV).stdout == f"True {fresh.stdout.strip()}\n"
 
 
 def test_a_variable_dynamo_reads_at_import_is_read_by_a_fresh_interpreter():

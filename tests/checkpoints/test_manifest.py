@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_dist.checkpoints import CheckpointError
-from lightning_dist.checkpoints.manifest import MANIFEST, write_manifest
+from lightning_dist.checkpoints.manifest import write_manifest
 from lightning_dist.checkpoints.whole import check_whole, first_problem, is_whole
 
 
