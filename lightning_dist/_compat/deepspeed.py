@@ -236,6 +236,31 @@ def missing_rank_files(tag_dir: Path, model_states: dict[str, Any]) -> list[Path
             for rank in range(world_size) if rank not in ranks]
 
 
+def saved_steps(per_rank_file: dict[str, Any]) -> set[int]:
+    """The steps a per-rank file of a DeepSpeed checkpoint says it was saved at: ZeRO-3's model states record the
+    engine's `global_steps`; an optimizer-states file holds each partition's optimizer state, whose `step` counts
+    the optimizer's steps (ZeRO-1/2 under `base_optimizer_state`, ZeRO-3 under `optimizer_state_dict`), which is
+    `global_steps` less the `skipped_steps` (fp16 overflows) the model states record. Empty where neither is held
+    (an optimizer without a step count)."""
+    if "global_steps" in per_rank_file:
+        return {int(per_rank_file["global_steps"])}
+    found: set[int] = set()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            if "step" in value and "exp_avg" in value:  # one parameter partition's Adam-style state
+                found.add(int(value["step"]))
+                return
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+
+    walk(per_rank_file.get("optimizer_state_dict"))
+    return found
+
+
 def replace_tensor_parallel_input_check(engine: Any, check: Callable[..., None]) -> Any:
     """Removes the forward pre-hook that AutoTP's engine registers to compare the first inputs across a tensor-parallel
     group (`first_dataloader_check`), and registers `check(module, args, kwargs)` in its place; returns its handle."""

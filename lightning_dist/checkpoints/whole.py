@@ -4,8 +4,8 @@
 Our saves record a manifest (manifest.py); a `.ckpt` file carries its zip's CRCs. A directory saved without a
 manifest, by Lightning's or DeepSpeed's own strategies, is held to the files its format names: every file DCP's
 `.metadata` points into, at least as long as the bytes it points at, and one of each per-rank DeepSpeed file for the
-world size the save recorded; and a sharded save of ours, each file to the save its metadata file records
-(save_id.py).
+world size the save recorded, each of the step its model states record; and a sharded save of ours, each file to
+the save its metadata file records (save_id.py).
 """
 
 from __future__ import annotations
@@ -54,7 +54,38 @@ def _deepspeed_problem(tag_dir: Path, trusted: bool) -> str | None:
 
     model_states = load_file(sorted(tag_dir.glob("*model_states.pt"))[0], mmap=True, trusted=trusted)
     missing = missing_rank_files(tag_dir, model_states)
-    return f"{missing[0]} is missing (the save had {model_states.get('dp_world_size')} ranks)" if missing else None
+    if missing:
+        return f"{missing[0]} is missing (the save had {model_states.get('dp_world_size')} ranks)"
+    return _other_save_problem(tag_dir, model_states, trusted)
+
+
+def _other_save_problem(tag_dir: Path, model_states: dict, trusted: bool) -> str | None:
+    """Which per-rank file is of another save than the model states that name the world size: a rank's file of
+    another step has the same shape and size, and DeepSpeed would restore it without a word. Each file is read as
+    its pickle only (its tensors memory-mapped, never loaded).
+
+    ZeRO-3's per-rank model states record the engine's step. An optimizer counts its own steps, from where the
+    optimizer state it was given left off: after a resume from another strategy's checkpoint it is ahead of the
+    engine's count by as many steps on every rank. So optimizer files agree with one another, and with the engine's
+    count where one of them does."""
+    from lightning_dist._compat.deepspeed import saved_steps
+
+    step = int(model_states.get("global_steps") or 0)
+    files = {file: saved_steps(load_file(file, mmap=True, trusted=trusted))
+             for file in sorted(tag_dir.glob("*zero_pp_rank_*.pt"))}
+    optimizer_files = {file: steps for file, steps in files.items() if "optim_states" in file.name and steps}
+    counts = {count for steps in optimizer_files.values() for count in steps}
+    engine_count = step - int(model_states.get("skipped_steps") or 0)  # fp16 overflows: steps the optimizer skipped
+    first_count = min(next(iter(optimizer_files.values()), {engine_count}))
+    reference = engine_count if engine_count in counts else first_count
+    for file, steps in files.items():
+        offset = step - reference if file in optimizer_files else 0
+        if not (others := sorted(found + offset for found in steps if found + offset != step)):
+            continue
+        if offset:  # counted from another checkpoint's optimizer state: no step of this run to name
+            return f"{file} is of another save: its optimizer has taken {others[0] - offset} steps, the other ranks' {reference}"
+        return f"{file} is of the save at step {others[0]}; the rest of the checkpoint is of the save at step {step}"
+    return None
 
 
 def _distributed_problem(directory: Path, trusted: bool) -> str | None:

@@ -81,19 +81,54 @@ def test_a_damaged_checkpoint_is_refused_by_ckpt_path_and_passed_over_by_resume(
         torch.testing.assert_close(final[key], tensor, rtol=0, atol=1e-5, msg=key)
 
 
-def test_a_shard_of_another_save_is_refused_without_the_manifest_naming_both_steps(curve_runs, tmp_path):
-    # Without its manifest, a directory is held to the save its metadata file records: each rank's shard file
-    # carries that save's id (checkpoints/save_id.py). Rank 1's shard of step 15 has the shape and size of step 30's.
-    saved = curve_runs("fsdp").run_dir / "checkpoints"
+# Rank 1's file of step 15, in place of step 30's: the same shape and size. Without its manifest, a directory is
+# held to the save its other files record: each shard of ours carries its save's id (checkpoints/save_id.py), each
+# of DeepSpeed's per-rank files its step (ZeRO-3's model states the engine's, an optimizer partition its own count).
+OTHER_SAVES_FILE = {
+    "fsdp": "__1_0.distcp",
+    "deepspeed_stage_2": "checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    "deepspeed_stage_3": "checkpoint/zero_pp_rank_1_mp_rank_00_model_states.pt",
+    "deepspeed_stage_3 optimizer": "checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+}
+
+
+@pytest.mark.parametrize("case", list(OTHER_SAVES_FILE))
+def test_a_shard_of_another_save_is_refused_without_the_manifest_naming_both_steps(case, curve_runs, tmp_path):
+    saved = curve_runs(case.split()[0]).run_dir / "checkpoints"
     mixed = tmp_path / "step000030.ckpt"
     shutil.copytree(saved / "step000030.ckpt", mixed)
     (mixed / MANIFEST).unlink()
     check_whole(mixed)  # its own shards: whole
-    other = saved / "step000015.ckpt" / "__1_0.distcp"
-    assert other.stat().st_size == (mixed / "__1_0.distcp").stat().st_size
-    shutil.copy(other, mixed / "__1_0.distcp")
+    other, replaced = saved / "step000015.ckpt" / OTHER_SAVES_FILE[case], mixed / OTHER_SAVES_FILE[case]
+    assert other.stat().st_size == replaced.stat().st_size
+    shutil.copy(other, replaced)
     with pytest.raises(CheckpointError) as refused:
         check_whole(mixed)
     assert str(refused.value) == (
-        f"ckpt_path: {mixed} is damaged: {mixed / '__1_0.distcp'} is of the save at step 15; the rest of the checkpoint"
+        f"ckpt_path: {mixed} is damaged: {replaced} is of the save at step 15; the rest of the checkpoint"
         " is of the save at step 30; pass another checkpoint, or resume=true to continue from the newest whole one")
+
+
+def deepspeed_save(directory, engine_steps: int, optimizer_steps: list[int]):
+    """A DeepSpeed checkpoint's pickles as ZeRO-2 lays them out: the model states, and rank r's optimizer partition
+    whose Adam state has taken `optimizer_steps[r]` steps."""
+    tag = directory / "checkpoint"
+    tag.mkdir(parents=True)
+    (directory / "latest").write_text("checkpoint")
+    torch.save({"global_steps": engine_steps, "skipped_steps": 0, "dp_world_size": len(optimizer_steps)},
+               tag / "mp_rank_00_model_states.pt")
+    for rank, steps in enumerate(optimizer_steps):
+        state = {0: {"step": torch.tensor(float(steps)), "exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}}
+        torch.save({"optimizer_state_dict": {"base_optimizer_state": {"state": state, "param_groups": []}}},
+                   tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    return directory
+
+
+def test_an_optimizer_ahead_of_the_engine_on_every_rank_is_one_save(tmp_path):
+    # Resumed from another strategy's checkpoint at step 15, the optimizer counts on from 15 and DeepSpeed's engine
+    # from 0: two steps later, every rank's optimizer has taken 17 steps, the engine 2. One save, not a mixed one.
+    check_whole(deepspeed_save(tmp_path / "resumed", engine_steps=2, optimizer_steps=[17, 17]))
+    mixed = deepspeed_save(tmp_path / "mixed", engine_steps=2, optimizer_steps=[17, 10])
+    with pytest.raises(CheckpointError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt is of another save: its"
+                       " optimizer has taken 10 steps, the other ranks' 17;"):
+        check_whole(mixed)
