@@ -100,7 +100,8 @@ def test_a_shard_of_another_save_is_refused_without_the_manifest_naming_both_ste
     (mixed / MANIFEST).unlink()
     check_whole(mixed)  # its own shards: whole
     other, replaced = saved / "step000015.ckpt" / OTHER_SAVES_FILE[case], mixed / OTHER_SAVES_FILE[case]
-    assert other.stat().st_size == replaced.stat().st_size
+    if not replaced.name.endswith("model_states.pt"):  # ZeRO-3's model states also hold the step's pickled extras
+        assert other.stat().st_size == replaced.stat().st_size
     shutil.copy(other, replaced)
     with pytest.raises(CheckpointError) as refused:
         check_whole(mixed)
