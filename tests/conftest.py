@@ -80,6 +80,16 @@ needs_libaio = pytest.mark.skipif(
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # the header's last line (pytest writes the lines of hooks called first last)
+def pytest_report_header(config) -> str:
+    """The free disk, first in CI's log: a disk that fills mid-run fails every later test at its set-up (tmp_path),
+    the tier's venvs (11 GB) being made meanwhile."""
+    import shutil
+    import tempfile
+
+    return f"disk: {shutil.disk_usage(tempfile.gettempdir()).free / 2**30:.1f} GiB free for the tests' directories"
+
+
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's: the GPU suite runs without it (scripts/gpu_check.sh)
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto`: one worker per core, up to 4. A training run keeps about 1.2 of 2 cores busy (its ranks wait on
