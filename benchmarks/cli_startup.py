@@ -3,7 +3,7 @@
     python benchmarks/cli_startup.py            # each 3 times; prints a table, the medians and the 3 s target
 
 A new interpreter each time, from a temporary working directory. The command line imports only Hydra
-(`lightning_dist/cli.py`); torch, Lightning and DeepSpeed load when a job runs.
+(`lightning_dist/run/cli.py`); torch, Lightning and DeepSpeed load when a job runs.
 """
 
 from __future__ import annotations

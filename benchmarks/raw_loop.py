@@ -85,7 +85,7 @@ def main() -> None:
     dist.barrier()  # leave together: a rank tearing gloo down while the other still writes can hang at exit
     dist.destroy_process_group()
     # Without the interpreter's teardown, where a gloo thread dropping Python state can still abort the process
-    # ("terminate called without an active exception", once in 8 runs): train.py leaves the same way (quick_exit.py).
+    # ("terminate called without an active exception", once in 8 runs): train.py leaves the same way (lifecycle/quick_exit.py).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -1,14 +1,14 @@
 """lightning-dist: pick DDP, FSDP2 or DeepSpeed ZeRO by name; the same LightningModule trains on CPU or CUDA.
 
 `import lightning_dist` registers the `ld_*` strategy names with Lightning (now, or when Lightning is imported),
-silences the pinned libraries' warnings about their own code (library_warnings.py), and imports nothing heavy
+silences the pinned libraries' warnings about their own code (lifecycle/library_warnings.py), and imports nothing heavy
 itself: the strategy classes load on first use.
 """
 
 from typing import Any
 
 from lightning_dist._compat.versions import warn_if_unsupported
-from lightning_dist.library_warnings import quiet_library_warnings
+from lightning_dist.lifecycle.library_warnings import quiet_library_warnings
 from lightning_dist.registration import register_presets_with_lightning
 
 warn_if_unsupported()

@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available():  # said, so DeepSpeed need not detect it: its warning that it fell back to the
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # CPU was the first line a machine without a GPU printed
-    from lightning_dist._compat.deepspeed import announce_op_builds, op_build_directory, remember_cpu_info
+    from lightning_dist._compat.deepspeed import op_build_directory, remember_cpu_info
+    from lightning_dist.lifecycle.op_build_lock import announce_op_builds
 
     remember_cpu_info()
     announce_op_builds(lambda line: print(line, flush=True))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lightning_dist.equivalence import run_strategy
+from lightning_dist.reports.equivalence import run_strategy
 from tests.conftest import STRATEGY_NAMES
 
 MODEL = ("model._target_=tests.models.checkpoint_probe.CheckpointProbeGPT", "+model.gathered_path=${paths.output_dir}/gathered_state.pt")

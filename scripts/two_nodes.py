@@ -162,8 +162,8 @@ def same_losses(strategy: str, run_dir: Path) -> tuple[bool, str]:
     """2 nodes x 1 rank against 1 node x 2 ranks (the same global batch and data order): the per-step losses must
     agree to float32 rounding. `fsdp_hybrid`: HYBRID_SHARD on 2 nodes x 2 ranks (shard within a node, replicate
     across) against FULL_SHARD on 1 node x 4 ranks."""
-    from lightning_dist.equivalence import COMPARISON_OVERRIDES, run_strategy
-    from lightning_dist.summary_file import curve, read_summary
+    from lightning_dist.reports.equivalence import COMPARISON_OVERRIDES, run_strategy
+    from lightning_dist.reports.summary_file import curve, read_summary
 
     hybrid = strategy == "fsdp_hybrid"
     preset = "fsdp" if hybrid else strategy

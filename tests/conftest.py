@@ -281,7 +281,7 @@ def deepspeed_ops() -> None:
     (`_compat.deepspeed.skip_shared_memory_comm_op`)."""
     from deepspeed.accelerator import get_accelerator
 
-    from lightning_dist._compat.deepspeed import announce_op_builds
+    from lightning_dist.lifecycle.op_build_lock import announce_op_builds
 
     announce_op_builds(lambda line: print(line, file=sys.stderr))
     get_accelerator().create_op_builder("CPUAdamBuilder").load(verbose=False)
@@ -347,7 +347,7 @@ def extended_run(config) -> bool:
 @pytest.fixture(scope="session")
 def curve_runs(tmp_path_factory, deepspeed_ops):
     """{strategy: StrategyCurve}, filled on demand so each strategy's 30-step run happens once per session."""
-    from lightning_dist.equivalence import run_strategy
+    from lightning_dist.reports.equivalence import run_strategy
 
     workdir = tmp_path_factory.mktemp("curves")
     runs = {}

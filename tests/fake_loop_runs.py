@@ -1,4 +1,4 @@
-"""Runs of Lightning's whole loop on fake CUDA devices (lightning_dist/fake_loop.py) for tests/test_loop_on_cuda.py:
+"""Runs of Lightning's whole loop on fake CUDA devices (lightning_dist/dry_run/fake_loop.py) for tests/test_loop_on_cuda.py:
 every preset in one process with CUDA faked, and the same with one of the fixes for state left on the host undone."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import traceback
 from contextlib import ExitStack
 from unittest import mock
 
-from lightning_dist.fake_loop import LoopReport, loop_on_fake_devices
+from lightning_dist.dry_run.fake_loop import LoopReport, loop_on_fake_devices
 
 # Each fix for module state that an engine leaves on the host, as the strategies call it, and what undoes it here.
 UNDONE = {

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from lightning_dist.config_check import ConfigError, check_overrides
-from lightning_dist.train import build
+from lightning_dist.run.config_check import ConfigError, check_overrides
+from lightning_dist.run.train import build
 from tests.conftest import CONF_DIR, REPO, PRESET_NAMES
 
 
@@ -207,8 +207,8 @@ QUIET_REFUSALS = [arguments for arguments, _ in REFUSED if arguments[0] in (
 
 def test_refusals_the_config_decides_load_no_torch_and_print_nothing_else():
     probe = ("import sys, json\n"
-             "from lightning_dist.config_check import ConfigError, check_overrides\n"
-             "from lightning_dist.config_values import check_values\n"
+             "from lightning_dist.run.config_check import ConfigError, check_overrides\n"
+             "from lightning_dist.run.config_values import check_values\n"
              "said = []\n"
              "for arguments in json.loads(sys.argv[1]):\n"
              "    try:\n"

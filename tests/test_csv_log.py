@@ -1,4 +1,4 @@
-"""A run continued into its own directory adds to its CSV log (lightning_dist/csv_log.py): the earlier rows stay,
+"""A run continued into its own directory adds to its CSV log (lightning_dist/reports/csv_log.py): the earlier rows stay,
 the new ones follow, under the union of the columns."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_dist.csv_log import ContinuingCSVLogger
+from lightning_dist.reports.csv_log import ContinuingCSVLogger
 
 
 def write_rows(path: Path, columns: list[str], rows: list[dict]) -> None:

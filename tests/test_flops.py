@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_dist.flops import (
+from lightning_dist.reports.flops import (
     Utilisation,
     device_peak_flops,
     gpu_peak_flops,

@@ -1,4 +1,4 @@
-"""Lightning's whole loop on fake CUDA devices under every preset (lightning_dist/fake_loop.py): sanity validation,
+"""Lightning's whole loop on fake CUDA devices under every preset (lightning_dist/dry_run/fake_loop.py): sanity validation,
 training steps, a validation with the module's torchmetrics metrics, the test loop, and the checkpoint fit would save,
 resumed by a new run; every op and collective device-checked, as one rank of the world size a preset needs.
 

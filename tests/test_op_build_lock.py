@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from lightning_dist import op_build_lock
-from lightning_dist.op_build_lock import clear_abandoned
+from lightning_dist.lifecycle import op_build_lock
+from lightning_dist.lifecycle.op_build_lock import clear_abandoned
 from tests import warm_python
 from tests.conftest import REPO
 

@@ -9,7 +9,8 @@ import sys
 import pytest
 from deepspeed.accelerator import get_accelerator
 
-from lightning_dist._compat.deepspeed import announce_op_builds, op_build_directory, op_is_built
+from lightning_dist._compat.deepspeed import op_build_directory, op_is_built
+from lightning_dist.lifecycle.op_build_lock import announce_op_builds
 from tests.conftest import REPO, documented, run_documented
 
 

@@ -12,7 +12,7 @@ import pytest
 SCRIPT = """
 import atexit, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
-from lightning_dist.quick_exit import exit_quickly
+from lightning_dist.lifecycle.quick_exit import exit_quickly
 
 idle_pool = ThreadPoolExecutor(max_workers=2)
 idle_pool.submit(lambda: None).result()  # its worker now waits for work, in a non-daemon thread

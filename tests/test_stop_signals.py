@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from lightning_dist.stop_signals import LAUNCHER_ENV, process_alive
+from lightning_dist.lifecycle.stop_signals import LAUNCHER_ENV, process_alive
 from scripts.early_signal_loop import GONE_WITHIN_S, one_run
 from tests.conftest import REPO
 from tests.warm_python import REAL_PYTHON
@@ -54,7 +54,7 @@ def test_an_error_after_a_stop_signal_leaves_as_the_stop(at, devices, tmp_path):
 
 RANK = """
 import sys, time
-from lightning_dist.stop_signals import end_with_launcher
+from lightning_dist.lifecycle.stop_signals import end_with_launcher
 if sys.argv[1] == "asks":
     end_with_launcher()
 print("ready", flush=True)

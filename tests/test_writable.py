@@ -1,6 +1,6 @@
 """Whether a run can write where it is told to is tried, not read from permission bits (root passes those)."""
 
-from lightning_dist.writable import unwritable_because
+from lightning_dist.lifecycle.writable import unwritable_because
 
 
 def test_a_directory_still_to_be_made_is_judged_by_where_it_would_be_made(tmp_path):

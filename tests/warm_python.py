@@ -80,7 +80,7 @@ if "cold" in reply:
     cold()
 child = reply["pid"]
 if os.environ.get("LIGHTNING_DIST_LAUNCHER_PID", str(os.getpid())) != str(os.getpid()):
-    # A rank another process started dies with that process (lightning_dist/stop_signals.py). This launcher's parent
+    # A rank another process started dies with that process (lightning_dist/lifecycle/stop_signals.py). This launcher's parent
     # is that process; the child's is the warm one, and the child dies with this launcher (_die_with).
     import ctypes
     ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG

@@ -9,24 +9,9 @@ The submodules are imported where they are used, not here: the CLI reads Hydra's
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-from typing import Any
+from lightning_dist._compat.fenced import Fenced
 
-
-@dataclass(frozen=True)
-class Fenced:
-    """One internal symbol: `module`'s attribute `name` (dotted), taking at least `parameters` (in this order)."""
-
-    module: str
-    name: str
-    parameters: tuple[str, ...] | None = None
-
-    def resolve(self) -> Any:
-        found: Any = importlib.import_module(self.module)
-        for part in self.name.split("."):
-            found = getattr(found, part)
-        return found
+__all__ = ["Fenced", "fenced"]
 
 
 def fenced() -> list[Fenced]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lightning_dist._compat import Fenced
+from lightning_dist._compat.fenced import Fenced
 
 FENCED = [
     Fenced("deepspeed.utils.zero_to_fp32", "_get_fp32_state_dict_from_zero2_checkpoint",
@@ -286,14 +286,14 @@ def op_is_built(name: str) -> bool:
     return (op_build_directory(name) / f"{name}.so").is_file()
 
 
-def announce_op_builds(say: Callable[[str], None]) -> None:
+def announce_op_builds(say: Callable[[str], None], found_lock: Callable[[Path], object]) -> None:
     """Before DeepSpeed compiles a native op on first use (minutes, with no output of its own), `say` one line:
-    which op, what for, that it happens once, and where it is cached. Before any load, a build lock a process that
-    ended left behind is removed (lightning_dist/op_build_lock.py), and said so. Idempotent."""
+    which op, what for, that it happens once, and where it is cached. Before any load, a build lock that is there is
+    given to `found_lock` (lightning_dist/lifecycle/op_build_lock.py removes one a process that ended left behind).
+    Idempotent."""
     from deepspeed.ops.op_builder.builder import OpBuilder
 
     from lightning_dist._compat.torch import extension_build_lock
-    from lightning_dist.op_build_lock import clear_abandoned
 
     if getattr(OpBuilder.jit_load, "announces_builds", False):
         return
@@ -302,7 +302,7 @@ def announce_op_builds(say: Callable[[str], None]) -> None:
     @functools.wraps(jit_load)
     def announced(self: Any, verbose: bool = True) -> Any:
         if self.name not in OpBuilder._loaded_ops and (lock := extension_build_lock(op_build_directory(self.name))):
-            clear_abandoned(lock, say)
+            found_lock(lock)
         if self.name not in OpBuilder._loaded_ops and not op_is_built(self.name):
             purpose = OP_PURPOSES.get(self.name, "this run")
             say(f"DeepSpeed is compiling its {self.name} op for {purpose}: once per machine (a few minutes), cached in"
@@ -321,7 +321,7 @@ def say_on_local_rank_zero(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-# The dry run of a ZeRO engine (lightning_dist/dry_run_deepspeed.py), over torch's fake process group.
+# The dry run of a ZeRO engine (lightning_dist/dry_run/deepspeed.py), over torch's fake process group.
 FENCED += [
     Fenced("deepspeed.runtime.zero.utils", "assert_ints_same_as_other_ranks"),  # (ints); its profiler wrapper hides it
     Fenced("deepspeed.runtime.zero.partition_parameters", "assert_ints_same_as_other_ranks"),

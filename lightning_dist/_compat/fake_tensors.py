@@ -1,5 +1,5 @@
-"""torch's fake tensors, fake process group and memory trackers, as the dry run (lightning_dist/dry_run.py) and
-Lightning's whole loop on fake devices (lightning_dist/fake_loop.py) use them. Fake tensors have shapes and devices
+"""torch's fake tensors, fake process group and memory trackers, as the dry run (lightning_dist/dry_run/ranks.py) and
+Lightning's whole loop on fake devices (lightning_dist/dry_run/fake_loop.py) use them. Fake tensors have shapes and devices
 but no storage; where they behave otherwise than tensors on a device, what a device would do is done here, each
 in the open and behind the fence. Checked on torch 2.11.0, 2.13.0 and 2.15.0."""
 
@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_dist._compat import Fenced
+from lightning_dist._compat.fenced import Fenced
 from lightning_dist._compat.torch import apply_to_tensors
 
 __all__ = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from lightning_dist._compat import Fenced
+from lightning_dist._compat.fenced import Fenced
 
 FENCED = [Fenced("hydra._internal.utils", "get_args_parser")]
 

@@ -26,7 +26,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher as SubprocessScriptLauncher
 
-from lightning_dist._compat import Fenced
+from lightning_dist._compat.fenced import Fenced
 
 __all__ = [
     "ContinuingCSVWriter", "Launcher", "checkpoint_contents", "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput",

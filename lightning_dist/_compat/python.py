@@ -7,7 +7,7 @@ from __future__ import annotations
 import atexit
 import threading
 
-from lightning_dist._compat import Fenced
+from lightning_dist._compat.fenced import Fenced
 
 FENCED = [Fenced("atexit", "_run_exitfuncs"), Fenced("threading", "_shutdown", ())]
 

@@ -15,7 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_dist._compat import Fenced
+from lightning_dist._compat.fenced import Fenced
 
 __all__ = [
     "apply_to_tensors", "attention_function_replaced", "checkpoint_wrapper", "CheckpointWrapper",

@@ -16,7 +16,7 @@ from typing_extensions import override
 from lightning_dist._compat.lightning import logs_this_step
 from lightning_dist.callbacks.finite_watch import FiniteWatch, NonFiniteError
 from lightning_dist.callbacks.run_summary import input_shape, peak_memory, throughput
-from lightning_dist.flops import ModelFlops, Utilisation, device_peak_flops
+from lightning_dist.reports.flops import ModelFlops, Utilisation, device_peak_flops
 from lightning_dist.parallel.dims import parallel_dims_of
 from lightning_dist.parallel.grad_norm import total_norm
 
@@ -34,7 +34,7 @@ class TrainingMonitor(L.Callback):
     check_every_n_steps: how often the ranks compare notes; default: the trainer's `log_every_n_steps` (logging
         synchronises with the device there anyway). 1 checks every step, before backward.
     locate_module: also name the first module whose output was not finite (one on-device check per module output).
-    peak_tflops: one device's peak, for MFU (`lightning_dist/flops.py`); default: NVIDIA's dense figure for the GPUs
+    peak_tflops: one device's peak, for MFU (`lightning_dist/reports/flops.py`); default: NVIDIA's dense figure for the GPUs
         it lists, a matrix-product rate measured at the start on a CPU. A GPU it does not list logs no MFU.
     """
 

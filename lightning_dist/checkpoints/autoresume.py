@@ -10,7 +10,7 @@ import yaml
 
 from lightning_dist.checkpoints.formats import is_complete
 from lightning_dist.checkpoints.whole import first_problem
-from lightning_dist.summary_file import read_summary
+from lightning_dist.reports.summary_file import read_summary
 
 # `resume=run_dir`: only the run directory itself (hydra.run.dir), as a job requeued by its scheduler wants;
 # `resume=true` also searches its sibling directories for earlier runs of the same command.

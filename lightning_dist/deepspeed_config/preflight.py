@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dist.deepspeed_config.zero import ZeroSection
-from lightning_dist.writable import unwritable_because
+from lightning_dist.lifecycle.writable import unwritable_because
 
 # DeepSpeed's native ops for offload, JIT-compiled on first use, and what makes them buildable.
 INSTALL_HINTS = {
@@ -51,7 +51,8 @@ def _directory_problem(key: str, path: str | None) -> str | None:
 def _native_op_problem(builder_name: str, build: bool = True) -> str | None:
     from deepspeed.accelerator import get_accelerator
 
-    from lightning_dist._compat.deepspeed import announce_op_builds, remember_cpu_info, say_on_local_rank_zero
+    from lightning_dist._compat.deepspeed import remember_cpu_info, say_on_local_rank_zero
+    from lightning_dist.lifecycle.op_build_lock import announce_op_builds
 
     remember_cpu_info()  # asked here once, for this process and the ranks it starts
     builder = get_accelerator().create_op_builder(builder_name)

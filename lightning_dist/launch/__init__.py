@@ -1,3 +1,2 @@
-"""Launching runs under Hydra (Hydra-side; the strategies know nothing of Hydra): each sweep job in a process of its
-own (`isolated_job`), and one run per run directory (`run_dir`, which Hydra loads before the job: it imports no
-Lightning, so a refused directory is said at once)."""
+"""The names configs written before lightning_dist/run/ kept: `lightning_dist.launch.run_dir.OneRunPerDirectory`
+in a copied `hydra.callbacks` still loads."""

@@ -16,8 +16,8 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 
 from lightning_dist._compat.lightning import set_threads_for_ranks
 from lightning_dist._compat.torch import set_default_process_group_timeout
-from lightning_dist.parallel.process_exit import close_process_group_at_exit
-from lightning_dist.stop_signals import end_with_launcher
+from lightning_dist.lifecycle.process_exit import close_process_group_at_exit
+from lightning_dist.lifecycle.stop_signals import end_with_launcher
 
 # Host state under CUDA (FSDP's offloaded shards, DeepSpeed's offloaded partitions) is reduced with gloo, device
 # state with nccl: one process group with a backend per device type, as torchtitan does.

@@ -9,7 +9,7 @@ tensor-parallel group are neighbours, on one node). The device mesh keeps Lightn
 written as Lightning's documentation shows works under our strategies too.
 
 No torch at import: the command line sizes a run from its config with this before anything loads torch
-(lightning_dist/config_values.py), so an impossible layout is refused in one line in well under a second.
+(lightning_dist/run/config_values.py), so an impossible layout is refused in one line in well under a second.
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 
 from lightning_dist._compat.deepspeed import (
-    announce_op_builds, partitioner, remember_cpu_info, say_on_local_rank_zero, skip_shared_memory_comm_op,
+    partitioner, remember_cpu_info, say_on_local_rank_zero, skip_shared_memory_comm_op,
 )
 from lightning_dist.deepspeed_config.zero import ZeroSection
+from lightning_dist.lifecycle.op_build_lock import announce_op_builds
 from lightning_dist.parallel.sharded_init import Keep, give_memory, initialize_parameters
 
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")

@@ -19,7 +19,7 @@ from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.memory.layout import Layout
 from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
 from lightning_dist.parallel.block_options import BlockOptions
-from lightning_dist.parallel.collective_timeout import forming_process_group
+from lightning_dist.lifecycle.collective_timeout import forming_process_group
 from lightning_dist.parallel.devices import prepare_rank, process_group_timeout
 from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.regional_compile import ReportsCompilation

@@ -34,7 +34,7 @@ from lightning_dist.optim.offload import optimizer_for_offload
 from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
 from lightning_dist.parallel.block_options import BlockOptions
 from lightning_dist.parallel.autotp import check_tensor_parallel_inputs, initialize_inference_engine
-from lightning_dist.parallel.collective_timeout import forming_process_group
+from lightning_dist.lifecycle.collective_timeout import forming_process_group
 from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.dims import ParallelDims

@@ -36,7 +36,7 @@ from lightning_dist.parallel import (
     shard_device,
     sharding_layout,
 )
-from lightning_dist.parallel.collective_timeout import forming_process_group
+from lightning_dist.lifecycle.collective_timeout import forming_process_group
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.module_state import move_module_state
 from lightning_dist.parallel.dims import TENSOR_PARALLEL, ParallelDims, check_sharding_sizes

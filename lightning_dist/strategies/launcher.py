@@ -17,7 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_dist._compat.lightning import (
     Launcher, MultiProcessingLauncher, SubprocessScriptLauncher, WorkerOutput, end_job_as_its_failed_rank,
 )
-from lightning_dist.stop_signals import end_now, passing_signals_to, stopped
+from lightning_dist.lifecycle.stop_signals import end_now, passing_signals_to, stopped
 
 
 # How long the ranks this process started get to leave on their own after it stopped early: they see the same
@@ -144,7 +144,7 @@ class GuardedLauncher(Launcher):
         self.checked = False  # a later fit with this strategy is checked again
         end_job_as_its_failed_rank(end_as_failed_rank)
         try:
-            # A signal that stops this process stops the ranks it starts; they end if it dies (stop_signals.py).
+            # A signal that stops this process stops the ranks it starts; they end if it dies (lifecycle/stop_signals.py).
             with passing_signals_to(lambda: getattr(self.launcher, "procs", [])):
                 return self.launcher.launch(function, *args, trainer=trainer, **kwargs)
         except BaseException:

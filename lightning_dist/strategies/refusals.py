@@ -1,6 +1,6 @@
 """What a strategy refuses from its options alone, said the same wherever it is found: by the strategy before it
 launches (a Trainer built in Python), and by the command line from the composed config before anything loads torch
-(lightning_dist/config_values.py), in one line in well under a second. No torch here."""
+(lightning_dist/run/config_values.py), in one line in well under a second. No torch here."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from lightning_dist.checkpoints.consolidate import load_consolidated
-from lightning_dist.runs import newest_run
+from lightning_dist.reports.runs import newest_run
 from recipes.hf_causal_lm.language_model import build_language_model
 
 PREFIX = "model."  # LanguageModel keeps the transformers model as `self.model`

@@ -15,8 +15,8 @@ import torch
 
 from lightning_dist.callbacks import PREEMPTED_EXIT_CODE
 from lightning_dist.checkpoints import load_consolidated
-from lightning_dist.equivalence import run_strategy
-from lightning_dist.summary_file import curve
+from lightning_dist.reports.equivalence import run_strategy
+from lightning_dist.reports.summary_file import curve
 from tests.conftest import CURVE_OVERRIDES, REPO, TRAIN_ENV, free_port, in_the_suite
 
 pytestmark = pytest.mark.slow

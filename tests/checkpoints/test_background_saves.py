@@ -155,7 +155,7 @@ def test_a_value_that_is_not_a_boolean_is_named_with_the_choices(tmp_path):
 
 @pytest.mark.slow
 def test_a_ddp_run_saving_in_the_background_saves_what_a_synchronous_one_saves(curve_runs, tmp_path):
-    from lightning_dist.equivalence import run_strategy
+    from lightning_dist.reports.equivalence import run_strategy
     from tests.conftest import CURVE_OVERRIDES
 
     run = run_strategy("ddp", [*CURVE_OVERRIDES, "checkpoint.async=true"], tmp_path / "run")

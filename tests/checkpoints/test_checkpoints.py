@@ -110,7 +110,7 @@ def step_15(curve) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("target", in_the_suite(["fsdp", "ddp"], ["fsdp"]))
 def test_zero3_checkpoint_from_two_ranks_resumes_on_one_rank_under(target, curve_runs, tmp_path):
-    from lightning_dist.equivalence import run_strategy
+    from lightning_dist.reports.equivalence import run_strategy
     from tests.conftest import CURVE_OVERRIDES
 
     source = curve_runs("deepspeed_stage_3")

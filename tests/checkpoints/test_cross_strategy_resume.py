@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_dist.checkpoints.consolidate import load_consolidated
-from lightning_dist.equivalence import run_strategy
+from lightning_dist.reports.equivalence import run_strategy
 from tests.conftest import CURVE_OVERRIDES, in_the_suite
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ import torch
 from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.checkpoints.manifest import MANIFEST
 from lightning_dist.checkpoints.whole import check_whole
-from lightning_dist.equivalence import COMPARISON_OVERRIDES, read_train_losses
+from lightning_dist.reports.equivalence import COMPARISON_OVERRIDES, read_train_losses
 from tests.conftest import CURVE_OVERRIDES, in_the_suite, run_train
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from lightning_dist.equivalence import read_train_losses
+from lightning_dist.reports.equivalence import read_train_losses
 from tests.conftest import REPO, in_the_suite, run_train
 
 pytestmark = pytest.mark.slow

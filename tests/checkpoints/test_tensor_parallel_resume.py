@@ -19,7 +19,7 @@ from lightning_dist.checkpoints.consolidate import load_consolidated
 from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.checkpoints.manifest import MANIFEST
 from lightning_dist.checkpoints.whole import check_whole
-from lightning_dist.equivalence import StrategyCurve, run_strategy
+from lightning_dist.reports.equivalence import StrategyCurve, run_strategy
 from tests.conftest import CURVE_OVERRIDES, in_the_suite
 
 pytestmark = pytest.mark.slow

@@ -90,7 +90,7 @@ def test_a_device_mismatch_under_fake_tensors_names_both_devices():
 
 
 def test_fake_tensors_do_what_tensors_do_where_the_loop_needs_it():
-    """What lightning_dist/fake_loop.py relies on, on every release: a parameter built on the meta device and given
+    """What lightning_dist/dry_run/fake_loop.py relies on, on every release: a parameter built on the meta device and given
     fake memory stays the same object; a fake tensor deep-copies; a boolean mask selects every element; reading a
     value gives 1.0, 0 or False. (`.data =` across devices needs two: tests/test_loop_on_cuda.py.)"""
     import copy

@@ -17,9 +17,9 @@ from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogg
 from omegaconf import open_dict
 
 from lightning_dist.callbacks import StepProgressBar
-from lightning_dist.config_check import check_overrides, group_options
-from lightning_dist.csv_log import ContinuingCSVLogger
-from lightning_dist.train import build
+from lightning_dist.run.config_check import check_overrides, group_options
+from lightning_dist.reports.csv_log import ContinuingCSVLogger
+from lightning_dist.run.train import build
 from tests.conftest import CONF_DIR
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra") + ["hydra/launcher"]
@@ -87,8 +87,8 @@ def test_callbacks_none_leaves_lightnings_own():
 
 
 def test_an_option_that_needs_a_missing_package_names_it_and_the_install(monkeypatch):
-    from lightning_dist import config_check
-    from lightning_dist.config_check import ConfigError
+    from lightning_dist.run import config_check
+    from lightning_dist.run.config_check import ConfigError
 
     monkeypatch.setattr(config_check, "_installed", lambda module: module != "wandb")
     with pytest.raises(ConfigError, match=r'^logger=wandb: needs wandb, not installed here; pip install -e "\.\[loggers\]"$'):

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from lightning_dist.summary_file import curve
+from lightning_dist.reports.summary_file import curve
 from tests.conftest import run_train
 
 pytestmark = pytest.mark.slow

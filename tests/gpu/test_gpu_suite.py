@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from lightning_dist.equivalence import read_train_losses
+from lightning_dist.reports.equivalence import read_train_losses
 from tests.conftest import PRESET_NAMES, REPO, TENSOR_PARALLEL_NAMES
 from tests.gpu.conftest import PRECISION_CELLS, RESUMED, STEPS
 from tests.strategies.test_cuda_choices import expected_backend

@@ -16,7 +16,7 @@ from lightning.pytorch.trainer.call import _call_and_handle_interrupt
 from omegaconf import OmegaConf
 
 import lightning_dist  # noqa: F401  (registers the ld_* names)
-from lightning_dist.config_check import ConfigError, check_launcher
+from lightning_dist.run.config_check import ConfigError, check_launcher
 from tests.conftest import CONF_DIR, REPO
 
 SLURM_RANK_3_OF_4 = {
@@ -143,7 +143,7 @@ def test_a_sweep_job_gets_its_own_process_when_lightning_would_start_ranks(devic
 
     from hydra.types import RunMode
 
-    from lightning_dist.launch.isolated_job import needs_isolation
+    from lightning_dist.run.isolated_job import needs_isolation
 
     trainer = {"devices": devices, "num_nodes": num_nodes}
     assert needs_isolation(SimpleNamespace(mode=RunMode.MULTIRUN), trainer) is isolated

@@ -78,7 +78,7 @@ def test_the_readme_sweep_report_command_writes_a_table_and_a_readable_plot(swee
 def test_plot_has_labelled_axes_and_one_series_per_job(sweep, monkeypatch):
     import matplotlib.figure
 
-    from lightning_dist import sweep_report
+    from lightning_dist.reports import sweep_report
 
     _, _, dates = sweep
     figures = []

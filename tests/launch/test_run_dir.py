@@ -1,4 +1,4 @@
-"""A run directory belongs to one run (lightning_dist/launch/run_dir.py): a second run into a fixed hydra.run.dir
+"""A run directory belongs to one run (lightning_dist/run/run_dir.py): a second run into a fixed hydra.run.dir
 is refused in one line before anything is written, whether the first has finished or is still going."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_dist.config_check import ConfigError
-from lightning_dist.launch import run_dir
-from lightning_dist.launch.run_dir import CLAIM_ENV, CLAIM_FILE, claim_run_dir, discard_refused_run
+from lightning_dist.run.config_check import ConfigError
+from lightning_dist.run import run_dir
+from lightning_dist.run.run_dir import CLAIM_ENV, CLAIM_FILE, claim_run_dir, discard_refused_run
 from tests.conftest import REPO, TRAIN_ENV, run_train, train_command
 
 
@@ -63,7 +63,7 @@ def test_a_new_directory_is_created_claimed_and_handed_to_the_ranks(tmp_path, un
 def test_a_directory_in_use_is_refused_even_when_continuing(tmp_path, unclaimed):
     holder = subprocess.Popen(  # claims the directory, and holds it until told to exit
         [sys.executable, "-c", "import sys; from pathlib import Path\n"
-         "from lightning_dist.launch.run_dir import claim_run_dir\n"
+         "from lightning_dist.run.run_dir import claim_run_dir\n"
          f"claim_run_dir(Path({str(tmp_path)!r}), continuing=False); print('claimed', flush=True); sys.stdin.readline()"],
         cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )

@@ -9,14 +9,14 @@ import subprocess
 import sys
 import time
 
-from lightning_dist.parallel.collective_timeout import STORE_GONE_S
+from lightning_dist.lifecycle.collective_timeout import STORE_GONE_S
 from tests.conftest import REPO, free_port
 
 # The rendezvous itself, blocked in native code: a sleep stands for it.
 WORKER = """
 import time
 from datetime import timedelta
-from lightning_dist.parallel.collective_timeout import forming_process_group
+from lightning_dist.lifecycle.collective_timeout import forming_process_group
 with forming_process_group(timedelta(seconds=1800), lambda: 1):
     time.sleep(600)
 """

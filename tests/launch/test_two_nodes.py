@@ -17,7 +17,7 @@ import pytest
 
 from lightning_dist.checkpoints.manifest import MANIFEST
 from lightning_dist.checkpoints.whole import is_whole
-from lightning_dist.equivalence import read_train_losses
+from lightning_dist.reports.equivalence import read_train_losses
 from scripts.two_nodes import SAVES, kill_node, leftovers, run_nodes, start_nodes, wait_for_nodes
 from tests.conftest import REPO, documented_lines, in_the_suite
 from tests.warm_python import REAL_PYTHON

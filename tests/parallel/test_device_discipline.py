@@ -16,7 +16,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from lightning_dist.train import train
+from lightning_dist.run.train import train
 from tests.conftest import CONF_DIR
 from tests.device_discipline import CarelessTensorsOnMeta, CollectiveDeviceAudit
 from tests.probes import StepClock

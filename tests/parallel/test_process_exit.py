@@ -1,5 +1,5 @@
 """A rank's process group closed, and its threads finished, before the interpreter ends
-(lightning_dist/parallel/process_exit.py)."""
+(lightning_dist/lifecycle/process_exit.py)."""
 
 import hashlib
 import subprocess
@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from lightning_dist.parallel.process_exit import busy_threads, wait_for_other_threads_to_settle
+from lightning_dist.lifecycle.process_exit import busy_threads, wait_for_other_threads_to_settle
 from tests.conftest import REPO, free_port
 
 # An exit handler registered first runs last: it sees what the package's handler left.
@@ -20,7 +20,7 @@ PROCESS_GROUP_AT_EXIT = textwrap.dedent("""
     import torch.distributed as dist
     atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
     from lightning_dist.parallel.devices import prepare_rank
-    from lightning_dist.parallel.process_exit import close_process_group_at_exit
+    from lightning_dist.lifecycle.process_exit import close_process_group_at_exit
     import torch
     prepare_rank(torch.device("cpu"), 1, datetime.timedelta(seconds=60))
     close_process_group_at_exit()  # a second strategy in the same process registers it again: still one handler
@@ -37,7 +37,7 @@ LAST_COLLECTIVE_IN_BACKWARD = textwrap.dedent("""
     os.sched_setaffinity(0, {{rank % os.cpu_count()}})  # the gloo worker shares its rank's one core
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
     if handler:
-        from lightning_dist.parallel.process_exit import close_process_group_at_exit
+        from lightning_dist.lifecycle.process_exit import close_process_group_at_exit
         close_process_group_at_exit()
     group = dist.new_group([0, 1])
     weight = torch.nn.Parameter(torch.ones(64))

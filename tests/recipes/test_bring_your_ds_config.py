@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lightning_dist.equivalence import run_strategy
+from lightning_dist.reports.equivalence import run_strategy
 from recipes.bring_your_ds_config.show_auto import main as show_auto
 from tests.conftest import HF_ZERO2, REPO
 

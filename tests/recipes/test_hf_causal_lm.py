@@ -10,7 +10,7 @@ import torch
 import transformers  # the hf extra: the README's test command installs it
 
 from lightning_dist.checkpoints.consolidate import load_consolidated
-from lightning_dist.equivalence import run_strategy
+from lightning_dist.reports.equivalence import run_strategy
 from tests.conftest import REPO, in_the_suite
 
 

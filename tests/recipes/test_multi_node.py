@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_dist.equivalence import read_train_losses
+from lightning_dist.reports.equivalence import read_train_losses
 from tests.conftest import REPO, free_port
 
 pytestmark = pytest.mark.slow

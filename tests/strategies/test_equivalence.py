@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_dist.equivalence import format_report, run_strategy
+from lightning_dist.reports.equivalence import format_report, run_strategy
 from tests.conftest import CURVE_OVERRIDES, CURVES_IN_THE_SUITE, STRATEGY_NAMES, in_the_suite
 
 pytestmark = pytest.mark.slow

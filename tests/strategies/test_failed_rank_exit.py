@@ -15,7 +15,7 @@ import pytest
 RANK_ZERO = """
 import os, signal, subprocess, sys, time
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
-from lightning_dist import stop_signals
+from lightning_dist.lifecycle import stop_signals
 from lightning_dist._compat.lightning import end_job_as_its_failed_rank
 from lightning_dist.strategies.launcher import end_as_failed_rank
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from lightning_dist.equivalence import StrategyCurve, run_strategy
+from lightning_dist.reports.equivalence import StrategyCurve, run_strategy
 from tests.conftest import CURVE_OVERRIDES, in_the_suite
 
 # Recomputation repeats the same float32 ops on the same inputs: the losses came out bit-identical to the eager

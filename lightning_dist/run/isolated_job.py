@@ -23,7 +23,7 @@ from typing import Any
 from hydra.types import RunMode
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
-from lightning_dist.stop_signals import Stopped
+from lightning_dist.lifecycle.stop_signals import Stopped
 
 log = logging.getLogger(__name__)
 

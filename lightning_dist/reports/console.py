@@ -9,7 +9,7 @@ import logging
 
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-from lightning_dist.library_warnings import quiet_library_warnings
+from lightning_dist.lifecycle.library_warnings import quiet_library_warnings
 
 # Lines Lightning logs that advertise a product rather than describe the run.
 ADVERTS = ("💡 Tip:",)

@@ -6,7 +6,7 @@ A GPU run fails where a tensor meets one on another device; on CPU every device 
 it. Here CUDA is faked (`_compat/fake_cuda.py`) and every tensor is a fake one, with a device and no storage; torch's
 fake process group completes every collective without sending anything. Every op and collective is device-checked
 (`parallel/device_check.py`), and a failure inside a torchmetrics update names the metric. The two-step dry run
-(`dry_run.py`) drives a strategy's set-up and training steps by hand; this is Lightning's own loop, so what Lightning
+(`ranks.py`) drives a strategy's set-up and training steps by hand; this is Lightning's own loop, so what Lightning
 and the module do around the steps runs too: moving the module and each batch, validation and test steps, metric
 updates and their epoch-end compute, `self.log` and its reductions, the callbacks, and the checkpoint's contents.
 
@@ -43,7 +43,7 @@ from lightning_dist._compat.fake_tensors import (
 )
 from lightning_dist._compat.torch import tree_map
 from lightning_dist.callbacks.finite_watch import FiniteWatch
-from lightning_dist.dry_run import FakeRankEnvironment
+from lightning_dist.dry_run.ranks import FakeRankEnvironment
 from lightning_dist.memory.attention_kernel import fused_attention
 from lightning_dist.parallel.device_check import DeviceMismatch, OneDevicePerRank, collective_devices
 from lightning_dist.parallel.module_state import misplaced_module_state, same_device
@@ -245,7 +245,7 @@ def _deepspeed_on_fake_tensors() -> Iterator[None]:
     and the module's own optimizer kept under offload, where DeepSpeed's CPU Adam (a native op) would step it: no
     native op is built or loaded (the preflight's build of them is the real run's)."""
     from lightning_dist.deepspeed_config import preflight
-    from lightning_dist.dry_run_deepspeed import dry_run_config
+    from lightning_dist.dry_run.deepspeed import dry_run_config
     from lightning_dist.strategies import deepspeed as deepspeed_strategy
 
     config_in_effect = deepspeed_strategy.config_in_effect

@@ -4,13 +4,13 @@ trace (gloo: "Timed out waiting 30000ms for recv operation", "Connection closed 
 - another rank is stuck (or slower than `strategy.timeout`): this rank waited that long in a collective, or for
   every rank to join the process group (the set-up, before the first step);
 - another rank exited (or was killed): its connection closed; a rank that left with an error said which, with its
-  exit code (parallel/peer_exits.py);
+  exit code (peer_exits.py);
 - another rank cannot be reached: the connection was refused, as when a node advertises an address the others do
   not reach (a host name that resolves to 127.0.1.1, Debian's and Ubuntu's default, without GLOO_SOCKET_IFNAME).
 
 The set-up has a bound of its own (`forming_process_group`): a rendezvous or a connection that hangs in native
 code past `strategy.timeout` ends the rank, where the library gives no bound; in a torchrun job, a rank that
-refused its configuration ends the others at once (launch/job_store.py).
+refused its configuration ends the others at once (job_store.py).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
-from lightning_dist.launch.job_store import RefusedElsewhere, agent_store, refusal
-from lightning_dist.parallel.peer_exits import said_leaving
+from lightning_dist.lifecycle.exits import undo_refused_run
+from lightning_dist.lifecycle.job_store import RefusedElsewhere, agent_store, refusal
+from lightning_dist.lifecycle.peer_exits import said_leaving
 
 _TIMEOUT_MESSAGE = re.compile(r"timed out|timeout", re.IGNORECASE)
 _PEER_EXITED = re.compile(r"connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
@@ -120,7 +121,7 @@ def forming_process_group(timeout: timedelta, rank: Callable[[], int]) -> Iterat
                 store, said = None, None
             if said is not None:
                 print(f"error: {RefusedElsewhere(said)}", file=sys.stderr, flush=True)
-                _quietly(_discard_this_run)
+                undo_refused_run()  # a run refused leaves nothing in its directory (the edge's claim)
                 os._exit(2)
             if torchrun and time.monotonic() - reached > STORE_GONE_S:
                 print(f"error: rank {rank()}: the job's store (torchrun's agent on node 0, at"
@@ -140,20 +141,6 @@ def forming_process_group(timeout: timedelta, rank: Callable[[], int]) -> Iterat
         _setting_up = False  # left set after an error: explain_collective_failure says it came in the set-up
     finally:
         formed.set()
-
-
-def _discard_this_run() -> None:
-    # A run refused leaves nothing in its directory (imported here: the command line's module, Hydra's callback).
-    from lightning_dist.launch.run_dir import discard_this_run_of_the_job
-
-    discard_this_run_of_the_job()
-
-
-def _quietly(do: Callable[[], Any]) -> None:
-    try:
-        do()
-    except Exception:  # noqa: BLE001  the process ends next, with its line said
-        pass
 
 
 def _limit(trainer: Any) -> str:

@@ -40,7 +40,7 @@ from lightning_dist._compat.fake_tensors import (
 )
 from lightning_dist._compat.torch import tree_map
 from lightning_dist.deepspeed_config.for_run import config_in_effect
-from lightning_dist.dry_run import configured_optimizer
+from lightning_dist.dry_run.optimizer import configured_optimizer
 from lightning_dist.memory.attention_kernel import fused_attention
 from lightning_dist.parallel.device_check import OneDevicePerRank, collective_devices
 from lightning_dist.parallel.devices import process_group_backend

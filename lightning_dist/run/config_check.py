@@ -16,12 +16,16 @@ from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
+from lightning_dist.lifecycle.exits import REFUSED
+
 # Inside the package, so that an installed lightning-dist has them (the repository's `conf/` links here).
-CONF_DIR = Path(__file__).resolve().parent / "conf"
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # lightning_dist/conf
 
 
 class ConfigError(ValueError):
     """A configuration mistake, said in one line that names the key and the valid choices."""
+
+    exit_code = REFUSED
 
 
 def devices_per_node(devices: object) -> int:
@@ -46,7 +50,7 @@ def devices_per_node(devices: object) -> int:
 
 
 OmegaConf.register_new_resolver("ld.devices_per_node", devices_per_node, replace=True)
-from lightning_dist.launch import per_rank  # noqa: E402, F401  (its resolvers: where each rank writes its log and config)
+from lightning_dist.run import per_rank  # noqa: E402, F401  (its resolvers: where each rank writes its log and config)
 
 # Launcher keys that size a cluster job; resolved before anything is submitted, so that a mistake is one line here
 # rather than a traceback from inside Hydra's launcher.

@@ -105,5 +105,7 @@ def shared_choice(choose: Any, timeout: timedelta) -> str | None:
 class RefusedElsewhere(RuntimeError):
     """Another rank of the job refused its configuration before launch."""
 
+    exit_code = 2  # refused (exits.py, which tells the other ranks through this module)
+
     def __init__(self, said: str) -> None:
         super().__init__(f"{said.split(':', 1)[0]} refused the run's configuration, so this rank stops too: {said.split(':', 1)[1].strip()}")

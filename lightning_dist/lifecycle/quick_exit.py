@@ -3,7 +3,7 @@ file is flushed, so what remains is freeing a torch process's objects one by one
 rank 1, then 1.0 s for rank 0, which waits for it first). Two seconds of every run, and of every test that runs one.
 
 It also skips the moment the teardown can crash: a gloo worker thread that drops Python state after finalization
-began aborts the process (parallel/process_exit.py).
+began aborts the process (process_exit.py).
 """
 
 from __future__ import annotations

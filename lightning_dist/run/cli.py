@@ -5,7 +5,7 @@
     python train.py -m strategy=ddp,fsdp               # a sweep: logs/train/multiruns/<date>/<job>
 
 Only Hydra is imported here: `--help`, `--cfg job` and a refused override answer without loading torch, Lightning
-or DeepSpeed (several seconds); the job itself (`lightning_dist/train.py`) imports them when it runs.
+or DeepSpeed (several seconds); the job itself (`lightning_dist/run/train.py`) imports them when it runs.
 """
 
 from __future__ import annotations
@@ -17,37 +17,23 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from lightning_dist.config_check import CONF_DIR, ConfigError, check_launcher, check_overrides
-from lightning_dist.config_values import check_values
+from lightning_dist.run.config_check import CONF_DIR, ConfigError, check_launcher, check_overrides
+from lightning_dist.run.config_values import check_values
+from lightning_dist.lifecycle.exits import exit_with
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def _hydra_entry(cfg: DictConfig) -> Any:
-    from lightning_dist.stop_signals import leaving_as_the_stop
+    from lightning_dist.lifecycle.stop_signals import leaving_as_the_stop
 
     with leaving_as_the_stop():  # before Hydra prints the traceback of a job that failed
-        from lightning_dist.train import run_job
+        from lightning_dist.run.train import run_job
 
         return run_job(cfg)
 
 
-def exit_with(error: Exception, code: int = 2) -> None:
-    """End the run with `error` in one line; after a stop signal, as the stop: the error may be the signal's doing
-    (lightning_dist/stop_signals.py, `leaving_as_the_stop`)."""
-    from lightning_dist.stop_signals import stopped
-
-    if (stop := stopped()) is not None:
-        raise stop from error
-    print(f"error: {error}", file=sys.stderr)
-    if code == 2:  # refused before launch: a torchrun job's other ranks stop too, not after their timeout
-        from lightning_dist.launch.job_store import tell_refusal
-
-        tell_refusal(str(error))
-    sys.exit(code)
-
-
 def main() -> None:
-    from lightning_dist.quick_exit import exit_quickly
+    from lightning_dist.lifecycle.quick_exit import exit_quickly
 
     try:
         _main()
@@ -58,10 +44,10 @@ def main() -> None:
 
 def _main() -> None:
     from lightning_dist._compat.hydra import hydra_args_parser, is_a_rank_lightning_started
-    from lightning_dist.stop_signals import Stopped, end_with_launcher, leaving_as_the_stop, stop_on_signals
+    from lightning_dist.lifecycle.stop_signals import Stopped, end_with_launcher, leaving_as_the_stop, stop_on_signals
 
     args = hydra_args_parser().parse_args(sys.argv[1:])
-    # First: a signal from here on ends the run and the ranks it starts (lightning_dist/stop_signals.py).
+    # First: a signal from here on ends the run and the ranks it starts (lightning_dist/lifecycle/stop_signals.py).
     job_names = [o.partition("=")[2] for o in args.overrides if o.startswith("hydra.job.name=")]
     stop_on_signals(quietly=any(is_a_rank_lightning_started(name) for name in job_names))
     end_with_launcher()
@@ -84,7 +70,7 @@ def _check_and_run(args: Any) -> None:
             overrides = [*overrides, f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]"]
         try:
             cfg = check_overrides(overrides, config_name=args.config_name or "train")
-            if cfg is not None:  # a sweep's jobs are checked each in turn, when built (lightning_dist/train.py)
+            if cfg is not None:  # a sweep's jobs are checked each in turn, when built (lightning_dist/run/train.py)
                 check_values(cfg)
             if args.multirun:  # a launcher sizes its jobs only in a sweep
                 check_launcher(overrides, config_name=args.config_name or "train")

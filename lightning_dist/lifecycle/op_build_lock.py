@@ -74,3 +74,11 @@ def _filesystem_type(path: Path) -> str:
         if inside and len(point) > len(best):
             best, kind = point, fields[2]
     return kind
+
+
+def announce_op_builds(say: Callable[[str], None]) -> None:
+    """DeepSpeed's native op builds, said in one line before they start; before any load, a lock a process that
+    ended left behind is removed, and said so (_compat/deepspeed.py patches the loading). Idempotent."""
+    from lightning_dist._compat.deepspeed import announce_op_builds as announce_in_deepspeed
+
+    announce_in_deepspeed(say, lambda lock: clear_abandoned(lock, say))

@@ -1,5 +1,5 @@
 """Train and test a LightningModule with the strategy, model, data and trainer that `conf/` composes: the job that
-`python train.py` runs (the command line itself is `lightning_dist/cli.py`).
+`python train.py` runs (the command line itself is `lightning_dist/run/cli.py`).
 
     python train.py                                   # the embedded default: tiny GPT on pydoc text, DDP, 2 CPU ranks
     python train.py strategy=deepspeed_stage_3_offload
@@ -39,28 +39,28 @@ from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.checkpoints.safe_load import vet_checkpoint
 from lightning_dist.checkpoints.swap import SaveFailed
 from lightning_dist.checkpoints.whole import check_whole
-from lightning_dist.console import is_rank_zero, quiet_console
-from lightning_dist.cli import exit_with
-from lightning_dist.config_check import ConfigError
-from lightning_dist.config_values import check_values
-from lightning_dist.launch.isolated_job import JobFailed, needs_isolation, run_isolated
-from lightning_dist.launch.job_store import RefusedElsewhere, shared_choice
-from lightning_dist.launch.run_dir import discard_refused_run
+from lightning_dist.reports.console import is_rank_zero, quiet_console
+from lightning_dist.run.config_check import ConfigError
+from lightning_dist.run.config_values import check_values
+from lightning_dist.run.isolated_job import JobFailed, needs_isolation, run_isolated
+from lightning_dist.lifecycle.job_store import RefusedElsewhere, shared_choice
+from lightning_dist.run.run_dir import discard_refused_run, discard_this_run_of_the_job
 from lightning_dist.dry_run import RankView, can_dry_run, dry_run_configured, dry_run_devices
 from lightning_dist.dry_run import table as dry_run_table
 from lightning_dist.memory import AutoFit, Choice, MemoryPlan, ModelFacts, layout_of, plan_memory
 from lightning_dist.memory.compare import compare_presets
 from lightning_dist.parallel import BlockClasses, require_classes_in_model, resolve_block_classes
 from lightning_dist.parallel.device_check import DeviceMismatch
-from lightning_dist.parallel.collective_timeout import CollectiveFailure, explain_collective_failure
-from lightning_dist.parallel.peer_exits import say_leaving
-from lightning_dist.parallel.process_exit import close_process_group
+from lightning_dist.lifecycle.exits import FINISHED, exit_code, exit_with, undo_on_refusal
+from lightning_dist.lifecycle.collective_timeout import CollectiveFailure, explain_collective_failure
+from lightning_dist.lifecycle.peer_exits import say_leaving
+from lightning_dist.lifecycle.process_exit import close_process_group
 from lightning_dist.parallel.sharded_init import parameters_on_meta
 from lightning_dist.precision import check_precision, device_type
 from lightning_dist.strategies import DeepSpeedStrategy
 from lightning_dist.strategies.launcher import PreflightError, preflight
-from lightning_dist.summary_file import SUMMARY_NAME, read_summary
-from lightning_dist.writable import unwritable_because
+from lightning_dist.reports.summary_file import SUMMARY_NAME, read_summary
+from lightning_dist.lifecycle.writable import unwritable_because
 
 log = logging.getLogger(__name__)
 
@@ -324,6 +324,8 @@ class NothingLeftToTrain(Exception):
     """`resume=true` found the last save of a run that trained to its end: this run trains nothing, says so, and
     leaves no run directory behind (`summary`: that run's)."""
 
+    exit_code = FINISHED
+
     def __init__(self, said: str, summary: dict) -> None:
         super().__init__(said)
         self.summary = summary
@@ -364,7 +366,7 @@ def _checkpoint_to_resume(cfg: DictConfig, shapes: dict[str, tuple[int, ...]]) -
             found = newest_complete_checkpoint(output_dir.parent, overrides, passed_over, another_models)
         return str(found) if found else None
 
-    # Global rank 0's choice on every rank of a torchrun job (launch/job_store.py), where each runs this search.
+    # Global rank 0's choice on every rank of a torchrun job (lifecycle/job_store.py), where each runs this search.
     found = shared_choice(newest, timedelta(seconds=cfg.strategy.get("timeout") or 1800))
     # Every rank asks (the run directories are on storage they share), so that every rank ends here together.
     if found is not None and cfg.resume is True and (finished := finished_run(Path(found))) is not None:
@@ -417,9 +419,10 @@ def run_job(cfg: DictConfig) -> Any:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     hydra_config = HydraConfig.get()
     multirun = hydra_config.mode == RunMode.MULTIRUN
+    undo_on_refusal(discard_this_run_of_the_job)  # another rank refused the run while its process group formed
     try:
         if needs_isolation(hydra_config, cfg.trainer):
-            # A sweep job with ranks: run it as a single run in a process of its own (lightning_dist/launch/).
+            # A sweep job with ranks: run it as a single run in a process of its own (lightning_dist/run/isolated_job.py).
             metrics = run_isolated(hydra_config)
         elif cfg.get("plan"):
             plan(cfg)
@@ -463,17 +466,6 @@ def _leave_nothing(hydra_config: Any, multirun: bool) -> None:
     the run it was for can then go into the same directory."""
     if not multirun:  # a sweep's job directories are the sweep's record
         discard_refused_run(Path(hydra_config.runtime.output_dir), hydra_config.job.name)
-
-
-def exit_code(error: BaseException) -> int:
-    """The code the run exits with when `error` ends it (docs/faults.md, "Exit codes of train.py")."""
-    if isinstance(error, (ConfigError, RefusedElsewhere)):
-        return 2
-    if isinstance(error, NothingLeftToTrain):
-        return 0
-    if isinstance(error, SystemExit):  # a preemption's 75 (or 0 on ranks that leave the report to rank 0)
-        return error.code if isinstance(error.code, int) else 1
-    return 1
 
 
 def _objective(cfg: DictConfig, metrics: dict[str, float]) -> Any:

@@ -11,7 +11,7 @@ machine's CUDA, or with CUDA faked: `_compat/fake_cuda.py`) and every op and col
 allocator fragmentation, NCCL's buffers, and time.
 
 ddp and the fsdp presets (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, activation checkpointing, tensor parallelism,
-CPU offload) here; DeepSpeed's ZeRO 1-3 and its offload in `dry_run_deepspeed.py`.
+CPU offload) here; DeepSpeed's ZeRO 1-3 and its offload in `deepspeed.py`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from lightning_dist._compat.fake_tensors import (
     memory_categories, meshes_built_outside_fake_tensors, module_memory_tracker,
 )
 from lightning_dist._compat.torch import tree_map
+from lightning_dist.dry_run.optimizer import configured_optimizer
 from lightning_dist.memory.attention_kernel import fused_attention
 from lightning_dist.memory.auto_fit import AutoFit
 from lightning_dist.parallel.classes import block_modules
@@ -53,7 +54,7 @@ CATEGORIES = {
     "ALL_GATHER": "all-gather buffers", "REDUCE_SCATTER": "reduce-scatter buffers", "ACT": "activations",
     "TEMP": "temporaries", "INP": "inputs", "PARAM": "parameters", "GRAD": "gradients",
     "OTH": "gradient buckets",  # what the dry run gives the module tracker itself: DDP's buckets
-    "ENGINE_BUFFERS": "DeepSpeed's buffers",  # its gradient buckets above all (dry_run_deepspeed.py)
+    "ENGINE_BUFFERS": "DeepSpeed's buffers",  # its gradient buckets above all (deepspeed.py)
 }
 
 
@@ -212,7 +213,7 @@ def _is_deepspeed(strategy: Any) -> bool:
 
 def _deepspeed_rank(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision: str, world: int, rank: int,
                     device_type: str) -> RankView:
-    from lightning_dist.dry_run_deepspeed import deepspeed_rank
+    from lightning_dist.dry_run.deepspeed import deepspeed_rank
 
     module, by_device, coordinate = deepspeed_rank(strategy, build, batch, precision, world, rank, device_type)
     peak = next(categories for device, categories in by_device.items() if device.startswith(device_type))
@@ -242,14 +243,6 @@ def _precision_plugin(strategy: Any, precision: str, device_type: str) -> Any:
     plugin = Precision()
     plugin.precision = precision
     return plugin
-
-
-def configured_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """The optimizer the module's `configure_optimizers` makes (the first, if several), else AdamW."""
-    configured = model.configure_optimizers() if hasattr(model, "configure_optimizers") else None
-    configured = configured[0] if isinstance(configured, (list, tuple)) else configured
-    configured = configured.get("optimizer") if isinstance(configured, dict) else configured
-    return configured if isinstance(configured, torch.optim.Optimizer) else torch.optim.AdamW(model.parameters())
 
 
 def _step(strategy: Any, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> None:
