@@ -125,3 +125,32 @@ def test_the_names_configs_and_commands_used_before_the_move_still_load():
     assert get_object("lightning_dist.csv_log.ContinuingCSVLogger") is ContinuingCSVLogger
     assert get_object("lightning_dist.launch.run_dir.OneRunPerDirectory") is OneRunPerDirectory
     assert (sweep_report.main, equivalence.main) == (report.main, comparison.main)  # python -m lightning_dist.<name>
+
+
+# The parts of the package that ask a strategy through its protocol (strategies/base.py) and never by its type.
+ASK_BY_PROTOCOL = ("memory", "dry_run")
+
+
+def type_switches(source: str) -> list[str]:
+    """Each `isinstance(x, <...>Strategy)`, and each `hasattr`/`getattr` on a name `strategy`, in `source`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args):
+            continue
+        if node.func.id == "isinstance" and len(node.args) == 2:
+            kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            names = [kind.id if isinstance(kind, ast.Name) else getattr(kind, "attr", "") for kind in kinds]
+            if any(name.endswith("Strategy") for name in names):
+                found.append(f"{node.lineno}: {ast.get_source_segment(source, node)}")
+        elif node.func.id in ("hasattr", "getattr") and isinstance(node.args[0], ast.Name) and node.args[0].id == "strategy":
+            found.append(f"{node.lineno}: {ast.get_source_segment(source, node)}")
+    return found
+
+
+def test_the_planner_and_the_dry_run_ask_a_strategy_and_never_switch_on_its_type():
+    switching = {str(path.relative_to(REPO)): found for folder in ASK_BY_PROTOCOL
+                 for path in sorted((PACKAGE / folder).rglob("*.py")) if (found := type_switches(path.read_text()))}
+    assert switching == {}
+    source = ("if isinstance(strategy, (DDPStrategy, strategies.FSDPStrategy)): pass\n"
+              "shards = hasattr(strategy, 'parallelize')\nbatch = isinstance(batch, dict)\n")
+    assert [line.split(":")[0] for line in type_switches(source)] == ["1", "2"]

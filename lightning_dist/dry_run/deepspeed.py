@@ -19,8 +19,8 @@ from __future__ import annotations
 import gc
 import os
 import warnings
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
@@ -179,3 +179,19 @@ def _tracker(module: nn.Module, zero_optimizer: Any, mode: Any, parameters_shard
     alive = [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and getattr(t, "fake_mode", None) is mode]
     tracker.track_external(*alive)
     return tracker
+
+
+@contextmanager
+def loop_on_fake_tensors(strategy: Any) -> Iterator[None]:
+    """Lightning's loop over DeepSpeed on fake tensors (fake_loop.py): collectives over torch's fake process group;
+    the resolved config as a dry run runs it (NVMe traced as host offload, torch's optimizer allowed on the host),
+    and the module's own optimizer kept under offload, where DeepSpeed's CPU Adam (a native op) would step it: no
+    native op is built or loaded (the preflight's build of them is the real run's)."""
+    from lightning_dist.deepspeed_config import preflight
+
+    effective_config = strategy.effective_config
+    with (over_a_fake_process_group(),
+          mock.patch.object(strategy, "effective_config", lambda *args: dry_run_config(effective_config(*args))),
+          mock.patch.object(strategy, "optimizer_for_offload", lambda optimizer, scheduler_config: optimizer),
+          mock.patch.object(preflight, "native_ops_needed", lambda config: [])):
+        yield

@@ -35,7 +35,6 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_dist._compat.deepspeed import over_a_fake_process_group
 from lightning_dist._compat.lightning import checkpoint_contents
 from lightning_dist._compat.fake_tensors import (
     data_loaded_outside_fake_tensors, ddp_on_fake_tensors, fake_devices, fake_process_group, made_fake_in_place,
@@ -87,7 +86,7 @@ class _Run:
 
         build = partial(instantiate, _convert_="all")
         strategy = build(self.strategy)
-        with parameters_on_meta() if getattr(strategy, "initializes_shards", False) else nullcontext():
+        with parameters_on_meta() if strategy.initializes_shards else nullcontext():
             module = build(self.module)  # as train.py builds it for this strategy
         world = self.devices * self.num_nodes
         trainer = L.Trainer(
@@ -212,9 +211,7 @@ def _on_fake_devices(strategy: Any, rank: int) -> Iterator[None]:
     """From the strategy's set-up on (its process group and device meshes are made first, with real integers),
     every tensor is fake and every op device-checked; for DeepSpeed, what fake tensors cannot run is replaced."""
     with ExitStack() as stack:
-        if _is_deepspeed(strategy):
-            stack.enter_context(over_a_fake_process_group())
-            stack.enter_context(_deepspeed_on_fake_tensors())
+        stack.enter_context(strategy.dry_run_patches())
         set_up_environment = strategy.setup_environment
 
         def setup_environment() -> None:
@@ -224,35 +221,12 @@ def _on_fake_devices(strategy: Any, rank: int) -> Iterator[None]:
                 made_fake_in_place(strategy.lightning_module, stack.enter_context(fake_devices()))
                 stack.enter_context(fused_attention())  # the kernel a device runs (CUDA builds ask cuDNN otherwise)
                 root = strategy.root_device
-                backend = getattr(strategy, "process_group_backend", None) or "nccl"
+                backend = strategy.process_group_backend or "nccl"
                 stack.enter_context(OneDevicePerRank(rank, collective_devices(backend, root)))
                 stack_entered.append(True)
 
         stack_entered: list[bool] = []
         strategy.setup_environment = setup_environment
-        yield
-
-
-def _is_deepspeed(strategy: Any) -> bool:
-    from lightning_dist.strategies import DeepSpeedStrategy
-
-    return isinstance(strategy, DeepSpeedStrategy)
-
-
-@contextmanager
-def _deepspeed_on_fake_tensors() -> Iterator[None]:
-    """The resolved config as a dry run runs it (NVMe traced as host offload, torch's optimizer allowed on the host),
-    and the module's own optimizer kept under offload, where DeepSpeed's CPU Adam (a native op) would step it: no
-    native op is built or loaded (the preflight's build of them is the real run's)."""
-    from lightning_dist.deepspeed_config import preflight
-    from lightning_dist.dry_run.deepspeed import dry_run_config
-    from lightning_dist.strategies import deepspeed as deepspeed_strategy
-
-    config_in_effect = deepspeed_strategy.config_in_effect
-    with (mock.patch.object(deepspeed_strategy, "config_in_effect",
-                            lambda *args, **kwargs: dry_run_config(config_in_effect(*args, **kwargs))),
-          mock.patch.object(deepspeed_strategy, "optimizer_for_offload", lambda optimizer, *args: optimizer),
-          mock.patch.object(preflight, "native_ops_needed", lambda config: [])):
         yield
 
 

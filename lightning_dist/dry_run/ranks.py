@@ -73,14 +73,19 @@ class RankView:
     engine: str = "torch"  # or "deepspeed": which of the plan's categories each of the tracker's counts
 
 
-def can_dry_run(strategy: Any) -> bool:
-    """Whether `dry_run_ranks` knows the strategy: ours for DDP, FSDP and DeepSpeed (not yet: DeepSpeed's AutoTP,
-    which needs a Hugging Face model)."""
-    from lightning_dist.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+def dry_run_refusal(strategy: Any) -> str | None:
+    """Why the dry run cannot replay `strategy`, or None: each of ours says (its `dry_run_refusal`, as configured);
+    any other strategy is not dry-run."""
+    try:
+        return strategy.dry_run_refusal
+    except AttributeError:
+        return f"{type(strategy).__name__} is not one of lightning_dist's strategies"
 
-    if isinstance(strategy, DeepSpeedStrategy):
-        return strategy.tensor_parallel_size == 1
-    return isinstance(strategy, (DDPStrategy, FSDPStrategy))
+
+def can_dry_run(strategy: Any) -> bool:
+    """Whether `dry_run_ranks` knows the strategy: every one of ours (not yet: DeepSpeed's AutoTP, which needs a
+    Hugging Face model)."""
+    return dry_run_refusal(strategy) is None
 
 
 def dry_run_configured(strategy_config: dict, module_config: dict, batch: Any, precision: str, devices: int,
@@ -123,9 +128,8 @@ def dry_run(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision
     ranks = tuple(dict.fromkeys(ranks if ranks is not None else (0, world - 1)))
     if any(not 0 <= rank < world for rank in ranks):
         raise ValueError(f"ranks={list(ranks)}: global ranks of this run are 0 to {world - 1}")
-    if not can_dry_run(strategy):
-        raise ValueError(f"{type(strategy).__name__} is not dry-run yet; DDPStrategy, FSDPStrategy and"
-                         " DeepSpeedStrategy (without AutoTP) are")
+    if refusal := dry_run_refusal(strategy):
+        raise ValueError(f"{refusal}; DDPStrategy, FSDPStrategy and DeepSpeedStrategy (without AutoTP) are dry-run")
     device_type, run, where = dry_run_devices(accelerator, devices)
     log.info(f"Dry run {where}")
     return run(dry_run_ranks, strategy, build, batch, precision, devices, num_nodes, ranks, device_type)
@@ -135,7 +139,7 @@ def dry_run_ranks(strategy: Any, build: Callable[[], nn.Module], batch: Any, pre
                   num_nodes: int, ranks: tuple[int, ...], device_type: str = "cpu") -> list[RankView]:
     """Each of `ranks` (global ranks of devices x num_nodes) set up by `strategy` and trained two steps on `batch`,
     on fake `device_type` devices (`cuda` needs CUDA, real or faked: `_compat/fake_cuda.py`)."""
-    return [_one_rank(strategy, build, batch, precision, devices, num_nodes, rank, device_type) for rank in ranks]
+    return [strategy.dry_run_rank(build, batch, precision, devices, num_nodes, rank, device_type) for rank in ranks]
 
 
 class FakeRankEnvironment(LightningEnvironment):
@@ -159,29 +163,32 @@ class FakeRankEnvironment(LightningEnvironment):
         return True
 
 
-def _one_rank(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int,
-              num_nodes: int, rank: int, device_type: str) -> RankView:
+def as_rank(strategy: Any, rank: int, devices: int, num_nodes: int, device_type: str) -> None:
+    """Make `strategy` rank `rank` of `devices` per node on `num_nodes` nodes, with fake `device_type` devices."""
     strategy.cluster_environment = FakeRankEnvironment(rank, devices, devices * num_nodes)
     strategy.num_nodes = num_nodes
     strategy.parallel_devices = [torch.device(device_type, index) if device_type == "cuda" else torch.device("cpu")
                                  for index in range(devices)]
-    if _is_deepspeed(strategy):
-        return _deepspeed_rank(strategy, build, batch, precision, devices * num_nodes, rank, device_type)
-    strategy.precision_plugin = _precision_plugin(strategy, precision, device_type)
+
+
+def torch_rank(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int,
+               num_nodes: int, rank: int, device_type: str, sharded: bool) -> RankView:
+    """One rank of DDP (`sharded=False`: the whole model on each rank, wrapped) or FSDP (`sharded`)."""
+    as_rank(strategy, rank, devices, num_nodes, device_type)
+    strategy.precision_plugin = _precision_plugin(sharded, precision, device_type)
     root = strategy.root_device
     with fake_process_group(rank, devices * num_nodes):
         if device_type == "cuda":
             torch.cuda.set_device(root)  # as Lightning's CUDA accelerator does before anything is built
-        shards = hasattr(strategy, "parallelize")  # FSDP; else the whole model on each rank, wrapped (DDP)
-        mesh = strategy.build_device_mesh(device_type) if shards else strategy.parallel_dims.build_mesh(device_type)
+        mesh = strategy.build_device_mesh(device_type) if sharded else strategy.parallel_dims.build_mesh(device_type)
         with parameters_on_meta():
             module = build()
-        host_state = getattr(strategy, "cpu_offload", False)
+        host_state = strategy.keeps_state_on_host
         with ExitStack() as stack:
             stack.enter_context(fake_tensors())
             stack.enter_context(meshes_built_outside_fake_tensors())
             stack.enter_context(fake_pinned_memory())
-            model = _set_up(strategy, module, shard_device(host_state, root) if shards else root, stack)
+            model = _set_up(strategy, sharded, module, shard_device(host_state, root) if sharded else root, stack)
             backend = process_group_backend(root, host_state)
             stack.enter_context(OneDevicePerRank(rank, collective_devices(backend, root)))
             stack.enter_context(fused_attention())  # the kernel a device runs, not fake tensors' math path
@@ -190,8 +197,8 @@ def _one_rank(strategy: Any, build: Callable[[], nn.Module], batch: Any, precisi
             optimizer = configured_optimizer(module)
             step = partial(_step, strategy, model, module, optimizer, batch)
             step()  # creates the optimizer state; its DTensor temporaries have global size
-            tracker = (fsdp_memory_tracker if shards else module_memory_tracker)(model, optimizer)
-            if shards:
+            tracker = (fsdp_memory_tracker if sharded else module_memory_tracker)(model, optimizer)
+            if sharded:
                 tracker.track_inputs((batch,))
             else:  # DDP's gradient buckets, made before the tracker: the gradients are views of them
                 tracker.track_external(*(p.grad for p in module.parameters() if p.grad is not None))
@@ -201,31 +208,28 @@ def _one_rank(strategy: Any, build: Callable[[], nn.Module], batch: Any, precisi
     peak = next(categories for device, categories in by_device.items() if device.startswith(root.type))
     host = by_device.get("cpu", {}).get("Total", 0) if root.type != "cpu" else 0
     coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-    blocks = strategy.block_classes_of(module) if shards else strategy.blocks.classes_in(module)
+    blocks = strategy.block_classes_of(module) if sharded else strategy.blocks.classes_in(module)
     return RankView(rank, coordinate, _shards(module, blocks), peak, host)
 
 
-def _is_deepspeed(strategy: Any) -> bool:
-    from lightning_dist.strategies import DeepSpeedStrategy
-
-    return isinstance(strategy, DeepSpeedStrategy)
-
-
-def _deepspeed_rank(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision: str, world: int, rank: int,
-                    device_type: str) -> RankView:
+def deepspeed_rank_view(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int,
+                        num_nodes: int, rank: int, device_type: str) -> RankView:
+    """One rank of DeepSpeed's ZeRO (dry_run/deepspeed.py)."""
     from lightning_dist.dry_run.deepspeed import deepspeed_rank
 
+    as_rank(strategy, rank, devices, num_nodes, device_type)
+    world = devices * num_nodes
     module, by_device, coordinate = deepspeed_rank(strategy, build, batch, precision, world, rank, device_type)
     peak = next(categories for device, categories in by_device.items() if device.startswith(device_type))
     host = by_device.get("cpu", {}).get("Total", 0) if device_type != "cpu" else 0
     return RankView(rank, coordinate, _shards(module, strategy.blocks.classes_in(module)), peak, host, "deepspeed")
 
 
-def _set_up(strategy: Any, module: nn.Module, device: torch.device, stack: ExitStack) -> nn.Module:
-    """The strategy's own set-up of `module` (built on meta), in fake mode: FSDP shards it there, then its shards
-    get fake storage on `device` (the host under CPU offload); DDP wraps the whole model once it is on `device`.
-    Returns what the step runs: the module, or its wrapper."""
-    if hasattr(strategy, "parallelize"):
+def _set_up(strategy: Any, sharded: bool, module: nn.Module, device: torch.device, stack: ExitStack) -> nn.Module:
+    """The strategy's own set-up of `module` (built on meta), in fake mode: FSDP (`sharded`) shards it there, then
+    its shards get fake storage on `device` (the host under CPU offload); DDP wraps the whole model once it is on
+    `device`. Returns what the step runs: the module, or its wrapper."""
+    if sharded:
         strategy.parallelize(module)  # FSDP2 makes empty tensors on the device as it wraps: in fake mode too
         module.to_empty(device=device)
         return module
@@ -234,11 +238,11 @@ def _set_up(strategy: Any, module: nn.Module, device: torch.device, stack: ExitS
     return wrapped_by_strategy(strategy, module)
 
 
-def _precision_plugin(strategy: Any, precision: str, device_type: str) -> Any:
-    """FSDP reads the precision from its plugin (its mixed-precision policy); DDP runs under autocast."""
+def _precision_plugin(sharded: bool, precision: str, device_type: str) -> Any:
+    """FSDP (`sharded`) reads the precision from its plugin (its mixed-precision policy); DDP runs under autocast."""
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
-    if not hasattr(strategy, "parallelize") and precision.endswith("-mixed"):
+    if not sharded and precision.endswith("-mixed"):
         return MixedPrecision(precision, device_type)
     plugin = Precision()
     plugin.precision = precision

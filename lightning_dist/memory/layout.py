@@ -58,10 +58,12 @@ class Layout:
 
 def layout_of(strategy: Any, name: str | None = None) -> Layout:
     """The layout a strategy declares (`memory_layout(name)`: each of ours does)."""
-    name = name or type(strategy).__name__
-    if not hasattr(strategy, "memory_layout"):
-        raise TypeError(f"strategy: cannot plan memory for {type(strategy).__name__}; plan one of lightning_dist's strategies")
-    return strategy.memory_layout(name)
+    try:
+        declare = strategy.memory_layout
+    except AttributeError:
+        raise TypeError(f"strategy: cannot plan memory for {type(strategy).__name__}; plan one of lightning_dist's"
+                        " strategies") from None
+    return declare(name or type(strategy).__name__)
 
 
 def fsdp_layout(strategy: Any, name: str) -> Layout:

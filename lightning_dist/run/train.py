@@ -57,7 +57,6 @@ from lightning_dist.lifecycle.peer_exits import say_leaving
 from lightning_dist.lifecycle.process_exit import close_process_group
 from lightning_dist.parallel.sharded_init import parameters_on_meta
 from lightning_dist.precision import check_precision, device_type
-from lightning_dist.strategies import DeepSpeedStrategy
 from lightning_dist.strategies.launcher import PreflightError, preflight
 from lightning_dist.reports.summary_file import SUMMARY_NAME, read_summary
 from lightning_dist.lifecycle.writable import unwritable_because
@@ -89,7 +88,7 @@ def build(cfg: DictConfig, resuming: bool = False) -> dict[str, Any]:
         if cfg.get("ckpt_path"):
             check_whole(cfg.ckpt_path, trusted=cfg.get("trust_checkpoint", False))
             check_checkpoint_matches(cfg.ckpt_path, shapes, trusted=cfg.get("trust_checkpoint", False))
-            check_autotp_layout(cfg.ckpt_path, strategy.tensor_parallel_size if isinstance(strategy, DeepSpeedStrategy) else None)
+            check_autotp_layout(cfg.ckpt_path, getattr(strategy, "checkpoint_tensor_parallel", None))
             if not cfg.get("trust_checkpoint"):
                 vet_checkpoint(cfg.ckpt_path)  # here, once, rather than on every rank after they started
         # `callbacks.<name>=null` switches one off.

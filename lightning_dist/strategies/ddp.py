@@ -2,31 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_dist.checkpoints.background import BackgroundSaves
 from lightning_dist.checkpoints.formats import FILE
-from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
-from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.memory.layout import Layout
-from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
-from lightning_dist.parallel.block_options import BlockOptions
-from lightning_dist.lifecycle.collective_timeout import forming_process_group
-from lightning_dist.parallel.devices import prepare_rank, process_group_timeout
 from lightning_dist.parallel.dims import ParallelDims
-from lightning_dist.parallel.regional_compile import ReportsCompilation
-from lightning_dist.strategies.launcher import guarded
+from lightning_dist.strategies.base import StrategyBase
+
+if TYPE_CHECKING:
+    from lightning_dist.dry_run.ranks import RankView
 
 
-class DDPStrategy(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobalSteps, _LightningDDPStrategy):
+class DDPStrategy(StrategyBase, _LightningDDPStrategy):
     """Data-parallel training; registered as `ld_ddp` so it sits beside our FSDP and DeepSpeed presets.
 
     Lightning's DDP already runs on CPU. What this adds: gradients that live in DDP's buckets (one copy, not two),
@@ -58,30 +53,15 @@ class DDPStrategy(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobalS
         # Gradients as views of DDP's all-reduce buckets: without it every rank holds each gradient twice (in
         # the parameter's .grad and in a bucket) and copies between them on every step.
         super().__init__(
-            *args, gradient_as_bucket_view=gradient_as_bucket_view, timeout=process_group_timeout(timeout), **kwargs
+            *args, gradient_as_bucket_view=gradient_as_bucket_view, timeout=timeout, block_class=block_class,
+            activation_checkpointing=activation_checkpointing, compile=compile, async_checkpoint=async_checkpoint,
+            **kwargs,
         )
-        self.blocks = BlockOptions.of(block_class, activation_checkpointing, compile)
-        self.async_checkpoint = async_checkpoint
-
-    @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        self._launcher = guarded(self, self._launcher, self.preflight)
-
-    def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
-        """On the launching process: a model to checkpoint or compile block by block must have blocks."""
-        model = fit_arguments.get("model")
-        if self.blocks.needed_by and isinstance(model, nn.Module) and next(model.parameters(), None) is not None:
-            self.blocks.classes_in(model)
 
     @override
     def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
         self.blocks.apply(model)  # in place, before DDP registers its gradient hooks
         return super()._setup_model(model)
-
-    @property
-    def activation_checkpointing(self) -> CheckpointPlan | None:
-        return self.blocks.checkpointing
 
     def memory_layout(self, name: str) -> Layout:
         # Everything replicated, nothing offloaded.
@@ -93,9 +73,15 @@ class DDPStrategy(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobalS
         return ParallelDims(dp_replicate=self.world_size)
 
     @override
+    def dry_run_rank(self, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int, num_nodes: int,
+                     rank: int, device_type: str) -> RankView:
+        from lightning_dist.dry_run.ranks import torch_rank  # fake tensors and trackers: loaded for a dry run only
+
+        return torch_rank(self, build, batch, precision, devices, num_nodes, rank, device_type, sharded=False)
+
+    @override
     def setup_environment(self) -> None:
-        prepare_rank(self.root_device, self.num_processes, self._timeout)
-        with forming_process_group(self._timeout, lambda: self.global_rank):
+        with self.forming_process_group():
             super().setup_environment()
 
     @override

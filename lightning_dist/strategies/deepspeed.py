@@ -6,11 +6,11 @@ checkpoint loading in `checkpoints/into_deepspeed.py`, the offloaded optimizer i
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -23,35 +23,29 @@ from typing_extensions import override
 from lightning_dist._compat.deepspeed import zero3_partitions
 from lightning_dist._compat.lightning import validate_cuda_device_indices
 from lightning_dist.checkpoints.into_deepspeed import load_deepspeed_checkpoint
-from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
 from lightning_dist.checkpoints.resume import group_names
-from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.deepspeed_config.for_run import Resolution, RunConfig, config_in_effect
 from lightning_dist.deepspeed_config.preflight import check_before_launch
 from lightning_dist.deepspeed_config.zero import OPTIMIZER_TILE, ZeroSection
 from lightning_dist.memory.layout import Layout, deepspeed_layout
 from lightning_dist.optim.offload import optimizer_for_offload
-from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
-from lightning_dist.parallel.block_options import BlockOptions
 from lightning_dist.parallel.autotp import check_tensor_parallel_inputs, initialize_inference_engine
-from lightning_dist.lifecycle.collective_timeout import forming_process_group
 from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation
-from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.module_state import move_module_state
 from lightning_dist.parallel.outermost_forward import run_root_hooks_once_per_forward
-from lightning_dist.parallel.regional_compile import ReportsCompilation
-from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel, has_meta_parameters, parameters_on_meta
+from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
 from lightning_dist.parallel.zero3_runtime import prepare_zero3_runtime
 from lightning_dist.parallel.zero_engine import initialize_deferred_parameters, use_deepspeed_accelerator
 from lightning_dist.precision import PrecisionSupport
-from lightning_dist.strategies.launcher import guarded
+from lightning_dist.strategies.base import StrategyBase
 from lightning_dist.strategies.refusals import deepspeed_refusal
 
+if TYPE_CHECKING:
+    from lightning_dist.dry_run.ranks import RankView
 
-class DeepSpeedStrategy(
-    ReportsCompilation, SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, _LightningDeepSpeedStrategy
-):
+
+class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     """DeepSpeed ZeRO that also runs on CPU, and takes Hugging Face-style configs with "auto" values.
 
     Args:
@@ -90,15 +84,14 @@ class DeepSpeedStrategy(
         block_class: str | type[nn.Module] | Sequence[str | type[nn.Module]] | None = None,
         async_checkpoint: bool = False,
     ) -> None:
-        self.blocks = BlockOptions.of(block_class, activation_checkpointing, compile)
-        self.async_checkpoint = async_checkpoint
         self.run_config = RunConfig.of(stage, offload_optimizer, offload_parameters, nvme_path, config, tensor_parallel_size)
         super().__init__(
             stage=2 if stage is None else stage, config=self.run_config.user_config, sub_group_size=OPTIMIZER_TILE,
             offload_optimizer=offload_optimizer is not None, offload_optimizer_device=offload_optimizer or "cpu",
             offload_parameters=offload_parameters is not None, offload_params_device=offload_parameters or "cpu",
-            nvme_path=str(nvme_path or ""), process_group_backend=process_group_backend,
-            timeout=process_group_timeout(timeout),
+            nvme_path=str(nvme_path or ""), process_group_backend=process_group_backend, timeout=timeout,
+            block_class=block_class, activation_checkpointing=activation_checkpointing, compile=compile,
+            async_checkpoint=async_checkpoint,
         )
         self.base_config = self.config  # the file, or the config built from the options; never modified
 
@@ -117,10 +110,6 @@ class DeepSpeedStrategy(
 
     def memory_layout(self, name: str) -> Layout:
         return deepspeed_layout(self, name)
-
-    @property
-    def activation_checkpointing(self) -> CheckpointPlan | None:
-        return self.blocks.checkpointing
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -142,15 +131,39 @@ class DeepSpeedStrategy(
 
     @property
     @override
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        return self.parallel_dims.sampler_kwargs(self.global_rank)
+    def keeps_state_on_host(self) -> bool:
+        return self.zero.offloads_to_host
+
+    @property
+    @override
+    def checkpoint_tensor_parallel(self) -> int:  # type: ignore[override]
+        return self.tensor_parallel_size
+
+    @property
+    @override
+    def dry_run_refusal(self) -> str | None:  # type: ignore[override]
+        if self.tensor_parallel_size > 1:  # AutoTP needs a Hugging Face model, which a dry run does not build
+            return "DeepSpeed's AutoTP is not dry-run yet"
+        return None
+
+    @override
+    def dry_run_rank(self, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int, num_nodes: int,
+                     rank: int, device_type: str) -> RankView:
+        from lightning_dist.dry_run.ranks import deepspeed_rank_view  # loads DeepSpeed's engine: a dry run only
+
+        return deepspeed_rank_view(self, build, batch, precision, devices, num_nodes, rank, device_type)
+
+    @override
+    def dry_run_patches(self) -> AbstractContextManager:
+        from lightning_dist.dry_run.deepspeed import loop_on_fake_tensors
+
+        return loop_on_fake_tensors(self)
 
     @override
     def setup_environment(self) -> None:
         use_deepspeed_accelerator(self.root_device)
-        prepare_rank(self.root_device, self.num_processes, self._timeout)
         # Lightning's DeepSpeedStrategy refuses anything but CUDA at this point; DDP's set-up is what remains.
-        with forming_process_group(self._timeout, lambda: self.global_rank):
+        with self.forming_process_group():
             DDPStrategy.setup_environment(self)
 
     @override
@@ -164,21 +177,11 @@ class DeepSpeedStrategy(
             self._init_deepspeed_distributed()
 
     @override
-    def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or process_group_backend(self.root_device, host_state=self.zero.offloads_to_host)
-
-    @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        self._launcher = guarded(self, self._launcher, self.preflight)
-
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
         """On the launching process: resolve the config with what is known before `setup`, and check it can run."""
         check_before_launch(self.resolution, trainer, fit_arguments)
         self.check_options()
-        model = fit_arguments.get("model")
-        if self.blocks.needed_by and isinstance(model, nn.Module) and next(model.parameters(), None) is not None:
-            self.blocks.classes_in(model)
+        super().preflight(trainer, fit_arguments)
 
     def check_options(self) -> None:
         plan = self.blocks.checkpointing
@@ -202,7 +205,11 @@ class DeepSpeedStrategy(
             self.precision_plugin = DeepSpeedPrecision(resolution.trainer_settings["precision"])
         if "accumulate_grad_batches" in resolution.trainer_settings:
             module.trainer.accumulate_grad_batches = resolution.trainer_settings["accumulate_grad_batches"]
-        self.config = config_in_effect(resolution, module.trainer.default_root_dir, self.is_global_zero)
+        self.config = self.effective_config(resolution, module.trainer.default_root_dir)
+
+    def effective_config(self, resolution: Resolution, root_dir: str | Path) -> dict[str, Any]:
+        """The config the engine runs, written to the run's directory by global rank 0 (deepspeed_config/for_run.py)."""
+        return config_in_effect(resolution, root_dir, self.is_global_zero)
 
     @property
     def initializes_shards(self) -> bool:
@@ -273,5 +280,9 @@ class DeepSpeedStrategy(
         # Before ZeRO flattens them: how a DDP checkpoint's optimizer state (by position) maps onto names.
         self.param_group_names = group_names(self.lightning_module, optimizer.param_groups)
         if ZeroSection.of(self.config).offloads_optimizer:
-            optimizer = optimizer_for_offload(optimizer, scheduler_config, self.config)
+            optimizer = self.optimizer_for_offload(optimizer, scheduler_config)
         return optimizer, scheduler_config
+
+    def optimizer_for_offload(self, optimizer: torch.optim.Optimizer, scheduler_config: Any) -> torch.optim.Optimizer:
+        """The configured optimizer as it steps offloaded state: torch's Adam and AdamW become DeepSpeed's CPU Adam."""
+        return optimizer_for_offload(optimizer, scheduler_config, self.config)

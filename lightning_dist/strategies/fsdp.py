@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -20,11 +20,9 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_dist._compat.lightning import give_device_mesh, move_optimizers_to_device
-from lightning_dist.checkpoints.background import BackgroundSaves
 from lightning_dist.checkpoints.formats import DISTRIBUTED
-from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
 from lightning_dist.checkpoints.resume import load_for_resume, load_weights_from_rank_zero, restore_optimizer_by_name
-from lightning_dist.checkpoints.swap import SwappedSaves, write_then_swap
+from lightning_dist.checkpoints.swap import write_then_swap
 from lightning_dist.memory.layout import Layout, fsdp_layout
 from lightning_dist.optim import require_shardable_optimizer
 from lightning_dist.parallel import (
@@ -36,28 +34,24 @@ from lightning_dist.parallel import (
     shard_device,
     sharding_layout,
 )
-from lightning_dist.lifecycle.collective_timeout import forming_process_group
-from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.module_state import move_module_state
 from lightning_dist.parallel.dims import TENSOR_PARALLEL, ParallelDims, check_sharding_sizes
 from lightning_dist.parallel.grad_norm import clip_grad_norm_
-from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
-from lightning_dist.parallel.block_options import BlockOptions
-from lightning_dist.parallel.regional_compile import ReportsCompilation
 from lightning_dist.parallel.tensor_parallel import (
     TensorParallelPlan, apply_tensor_parallel, check_plan, resolve_plan,
 )
-from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel, has_meta_parameters, parameters_on_meta
+from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
 from lightning_dist.precision import PrecisionSupport
-from lightning_dist.strategies.launcher import guarded
+from lightning_dist.strategies.base import StrategyBase
+
+if TYPE_CHECKING:
+    from lightning_dist.dry_run.ranks import RankView
 
 # LightningModule methods that run the model without going through `forward`.
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-class FSDPStrategy(
-    ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel, ModelParallelStrategy
-):
+class FSDPStrategy(StrategyBase, ModelParallelStrategy):
     """Fully Sharded Data Parallel (FSDP2) on CPU (gloo) or CUDA (nccl).
 
     Args:
@@ -100,25 +94,19 @@ class FSDPStrategy(
         timeout: timedelta | float | None = default_pg_timeout,
     ) -> None:
         super().__init__(
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=process_group_timeout(timeout),
+            save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
+            timeout=timeout, block_class=block_class, activation_checkpointing=activation_checkpointing,
+            compile=compile, async_checkpoint=async_checkpoint,
         )
         self.reshard_after_forward, self.hybrid = sharding_layout(sharding_strategy)
         self.sharding_strategy = str(sharding_strategy).upper()
-        self.blocks = BlockOptions.of(block_class, activation_checkpointing, compile)
         self.cpu_offload = cpu_offload
-        self.async_checkpoint = async_checkpoint
         self.tensor_parallel_size = tensor_parallel_size
         self.data_parallel_replicate_size = data_parallel_replicate_size
         self.tensor_parallel_plan = None if tensor_parallel_plan is None else check_plan(
             dict(tensor_parallel_plan), "strategy.tensor_parallel_plan")
 
     @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        self._launcher = guarded(self, self._launcher, self.preflight)
-
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
         """On the launching process: a model already built (eagerly or on meta) must say what its blocks are, and
         its configured optimizer must be one that steps shards."""
@@ -143,10 +131,6 @@ class FSDPStrategy(
         """The configured block classes, each present in `model`, or those inferred from its layer stacks."""
         return self.blocks.classes_in(model)
 
-    @property
-    def activation_checkpointing(self) -> CheckpointPlan | None:
-        return self.blocks.checkpointing
-
     precision_support = PrecisionSupport(fp16_loss_scaling=False)  # FSDP2 has no gradient scaler for fp16
 
     def memory_layout(self, name: str) -> Layout:
@@ -159,14 +143,25 @@ class FSDPStrategy(
         return ParallelDims.of_sharding(self.num_nodes * self.num_processes, self.num_nodes,
                                         self.tensor_parallel_size, self.data_parallel_replicate_size, self.hybrid)
 
+    @property
+    @override
+    def keeps_state_on_host(self) -> bool:
+        return self.cpu_offload
+
+    @override
+    def dry_run_rank(self, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int, num_nodes: int,
+                     rank: int, device_type: str) -> RankView:
+        from lightning_dist.dry_run.ranks import torch_rank  # fake tensors and trackers: loaded for a dry run only
+
+        return torch_rank(self, build, batch, precision, devices, num_nodes, rank, device_type, sharded=True)
+
     @override
     def setup_environment(self) -> None:
-        prepare_rank(self.root_device, self.num_processes, self._timeout)
         # Lightning's own set-up (the accelerator's device), then the process group and the mesh of our dimensions.
         # ModelParallelStrategy's set-up would size its data x tensor mesh by its own `data_parallel_size` and
         # `tensor_parallel_size`; the mesh built here has its axes (and HSDP's two as well).
-        Strategy.setup_environment(self)
-        with forming_process_group(self._timeout, lambda: self.global_rank):
+        with self.forming_process_group():
+            Strategy.setup_environment(self)
             self._setup_distributed()
         give_device_mesh(self.lightning_module, self.build_device_mesh(self.root_device.type))
 
@@ -175,16 +170,6 @@ class FSDPStrategy(
         collective: every rank builds it)."""
         self._device_mesh = self.parallel_dims.build_mesh(device_type)
         return self._device_mesh
-
-    @override
-    def _get_process_group_backend(self) -> str:
-        # Offloaded shards are host tensors: their gradient-norm, clipping and gather collectives need gloo.
-        return self._process_group_backend or process_group_backend(self.root_device, host_state=self.cpu_offload)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        return self.parallel_dims.sampler_kwargs(self.global_rank)
 
     # `train.py` and `trainer.init_module()` build the model without weights under this strategy.
     initializes_shards = True

@@ -1,0 +1,127 @@
+"""What every strategy of ours shares, and what the rest of the package may ask of one.
+
+Each strategy is its engine's Lightning strategy under `StrategyBase`: the mixins in their one order, the launcher
+guard, the rank prologue, the block options, the sampler's arguments and the process-group backend. The rest of the
+package (the planner, the dry run, the job) asks a strategy through the protocol below and never switches on its type:
+
+- `parallel_dims`: the named parallel axes and their sizes (parallel/dims.py);
+- `memory_layout(name)`: the planner's terms for what is sharded and offloaded (memory/layout.py);
+- `precision_support`: what it trains in beyond the defaults (precision.py);
+- `initializes_shards`: the model is built without weights and each rank initialises its own shards;
+- `keeps_state_on_host`: offloaded state, whose collectives need gloo beside nccl;
+- `dry_run_refusal`, `dry_run_rank(...)` and `dry_run_patches()`: whether the dry run knows it, one rank of it, and
+  what its engine needs replaced on fake tensors (dry_run/);
+- `checkpoint_tensor_parallel`: the AutoTP size whose DeepSpeed checkpoints it reads as they are, or None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+from typing_extensions import override
+
+from lightning_dist.checkpoints.background import BackgroundSaves
+from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
+from lightning_dist.checkpoints.swap import SwappedSaves
+from lightning_dist.lifecycle.collective_timeout import forming_process_group
+from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
+from lightning_dist.parallel.block_options import BlockOptions
+from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
+from lightning_dist.parallel.regional_compile import ReportsCompilation
+from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel
+from lightning_dist.precision import PrecisionSupport
+from lightning_dist.strategies.launcher import guarded
+
+if TYPE_CHECKING:
+    from lightning_dist.dry_run.ranks import RankView
+    from lightning_dist.memory.layout import Layout
+    from lightning_dist.parallel.dims import ParallelDims
+
+
+class StrategyBase(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel):
+    """The base of every strategy of ours, before its engine's Lightning strategy in the bases.
+
+    The mixins' hooks call on through `super()`, so their order is how they nest around Lightning's strategy: compile
+    reports outermost; background saves hand their write to swapped saves, which put it in place whole; the logged
+    rows' step labels; a model never built is forgotten at teardown. tests/strategies/test_base_order.py pins it.
+    """
+
+    precision_support = PrecisionSupport()
+    initializes_shards: bool = False
+    dry_run_refusal: str | None = None  # why the dry run cannot replay this strategy (as configured), or None
+    checkpoint_tensor_parallel: int | None = None
+
+    def __init__(
+        self,
+        *args: Any,
+        block_class: Any = None,
+        activation_checkpointing: bool | str | int = False,
+        compile: bool = False,
+        async_checkpoint: bool = False,
+        timeout: timedelta | float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # The options are checked, each naming its `strategy.` key, before Lightning's strategy is built.
+        self.blocks = BlockOptions.of(block_class, activation_checkpointing, compile)
+        self.async_checkpoint = async_checkpoint
+        super().__init__(*args, timeout=process_group_timeout(timeout), **kwargs)
+
+    # The protocol's parts that each engine's strategy declares.
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        raise NotImplementedError
+
+    def memory_layout(self, name: str) -> Layout:
+        raise NotImplementedError
+
+    def dry_run_rank(self, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int, num_nodes: int,
+                     rank: int, device_type: str) -> RankView:
+        """Rank `rank` of `devices` x `num_nodes`, set up by this strategy on fake `device_type` devices and trained
+        two steps on `batch` (dry_run/ranks.py)."""
+        raise NotImplementedError
+
+    def dry_run_patches(self) -> AbstractContextManager:
+        """What the engine needs replaced to run Lightning's loop on fake tensors (dry_run/fake_loop.py)."""
+        return nullcontext()
+
+    @property
+    def keeps_state_on_host(self) -> bool:
+        return False
+
+    @property
+    def activation_checkpointing(self) -> CheckpointPlan | None:
+        return self.blocks.checkpointing
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()  # type: ignore[misc]
+        self._launcher = guarded(self, self._launcher, self.preflight)
+
+    def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
+        """On the launching process, before any rank starts: a model to checkpoint or compile block by block must
+        have blocks. Each strategy adds its own checks."""
+        model = fit_arguments.get("model")
+        if self.blocks.needed_by and isinstance(model, nn.Module) and next(model.parameters(), None) is not None:
+            self.blocks.classes_in(model)
+
+    @contextmanager
+    def forming_process_group(self) -> Iterator[None]:
+        """The rank's prologue: its device, cores and timeouts set (prepare_rank), then, inside, its process group
+        formed, a rank that never joins named (lifecycle/collective_timeout.py)."""
+        prepare_rank(self.root_device, self.num_processes, self._timeout)
+        with forming_process_group(self._timeout, lambda: self.global_rank):
+            yield
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        # Offloaded state is host tensors: their gradient-norm, clipping and gather collectives need gloo.
+        return self._process_group_backend or process_group_backend(self.root_device, self.keeps_state_on_host)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return self.parallel_dims.sampler_kwargs(self.global_rank)
