@@ -99,7 +99,7 @@ def _engine(args, module: GPTLanguageModel):
     if args.strategy == "deepspeed":
         import deepspeed
 
-        from lightning_dist.optim.offload import as_deepspeed_cpu_adam
+        from lightning_dist.strategies.deepspeed.offload import as_deepspeed_cpu_adam
 
         config = json.loads(args.deepspeed_config.read_text())
         optimizer = module.configure_optimizers()

@@ -22,7 +22,7 @@ def prepare(name: str) -> str | None:
     """Build (or find built) op `name`; None when it is ready, else what to install."""
     from deepspeed.accelerator import get_accelerator
 
-    from lightning_dist.deepspeed_config.preflight import INSTALL_HINTS
+    from lightning_dist.strategies.deepspeed.config.preflight import INSTALL_HINTS
 
     builder = get_accelerator().create_op_builder(BUILDERS[name])
     if builder is None:

@@ -60,7 +60,7 @@ def free_port() -> int:
 def cpu_has_fp16() -> bool:
     """Whether DeepSpeed's CPU accelerator trains in fp16 here (AVX512-FP16/AMX-FP16): some cells of the precision
     matrix and some config files train on such a CPU and are refused, with that reason, on others."""
-    from lightning_dist.deepspeed_config.facts import fp16_supported
+    from lightning_dist.parallel.precision import fp16_supported
 
     return fp16_supported("cpu")
 

@@ -12,11 +12,11 @@ from lightning_dist.dry_run.fake_loop import LoopReport, loop_on_fake_devices
 # Each fix for module state that an engine leaves on the host, as the strategies call it, and what undoes it here.
 UNDONE = {
     # ZeRO-3 placed only the parameters of a model built without weights: buffers and metric states moved after.
-    "deepspeed_metric_states": ("lightning_dist.strategies.deepspeed.move_module_state", lambda module, device: []),
+    "deepspeed_metric_states": ("lightning_dist.strategies.deepspeed.strategy.move_module_state", lambda module, device: []),
     # FSDP's CPU offload keeps the module on the host for its shards: buffers and metric states moved after.
-    "fsdp_offload_metric_states": ("lightning_dist.strategies.fsdp.move_module_state", lambda module, device: []),
+    "fsdp_offload_metric_states": ("lightning_dist.strategies.torch.fsdp.move_module_state", lambda module, device: []),
     # test after fit: fit's teardown moved ZeRO-3's module to the host; init_deepspeed puts it back.
-    "deepspeed_test_after_fit": ("lightning_dist.strategies.deepspeed.zero3_partitions", lambda module: []),
+    "deepspeed_test_after_fit": ("lightning_dist.strategies.deepspeed.strategy.zero3_partitions", lambda module: []),
 }
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
-import lightning_dist.strategies.deepspeed as deepspeed_strategy
+import lightning_dist.strategies.deepspeed.strategy as deepspeed_strategy
 from lightning_dist.run.config_check import CONF_DIR
 from lightning_dist.models.gpt import GPT
 from lightning_dist.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy

@@ -47,7 +47,7 @@ def test_fsdp_and_zero3_start_alike_and_train_alike(hf_runs):
 
 
 def test_zero3_frees_gathered_weights_during_forward(hf_runs):
-    # ZeRO-3's own linear (tests/parallel/test_zero3_runtime.py), as entering deepspeed.zero.Init would install it;
+    # ZeRO-3's own linear (tests/strategies/deepspeed/test_zero3_runtime.py), as entering deepspeed.zero.Init would install it;
     # FSDP frees its unsharded storage itself and leaves torch's.
     assert hf_runs["ld_deepspeed_stage_3"]["linear"] == "zero3_linear_wrap"
     assert hf_runs["ld_fsdp"]["linear"] == "linear"

@@ -20,17 +20,28 @@ import torch
 from lightning_dist._compat.fenced import Fenced
 
 FENCED = [
-    Fenced("deepspeed.utils.zero_to_fp32", "_get_fp32_state_dict_from_zero2_checkpoint",
-           ("world_size", "fp32_flat_groups", "zero_model_states", "exclude_frozen_parameters")),
-    Fenced("deepspeed.utils.zero_to_fp32", "_get_fp32_state_dict_from_zero3_checkpoint",
-           ("world_size", "fp32_flat_groups", "zero_model_states", "exclude_frozen_parameters")),
+    Fenced(
+        "deepspeed.utils.zero_to_fp32",
+        "_get_fp32_state_dict_from_zero2_checkpoint",
+        ("world_size", "fp32_flat_groups", "zero_model_states", "exclude_frozen_parameters"),
+    ),
+    Fenced(
+        "deepspeed.utils.zero_to_fp32",
+        "_get_fp32_state_dict_from_zero3_checkpoint",
+        ("world_size", "fp32_flat_groups", "zero_model_states", "exclude_frozen_parameters"),
+    ),
     Fenced("deepspeed.runtime.zero.partition_parameters", "Init._convert_to_zero_parameters", ("self", "param_list")),
     Fenced("deepspeed.runtime.zero.partition_parameters", "InsertPostInitMethodToModuleSubClasses"),
     Fenced("deepspeed.runtime.zero.linear", "zero3_linear_wrap"),
-    Fenced("deepspeed.runtime.swap_tensor.partitioned_param_swapper", "AsyncPartitionedParameterSwapper.swap_in",
-           ("self", "params", "async_op", "swap_in_buffers")),
+    Fenced(
+        "deepspeed.runtime.swap_tensor.partitioned_param_swapper",
+        "AsyncPartitionedParameterSwapper.swap_in",
+        ("self", "params", "async_op", "swap_in_buffers"),
+    ),
     Fenced("deepspeed.runtime.compiler", "compile"),
-    Fenced("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state", ("self",)),
+    Fenced(
+        "deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state", ("self",)
+    ),
     Fenced("deepspeed.runtime.engine", "DeepSpeedEngine.load_checkpoint", ("self", "load_dir")),
     # The op builders' compile flags, which ask py-cpuinfo (remember_cpu_info below).
     Fenced("deepspeed.ops.op_builder.builder", "OpBuilder.cpu_arch", ("self",)),
@@ -61,13 +72,17 @@ def skip_shared_memory_comm_op() -> None:
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
-def merge_zero_partitions(stage: int, world_size: int, flat_groups: list, model_states: list, padding: Any = None) -> dict:
+def merge_zero_partitions(
+    stage: int, world_size: int, flat_groups: list, model_states: list, padding: Any = None
+) -> dict:
     """Per-parameter tensors from ZeRO's flat per-rank partitions, by DeepSpeed's own merge (the one its
     `zero_to_fp32` script uses for the fp32 master weights); any flat state of the same layout merges alike."""
     from deepspeed.utils import zero_to_fp32
 
     if stage <= 2:
-        return zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(world_size, flat_groups, model_states, True, padding)
+        return zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(
+            world_size, flat_groups, model_states, True, padding
+        )
     return zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(world_size, flat_groups, model_states, True)
 
 
@@ -321,7 +336,7 @@ def say_on_local_rank_zero(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-# The dry run of a ZeRO engine (lightning_dist/dry_run/deepspeed.py), over torch's fake process group.
+# The dry run of a ZeRO engine (lightning_dist/strategies/deepspeed/dry_run.py), over torch's fake process group.
 FENCED += [
     Fenced("deepspeed.runtime.zero.utils", "assert_ints_same_as_other_ranks"),  # (ints); its profiler wrapper hides it
     Fenced("deepspeed.runtime.zero.partition_parameters", "assert_ints_same_as_other_ranks"),

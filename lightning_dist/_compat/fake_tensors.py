@@ -1,6 +1,6 @@
 """torch's fake tensors, fake process group and memory trackers, as the dry run (lightning_dist/dry_run/ranks.py) and
-Lightning's whole loop on fake devices (lightning_dist/dry_run/fake_loop.py) use them. Fake tensors have shapes and devices
-but no storage; where they behave otherwise than tensors on a device, what a device would do is done here, each
+Lightning's whole loop on fake devices (lightning_dist/dry_run/fake_loop.py) use them. Fake tensors have shapes and
+devices but no storage; where they behave otherwise than tensors on a device, what a device would do is done here, each
 in the open and behind the fence. Checked on torch 2.11.0, 2.13.0 and 2.15.0."""
 
 from __future__ import annotations

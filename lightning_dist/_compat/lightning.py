@@ -24,40 +24,75 @@ from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from lightning.pytorch.strategies.launchers.launcher import _Launcher as Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher as MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher as SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as SubprocessScriptLauncher,
+)
 
 from lightning_dist._compat.fenced import Fenced
 
 __all__ = [
-    "ContinuingCSVWriter", "Launcher", "checkpoint_contents", "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput",
-    "console_handler", "continuing_csv_writer", "end_job_as_its_failed_rank", "give_device_mesh",
-    "is_stateful_loader", "load_distributed_checkpoint", "logs_this_step", "move_optimizers_to_device",
-    "module_optimizers", "remove_module_hooks", "set_threads_for_ranks", "train_data_source",
-    "training_step_in_wrapper", "unified_precision", "validate_cuda_device_indices", "wrapped_by_strategy",
+    "ContinuingCSVWriter",
+    "Launcher",
+    "checkpoint_contents",
+    "MultiProcessingLauncher",
+    "SubprocessScriptLauncher",
+    "WorkerOutput",
+    "console_handler",
+    "continuing_csv_writer",
+    "end_job_as_its_failed_rank",
+    "give_device_mesh",
+    "is_stateful_loader",
+    "load_distributed_checkpoint",
+    "logs_this_step",
+    "move_optimizers_to_device",
+    "module_optimizers",
+    "remove_module_hooks",
+    "set_threads_for_ranks",
+    "train_data_source",
+    "training_step_in_wrapper",
+    "unified_precision",
+    "validate_cuda_device_indices",
+    "wrapped_by_strategy",
 ]
 
 FENCED = [
     Fenced("lightning.pytorch.strategies.launchers.launcher", "_Launcher.launch", ("self", "function")),
     Fenced("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher._wrapping_function"),
-    Fenced("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher._collect_rank_zero_results",
-           ("self", "trainer", "results")),
+    Fenced(
+        "lightning.pytorch.strategies.launchers.multiprocessing",
+        "_MultiProcessingLauncher._collect_rank_zero_results",
+        ("self", "trainer", "results"),
+    ),
     Fenced("lightning.pytorch.strategies.launchers.multiprocessing", "_WorkerOutput"),
     Fenced("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
     # The thread that watches the ranks a launcher started; `_child_processes` and `_termination_signal` with it.
-    Fenced("lightning.fabric.strategies.launchers.subprocess_script", "_ChildProcessObserver._terminate_all", ("self",)),
+    Fenced(
+        "lightning.fabric.strategies.launchers.subprocess_script", "_ChildProcessObserver._terminate_all", ("self",)
+    ),
     Fenced("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed", ("num_processes",)),
     Fenced("lightning.pytorch.strategies.ddp", "DDPStrategy._setup_model", ("self", "model")),
-    Fenced("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector.dump_checkpoint",
-           ("self", "weights_only")),
-    Fenced("lightning.pytorch.strategies.deepspeed", "DeepSpeedStrategy._setup_model_and_optimizer",
-           ("self", "model", "optimizer")),
-    Fenced("lightning.pytorch.strategies.strategy", "_ForwardRedirection.__call__",
-           ("self", "wrapper_module", "original_module", "method_name")),
+    Fenced(
+        "lightning.pytorch.trainer.connectors.checkpoint_connector",
+        "_CheckpointConnector.dump_checkpoint",
+        ("self", "weights_only"),
+    ),
+    Fenced(
+        "lightning.pytorch.strategies.deepspeed",
+        "DeepSpeedStrategy._setup_model_and_optimizer",
+        ("self", "model", "optimizer"),
+    ),
+    Fenced(
+        "lightning.pytorch.strategies.strategy",
+        "_ForwardRedirection.__call__",
+        ("self", "wrapper_module", "original_module", "method_name"),
+    ),
     Fenced("lightning.fabric.utilities.optimizer", "_optimizers_to_device", ("optimizers", "device")),
     Fenced("lightning.fabric.strategies.deepspeed", "_validate_device_index_selection", ("parallel_devices",)),
     Fenced("lightning.fabric.connector", "_convert_precision_to_unified_args", ("precision",)),
-    # Mirrored for AutoTP (parallel/autotp.py: initialize_inference_engine), which needs one more config key.
-    Fenced("lightning.pytorch.strategies.deepspeed", "DeepSpeedStrategy._initialize_deepspeed_inference", ("self", "model")),
+    # Mirrored for AutoTP (strategies/deepspeed/autotp.py: initialize_inference_engine), which needs one more key.
+    Fenced(
+        "lightning.pytorch.strategies.deepspeed", "DeepSpeedStrategy._initialize_deepspeed_inference", ("self", "model")
+    ),
     Fenced("lightning.pytorch.strategies.deepspeed", "remove_module_hooks", ("model",)),
     Fenced("lightning.fabric.utilities.load", "_load_distributed_checkpoint", ("checkpoint_folder",)),
     Fenced("lightning.pytorch.core.optimizer", "_configure_optimizers", ("optim_conf",)),

@@ -18,21 +18,47 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_dist._compat.fenced import Fenced
 
 __all__ = [
-    "apply_to_tensors", "attention_function_replaced", "checkpoint_wrapper", "CheckpointWrapper",
-    "compilation_events", "cpu_flash_attention", "cpu_supports_fp16", "default_process_group_store",
-    "extension_build_lock", "flatten_mesh_dims", "forward_hook_tables", "fsdp_param_groups", "inductor_cache_dir",
-    "is_compiled", "local_shard_region", "own_parameters", "parameter_registration", "read_entries",
-    "reopen_fsdp_forward", "saved_file_extents", "set_default_process_group_timeout", "storage_identity", "storage_owner",
-    "TorchDispatchMode", "tree_map", "wrapped_module",
+    "apply_to_tensors",
+    "attention_function_replaced",
+    "checkpoint_wrapper",
+    "CheckpointWrapper",
+    "compilation_events",
+    "cpu_flash_attention",
+    "cpu_supports_fp16",
+    "default_process_group_store",
+    "extension_build_lock",
+    "flatten_mesh_dims",
+    "forward_hook_tables",
+    "fsdp_param_groups",
+    "inductor_cache_dir",
+    "is_compiled",
+    "local_shard_region",
+    "own_parameters",
+    "parameter_registration",
+    "read_entries",
+    "reopen_fsdp_forward",
+    "saved_file_extents",
+    "set_default_process_group_timeout",
+    "storage_identity",
+    "storage_owner",
+    "TorchDispatchMode",
+    "tree_map",
+    "wrapped_module",
 ]
 
 FENCED = [
     Fenced("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointWrapper"),
     Fenced("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper", ("module",)),
     Fenced("torch.distributed.device_mesh", "DeviceMesh._flatten", ("self", "mesh_dim_name")),
-    Fenced("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", ("global_shape", "mesh", "placements")),
+    Fenced(
+        "torch.distributed.tensor._utils",
+        "compute_local_shape_and_global_offset",
+        ("global_shape", "mesh", "placements"),
+    ),
     Fenced("torch.distributed.fsdp._fully_shard._fsdp_common", "TrainingState.FORWARD"),
-    Fenced("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup"),  # `_training_state`, as the state
+    Fenced(
+        "torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup"
+    ),  # `_training_state`, as the state
     Fenced("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule._get_fsdp_state", ("self",)),
     Fenced("torch.nn", "Module._apply", ("self", "fn")),
     Fenced("torch.distributed.distributed_c10d", "default_pg_timeout"),
@@ -45,7 +71,8 @@ FENCED = [
     Fenced("torch._dynamo.callback", "CompilationCallbackHandler.register_start_callback", ("self", "callback")),
     Fenced("torch._dynamo.callback", "CompilationCallbackHandler.register_end_callback", ("self", "callback")),
     Fenced("torch._inductor.runtime.cache_dir_utils", "cache_dir", ()),
-    # The lock a JIT extension build holds (`_jit_compile` names it `lock` in the build directory; extension_build_lock).
+    # The lock a JIT extension build holds (`_jit_compile` names it `lock` in the build directory;
+    # extension_build_lock).
     Fenced("torch.utils.cpp_extension", "_jit_compile"),
     Fenced("torch.utils._python_dispatch", "TorchDispatchMode"),  # the base of every dispatch mode; torch has no other
     Fenced("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu"),
@@ -238,7 +265,8 @@ def extension_build_lock(build_directory: Path) -> Path | None:
 def cpu_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
                         dropout_p: float, is_causal: bool, scale: float | None) -> torch.Tensor:
     """Attention by CPU's fused (flash) kernel, whatever the tensors' device: it has meta and autograd kernels, and
-    saves for backward what the CUDA fused kernels save. `scaled_dot_product_attention` picks it only for CPU tensors."""
+    saves for backward what the CUDA fused kernels save. `scaled_dot_product_attention` picks it only for CPU
+    tensors."""
     output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
     return output

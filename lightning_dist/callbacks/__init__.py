@@ -4,5 +4,13 @@ from lightning_dist.callbacks.run_summary import RunSummary
 from lightning_dist.callbacks.training_monitor import NonFiniteError, TrainingMonitor
 from lightning_dist.callbacks.validate_at_max_steps import ValidateAtMaxSteps
 
-__all__ = ["NonFiniteError", "PREEMPTED_EXIT_CODE", "Preempted", "Preemption", "RunSummary", "StepProgressBar", "TrainingMonitor",
-           "ValidateAtMaxSteps"]
+__all__ = [
+    "NonFiniteError",
+    "PREEMPTED_EXIT_CODE",
+    "Preempted",
+    "Preemption",
+    "RunSummary",
+    "StepProgressBar",
+    "TrainingMonitor",
+    "ValidateAtMaxSteps",
+]

@@ -76,7 +76,9 @@ class FiniteWatch:
             message += f" (found at the check of step {current_step})"
         if self.module_names:
             # A rank whose modules went bad only later took the damage in through the weights: not where it began.
-            located = [(rank, int(record[_MODULE])) for rank, record in enumerate(records) if record[_MODULE_STEP] == step]
+            located = [
+                (rank, int(record[_MODULE])) for rank, record in enumerate(records) if record[_MODULE_STEP] == step
+            ]
             message += "; first module with a non-finite output: " + ", ".join(
                 f"{self.module_names[index]} on rank {rank}" for rank, index in located
             ) if located else "; no module's output was non-finite"

@@ -48,7 +48,10 @@ class Preemption(L.Callback):
     def __init__(self, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGUSR2"), requeue: bool = True) -> None:
         unknown = [name for name in signals if not isinstance(getattr(signal, str(name), None), signal.Signals)]
         if unknown:
-            raise ValueError(f"callbacks.preemption.signals: {', '.join(map(str, unknown))} is not a signal; e.g. SIGTERM, SIGUSR1, SIGUSR2")
+            raise ValueError(
+                f"callbacks.preemption.signals: {', '.join(map(str, unknown))} is not a signal; e.g. SIGTERM, "
+                "SIGUSR1, SIGUSR2"
+            )
         self.signals = tuple(getattr(signal, name) for name in signals)
         self.requeue = requeue
         self.received: int | None = None
@@ -85,7 +88,9 @@ class Preemption(L.Callback):
             _requeue_slurm_job()
         # Lightning's launcher watches the ranks it started and kills the whole job when one exits non-zero: those
         # leave quietly and rank 0 speaks for the job. Ranks a scheduler started each report the preemption.
-        launched_here = isinstance(trainer.strategy.cluster_environment, LightningEnvironment) and trainer.global_rank > 0
+        launched_here = (
+            isinstance(trainer.strategy.cluster_environment, LightningEnvironment) and trainer.global_rank > 0
+        )
         raise Preempted(message, code=0 if launched_here else PREEMPTED_EXIT_CODE)
 
     def _agreed(self, trainer: L.Trainer) -> bool:

@@ -12,7 +12,9 @@ import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
 
-STEP_BAR_FORMAT = "{desc}step {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}, {rate_noinv_fmt}{postfix}]"
+STEP_BAR_FORMAT = (
+    "{desc}step {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}, {rate_noinv_fmt}{postfix}]"
+)
 
 
 class StepProgressBar(TQDMProgressBar):
@@ -36,7 +38,9 @@ class StepProgressBar(TQDMProgressBar):
         self.train_progress_bar.set_description(f"epoch {trainer.current_epoch}", refresh=False)
 
     @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not _step_bounded(trainer):
             return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         bar, step = self.train_progress_bar, trainer.global_step
@@ -47,7 +51,12 @@ class StepProgressBar(TQDMProgressBar):
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         # The run ends with a line of its own (the error, or the stop): on a line after the bar's, not appended to it.
-        for bar in (self._train_progress_bar, self._val_progress_bar, self._test_progress_bar, self._predict_progress_bar):
+        for bar in (
+            self._train_progress_bar,
+            self._val_progress_bar,
+            self._test_progress_bar,
+            self._predict_progress_bar,
+        ):
             if bar is not None and not bar.disable:
                 bar.close()
 

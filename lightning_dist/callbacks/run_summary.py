@@ -69,7 +69,9 @@ class RunSummary(L.Callback):
         # its trace (after the sanity check's eval trace is dropped) and keeps its small parameters whole.
         self.optimizer_steps += 1
         if self.optimizer_steps == 3:
-            self.summary["model_state_bytes_per_rank"] = gather_objects(model_state_bytes(pl_module, trainer.optimizers))
+            self.summary["model_state_bytes_per_rank"] = gather_objects(
+                model_state_bytes(pl_module, trainer.optimizers)
+            )
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -131,9 +133,12 @@ class RunSummary(L.Callback):
         monitors = (getattr(callback, "utilisation", None) for callback in trainer.callbacks)
         utilisation = next((u for u in monitors if isinstance(u, Utilisation)), None)
         if utilisation is not None and "tokens_per_s" in speed:
-            speed.update(mfu=utilisation.mfu(speed["tokens_per_s"], trainer.world_size),
-                         model_flops_per_token=utilisation.flops_per_token,
-                         peak_flops_per_device=utilisation.peak_flops_per_device, peak_flops_source=utilisation.peak_source)
+            speed.update(
+                mfu=utilisation.mfu(speed["tokens_per_s"], trainer.world_size),
+                model_flops_per_token=utilisation.flops_per_token,
+                peak_flops_per_device=utilisation.peak_flops_per_device,
+                peak_flops_source=utilisation.peak_source,
+            )
         return speed
 
     @override

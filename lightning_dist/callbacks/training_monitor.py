@@ -34,8 +34,8 @@ class TrainingMonitor(L.Callback):
     check_every_n_steps: how often the ranks compare notes; default: the trainer's `log_every_n_steps` (logging
         synchronises with the device there anyway). 1 checks every step, before backward.
     locate_module: also name the first module whose output was not finite (one on-device check per module output).
-    peak_tflops: one device's peak, for MFU (`lightning_dist/reports/flops.py`); default: NVIDIA's dense figure for the GPUs
-        it lists, a matrix-product rate measured at the start on a CPU. A GPU it does not list logs no MFU.
+    peak_tflops: one device's peak, for MFU (`lightning_dist/reports/flops.py`); default: NVIDIA's dense figure for
+        the GPUs it lists, a matrix-product rate measured at the start on a CPU. A GPU it does not list logs no MFU.
     """
 
     def __init__(self, check_finite: bool = True, locate_module: bool = False, check_every_n_steps: int | None = None,
@@ -72,7 +72,9 @@ class TrainingMonitor(L.Callback):
         if not self.check_finite:
             return
         every = self.check_every_n_steps or trainer.log_every_n_steps or 1
-        names = [f"{name or type(module).__name__} ({type(module).__name__})" for name, module in pl_module.named_modules()]
+        names = [
+            f"{name or type(module).__name__} ({type(module).__name__})" for name, module in pl_module.named_modules()
+        ]
         self._watch = FiniteWatch(trainer.strategy.root_device, every, module_names=names if self.locate_module else [])
         if self.locate_module:
             for index, module in enumerate(pl_module.modules()):
@@ -91,7 +93,9 @@ class TrainingMonitor(L.Callback):
         return check
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._batch_shape = input_shape(batch)
         self._utilisation_of(self._batch_shape)
         self._step_at_batch_start = trainer.global_step
@@ -112,7 +116,9 @@ class TrainingMonitor(L.Callback):
             self._record_gradient_norm(trainer, pl_module, norm, step=trainer.global_step)
 
     @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step_time = time.perf_counter() - self._step_start
         engine = getattr(trainer.strategy, "deepspeed_engine", None)
         logs = _logs_this_step(trainer)
@@ -125,7 +131,10 @@ class TrainingMonitor(L.Callback):
                 self._record_gradient_norm(trainer, pl_module, norm, step=trainer.global_step - 1)
         if not logs:
             return
-        metrics = {"monitor/step_time_s": step_time, "monitor/peak_memory_gb": peak_memory(trainer.strategy.root_device)["bytes"] / 1e9}
+        metrics = {
+            "monitor/step_time_s": step_time,
+            "monitor/peak_memory_gb": peak_memory(trainer.strategy.root_device)["bytes"] / 1e9,
+        }
         if self._batch_shape:
             speed = throughput(self._batch_shape, parallel_dims_of(trainer.strategy).dp_size, step_time)
             metrics.update({f"monitor/{name}": value for name, value in speed.items()})
@@ -153,7 +162,9 @@ class TrainingMonitor(L.Callback):
             self.utilisation = Utilisation(self._model_flops.per_token(batch_shape[1]), *self._peak)
         return self.utilisation
 
-    def _record_gradient_norm(self, trainer: L.Trainer, pl_module: L.LightningModule, norm: torch.Tensor, step: int) -> None:
+    def _record_gradient_norm(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, norm: torch.Tensor, step: int
+    ) -> None:
         if _logs_this_step(trainer):  # as a tensor: Lightning reads it on the host only when it writes the logs
             pl_module.log("monitor/grad_norm", norm, on_step=True, on_epoch=False, rank_zero_only=True)
         if self._watch is not None:

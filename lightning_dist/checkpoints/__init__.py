@@ -7,8 +7,14 @@ from lightning_dist.checkpoints.gather import gather_full_state_dict
 from lightning_dist.checkpoints.whole import check_whole, is_whole
 
 __all__ = [
-    "CheckpointError", "check_whole", "checkpoint_format", "consolidate_checkpoint", "gather_full_state_dict", "is_whole",
-    "load_consolidated", "load_from_checkpoint",
+    "CheckpointError",
+    "check_whole",
+    "checkpoint_format",
+    "consolidate_checkpoint",
+    "gather_full_state_dict",
+    "is_whole",
+    "load_consolidated",
+    "load_from_checkpoint",
 ]
 # Loaded on first use: imported here, `python -m lightning_dist.checkpoints.consolidate` would find its own module
 # in sys.modules before running it (runpy's RuntimeWarning).

@@ -137,7 +137,9 @@ def _deepspeed_adam_state(ds_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     step = next(iter(states[0].values()))["step"]
     return {
         name.removeprefix("_forward_module."): {
-            "step": torch.as_tensor(step, dtype=torch.float32, device="cpu").clone(),  # host data, like the rest of a loaded checkpoint
+            "step": torch.as_tensor(
+                step, dtype=torch.float32, device="cpu"
+            ).clone(),  # host data, like the rest of a loaded checkpoint
             "exp_avg": moments["exp_avg"][name],
             "exp_avg_sq": moments["exp_avg_sq"][name],
         }

@@ -6,7 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lightning_dist.checkpoints.formats import DEEPSPEED, DISTRIBUTED, FILE, CheckpointError, checkpoint_format, deepspeed_tag_dir
+from lightning_dist.checkpoints.formats import (
+    DEEPSPEED,
+    DISTRIBUTED,
+    FILE,
+    CheckpointError,
+    checkpoint_format,
+    deepspeed_tag_dir,
+)
 from lightning_dist.checkpoints.safe_load import load_file
 
 # Lightning's DeepSpeed strategy hands DeepSpeed the module inside a wrapper, and DeepSpeed names parameters by it.
@@ -23,7 +30,9 @@ def state_dict_shapes(path: str | Path, key: str = "ckpt_path", trusted: bool = 
     if kind == FILE:
         checkpoint = load_file(path, key, mmap=True, trusted=trusted)
         if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-            found = ", ".join(map(str, list(checkpoint)[:5])) if isinstance(checkpoint, dict) else type(checkpoint).__name__
+            found = (
+                ", ".join(map(str, list(checkpoint)[:5])) if isinstance(checkpoint, dict) else type(checkpoint).__name__
+            )
             raise CheckpointError(
                 f"{key}: {path} is not a Lightning checkpoint: it holds no state_dict (it holds: {found or 'nothing'});"
                 " ckpt_path resumes from a checkpoint a Lightning run saved"
@@ -35,7 +44,9 @@ def state_dict_shapes(path: str | Path, key: str = "ckpt_path", trusted: bool = 
         metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
         return {name.removeprefix("state_dict."): tuple(getattr(entry, "size", ())) or None
                 for name, entry in metadata.items() if name.startswith("state_dict.")}
-    model_states = load_file(sorted(deepspeed_tag_dir(path).glob("*model_states.pt"))[0], key, mmap=True, trusted=trusted)
+    model_states = load_file(
+        sorted(deepspeed_tag_dir(path).glob("*model_states.pt"))[0], key, mmap=True, trusted=trusted
+    )
     # ZeRO-3 saves each parameter as an empty placeholder and records its whole shape beside it.
     groups = [*(model_states.get("param_shapes") or []), model_states.get("frozen_param_shapes") or {}]
     recorded = {name.removeprefix(_WRAPPER_PREFIX): tuple(shape) for group in groups for name, shape in group.items()}
@@ -65,7 +76,9 @@ def _shape(tensor: Any) -> Shape | None:
     return tuple(shape) if shape is not None and tensor.numel() > 0 else None
 
 
-def check_checkpoint_matches(path: str | Path, expected: dict[str, Shape], key: str = "ckpt_path", trusted: bool = False) -> None:
+def check_checkpoint_matches(
+    path: str | Path, expected: dict[str, Shape], key: str = "ckpt_path", trusted: bool = False
+) -> None:
     """CheckpointError when the checkpoint is of another model: its weights' names or shapes differ from the
     model's (`expected`, name -> shape, which a model built on the meta device gives without memory)."""
     if (difference := another_model(path, expected, key, trusted)) is not None:
@@ -73,7 +86,9 @@ def check_checkpoint_matches(path: str | Path, expected: dict[str, Shape], key: 
                               " .hydra/config.yaml)")
 
 
-def another_model(path: str | Path, expected: dict[str, Shape], key: str = "ckpt_path", trusted: bool = False) -> str | None:
+def another_model(
+    path: str | Path, expected: dict[str, Shape], key: str = "ckpt_path", trusted: bool = False
+) -> str | None:
     """How the checkpoint's weights differ from the model's (`expected`), or None where they are this model's."""
     found = state_dict_shapes(path, key, trusted)
     missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
@@ -99,6 +114,8 @@ def check_autotp_layout(path: str | Path, autotp_target: int | None, key: str = 
 
 
 def autotp_refusal(path: Path, size: int, key: str = "ckpt_path") -> str:
-    return (f"{key}: {path} is a DeepSpeed AutoTP checkpoint (tensor-parallel size {size}): it resumes under a DeepSpeed"
-            f" strategy with strategy.tensor_parallel_size={size}; moving it to another layout or one file is not"
-            " supported yet")
+    return (
+        f"{key}: {path} is a DeepSpeed AutoTP checkpoint (tensor-parallel size {size}): it resumes under a DeepSpeed"
+        f" strategy with strategy.tensor_parallel_size={size}; moving it to another layout or one file is not"
+        " supported yet"
+    )

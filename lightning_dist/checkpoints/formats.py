@@ -76,7 +76,8 @@ def check_complete(path: str | Path, key: str = "ckpt_path") -> None:
     checkpoint_format(path, key)
     if path.is_file() and not _starts_as_a_zip(path):
         raise CheckpointError(
-            f"{key}: {path} is not a checkpoint: torch.save writes a zip archive, and this file is not one; pass a .ckpt"
+            f"{key}: {path} is not a checkpoint: torch.save writes a zip archive, and this file is not one; pass a "
+            ".ckpt"
             " file or a checkpoint directory"
         )
     if path.name.endswith(".partial") or not is_complete(path):

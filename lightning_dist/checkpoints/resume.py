@@ -26,7 +26,9 @@ _TENSOR_KEYS = ("state_dict", *OPTIMIZER_KEYS)
 _FROM_RANK_ZERO = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
-def load_for_resume(strategy: Ranks, path: str | Path, native_formats: set[str], weights_only: bool | None) -> dict[str, Any] | None:
+def load_for_resume(
+    strategy: Ranks, path: str | Path, native_formats: set[str], weights_only: bool | None
+) -> dict[str, Any] | None:
     """None when `path` is in one of the strategy's own formats (let it load as usual, once vetted); otherwise
     the checkpoint consolidated into one plain dict: on rank 0 with its weights and optimizer state by parameter
     name, on the other ranks with None in their place. A failure on rank 0 is raised on every rank.
@@ -83,7 +85,9 @@ def optimizer_state_by_name(checkpoint: dict[str, Any], groups: list[list[str]])
     }
 
 
-def restore_optimizer_by_name(strategy: Ranks, module: torch.nn.Module, optimizers: list, checkpoint: dict[str, Any]) -> None:
+def restore_optimizer_by_name(
+    strategy: Ranks, module: torch.nn.Module, optimizers: list, checkpoint: dict[str, Any]
+) -> None:
     """Load rank 0's per-parameter-name optimizer state (from `load_for_resume`) into the live optimizer on every
     rank, whatever its parameter groups or sharding: torch's state-dict API maps names onto plain and FSDP2
     parameters alike, and broadcasts one tensor at a time."""
@@ -104,5 +108,8 @@ def restore_optimizer_by_name(strategy: Ranks, module: torch.nn.Module, optimize
         raise CheckpointError(f"ckpt_path: the checkpoint has no optimizer state for {', '.join(missing[:3])}")
     full = {}
     if strategy.is_global_zero:
-        full = {"state": {name: state_by_name[name] for group in groups for name in group["params"]}, "param_groups": groups}
+        full = {
+            "state": {name: state_by_name[name] for group in groups for name in group["params"]},
+            "param_groups": groups,
+        }
     set_optimizer_state_dict(module, optimizer, optim_state_dict=full, options=_FROM_RANK_ZERO)

@@ -22,7 +22,10 @@ from lightning_dist.checkpoints.formats import (
     DEEPSPEED, DISTRIBUTED, CheckpointError, checkpoint_format, deepspeed_tag_dir, is_deepspeed_dir,
 )
 
-OPT_IN = "if you trust where it came from, opt in with trust_checkpoint=true (train.py) or trainer.fit(..., weights_only=False)"
+OPT_IN = (
+    "if you trust where it came from, opt in with trust_checkpoint=true (train.py) or trainer.fit(..., "
+    "weights_only=False)"
+)
 
 
 class UnsafeCheckpointError(CheckpointError):
@@ -46,7 +49,9 @@ def _allowed(path: Path, key: str, deepspeed: bool) -> Iterator[None]:
     except pickle.UnpicklingError as error:
         named = re.search(r"GLOBAL ([\w.]+)", str(error))
         what = f"a reference to {named.group(1)}" if named else str(error).splitlines()[0]
-        raise UnsafeCheckpointError(f"{key}: {path} holds {what}, code that loading it would run: refused; {OPT_IN}") from None
+        raise UnsafeCheckpointError(
+            f"{key}: {path} holds {what}, code that loading it would run: refused; {OPT_IN}"
+        ) from None
 
 
 def load_file(path: str | Path, key: str = "ckpt_path", *, trusted: bool = False, **kwargs: Any) -> Any:
@@ -105,7 +110,9 @@ def _vet_distributed(path: Path, key: str) -> None:
             continue
         info = metadata.storage_data[MetadataIndex(index)]
         if getattr(info, "transform_descriptors", None):
-            raise UnsafeCheckpointError(f"{key}: {path} stores {index} transformed (compressed); it cannot be vetted: {OPT_IN}")
+            raise UnsafeCheckpointError(
+                f"{key}: {path} stores {index} transformed (compressed); it cannot be vetted: {OPT_IN}"
+            )
         with open(path / info.relative_path, "rb") as shard:
             shard.seek(info.offset)
             data = io.BytesIO(shard.read(info.length))

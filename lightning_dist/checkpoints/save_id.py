@@ -64,5 +64,7 @@ def mixed_save_problem(directory: Path, metadata: dict[str, Any]) -> str | None:
         found = SaveId.of_tensor(tensor)
         if found != expected:
             other = f"the save at step {found.step}" if found.step != expected.step else "another save at the same step"
-            return f"{directory / path} is of {other}; the rest of the checkpoint is of the save at step {expected.step}"
+            return (
+                f"{directory / path} is of {other}; the rest of the checkpoint is of the save at step {expected.step}"
+            )
     return None

@@ -103,7 +103,9 @@ class SwappedSaves:
         if type(self.checkpoint_io) is TorchCheckpointIO:  # type: ignore[attr-defined]  # Lightning's default
             self.checkpoint_io = PartialFileIO()
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
         save = super().save_checkpoint  # type: ignore[misc]
         write_then_swap(self, self.broadcast(filepath), lambda path: save(checkpoint, path, storage_options))  # type: ignore[attr-defined]
 

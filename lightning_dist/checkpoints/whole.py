@@ -45,8 +45,10 @@ def check_whole(path: str | Path, key: str = "ckpt_path", trusted: bool = False)
     """CheckpointError, one line naming the file, unless `path` is a finished checkpoint that is whole."""
     check_complete(path, key)
     if problem := first_problem(path, trusted):
-        raise CheckpointError(f"{key}: {path} is damaged: {problem}; pass another checkpoint, or resume=true to continue"
-                              " from the newest whole one")
+        raise CheckpointError(
+            f"{key}: {path} is damaged: {problem}; pass another checkpoint, or resume=true to continue"
+            " from the newest whole one"
+        )
 
 
 def _deepspeed_problem(tag_dir: Path, trusted: bool) -> str | None:
@@ -83,7 +85,10 @@ def _other_save_problem(tag_dir: Path, model_states: dict, trusted: bool) -> str
         if not (others := sorted(found + offset for found in steps if found + offset != step)):
             continue
         if offset:  # counted from another checkpoint's optimizer state: no step of this run to name
-            return f"{file} is of another save: its optimizer has taken {others[0] - offset} steps, the other ranks' {reference}"
+            return (
+                f"{file} is of another save: its optimizer has taken {others[0] - offset} steps, the other ranks' "
+                f"{reference}"
+            )
         return f"{file} is of the save at step {others[0]}; the rest of the checkpoint is of the save at step {step}"
     return None
 

@@ -58,7 +58,9 @@ class PydocTextDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         if not 0 < val_fraction + test_fraction < 1:
-            raise ValueError(f"data.val_fraction + data.test_fraction must be in (0, 1), got {val_fraction + test_fraction}")
+            raise ValueError(
+                f"data.val_fraction + data.test_fraction must be in (0, 1), got {val_fraction + test_fraction}"
+            )
         self.save_hyperparameters()
         self.batch_size = batch_size
         self._resume = {"epoch": 0, "samples_done": 0}  # where a checkpoint said the epoch got to
@@ -84,10 +86,16 @@ class PydocTextDataModule(L.LightningDataModule):
         if trainer is not None:  # called after Lightning restored its loops: their count is the checkpoint's
             self._counted_from = (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed)
         sampler = ResumableDistributedSampler(
-            self.train_set, num_replicas=shares.get("num_replicas", 1), rank=shares.get("rank", 0), seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
-            skip_epoch=self._resume["epoch"], skip=self._resume["samples_done"],
+            self.train_set,
+            num_replicas=shares.get("num_replicas", 1),
+            rank=shares.get("rank", 0),
+            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+            skip_epoch=self._resume["epoch"],
+            skip=self._resume["samples_done"],
         )
-        return PositionedLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.hparams.num_workers)
+        return PositionedLoader(
+            self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.hparams.num_workers
+        )
 
     def state_dict(self) -> dict[str, int]:
         # `processed` counts the batches whose training step ran, whether the checkpoint is written at the end of

@@ -20,7 +20,9 @@ class ResumableDistributedSampler(DistributedSampler):
     batch size B reads samples [k·B·W, (k+1)·B·W) of the epoch's order, so skipping k·B·W samples continues
     exactly there, at W or at any other number of ranks."""
 
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int, skip_epoch: int = 0, skip: int = 0) -> None:
+    def __init__(
+        self, dataset: Dataset, num_replicas: int, rank: int, seed: int, skip_epoch: int = 0, skip: int = 0
+    ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
         self.skip_epoch, self.skip = skip_epoch, skip
 

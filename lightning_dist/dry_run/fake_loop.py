@@ -90,13 +90,25 @@ class _Run:
             module = build(self.module)  # as train.py builds it for this strategy
         world = self.devices * self.num_nodes
         trainer = L.Trainer(
-            accelerator="cuda", devices=self.devices, num_nodes=self.num_nodes, strategy=strategy,
-            precision=self.precision, plugins=[FakeRankEnvironment(self.rank, self.devices, world)],
-            default_root_dir=directory, max_steps=STEPS + 1 if resuming else STEPS, val_check_interval=1 if resuming else STEPS,
-            check_val_every_n_epoch=None, limit_val_batches=1, limit_test_batches=1,
-            num_sanity_val_steps=0 if resuming else 1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[*map(build, self.callbacks), StateAudit(report, take_checkpoint=not resuming)])
+            accelerator="cuda",
+            devices=self.devices,
+            num_nodes=self.num_nodes,
+            strategy=strategy,
+            precision=self.precision,
+            plugins=[FakeRankEnvironment(self.rank, self.devices, world)],
+            default_root_dir=directory,
+            max_steps=STEPS + 1 if resuming else STEPS,
+            val_check_interval=1 if resuming else STEPS,
+            check_val_every_n_epoch=None,
+            limit_val_batches=1,
+            limit_test_batches=1,
+            num_sanity_val_steps=0 if resuming else 1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[*map(build, self.callbacks), StateAudit(report, take_checkpoint=not resuming)],
+        )
         return trainer, module, build(self.data)
 
 
@@ -243,9 +255,14 @@ def _metric_named(module: nn.Module) -> Iterator[None]:
         names = {id(submodule): name for name, submodule in module.named_modules()}
         if metric is None or id(metric) not in names:
             raise mismatch from error
-        states = ", ".join(f"{state} on {getattr(metric, state).device}" for state in metric.metric_state
-                           if isinstance(getattr(metric, state), torch.Tensor))
-        raise DeviceMismatch(f"{mismatch} (in the metric {names[id(metric)]}, a {type(metric).__name__}: {states})") from error
+        states = ", ".join(
+            f"{state} on {getattr(metric, state).device}"
+            for state in metric.metric_state
+            if isinstance(getattr(metric, state), torch.Tensor)
+        )
+        raise DeviceMismatch(
+            f"{mismatch} (in the metric {names[id(metric)]}, a {type(metric).__name__}: {states})"
+        ) from error
 
 
 def _device_mismatch_in(error: BaseException) -> DeviceMismatch | None:

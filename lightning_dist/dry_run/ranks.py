@@ -10,19 +10,18 @@ machine's CUDA, or with CUDA faked: `_compat/fake_cuda.py`) and every op and col
 (`parallel/device_check.py`); else on the host. What a dry run cannot see: the CUDA context, library workspaces,
 allocator fragmentation, NCCL's buffers, and time.
 
-ddp and the fsdp presets (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, activation checkpointing, tensor parallelism,
-CPU offload) here; DeepSpeed's ZeRO 1-3 and its offload in `deepspeed.py`.
+Each strategy replays its own rank (`dry_run_rank`, strategies/base.py): ddp and the fsdp presets (FULL_SHARD,
+SHARD_GRAD_OP, HYBRID_SHARD, activation checkpointing, tensor parallelism, CPU offload) in strategies/torch/dry_run.py,
+DeepSpeed's ZeRO 1-3 and its offload in strategies/deepspeed/dry_run.py. Here: the ranks, the fake cluster, the report.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
-from unittest import mock
 
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
@@ -30,20 +29,8 @@ from torch import nn
 
 from lightning_dist._compat.deepspeed import zero3_whole_shape
 from lightning_dist._compat.fake_cuda import FakeCudaUnavailable, run_with_fake_cuda, shim_library
-from lightning_dist._compat.lightning import training_step_in_wrapper, wrapped_by_strategy
-from lightning_dist._compat.fake_tensors import (
-    ddp_on_fake_tensors, fake_pinned_memory, fake_process_group, fake_tensors, fsdp_memory_tracker,
-    memory_categories, meshes_built_outside_fake_tensors, module_memory_tracker,
-)
-from lightning_dist._compat.torch import tree_map
-from lightning_dist.dry_run.optimizer import configured_optimizer
-from lightning_dist.memory.attention_kernel import fused_attention
 from lightning_dist.memory.auto_fit import AutoFit
 from lightning_dist.parallel.classes import block_modules
-from lightning_dist.parallel.device_check import OneDevicePerRank, collective_devices
-from lightning_dist.parallel.devices import process_group_backend
-from lightning_dist.parallel.fsdp import shard_device
-from lightning_dist.parallel.sharded_init import parameters_on_meta
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +41,7 @@ CATEGORIES = {
     "ALL_GATHER": "all-gather buffers", "REDUCE_SCATTER": "reduce-scatter buffers", "ACT": "activations",
     "TEMP": "temporaries", "INP": "inputs", "PARAM": "parameters", "GRAD": "gradients",
     "OTH": "gradient buckets",  # what the dry run gives the module tracker itself: DDP's buckets
-    "ENGINE_BUFFERS": "DeepSpeed's buffers",  # its gradient buckets above all (deepspeed.py)
+    "ENGINE_BUFFERS": "DeepSpeed's buffers",  # its gradient buckets above all (strategies/deepspeed/dry_run.py)
 }
 
 
@@ -171,100 +158,7 @@ def as_rank(strategy: Any, rank: int, devices: int, num_nodes: int, device_type:
                                  for index in range(devices)]
 
 
-def torch_rank(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int,
-               num_nodes: int, rank: int, device_type: str, sharded: bool) -> RankView:
-    """One rank of DDP (`sharded=False`: the whole model on each rank, wrapped) or FSDP (`sharded`)."""
-    as_rank(strategy, rank, devices, num_nodes, device_type)
-    strategy.precision_plugin = _precision_plugin(sharded, precision, device_type)
-    root = strategy.root_device
-    with fake_process_group(rank, devices * num_nodes):
-        if device_type == "cuda":
-            torch.cuda.set_device(root)  # as Lightning's CUDA accelerator does before anything is built
-        mesh = strategy.build_device_mesh(device_type) if sharded else strategy.parallel_dims.build_mesh(device_type)
-        with parameters_on_meta():
-            module = build()
-        host_state = strategy.keeps_state_on_host
-        with ExitStack() as stack:
-            stack.enter_context(fake_tensors())
-            stack.enter_context(meshes_built_outside_fake_tensors())
-            stack.enter_context(fake_pinned_memory())
-            model = _set_up(strategy, sharded, module, shard_device(host_state, root) if sharded else root, stack)
-            backend = process_group_backend(root, host_state)
-            stack.enter_context(OneDevicePerRank(rank, collective_devices(backend, root)))
-            stack.enter_context(fused_attention())  # the kernel a device runs, not fake tensors' math path
-            stack.enter_context(mock.patch.object(type(module), "log", lambda *a, **k: None, create=True))
-            batch = tree_map(lambda t: torch.empty_like(t, device=root) if isinstance(t, torch.Tensor) else t, batch)
-            optimizer = configured_optimizer(module)
-            step = partial(_step, strategy, model, module, optimizer, batch)
-            step()  # creates the optimizer state; its DTensor temporaries have global size
-            tracker = (fsdp_memory_tracker if sharded else module_memory_tracker)(model, optimizer)
-            if sharded:
-                tracker.track_inputs((batch,))
-            else:  # DDP's gradient buckets, made before the tracker: the gradients are views of them
-                tracker.track_external(*(p.grad for p in module.parameters() if p.grad is not None))
-            with tracker:
-                step()
-            by_device = memory_categories(tracker)
-    peak = next(categories for device, categories in by_device.items() if device.startswith(root.type))
-    host = by_device.get("cpu", {}).get("Total", 0) if root.type != "cpu" else 0
-    coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-    blocks = strategy.block_classes_of(module) if sharded else strategy.blocks.classes_in(module)
-    return RankView(rank, coordinate, _shards(module, blocks), peak, host)
-
-
-def deepspeed_rank_view(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int,
-                        num_nodes: int, rank: int, device_type: str) -> RankView:
-    """One rank of DeepSpeed's ZeRO (dry_run/deepspeed.py)."""
-    from lightning_dist.dry_run.deepspeed import deepspeed_rank
-
-    as_rank(strategy, rank, devices, num_nodes, device_type)
-    world = devices * num_nodes
-    module, by_device, coordinate = deepspeed_rank(strategy, build, batch, precision, world, rank, device_type)
-    peak = next(categories for device, categories in by_device.items() if device.startswith(device_type))
-    host = by_device.get("cpu", {}).get("Total", 0) if device_type != "cpu" else 0
-    return RankView(rank, coordinate, _shards(module, strategy.blocks.classes_in(module)), peak, host, "deepspeed")
-
-
-def _set_up(strategy: Any, sharded: bool, module: nn.Module, device: torch.device, stack: ExitStack) -> nn.Module:
-    """The strategy's own set-up of `module` (built on meta), in fake mode: FSDP (`sharded`) shards it there, then
-    its shards get fake storage on `device` (the host under CPU offload); DDP wraps the whole model once it is on
-    `device`. Returns what the step runs: the module, or its wrapper."""
-    if sharded:
-        strategy.parallelize(module)  # FSDP2 makes empty tensors on the device as it wraps: in fake mode too
-        module.to_empty(device=device)
-        return module
-    module.to_empty(device=device)
-    stack.enter_context(ddp_on_fake_tensors())
-    return wrapped_by_strategy(strategy, module)
-
-
-def _precision_plugin(sharded: bool, precision: str, device_type: str) -> Any:
-    """FSDP (`sharded`) reads the precision from its plugin (its mixed-precision policy); DDP runs under autocast."""
-    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-
-    if not sharded and precision.endswith("-mixed"):
-        return MixedPrecision(precision, device_type)
-    plugin = Precision()
-    plugin.precision = precision
-    return plugin
-
-
-def _step(strategy: Any, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> None:
-    """One training step as Lightning runs it: gradients cleared, then forward through the wrapper (`model`) where
-    there is one, so that its hooks run, under the precision plugin's context; backward; the optimizer's step."""
-    optimizer.zero_grad()
-    with strategy.precision_plugin.train_step_context():
-        if model is not module:
-            loss = training_step_in_wrapper(strategy, model, module, batch, 0)
-        else:
-            step = getattr(module, "training_step", None)
-            loss = step(batch, 0) if step is not None else module(batch)
-    loss = loss["loss"] if isinstance(loss, dict) else loss
-    loss.backward()
-    optimizer.step()
-
-
-def _shards(model: nn.Module, block_classes: tuple[type[nn.Module], ...]) -> list[Shard]:
+def shards_of(model: nn.Module, block_classes: tuple[type[nn.Module], ...]) -> list[Shard]:
     """Every parameter outside the repeated blocks, and those of the first block: the other blocks repeat it."""
     blocks = block_modules(model, block_classes)
     others = tuple(f"{name}." for name, module in model.named_modules() if module in blocks[1:])

@@ -27,7 +27,8 @@ _POLL_S = 0.5
 
 def _job_key(name: str) -> str:
     # A restarted torchrun job (--max-restarts) is a new attempt: nothing an earlier one said applies to it.
-    return f"lightning_dist/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+    run, attempt = os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"lightning_dist/{run}/{attempt}/{name}"
 
 
 REFUSED = "refused"
@@ -108,4 +109,7 @@ class RefusedElsewhere(RuntimeError):
     exit_code = 2  # refused (exits.py, which tells the other ranks through this module)
 
     def __init__(self, said: str) -> None:
-        super().__init__(f"{said.split(':', 1)[0]} refused the run's configuration, so this rank stops too: {said.split(':', 1)[1].strip()}")
+        super().__init__(
+            f"{said.split(':', 1)[0]} refused the run's configuration, so this rank stops too: "
+            f"{said.split(':', 1)[1].strip()}"
+        )

@@ -6,4 +6,15 @@ from lightning_dist.memory.measure import model_state_bytes
 from lightning_dist.memory.model_facts import ModelFacts
 from lightning_dist.memory.planner import GB, MemoryPlan, plan_memory
 
-__all__ = ["GB", "AutoFit", "Choice", "Layout", "MemoryPlan", "ModelFacts", "NothingFits", "layout_of", "model_state_bytes", "plan_memory"]
+__all__ = [
+    "GB",
+    "AutoFit",
+    "Choice",
+    "Layout",
+    "MemoryPlan",
+    "ModelFacts",
+    "NothingFits",
+    "layout_of",
+    "model_state_bytes",
+    "plan_memory",
+]

@@ -21,7 +21,13 @@ from lightning_dist.memory.planner import GB, MemoryPlan, plan_memory
 log = logging.getLogger(__name__)
 
 LADDERS = {
-    "deepspeed": ("ddp", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme"),
+    "deepspeed": (
+        "ddp",
+        "deepspeed_stage_2",
+        "deepspeed_stage_3",
+        "deepspeed_stage_3_offload",
+        "deepspeed_stage_3_offload_nvme",
+    ),
     "fsdp": ("ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_tp", "fsdp_cpu_offload", "deepspeed_stage_3_offload_nvme"),
 }
 
@@ -61,10 +67,14 @@ class AutoFit:
         if not 0 < self.headroom <= 1:
             raise ValueError(f"strategy.headroom: {self.headroom} must be in (0, 1]")
 
-    def choose(self, facts: ModelFacts, precision: str, devices: int, num_nodes: int = 1, accelerator: str = "cpu") -> Choice:
+    def choose(
+        self, facts: ModelFacts, precision: str, devices: int, num_nodes: int = 1, accelerator: str = "cpu"
+    ) -> Choice:
         from lightning_dist.strategies.presets import PRESETS
 
-        device_budget = self.headroom * (self.device_memory_gb * GB if self.device_memory_gb else _device_memory(accelerator, devices))
+        device_budget = self.headroom * (
+            self.device_memory_gb * GB if self.device_memory_gb else _device_memory(accelerator, devices)
+        )
         host_budget = self.headroom * (self.host_memory_gb * GB if self.host_memory_gb else _host_memory())
         rejected: list[tuple[str, str]] = []
         for name in LADDERS[self.family]:
@@ -89,7 +99,10 @@ class AutoFit:
             if why is None:
                 for cheaper, reason in rejected:
                     log.info(f"auto_fit: not {cheaper}: {reason}")
-                log.info(f"auto_fit: chose {name}: {plan.device_total / GB:.2f} GB per device of {device_budget / GB:.2f} GB usable")
+                log.info(
+                    f"auto_fit: chose {name}: {plan.device_total / GB:.2f} GB per device of {device_budget / GB:.2f} "
+                    "GB usable"
+                )
                 return Choice(name, strategy, plan, rejected)
             rejected.append((name, why))
         raise NothingFits("strategy=auto_fit: nothing fits: " + " | ".join(f"{n}: {why}" for n, why in rejected))

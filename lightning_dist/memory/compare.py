@@ -10,8 +10,12 @@ from lightning_dist.memory.planner import GB, plan_memory
 def compare_presets(facts: ModelFacts, precision: str, devices: int, num_nodes: int = 1) -> str:
     from lightning_dist.strategies.presets import PRESETS
 
-    lines = [f"All presets for {facts.parameters:,} parameters, {precision}, {devices * num_nodes} ranks (GB per device / per node):",
-             "| preset | model state | device total | host | NVMe |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"All presets for {facts.parameters:,} parameters, {precision}, {devices * num_nodes} ranks (GB per device / "
+        "per node):",
+        "| preset | model state | device total | host | NVMe |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, preset in PRESETS.items():
         layout = layout_of(preset.strategy(**preset.kwargs), name)
         try:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_dist._compat.torch import TorchDispatchMode, storage_identity, storage_owner, tree_map
-from lightning_dist.deepspeed_config.facts import hidden_size_of
+from lightning_dist.memory.hidden_size import hidden_size_of
 from lightning_dist.memory.attention_kernel import fused_attention
 from lightning_dist.parallel.activation_checkpoint import KEPT_OPS, CheckpointPlan
 from lightning_dist.parallel.classes import block_modules
@@ -61,7 +61,9 @@ class ModelFacts:
         return self.activation_bytes - sum(b.saved for b in checkpointed) + kept + recomputed
 
     @classmethod
-    def of(cls, build: Callable[[], nn.Module], batch: Any = None, block_classes: tuple[type[nn.Module], ...] = ()) -> "ModelFacts":
+    def of(
+        cls, build: Callable[[], nn.Module], batch: Any = None, block_classes: tuple[type[nn.Module], ...] = ()
+    ) -> "ModelFacts":
         """`build()` runs under the meta device; `batch` (one training batch, any device) sizes the activations."""
         with torch.device("meta"):
             module = build()
@@ -106,7 +108,9 @@ def _unique_parameters(module: nn.Module) -> list[nn.Parameter]:
     return list({id(p): p for p in module.parameters()}.values())
 
 
-def _trace_activations(module: nn.Module, batch: Any, blocks: list[nn.Module]) -> tuple[int, int, tuple[BlockActivations, ...]]:
+def _trace_activations(
+    module: nn.Module, batch: Any, blocks: list[nn.Module]
+) -> tuple[int, int, tuple[BlockActivations, ...]]:
     """(bytes saved for backward, bytes saved with each block checkpointed, what each block saves) by one training
     step on meta."""
     parameters = {id(p) for p in module.parameters()}
@@ -154,7 +158,9 @@ def _trace_activations(module: nn.Module, batch: Any, blocks: list[nn.Module]) -
         step(meta_batch, 0) if step is not None else module(meta_batch)
     traced = tuple(BlockActivations(*per_block[id(b)]) for b in blocks)
     # Checkpointed: each block keeps only its input; backward recomputes one block at a time.
-    checkpointed = total - sum(b.saved for b in traced) + sum(b.inputs for b in traced) + max((b.saved for b in traced), default=0)
+    checkpointed = (
+        total - sum(b.saved for b in traced) + sum(b.inputs for b in traced) + max((b.saved for b in traced), default=0)
+    )
     return total, checkpointed, traced
 
 

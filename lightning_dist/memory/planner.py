@@ -13,8 +13,6 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from lightning_dist.deepspeed_config.resolve import HIDDEN_SIZE_RULES
-from lightning_dist.deepspeed_config.swap_buffers import parameter_swap_pool
 from lightning_dist.memory.layout import Layout
 from lightning_dist.memory.model_facts import ModelFacts
 from lightning_dist.parallel.dims import ParallelDims
@@ -35,7 +33,9 @@ class StateBytes(NamedTuple):
 def state_bytes(engine: str, precision: str, optimizer: str = "adamw") -> tuple[StateBytes, int]:
     """(bytes per parameter of each kind, number of optimizer moments)."""
     if optimizer not in OPTIMIZER_MOMENTS:
-        raise ValueError(f"optimizer: {optimizer!r} is not known to the planner; choose one of {', '.join(OPTIMIZER_MOMENTS)}")
+        raise ValueError(
+            f"optimizer: {optimizer!r} is not known to the planner; choose one of {', '.join(OPTIMIZER_MOMENTS)}"
+        )
     moments = OPTIMIZER_MOMENTS[optimizer]
     half = precision in HALF_PRECISIONS
     if engine == "deepspeed":
@@ -76,11 +76,17 @@ class MemoryPlan:
         lines = [f"Memory plan: {self.layout.name}, {self.precision}, {self.world_size} ranks "
                  f"({self.devices_per_node} per node); GB = 1e9 bytes",
                  "| where | category | GB |", "|---|---|---:|"]
-        for where, categories in (("per device", self.device), ("host, per node", self.host), ("NVMe, per node", self.nvme)):
+        for where, categories in (
+            ("per device", self.device),
+            ("host, per node", self.host),
+            ("NVMe, per node", self.nvme),
+        ):
             rows = [f"| {where} | {name} | {value / GB:.3f} |" for name, value in categories.items() if value]
             if rows:
                 lines += [*rows, f"| {where} | **total** | **{sum(categories.values()) / GB:.3f}** |"]
-        lines += [f"| per device, not at the peak | {name} | {value / GB:.3f} |" for name, value in self.off_peak.items()]
+        lines += [
+            f"| per device, not at the peak | {name} | {value / GB:.3f} |" for name, value in self.off_peak.items()
+        ]
         if not self.activations_known:
             lines.append("(activations not included: no batch to trace them with)")
         return "\n".join(lines)
@@ -159,8 +165,8 @@ def plan_memory(
         # new buckets are allocated while the old ones (the gradients themselves, as bucket views) still exist.
         plan.device["bucket_rebuild"] = n * size.gradient
     bucket = layout.reduce_bucket_elements
-    if layout.sized_by_hidden_size and facts.hidden_size:
-        bucket = HIDDEN_SIZE_RULES["reduce_bucket_size"](facts.hidden_size)
+    if layout.bucket_from_hidden_size and facts.hidden_size:
+        bucket = layout.bucket_from_hidden_size(facts.hidden_size)
     if bucket:
         plan.device["gradient_bucket"] = layout.reduce_buckets * bucket * size.gradient
     if layout.sub_group_size and not layout.offload_optimizer:
@@ -199,17 +205,19 @@ def _never_together(plan: MemoryPlan, first: tuple[str, ...], second: tuple[str,
             plan.off_peak[key] = plan.device.pop(key)
 
 
-def _swap_buffers(facts: ModelFacts, layout: Layout, size: StateBytes, partitions: int, devices: int) -> dict[str, float]:
+def _swap_buffers(
+    facts: ModelFacts, layout: Layout, size: StateBytes, partitions: int, devices: int
+) -> dict[str, float]:
     """ZeRO-Infinity's host memory per node: the buffers partitions are swapped through, and the parameter
     partitions a config keeps in host memory besides (`max_in_cpu`)."""
     host: dict[str, float] = {}
     partition = math.ceil(facts.parameters / partitions)
     if layout.offload_parameters == "nvme":
         pool = layout.parameter_swap_pool
-        if pool is None:
-            sized = parameter_swap_pool(facts.parameter_sizes, facts.most_parameters_per_module, partitions, size.parameter,
-                                        layout.persistence_threshold)
-            pool = (sized.buffer_count, sized.buffer_size) if sized else (0, 0)
+        if pool is None and layout.swap_pool_sizer:
+            pool = layout.swap_pool_sizer(facts.parameter_sizes, facts.most_parameters_per_module, partitions,
+                                          size.parameter, layout.persistence_threshold)
+        pool = pool or (0, 0)
         host["parameter_swap_buffers"] = pool[0] * pool[1] * size.parameter * devices
         host["parameters_kept_in_host"] = min(layout.parameters_in_host, partition) * size.parameter * devices
     if layout.offload_optimizer == "nvme":

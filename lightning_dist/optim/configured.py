@@ -23,7 +23,9 @@ OptimizerFactory = Callable[..., Optimizer]  # called with `params`
 SchedulerFactory = Callable[..., Any]  # called with `optimizer`
 
 # What `optimizer=adamw` (conf/optimizer/adamw.yaml) gives, for a module built in Python without a config.
-DEFAULT_OPTIMIZER: OptimizerFactory = partial(torch.optim.AdamW, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
+DEFAULT_OPTIMIZER: OptimizerFactory = partial(
+    torch.optim.AdamW, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01, fused=True
+)
 
 # Optimizers whose update needs each parameter whole: torch's Adafactor factors a matrix's second moment into row and
 # column means. FSDP2 hands it shards (DTensors, which it has no rule for: it fails at the first step) and ZeRO flat

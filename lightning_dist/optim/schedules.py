@@ -24,12 +24,16 @@ def constant(optimizer: Optimizer, warmup_steps: int = 0) -> LambdaLR:
     return LambdaLR(optimizer, WarmupStableDecay(warmup_steps, stable_until=None))
 
 
-def cosine(optimizer: Optimizer, total_steps: int, warmup_steps: int | None = None, min_lr_ratio: float = 0.0) -> LambdaLR:
+def cosine(
+    optimizer: Optimizer, total_steps: int, warmup_steps: int | None = None, min_lr_ratio: float = 0.0
+) -> LambdaLR:
     """Linear warmup, then half a cosine down to `min_lr_ratio` of the peak at `total_steps`."""
     return _decaying(optimizer, total_steps, warmup_steps, None, "cosine", min_lr_ratio)
 
 
-def linear(optimizer: Optimizer, total_steps: int, warmup_steps: int | None = None, min_lr_ratio: float = 0.0) -> LambdaLR:
+def linear(
+    optimizer: Optimizer, total_steps: int, warmup_steps: int | None = None, min_lr_ratio: float = 0.0
+) -> LambdaLR:
     """Linear warmup, then a straight line down to `min_lr_ratio` of the peak at `total_steps`."""
     return _decaying(optimizer, total_steps, warmup_steps, None, "linear", min_lr_ratio)
 
@@ -50,11 +54,17 @@ def warmup_stable_decay(
 
 
 def _decaying(
-    optimizer: Optimizer, total_steps: int, warmup_steps: int | None, decay_steps: int | None, decay: str, min_lr_ratio: float
+    optimizer: Optimizer,
+    total_steps: int,
+    warmup_steps: int | None,
+    decay_steps: int | None,
+    decay: str,
+    min_lr_ratio: float,
 ) -> LambdaLR:
     if not isinstance(total_steps, int) or total_steps <= 0:
         raise ValueError(
-            f"model.scheduler.total_steps: {total_steps!r}; a decaying schedule needs the run's length: set trainer.max_steps"
+            f"model.scheduler.total_steps: {total_steps!r}; a decaying schedule needs the run's length: set "
+            "trainer.max_steps"
             " or model.scheduler.total_steps"
         )
     if decay not in DECAY_SHAPES:
@@ -65,7 +75,8 @@ def _decaying(
     decay_steps = total_steps - warmup if decay_steps is None else decay_steps
     if warmup < 0 or decay_steps < 0 or warmup + decay_steps > total_steps:
         raise ValueError(
-            f"model.scheduler.warmup_steps: {warmup} warmup and {decay_steps} decay steps do not fit in total_steps={total_steps}"
+            f"model.scheduler.warmup_steps: {warmup} warmup and {decay_steps} decay steps do not fit in "
+            f"total_steps={total_steps}"
         )
     rule = WarmupStableDecay(warmup, stable_until=total_steps - decay_steps, decay_steps=decay_steps, decay=decay,
                              min_lr_ratio=min_lr_ratio)

@@ -14,11 +14,6 @@ _NAMES = {
     "require_classes_in_model": "lightning_dist.parallel.classes",
     "resolve_block_classes": "lightning_dist.parallel.classes",
     "resolve_module_class": "lightning_dist.parallel.classes",
-    "apply_fully_shard": "lightning_dist.parallel.fsdp",
-    "materialize_shards": "lightning_dist.parallel.fsdp",
-    "mixed_precision_policy": "lightning_dist.parallel.fsdp",
-    "offload_policy": "lightning_dist.parallel.fsdp",
-    "shard_device": "lightning_dist.parallel.fsdp",
     "sharding_layout": "lightning_dist.parallel.dims",
 }
 

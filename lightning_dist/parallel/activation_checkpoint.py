@@ -13,7 +13,10 @@ from torch import nn
 
 from lightning_dist._compat.torch import CheckpointWrapper, checkpoint_wrapper, wrapped_module
 
-CHOICES = "false, true (every block), ops (every block, keeping matrix products and attention), or an integer k >= 1 (every k-th block)"
+CHOICES = (
+    "false, true (every block), ops (every block, keeping matrix products and attention), or an integer k >= 1 "
+    "(every k-th block)"
+)
 
 
 def _aten_ops(*names: str) -> frozenset:

@@ -30,7 +30,9 @@ def resolve_module_class(spec: str | type[nn.Module], key: str) -> type[nn.Modul
             name for name, obj in vars(module).items()
             if inspect.isclass(obj) and issubclass(obj, nn.Module) and obj.__module__ == module.__name__
         )
-        raise ValueError(f"{key}: {spec!r} is not an nn.Module class; classes in {module_path}: {', '.join(choices) or 'none'}")
+        raise ValueError(
+            f"{key}: {spec!r} is not an nn.Module class; classes in {module_path}: {', '.join(choices) or 'none'}"
+        )
     return found
 
 
@@ -70,7 +72,9 @@ def infer_block_classes(model: nn.Module, key: str = "strategy.block_class") -> 
         if isinstance(m, nn.ModuleList) and len(m) and not any(isinstance(child, containers) for child in m)
     ]
     single = {_layer_class(child) for mlist in lists if _one_class(mlist) for child in mlist}
-    inside = {id(inner) for m in model.modules() if isinstance(m, tuple(single)) for inner in m.modules() if inner is not m}
+    inside = {
+        id(inner) for m in model.modules() if isinstance(m, tuple(single)) for inner in m.modules() if inner is not m
+    }
     outer = [mlist for mlist in lists if id(mlist) not in inside]
     mixed = sorted({_layer_class(child).__qualname__ for mlist in outer if not _one_class(mlist) for child in mlist})
     if mixed:

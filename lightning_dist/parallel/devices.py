@@ -39,7 +39,9 @@ def process_group_timeout(timeout: timedelta | float | None) -> timedelta:
     if isinstance(timeout, timedelta):
         return timeout
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"strategy.timeout={timeout!r}: give the seconds a collective may wait, a number > 0 (default 1800)")
+        raise ValueError(
+            f"strategy.timeout={timeout!r}: give the seconds a collective may wait, a number > 0 (default 1800)"
+        )
     return timedelta(seconds=timeout)
 
 
@@ -77,7 +79,9 @@ def share_the_cores(processes_per_node: int) -> None:
     set_threads_for_ranks(processes_per_node)
 
 
-def gather_numbers(values: Sequence[float], device: torch.device, dtype: torch.dtype = torch.float64) -> list[list[float]]:
+def gather_numbers(
+    values: Sequence[float], device: torch.device, dtype: torch.dtype = torch.float64
+) -> list[list[float]]:
     """Each rank's `values` (the same length everywhere), gathered onto every rank: `[[rank 0's], [rank 1's], ...]`.
 
     The tensor is made on `device` (the strategy's root device), never on the host by default.

@@ -117,7 +117,9 @@ class ParallelDims:
         data-parallel state is both replicated and sharded (HSDP), `data_parallel` is the flattened
         `data_parallel_replicate` x `data_parallel_shard`, and those two axes are there as well."""
         if self.dp_replicate == 1:
-            return init_device_mesh(device_type, (self.dp_shard, self.tp), mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL))
+            return init_device_mesh(
+                device_type, (self.dp_shard, self.tp), mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL)
+            )
         mesh = init_device_mesh(
             device_type, (self.dp_replicate, self.dp_shard, self.tp),
             mesh_dim_names=(DATA_PARALLEL_REPLICATE, DATA_PARALLEL_SHARD, TENSOR_PARALLEL),

@@ -116,7 +116,8 @@ def initialize_parameters(
         untouched = [n for n in todo if full[n].is_floating_point() and full[n].isnan().any()]
         if untouched:
             raise ValueError(
-                f"model: {name or type(model).__name__} ({type(module).__name__}) has parameters ({', '.join(untouched)})"
+                f"model: {name or type(model).__name__} ({type(module).__name__}) has parameters "
+                f"({', '.join(untouched)})"
                 " that neither its reset_parameters() nor an enclosing _init_weights(module) initialises; add one,"
                 " or build the model eagerly (outside init_module/configure_model)"
             )

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from lightning_dist.reports.summary_file import curve, read_summary
 
-# The entry point `lightning-dist-train` and `python train.py` run, as a module: found wherever the package is installed.
+# The entry point `lightning-dist-train` and `python train.py` run, as a module: found wherever the package is
+# installed.
 TRAIN_COMMAND = ("-m", "lightning_dist.run.cli")
 # Per-step losses, and nothing that does not change the training trajectory.
 COMPARISON_OVERRIDES = ("trainer.log_every_n_steps=1", "test=false")
@@ -65,9 +66,9 @@ def compare_strategies(
 def format_report(curves: dict[str, StrategyCurve], reference: str = "ddp") -> str:
     base = curves[reference]
     lines = ["| strategy | steps | final loss | max relative difference vs " + reference + " |", "|---|---|---|---|"]
-    for name, curve in curves.items():
-        final = curve.losses[max(curve.losses)] if curve.losses else float("nan")
-        lines.append(f"| {name} | {len(curve.losses)} | {final:.6f} | {curve.max_relative_difference(base):.2e} |")
+    for name, losses in curves.items():
+        final = losses.losses[max(losses.losses)] if losses.losses else float("nan")
+        lines.append(f"| {name} | {len(losses.losses)} | {final:.6f} | {losses.max_relative_difference(base):.2e} |")
     return "\n".join(lines)
 
 

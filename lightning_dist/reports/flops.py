@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_dist.deepspeed_config.facts import hidden_size_of
+from lightning_dist.memory.hidden_size import hidden_size_of
 from lightning_dist.parallel.classes import block_modules
 
 # Device name fragment -> dense FLOP/s per device: (bf16/fp16 tensor cores, tf32 tensor cores, fp32 without them).

@@ -40,14 +40,18 @@ class Job:
 def read_jobs(sweep_dir: Path) -> list[Job]:
     """Every job directory of the sweep (one with `.hydra/overrides.yaml`), in job order."""
     jobs = []
-    for overrides_file in sorted(sweep_dir.glob("*/.hydra/overrides.yaml"), key=lambda p: _job_order(p.parents[1].name)):
+    for overrides_file in sorted(
+        sweep_dir.glob("*/.hydra/overrides.yaml"), key=lambda p: _job_order(p.parents[1].name)
+    ):
         directory = overrides_file.parents[1]
         job = Job(directory, yaml.safe_load(overrides_file.read_text()) or [])
         job.summary = read_summary(directory)
         job.val_loss, job.train_loss = (curve(job.summary, name) for name in ("val_loss", "train_loss"))
         jobs.append(job)
     if not jobs:
-        raise SystemExit(f"error: {sweep_dir}: no job directories (with .hydra/overrides.yaml) in it; is it a multirun directory?")
+        raise SystemExit(
+            f"error: {sweep_dir}: no job directories (with .hydra/overrides.yaml) in it; is it a multirun directory?"
+        )
     return jobs
 
 
@@ -58,11 +62,17 @@ def _job_order(name: str) -> tuple[int, str]:
 def labels(jobs: list[Job]) -> list[str]:
     """Each job named by the overrides that differ between jobs (all of them if the sweep has one job)."""
     differing = {o for job in jobs for o in job.overrides if any(o not in other.overrides for other in jobs)}
-    return [" ".join(o for o in job.overrides if o in differing) or " ".join(job.overrides) or job.directory.name for job in jobs]
+    return [
+        " ".join(o for o in job.overrides if o in differing) or " ".join(job.overrides) or job.directory.name
+        for job in jobs
+    ]
 
 
 def markdown_table(jobs: list[Job]) -> str:
-    header = "| job | overrides | status | train loss | val loss | median step (ms) | samples/s | tokens/s | peak memory per rank (MiB) |"
+    header = (
+        "| job | overrides | status | train loss | val loss | median step (ms) | samples/s | tokens/s | peak "
+        "memory per rank (MiB) |"
+    )
     lines = [header, "|" + "---|" * 9]
     for job, label in zip(jobs, labels(jobs)):
         step = job.summary.get("median_step_time_s")
@@ -91,9 +101,9 @@ def plot(jobs: list[Job], path: Path) -> None:
     for index, (job, name) in enumerate(zip(jobs, names)):
         # Strategies that agree draw the same curve; line styles keep every series visible on top of the others.
         style = {"linestyle": ("-", "--", ":", "-.")[index % 4], "marker": "osd^v<>"[index % 7], "markersize": 4}
-        for ax, curve in ((axes[0][0], job.val_loss), (axes[0][1], job.train_loss)):
-            if curve:
-                ax.plot(list(curve), list(curve.values()), label=name, color=f"C{index}", **style)
+        for ax, losses in ((axes[0][0], job.val_loss), (axes[0][1], job.train_loss)):
+            if losses:
+                ax.plot(list(losses), list(losses.values()), label=name, color=f"C{index}", **style)
     for ax, title, ylabel in ((axes[0][0], "Validation loss", "val_loss"), (axes[0][1], "Training loss", "train_loss")):
         ax.set(title=title, xlabel="optimizer step", ylabel=ylabel)
         ax.grid(alpha=0.3)
@@ -121,7 +131,9 @@ def write_report(sweep_dir: Path) -> tuple[Path, Path]:
     plot(jobs, image)
     failed = [job.directory.name for job in jobs if not job.finished]
     note = f"\nFailed jobs (no finished run in their directory): {', '.join(failed)}\n" if failed else ""
-    table.write_text(f"# Sweep {sweep_dir.name}\n\n{markdown_table(jobs)}{note}\n![loss, throughput and memory]({image.name})\n")
+    table.write_text(
+        f"# Sweep {sweep_dir.name}\n\n{markdown_table(jobs)}{note}\n![loss, throughput and memory]({image.name})\n"
+    )
     return table, image
 
 

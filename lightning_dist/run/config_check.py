@@ -137,15 +137,23 @@ def check_overrides(overrides: list[str], config_name: str = "train", conf_dir: 
         return None
 
     group_overrides = [
-        o.input_line for o in parsed
-        if o.key_or_group.split("@")[0] in groups or o.key_or_group == "hydra.searchpath" or o.key_or_group.startswith("hydra/")
+        o.input_line
+        for o in parsed
+        if o.key_or_group.split("@")[0] in groups
+        or o.key_or_group == "hydra.searchpath"
+        or o.key_or_group.startswith("hydra/")
     ]
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
         base = compose(config_name, overrides=group_overrides)
         for override in parsed:
             key = override.key_or_group
             # Hydra's own keys and groups (hydra/launcher=..., with options of Hydra's and ours) are Hydra's to check.
-            if key.split("@")[0] in groups or key.startswith(("hydra.", "hydra/")) or override.is_add() or override.is_delete():
+            if (
+                key.split("@")[0] in groups
+                or key.startswith(("hydra.", "hydra/"))
+                or override.is_add()
+                or override.is_delete()
+            ):
                 continue
             _check_key_exists(base, key)
         try:
@@ -177,7 +185,9 @@ def _check_group_choice(group: str, values: list, conf_dirs: list[Path]) -> None
         modules, install = OPTION_PACKAGES.get((group, str(choice)), ((), ""))
         missing = [module for module in modules if not _installed(module)]
         if missing:
-            raise ConfigError(f"{group}={choice}: needs {', '.join(m.split('.')[-1] for m in missing)}, not installed here; {install}")
+            raise ConfigError(
+                f"{group}={choice}: needs {', '.join(m.split('.')[-1] for m in missing)}, not installed here; {install}"
+            )
 
 
 def _installed(module: str) -> bool:
@@ -199,4 +209,6 @@ def _check_key_exists(cfg: DictConfig, key: str) -> None:
     close = difflib.get_close_matches(leaf, valid, n=1)
     hint = f"did you mean {parent_key + '.' if parent_key else ''}{close[0]}? " if close else ""
     where = f"under {parent_key}" if parent_key else "at the top level"
-    raise ConfigError(f"{key}: no such key; {hint}valid keys {where}: {', '.join(valid)} (add new keys with +{key}=...)")
+    raise ConfigError(
+        f"{key}: no such key; {hint}valid keys {where}: {', '.join(valid)} (add new keys with +{key}=...)"
+    )

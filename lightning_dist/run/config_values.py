@@ -64,34 +64,63 @@ class Rule:
 
 
 RULES = (
-    Rule("resume", "true, false or run_dir (the newest whole checkpoint in hydra.run.dir only: a requeued job's)",
-         lambda value: isinstance(value, bool) or value == "run_dir"),
+    Rule(
+        "resume",
+        "true, false or run_dir (the newest whole checkpoint in hydra.run.dir only: a requeued job's)",
+        lambda value: isinstance(value, bool) or value == "run_dir",
+    ),
     Rule("seed", "an integer", integer()),
-    Rule("compile", "true or false (true: each block of the model compiled with torch.compile)",
-         lambda value: isinstance(value, bool)),
-    Rule("dry_run", "true or false (true: the run set up and stepped on fake devices at its world size)",
-         lambda value: isinstance(value, bool)),
-    Rule("dry_run_ranks", "null or a list of global ranks (integers >= 0)",
-         optional(lambda value: (OmegaConf.is_list(value) or isinstance(value, (list, tuple))) and len(value) > 0
-                  and all(integer(0)(rank) for rank in value))),
+    Rule(
+        "compile",
+        "true or false (true: each block of the model compiled with torch.compile)",
+        lambda value: isinstance(value, bool),
+    ),
+    Rule(
+        "dry_run",
+        "true or false (true: the run set up and stepped on fake devices at its world size)",
+        lambda value: isinstance(value, bool),
+    ),
+    Rule(
+        "dry_run_ranks",
+        "null or a list of global ranks (integers >= 0)",
+        optional(
+            lambda value: (
+                (OmegaConf.is_list(value) or isinstance(value, (list, tuple)))
+                and len(value) > 0
+                and all(integer(0)(rank) for rank in value)
+            )
+        ),
+    ),
     Rule("dry_run_device_memory_gb", "a number of GB above 0 (one device's memory)", number(above=0)),
-    Rule("checkpoint.async", "true or false (true: checkpoints written in the background)",
-         lambda value: isinstance(value, bool)),
+    Rule(
+        "checkpoint.async",
+        "true or false (true: checkpoints written in the background)",
+        lambda value: isinstance(value, bool),
+    ),
     Rule("trainer.max_steps", "an integer >= -1 (-1: no limit)", integer(-1)),
     Rule("trainer.max_epochs", "null or an integer >= -1 (-1: no limit)", optional(integer(-1))),
     Rule("trainer.min_steps", "null or an integer >= 0", optional(integer(0))),
     Rule("trainer.accumulate_grad_batches", "an integer >= 1 (batches per optimizer step)", integer(1)),
-    Rule("trainer.val_check_interval",
-         "null, an integer >= 1 (training batches), a fraction in (0, 1] of an epoch, or a duration", _interval),
+    Rule(
+        "trainer.val_check_interval",
+        "null, an integer >= 1 (training batches), a fraction in (0, 1] of an epoch, or a duration",
+        _interval,
+    ),
     Rule("trainer.check_val_every_n_epoch", "null or an integer >= 1", optional(integer(1))),
     Rule("trainer.log_every_n_steps", "an integer >= 0", integer(0)),
     Rule("trainer.num_sanity_val_steps", "an integer >= -1 (-1: every batch)", integer(-1)),
     Rule("trainer.num_nodes", "an integer >= 1", integer(1)),
     Rule("trainer.gradient_clip_val", "null or a number >= 0", optional(number(at_least=0))),
-    Rule("strategy.tensor_parallel_size", "null (DeepSpeed: the config file's), an integer >= 1, or -1 (the ranks that are left)",
-         optional(lambda value: value == -1 or integer(1)(value))),
-    Rule("strategy.data_parallel_replicate_size", "null, an integer >= 1, or -1 (the ranks that are left)",
-         optional(lambda value: value == -1 or integer(1)(value))),
+    Rule(
+        "strategy.tensor_parallel_size",
+        "null (DeepSpeed: the config file's), an integer >= 1, or -1 (the ranks that are left)",
+        optional(lambda value: value == -1 or integer(1)(value)),
+    ),
+    Rule(
+        "strategy.data_parallel_replicate_size",
+        "null, an integer >= 1, or -1 (the ranks that are left)",
+        optional(lambda value: value == -1 or integer(1)(value)),
+    ),
     Rule("data.batch_size", "an integer >= 1 (samples per rank and step)", integer(1)),
     Rule("data.num_workers", "an integer >= 0", integer(0)),
     Rule("model.optimizer.lr", "a number > 0", number(above=0)),

@@ -83,6 +83,8 @@ def run_isolated(hydra_config: Any) -> dict[str, float]:
         raise
     output_dir = Path(hydra_config.runtime.output_dir)
     if returncode:
-        raise JobFailed(f"job {number} ({overrides}) exited with code {returncode}; its log: {output_dir / (JOB_LOG_NAME + '.log')}")
+        raise JobFailed(
+            f"job {number} ({overrides}) exited with code {returncode}; its log: {output_dir / (JOB_LOG_NAME + '.log')}"
+        )
     summary = output_dir / "metrics.json"
     return json.loads(summary.read_text()).get("metrics", {}) if summary.exists() else {}

@@ -99,7 +99,9 @@ def claim_run_dir(directory: Path, continuing: bool, config_dir: str | None = ".
     holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     (directory / CLAIM_FILE).write_text(json.dumps(holder))
     os.environ[CLAIM_ENV] = str(directory)
-    _claim = Claim(directory, created, bool(used), lock, [directory / name for name in (config_dir, FINAL_METRICS) if name])
+    _claim = Claim(
+        directory, created, bool(used), lock, [directory / name for name in (config_dir, FINAL_METRICS) if name]
+    )
     if used:
         _claim.set_aside = set_aside_earlier_attempt(_claim.attempt_files)
     return _claim
@@ -140,7 +142,9 @@ def discard_refused_run(directory: Path, job_name: str) -> None:
                 aside.rename(path)
             return
     rank, _, _ = launcher_ranks()
-    if rank != 0:  # a cluster's launcher started this rank: its log and its node's config are its own, the rest rank 0's
+    if (
+        rank != 0
+    ):  # a cluster's launcher started this rank: its log and its node's config are its own, the rest rank 0's
         _remove(directory / f"{job_name}{log_suffix()}.log")
         if (node_config := config_subdir()) is not None:
             _remove(directory / node_config)

@@ -56,7 +56,7 @@ from lightning_dist.lifecycle.collective_timeout import CollectiveFailure, expla
 from lightning_dist.lifecycle.peer_exits import say_leaving
 from lightning_dist.lifecycle.process_exit import close_process_group
 from lightning_dist.parallel.sharded_init import parameters_on_meta
-from lightning_dist.precision import check_precision, device_type
+from lightning_dist.parallel.precision import check_precision, device_type
 from lightning_dist.strategies.launcher import PreflightError, preflight
 from lightning_dist.reports.summary_file import SUMMARY_NAME, read_summary
 from lightning_dist.lifecycle.writable import unwritable_because
@@ -92,7 +92,9 @@ def build(cfg: DictConfig, resuming: bool = False) -> dict[str, Any]:
             if not cfg.get("trust_checkpoint"):
                 vet_checkpoint(cfg.ckpt_path)  # here, once, rather than on every rank after they started
         # `callbacks.<name>=null` switches one off.
-        callbacks = [_instantiate(c, f"callbacks.{name}") for name, c in (cfg.get("callbacks") or {}).items() if c is not None]
+        callbacks = [
+            _instantiate(c, f"callbacks.{name}") for name, c in (cfg.get("callbacks") or {}).items() if c is not None
+        ]
         _check_checkpoint_dirs_writable(cfg.get("callbacks") or {}, callbacks)
         loggers = [_instantiate(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items() if c is not None]
         trainer = _instantiate(cfg.trainer, "trainer", strategy=strategy, callbacks=callbacks, logger=loggers)
@@ -114,7 +116,8 @@ def _construction(strategy: Any) -> AbstractContextManager:
 def _check_accelerator(accelerator: Any) -> None:
     if str(accelerator) not in ACCELERATORS:
         raise ConfigError(
-            f"trainer.accelerator={accelerator}: this package runs on CPU or CUDA; choose one of {', '.join(ACCELERATORS)}"
+            f"trainer.accelerator={accelerator}: this package runs on CPU or CUDA; choose one of "
+            f"{', '.join(ACCELERATORS)}"
         )
 
 
@@ -186,7 +189,9 @@ def _device_count(cfg: DictConfig) -> tuple[int, int]:
     try:
         return int(devices), int(num_nodes)
     except ValueError:
-        raise ConfigError(f"trainer.devices={devices}: planning memory needs a number of devices; set trainer.devices=N") from None
+        raise ConfigError(
+            f"trainer.devices={devices}: planning memory needs a number of devices; set trainer.devices=N"
+        ) from None
 
 
 def _auto_fit(cfg: DictConfig, auto_fit: AutoFit, facts: ModelFacts) -> Choice:
@@ -207,7 +212,9 @@ def plan(cfg: DictConfig) -> MemoryPlan:
         if isinstance(strategy, AutoFit):
             choice = _auto_fit(cfg, strategy, facts)
             strategy, name = choice.strategy, choice.name
-        memory_plan = plan_memory(facts, layout_of(strategy, name), cfg.trainer.precision, devices=devices, num_nodes=num_nodes)
+        memory_plan = plan_memory(
+            facts, layout_of(strategy, name), cfg.trainer.precision, devices=devices, num_nodes=num_nodes
+        )
     except (InstantiationException, ValueError, TypeError) as error:
         raise _config_error(error) from error
     print(memory_plan.table())
@@ -376,7 +383,9 @@ def _checkpoint_to_resume(cfg: DictConfig, shapes: dict[str, tuple[int, ...]]) -
     if found is None:
         nothing = (f"no complete checkpoint in {output_dir}" if cfg.resume == RESUME_OWN_DIR
                    else "no earlier complete checkpoint of this command")
-        log.info(said + nothing + (f" (passed over {len(passed)}, named above)" if passed else "") + "; starting afresh")
+        log.info(
+            said + nothing + (f" (passed over {len(passed)}, named above)" if passed else "") + "; starting afresh"
+        )
     elif Path(found).parent.parent != output_dir:
         log.info(f"{said}resuming from {found}: an earlier run's, in {Path(found).parent.parent} ({output_dir} has no"
                  " checkpoint of its own)")
@@ -421,7 +430,8 @@ def run_job(cfg: DictConfig) -> Any:
     undo_on_refusal(discard_this_run_of_the_job)  # another rank refused the run while its process group formed
     try:
         if needs_isolation(hydra_config, cfg.trainer):
-            # A sweep job with ranks: run it as a single run in a process of its own (lightning_dist/run/isolated_job.py).
+            # A sweep job with ranks: run it as a single run in a process of its own
+            # (lightning_dist/run/isolated_job.py).
             metrics = run_isolated(hydra_config)
         elif cfg.get("plan"):
             plan(cfg)
@@ -472,5 +482,7 @@ def _objective(cfg: DictConfig, metrics: dict[str, float]) -> Any:
     if name is None:
         return metrics
     if name not in metrics:
-        raise ConfigError(f"optimized_metric={name}: the run reported no such metric; it reported {', '.join(sorted(metrics))}")
+        raise ConfigError(
+            f"optimized_metric={name}: the run reported no such metric; it reported {', '.join(sorted(metrics))}"
+        )
     return metrics[name]

@@ -9,9 +9,9 @@ from typing import Any
 from lightning_dist.strategies.presets import PRESETS, REGISTRY_PREFIX, register_presets
 
 _CLASSES = {
-    "DDPStrategy": "lightning_dist.strategies.ddp",
-    "DeepSpeedStrategy": "lightning_dist.strategies.deepspeed",
-    "FSDPStrategy": "lightning_dist.strategies.fsdp",
+    "DDPStrategy": "lightning_dist.strategies.torch.ddp",
+    "DeepSpeedStrategy": "lightning_dist.strategies.deepspeed.strategy",
+    "FSDPStrategy": "lightning_dist.strategies.torch.fsdp",
 }
 
 __all__ = [*_CLASSES, "PRESETS", "REGISTRY_PREFIX", "register_presets"]

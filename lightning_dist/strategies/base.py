@@ -33,7 +33,7 @@ from lightning_dist.parallel.block_options import BlockOptions
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.regional_compile import ReportsCompilation
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel
-from lightning_dist.precision import PrecisionSupport
+from lightning_dist.parallel.precision import PrecisionSupport
 from lightning_dist.strategies.launcher import guarded
 
 if TYPE_CHECKING:

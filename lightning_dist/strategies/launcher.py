@@ -74,10 +74,10 @@ class ForkedRanks(MultiProcessingLauncher):
     """Every preset's ranks, forked from a notebook's kernel (Lightning offers only `ddp_notebook` there).
 
     Constraints, as for Lightning's `ddp_notebook`: nothing may have touched CUDA in the kernel before `fit`
-    (a forked process cannot use the parent's CUDA context); one `fit` per Trainer; one CPU thread per rank. The trained weights stay with
-    the ranks (a sharded model's would have to be gathered first): read them from the run's checkpoint. What the
-    kernel gets back is the Trainer's state and `callback_metrics`. A rank that fails ends the others, and its
-    traceback is raised in the cell.
+    (a forked process cannot use the parent's CUDA context); one `fit` per Trainer; one CPU thread per rank. The
+    trained weights stay with the ranks (a sharded model's would have to be gathered first): read them from the run's
+    checkpoint. What the kernel gets back is the Trainer's state and `callback_metrics`. A rank that fails ends the
+    others, and its traceback is raised in the cell.
     """
 
     def __init__(self, strategy: Any) -> None:
@@ -144,7 +144,8 @@ class GuardedLauncher(Launcher):
         self.checked = False  # a later fit with this strategy is checked again
         end_job_as_its_failed_rank(end_as_failed_rank)
         try:
-            # A signal that stops this process stops the ranks it starts; they end if it dies (lifecycle/stop_signals.py).
+            # A signal that stops this process stops the ranks it starts; they end if it dies
+            # (lifecycle/stop_signals.py).
             with passing_signals_to(lambda: getattr(self.launcher, "procs", [])):
                 return self.launcher.launch(function, *args, trainer=trainer, **kwargs)
         except BaseException:

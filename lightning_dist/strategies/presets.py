@@ -12,8 +12,11 @@ from typing import Any, NamedTuple
 
 REGISTRY_PREFIX = "ld_"
 
-DDP, FSDP, DEEPSPEED = ("lightning_dist.strategies.ddp.DDPStrategy", "lightning_dist.strategies.fsdp.FSDPStrategy",
-                        "lightning_dist.strategies.deepspeed.DeepSpeedStrategy")
+DDP, FSDP, DEEPSPEED = (
+    "lightning_dist.strategies.torch.ddp.DDPStrategy",
+    "lightning_dist.strategies.torch.fsdp.FSDPStrategy",
+    "lightning_dist.strategies.deepspeed.strategy.DeepSpeedStrategy",
+)
 
 
 class Preset(NamedTuple):
@@ -36,18 +39,46 @@ class Preset(NamedTuple):
 
 PRESETS: dict[str, Preset] = {
     "ddp": Preset(DDP, {}, "Distributed data parallel: a full replica per rank"),
-    "fsdp": Preset(FSDP, {"sharding_strategy": "FULL_SHARD"}, "FSDP2, parameters, gradients and optimizer state sharded"),
-    "fsdp_shard_grad_op": Preset(FSDP, {"sharding_strategy": "SHARD_GRAD_OP"}, "FSDP2 keeping gathered parameters from forward to backward"),
-    "fsdp_activation_checkpointing": Preset(FSDP, {"sharding_strategy": "FULL_SHARD", "activation_checkpointing": True}, "FSDP2 with per-block activation checkpointing"),
-    "fsdp_tp": Preset(FSDP, {"sharding_strategy": "FULL_SHARD", "tensor_parallel_size": 2}, "FSDP2 over the data-parallel ranks, each layer split over 2 ranks of a node (tensor parallel): a 2-D mesh"),
-    "hsdp_tp": Preset(FSDP, {"sharding_strategy": "HYBRID_SHARD", "tensor_parallel_size": 2}, "HSDP (replicated across nodes, sharded within) with each layer split over 2 ranks: a 3-D mesh"),
-    "fsdp_cpu_offload": Preset(FSDP, {"sharding_strategy": "FULL_SHARD", "cpu_offload": True}, "FSDP2 with shards kept in host memory"),
+    "fsdp": Preset(
+        FSDP, {"sharding_strategy": "FULL_SHARD"}, "FSDP2, parameters, gradients and optimizer state sharded"
+    ),
+    "fsdp_shard_grad_op": Preset(
+        FSDP, {"sharding_strategy": "SHARD_GRAD_OP"}, "FSDP2 keeping gathered parameters from forward to backward"
+    ),
+    "fsdp_activation_checkpointing": Preset(
+        FSDP,
+        {"sharding_strategy": "FULL_SHARD", "activation_checkpointing": True},
+        "FSDP2 with per-block activation checkpointing",
+    ),
+    "fsdp_tp": Preset(
+        FSDP,
+        {"sharding_strategy": "FULL_SHARD", "tensor_parallel_size": 2},
+        "FSDP2 over the data-parallel ranks, each layer split over 2 ranks of a node (tensor parallel): a 2-D mesh",
+    ),
+    "hsdp_tp": Preset(
+        FSDP,
+        {"sharding_strategy": "HYBRID_SHARD", "tensor_parallel_size": 2},
+        "HSDP (replicated across nodes, sharded within) with each layer split over 2 ranks: a 3-D mesh",
+    ),
+    "fsdp_cpu_offload": Preset(
+        FSDP, {"sharding_strategy": "FULL_SHARD", "cpu_offload": True}, "FSDP2 with shards kept in host memory"
+    ),
     "deepspeed_stage_1": Preset(DEEPSPEED, {"stage": 1}, "DeepSpeed ZeRO-1: optimizer state sharded"),
     "deepspeed_stage_2": Preset(DEEPSPEED, {"stage": 2}, "DeepSpeed ZeRO-2: optimizer state and gradients sharded"),
-    "deepspeed_stage_2_offload": Preset(DEEPSPEED, {"stage": 2, "offload_optimizer": "cpu"}, "ZeRO-2 with optimizer state and step on the CPU"),
+    "deepspeed_stage_2_offload": Preset(
+        DEEPSPEED, {"stage": 2, "offload_optimizer": "cpu"}, "ZeRO-2 with optimizer state and step on the CPU"
+    ),
     "deepspeed_stage_3": Preset(DEEPSPEED, {"stage": 3}, "DeepSpeed ZeRO-3: parameters sharded too"),
-    "deepspeed_stage_3_offload": Preset(DEEPSPEED, {"stage": 3, "offload_optimizer": "cpu", "offload_parameters": "cpu"}, "ZeRO-3 with optimizer state and parameters on the CPU"),
-    "deepspeed_stage_3_offload_nvme": Preset(DEEPSPEED, {"stage": 3, "offload_optimizer": "nvme", "offload_parameters": "nvme", "nvme_path": "/local_nvme"}, "ZeRO-Infinity: ZeRO-3 with optimizer state and parameters on an NVMe drive"),
+    "deepspeed_stage_3_offload": Preset(
+        DEEPSPEED,
+        {"stage": 3, "offload_optimizer": "cpu", "offload_parameters": "cpu"},
+        "ZeRO-3 with optimizer state and parameters on the CPU",
+    ),
+    "deepspeed_stage_3_offload_nvme": Preset(
+        DEEPSPEED,
+        {"stage": 3, "offload_optimizer": "nvme", "offload_parameters": "nvme", "nvme_path": "/local_nvme"},
+        "ZeRO-Infinity: ZeRO-3 with optimizer state and parameters on an NVMe drive",
+    ),
 }
 
 
@@ -57,4 +88,6 @@ def register_presets(registry: Any = None) -> None:
     if registry is None:
         from lightning.pytorch.strategies import StrategyRegistry as registry
     for name, preset in PRESETS.items():
-        registry.register(REGISTRY_PREFIX + name, preset, description=preset.description, override=True, **preset.kwargs)
+        registry.register(
+            REGISTRY_PREFIX + name, preset, description=preset.description, override=True, **preset.kwargs
+        )

@@ -11,7 +11,7 @@ import json
 from functools import reduce
 from pathlib import Path
 
-from lightning_dist.deepspeed_config.resolve import auto_keys
+from lightning_dist.strategies.deepspeed.config.resolve import auto_keys
 from lightning_dist.reports.runs import RUNS, newest_run
 
 EFFECTIVE = "deepspeed_config.effective.json"  # what a DeepSpeed run writes in its directory

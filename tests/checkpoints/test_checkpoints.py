@@ -168,7 +168,7 @@ def test_checkpoint_with_the_same_names_but_other_shapes_is_refused_before_spawn
 
 
 def test_only_deepspeed_directories_convert_to_universal(tmp_path, capsys):
-    from lightning_dist.checkpoints.universal import main as universal_main
+    from lightning_dist.strategies.deepspeed.universal import main as universal_main
 
     plain = tmp_path / "model.ckpt"
     torch.save({"state_dict": {}}, plain)

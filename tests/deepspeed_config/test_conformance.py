@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from lightning_dist.deepspeed_config.resolve import auto_keys
+from lightning_dist.strategies.deepspeed.config.resolve import auto_keys
 from tests.conftest import DS_CONFIGS, REPO, cpu_has_fp16, in_the_suite, run_train
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,7 @@ BUCKET_REFUSAL = "zero_optimization.reduce_bucket_size=0: DeepSpeed 0.19.8 refus
 SHORT = ("trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=8", "test=false")
 
 
-from lightning_dist.deepspeed_config.resolve import auto_keys  # noqa: E402
+from lightning_dist.strategies.deepspeed.config.resolve import auto_keys  # noqa: E402
 
 
 @pytest.fixture(scope="session")

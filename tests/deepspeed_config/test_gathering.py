@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_dist.deepspeed_config.gathering import gathering_sized_by_model, largest_block
+from lightning_dist.strategies.deepspeed.config.gathering import gathering_sized_by_model, largest_block
 from lightning_dist.models.gpt import GPTLanguageModel
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lightning_dist.deepspeed_config import outputs
-from lightning_dist.deepspeed_config.outputs import anchor_output_paths, missing_monitor_packages
+from lightning_dist.strategies.deepspeed.config import outputs
+from lightning_dist.strategies.deepspeed.config.outputs import anchor_output_paths, missing_monitor_packages
 
 
 def test_relative_and_unset_output_paths_land_in_the_run_directory_and_absolute_ones_stay():

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from lightning_dist.deepspeed_config.preflight import check_offload_ready, native_ops_needed, nvme_paths
+from lightning_dist.strategies.deepspeed.config.preflight import check_offload_ready, native_ops_needed, nvme_paths
 from tests.conftest import needs_libaio
 
 

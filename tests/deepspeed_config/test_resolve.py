@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lightning_dist.deepspeed_config import (
+from lightning_dist.strategies.deepspeed.config import (
     FILLED_KEYS,
     UNKNOWN,
     DeepSpeedConfigError,
@@ -42,7 +42,7 @@ def facts(**changes) -> TrainingFacts:
     return dataclasses.replace(FACTS, **changes)
 
 
-from lightning_dist.deepspeed_config.resolve import auto_keys  # noqa: E402
+from lightning_dist.strategies.deepspeed.config.resolve import auto_keys  # noqa: E402
 
 
 def problems_of(config, run_facts=FACTS, options=ZeroOptions()) -> list[str]:

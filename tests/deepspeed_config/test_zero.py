@@ -1,11 +1,11 @@
 """ZeRO's settings read once (`ZeroSection`), and each rule about them with one message, whether the settings came
-as the strategy's options or as a config file's section (lightning_dist/deepspeed_config/zero.py)."""
+as the strategy's options or as a config file's section (lightning_dist/strategies/deepspeed/config/zero.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_dist.deepspeed_config.zero import Offload, ZeroSection, option_problems
+from lightning_dist.strategies.deepspeed.config.zero import Offload, ZeroSection, option_problems
 
 NVME_FILE = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"},
                                    "offload_param": {"device": "none"}}}

@@ -27,7 +27,7 @@ FP32_RUN = (
     "callbacks.model_checkpoint.save_top_k=-1",
     "model._target_=tests.models.checkpoint_probe.CheckpointProbeGPT", "+model.gathered_path=${paths.output_dir}/gathered_state.pt",
 )
-# The precision matrix's CUDA cells that CPU runs cannot reach or refuse (docs/precision.md, lightning_dist/precision.py).
+# The precision matrix's CUDA cells that CPU runs cannot reach or refuse (docs/precision.md, lightning_dist/parallel/precision.py).
 PRECISION_CELLS = [
     ("ddp", "bf16-mixed"), ("ddp", "16-mixed"),
     ("fsdp", "bf16-mixed"),

@@ -52,7 +52,7 @@ def test_categories_and_offload_destinations():
 
 
 def test_planned_nvme_swap_pool_is_the_one_the_run_gets():
-    from lightning_dist.deepspeed_config.swap_buffers import swap_buffers_sized_by_model
+    from lightning_dist.strategies.deepspeed.config.swap_buffers import swap_buffers_sized_by_model
 
     size = {"d_model": 2560, "n_layer": 26, "n_head": 20, "block_size": 64}
     facts = ModelFacts.of(lambda: GPTLanguageModel(**size))

@@ -87,7 +87,7 @@ def test_a_list_mixing_classes_is_refused_naming_them():
 
 
 def test_one_definition_of_a_block_for_fsdp_zero3_and_the_planner():
-    from lightning_dist.deepspeed_config.gathering import largest_block
+    from lightning_dist.strategies.deepspeed.config.gathering import largest_block
     from lightning_dist.memory.model_facts import ModelFacts
     from lightning_dist.models.gpt import GPTLanguageModel
     from lightning_dist.parallel.classes import block_modules

@@ -13,9 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, OffloadPolicy
 
 from lightning_dist.models.gpt import TransformerBlock
-from lightning_dist.parallel import (
-    apply_activation_checkpointing, apply_fully_shard, infer_block_classes, offload_policy, sharding_layout,
-)
+from lightning_dist.parallel import apply_activation_checkpointing, infer_block_classes, sharding_layout
+from lightning_dist.strategies.torch.fully_shard import apply_fully_shard, offload_policy
 
 from omegaconf import OmegaConf
 

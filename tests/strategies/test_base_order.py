@@ -19,11 +19,11 @@ BASE = ["lightning_dist.strategies.base.StrategyBase",
 LIGHTNING = ["lightning.pytorch.strategies.parallel.ParallelStrategy", "lightning.pytorch.strategies.strategy.Strategy",
              "abc.ABC", "builtins.object"]
 ORDERS = {
-    "DDPStrategy": ["lightning_dist.strategies.ddp.DDPStrategy", *BASE,
+    "DDPStrategy": ["lightning_dist.strategies.torch.ddp.DDPStrategy", *BASE,
                     "lightning.pytorch.strategies.ddp.DDPStrategy", *LIGHTNING],
-    "FSDPStrategy": ["lightning_dist.strategies.fsdp.FSDPStrategy", *BASE,
+    "FSDPStrategy": ["lightning_dist.strategies.torch.fsdp.FSDPStrategy", *BASE,
                      "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy", *LIGHTNING],
-    "DeepSpeedStrategy": ["lightning_dist.strategies.deepspeed.DeepSpeedStrategy", *BASE,
+    "DeepSpeedStrategy": ["lightning_dist.strategies.deepspeed.strategy.DeepSpeedStrategy", *BASE,
                           "lightning.pytorch.strategies.deepspeed.DeepSpeedStrategy",
                           "lightning.pytorch.strategies.ddp.DDPStrategy", *LIGHTNING],
 }

@@ -60,7 +60,7 @@ def test_deepspeed_offload_presets_build_the_config_they_name():
     "import lightning_dist",  # before Lightning: registered when Lightning is imported
     "from lightning_dist.strategies import FSDPStrategy",  # our strategy module imports Lightning first
     "import lightning_dist.strategies.deepspeed",
-    "import lightning_dist.deepspeed_config.resolve",  # Lightning first imported halfway through our package
+    "import lightning_dist.strategies.deepspeed.config.resolve",  # Lightning first imported halfway through our package
     "import lightning; import lightning_dist",  # after Lightning: registered at once
 ])
 def test_every_import_order_registers_every_preset(first_import):
@@ -71,4 +71,4 @@ def test_every_import_order_registers_every_preset(first_import):
     process = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert process.returncode == 0, process.stderr[-2000:]
     assert process.stdout.splitlines()[-2:] == [str(sorted(REGISTRY_PREFIX + name for name in PRESET_NAMES)),
-                                                 "<class 'lightning_dist.strategies.fsdp.FSDPStrategy'>"]
+                                                 "<class 'lightning_dist.strategies.torch.fsdp.FSDPStrategy'>"]

@@ -12,7 +12,11 @@ from pathlib import Path
 from typing import Any
 
 # Blocks whose output location DeepSpeed reads from the config: (block, key, is it a directory).
-_OUTPUT_KEYS = (("tensorboard", "output_path", True), ("csv_monitor", "output_path", True), ("flops_profiler", "output_file", False))
+_OUTPUT_KEYS = (
+    ("tensorboard", "output_path", True),
+    ("csv_monitor", "output_path", True),
+    ("flops_profiler", "output_file", False),
+)
 # Blocks that need a package DeepSpeed does not depend on.
 MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
 

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO stages 1-3 with CPU or NVMe offload, on CUDA (nccl) or CPU (gloo, DeepSpeed's CPU accelerator).
 
-The hooks only: the config and its rules live in `deepspeed_config/`, the engine's set-up in `parallel/zero_engine.py`,
-checkpoint loading in `checkpoints/into_deepspeed.py`, the offloaded optimizer in `optim/offload.py`.
+The hooks only: the config and its rules live in `config/`, the engine's set-up in `engine.py`, checkpoint
+loading in `load.py`, the offloaded optimizer in `offload.py` (this slice, strategies/deepspeed/).
 """
 
 from __future__ import annotations
@@ -22,22 +22,23 @@ from typing_extensions import override
 
 from lightning_dist._compat.deepspeed import zero3_partitions
 from lightning_dist._compat.lightning import validate_cuda_device_indices
-from lightning_dist.checkpoints.into_deepspeed import load_deepspeed_checkpoint
+from lightning_dist.strategies.deepspeed.load import load_deepspeed_checkpoint
 from lightning_dist.checkpoints.resume import group_names
-from lightning_dist.deepspeed_config.for_run import Resolution, RunConfig, config_in_effect
-from lightning_dist.deepspeed_config.preflight import check_before_launch
-from lightning_dist.deepspeed_config.zero import OPTIMIZER_TILE, ZeroSection
-from lightning_dist.memory.layout import Layout, deepspeed_layout
-from lightning_dist.optim.offload import optimizer_for_offload
-from lightning_dist.parallel.autotp import check_tensor_parallel_inputs, initialize_inference_engine
-from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation
+from lightning_dist.strategies.deepspeed.config.for_run import Resolution, RunConfig, config_in_effect
+from lightning_dist.strategies.deepspeed.config.preflight import check_before_launch
+from lightning_dist.strategies.deepspeed.config.zero import OPTIMIZER_TILE, ZeroSection
+from lightning_dist.memory.layout import Layout
+from lightning_dist.strategies.deepspeed.offload import optimizer_for_offload
+from lightning_dist.strategies.deepspeed.autotp import check_tensor_parallel_inputs, initialize_inference_engine
+from lightning_dist.strategies.deepspeed.deferred_compile import import_muon_with_deferred_compilation
 from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.module_state import move_module_state
-from lightning_dist.parallel.outermost_forward import run_root_hooks_once_per_forward
+from lightning_dist.strategies.deepspeed.outermost_forward import run_root_hooks_once_per_forward
 from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
-from lightning_dist.parallel.zero3_runtime import prepare_zero3_runtime
-from lightning_dist.parallel.zero_engine import initialize_deferred_parameters, use_deepspeed_accelerator
-from lightning_dist.precision import PrecisionSupport
+from lightning_dist.strategies.deepspeed.zero3_runtime import prepare_zero3_runtime
+from lightning_dist.strategies.deepspeed.layout import zero_layout
+from lightning_dist.strategies.deepspeed.engine import initialize_deferred_parameters, use_deepspeed_accelerator
+from lightning_dist.parallel.precision import PrecisionSupport
 from lightning_dist.strategies.base import StrategyBase
 from lightning_dist.strategies.refusals import deepspeed_refusal
 
@@ -50,7 +51,8 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
 
     Args:
         stage: 1 shards optimizer state, 2 also gradients, 3 also parameters (default: the config file's, else 2).
-        offload_optimizer: "cpu" or "nvme": optimizer state and step there (torch Adam/AdamW become DeepSpeed's CPU Adam).
+        offload_optimizer: "cpu" or "nvme": optimizer state and step there (torch Adam/AdamW become DeepSpeed's CPU
+            Adam).
         offload_parameters: ZeRO-3 only: parameters on "cpu" or "nvme" between uses.
         nvme_path: directory that NVMe offload writes to.
         config: a DeepSpeed config (dict or JSON path) to start from: its "auto" values are filled from the Trainer,
@@ -84,7 +86,9 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         block_class: str | type[nn.Module] | Sequence[str | type[nn.Module]] | None = None,
         async_checkpoint: bool = False,
     ) -> None:
-        self.run_config = RunConfig.of(stage, offload_optimizer, offload_parameters, nvme_path, config, tensor_parallel_size)
+        self.run_config = RunConfig.of(
+            stage, offload_optimizer, offload_parameters, nvme_path, config, tensor_parallel_size
+        )
         super().__init__(
             stage=2 if stage is None else stage, config=self.run_config.user_config, sub_group_size=OPTIMIZER_TILE,
             offload_optimizer=offload_optimizer is not None, offload_optimizer_device=offload_optimizer or "cpu",
@@ -109,7 +113,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     precision_support = PrecisionSupport(fp16_on_cpu=True)
 
     def memory_layout(self, name: str) -> Layout:
-        return deepspeed_layout(self, name)
+        return zero_layout(self, name)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -149,13 +153,13 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     @override
     def dry_run_rank(self, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int, num_nodes: int,
                      rank: int, device_type: str) -> RankView:
-        from lightning_dist.dry_run.ranks import deepspeed_rank_view  # loads DeepSpeed's engine: a dry run only
+        from lightning_dist.strategies.deepspeed.dry_run import rank_view  # fake tensors, trackers: a dry run only
 
-        return deepspeed_rank_view(self, build, batch, precision, devices, num_nodes, rank, device_type)
+        return rank_view(self, build, batch, precision, devices, num_nodes, rank, device_type)
 
     @override
     def dry_run_patches(self) -> AbstractContextManager:
-        from lightning_dist.dry_run.deepspeed import loop_on_fake_tensors
+        from lightning_dist.strategies.deepspeed.dry_run import loop_on_fake_tensors
 
         return loop_on_fake_tensors(self)
 
@@ -173,7 +177,10 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         reset_seed()
         self.set_world_ranks()
         import deepspeed.comm
-        if not (torch.distributed.is_initialized() and deepspeed.comm.is_initialized()):  # `test` after `fit`: up already
+
+        if not (
+            torch.distributed.is_initialized() and deepspeed.comm.is_initialized()
+        ):  # `test` after `fit`: up already
             self._init_deepspeed_distributed()
 
     @override
@@ -189,7 +196,9 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         if refusal:
             raise ValueError(refusal)
 
-    def resolution(self, trainer: Any, model: Any, loader: Any = None, datamodule: Any = None, in_rank: bool = True) -> Resolution:
+    def resolution(
+        self, trainer: Any, model: Any, loader: Any = None, datamodule: Any = None, in_rank: bool = True
+    ) -> Resolution:
         return self.run_config.resolve(self.base_config, self.world_size, trainer, model, loader, datamodule, in_rank)
 
     @override
@@ -208,7 +217,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         self.config = self.effective_config(resolution, module.trainer.default_root_dir)
 
     def effective_config(self, resolution: Resolution, root_dir: str | Path) -> dict[str, Any]:
-        """The config the engine runs, written to the run's directory by global rank 0 (deepspeed_config/for_run.py)."""
+        """The config the engine runs, written to the run's directory by global rank 0 (config/for_run.py)."""
         return config_in_effect(resolution, root_dir, self.is_global_zero)
 
     @property
@@ -237,7 +246,9 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
             if self.lightning_module.trainer.training and "optimizer" not in self.config:
                 # configure_optimizers must see the parameters' shapes: once partitioned, each one reads (0,).
                 self._optimizer_before_partitioning = self._init_optimizers()
-            initialize_deferred_parameters(self.model, self.config, self.root_device, self.broadcast(torch.initial_seed()))
+            initialize_deferred_parameters(
+                self.model, self.config, self.root_device, self.broadcast(torch.initial_seed())
+            )
         elif zero3_partitions(self.lightning_module):
             # Partitioned by an earlier stage (fit, then test), whose teardown moved the module to the host
             # (Lightning's `.cpu()`): ZeRO-3's placeholders with it, and the small parameters it keeps whole and never

@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_dist.deepspeed_config.facts import training_facts
-from lightning_dist.deepspeed_config.gathering import gathering_sized_by_model
-from lightning_dist.deepspeed_config.load import load_user_config, write_effective_config
-from lightning_dist.deepspeed_config.outputs import anchor_output_paths
-from lightning_dist.deepspeed_config.resolve import Resolution, ZeroOptions, buckets_sized_by_model, resolve
-from lightning_dist.deepspeed_config.swap_buffers import swap_buffers_sized_by_model
-from lightning_dist.deepspeed_config.zero import Offload, ZeroSection, option_problems
+from lightning_dist.strategies.deepspeed.config.facts import training_facts
+from lightning_dist.strategies.deepspeed.config.gathering import gathering_sized_by_model
+from lightning_dist.strategies.deepspeed.config.load import load_user_config, write_effective_config
+from lightning_dist.strategies.deepspeed.config.outputs import anchor_output_paths
+from lightning_dist.strategies.deepspeed.config.resolve import Resolution, ZeroOptions, buckets_sized_by_model, resolve
+from lightning_dist.strategies.deepspeed.config.swap_buffers import swap_buffers_sized_by_model
+from lightning_dist.strategies.deepspeed.config.zero import Offload, ZeroSection, option_problems
 
 PRESET = "strategy"  # the source of a config built from the strategy's options rather than read from a file
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_dist.deepspeed_config.zero import ZeroSection
+from lightning_dist.strategies.deepspeed.config.zero import ZeroSection
 from lightning_dist.lifecycle.writable import unwritable_because
 
 # DeepSpeed's native ops for offload, JIT-compiled on first use, and what makes them buildable.
@@ -26,14 +26,20 @@ def nvme_paths(config: dict[str, Any]) -> dict[str, str | None]:
 
 def native_ops_needed(config: dict[str, Any]) -> list[str]:
     zero = ZeroSection.of(config)
-    return [name for name, needed in (("CPUAdamBuilder", zero.offloads_optimizer), ("AsyncIOBuilder", bool(zero.nvme_paths()))) if needed]
+    return [
+        name
+        for name, needed in (("CPUAdamBuilder", zero.offloads_optimizer), ("AsyncIOBuilder", bool(zero.nvme_paths())))
+        if needed
+    ]
 
 
 def check_offload_ready(config: dict[str, Any]) -> None:
     """Raise ValueError naming every NVMe directory that cannot be written and every native op that does not load."""
     problems = [problem for key, path in nvme_paths(config).items() if (problem := _directory_problem(key, path))]
     # A first build takes minutes: with a directory to fix first, only whether the ops can be built is checked.
-    problems += [problem for name in native_ops_needed(config) if (problem := _native_op_problem(name, build=not problems))]
+    problems += [
+        problem for name in native_ops_needed(config) if (problem := _native_op_problem(name, build=not problems))
+    ]
     if problems:
         raise ValueError("offload cannot start: " + " | ".join(problems))
 
@@ -67,7 +73,10 @@ def _native_op_problem(builder_name: str, build: bool = True) -> str | None:
     try:
         builder.load(verbose=False)
     except Exception as error:  # noqa: BLE001 - a compiler or linker failure; its text goes into the message
-        return f"DeepSpeed's {builder.NAME} op failed to build ({type(error).__name__}: {' '.join(str(error).split())[:300]}): {hint}"
+        return (
+            f"DeepSpeed's {builder.NAME} op failed to build ({type(error).__name__}: "
+            f"{' '.join(str(error).split())[:300]}): {hint}"
+        )
     return None
 
 

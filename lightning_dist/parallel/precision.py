@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_dist._compat.lightning import unified_precision
-from lightning_dist.deepspeed_config.facts import fp16_supported
-from lightning_dist.deepspeed_config.resolve import PRECISIONS
+
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
 
 _NO_FP16 = "choose 32-true, bf16-mixed or bf16-true"
 
@@ -38,7 +38,9 @@ def check_precision(strategy: object, precision: object, device_type: str) -> st
         raise ValueError(f"trainer.precision={precision}: not supported here; choose one of {', '.join(PRECISIONS)}")
     name = type(strategy).__name__
     if not support.fp16_loss_scaling and unified == "16-mixed":
-        raise ValueError(f"trainer.precision=16-mixed: {name} (FSDP2) has no fp16 loss scaling; choose bf16-mixed or 16-true")
+        raise ValueError(
+            f"trainer.precision=16-mixed: {name} (FSDP2) has no fp16 loss scaling; choose bf16-mixed or 16-true"
+        )
     if unified.startswith("16-") and device_type == "cpu":
         if support.fp16_on_cpu and not fp16_supported("cpu"):
             raise ValueError(
@@ -47,10 +49,21 @@ def check_precision(strategy: object, precision: object, device_type: str) -> st
             )
         if not support.fp16_on_cpu:
             raise ValueError(
-                f"trainer.precision={unified}: {name} has no fp16 on CPU (Lightning would silently switch to bf16-mixed);"
+                f"trainer.precision={unified}: {name} has no fp16 on CPU (Lightning would silently switch to "
+                "bf16-mixed);"
                 f" {_NO_FP16}"
             )
     return unified
+
+
+def fp16_supported(device_type: str) -> bool:
+    """Whether the device computes in fp16: CUDA does; a CPU needs hardware fp16 (AVX512-FP16/AMX-FP16), as DeepSpeed's
+    CPU accelerator asks."""
+    if device_type == "cuda":
+        return True
+    from lightning_dist._compat.torch import cpu_supports_fp16
+
+    return cpu_supports_fp16()  # the CPU accelerator's own test
 
 
 def device_type(accelerator: str) -> str:

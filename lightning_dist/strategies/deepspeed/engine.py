@@ -11,7 +11,7 @@ import torch
 from lightning_dist._compat.deepspeed import (
     partitioner, remember_cpu_info, say_on_local_rank_zero, skip_shared_memory_comm_op,
 )
-from lightning_dist.deepspeed_config.zero import ZeroSection
+from lightning_dist.strategies.deepspeed.config.zero import ZeroSection
 from lightning_dist.lifecycle.op_build_lock import announce_op_builds
 from lightning_dist.parallel.sharded_init import Keep, give_memory, initialize_parameters
 
@@ -69,7 +69,9 @@ def whole_on(device: torch.device) -> Keep:
     return keep
 
 
-def initialize_deferred_parameters(model: torch.nn.Module, config: dict[str, Any], device: torch.device, seed: int) -> None:
+def initialize_deferred_parameters(
+    model: torch.nn.Module, config: dict[str, Any], device: torch.device, seed: int
+) -> None:
     """Each rank initialises the parameters still on the meta device (the same `seed` on every rank gives the same
     values) and keeps its ZeRO-3 partition of each, or, below stage 3, the whole parameter on `device`."""
     meta = [p for p in model.parameters() if p.is_meta]

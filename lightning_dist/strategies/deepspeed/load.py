@@ -21,8 +21,8 @@ from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.checkpoints.ranks import DeepSpeedRanks, Ranks
 from lightning_dist.checkpoints.resume import OPTIMIZER_KEYS, load_for_resume, optimizer_state_by_name
 from lightning_dist.checkpoints.source import CheckpointSource
-from lightning_dist.checkpoints.universal import convert_on_rank_zero, loading_universal, saved_run
-from lightning_dist.deepspeed_config.zero import ZeroSection
+from lightning_dist.strategies.deepspeed.universal import convert_on_rank_zero, loading_universal, saved_run
+from lightning_dist.strategies.deepspeed.config.zero import ZeroSection
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -80,7 +80,9 @@ def _absent_on_rank_zero(strategy: Ranks, weights: dict | None, names: list[str]
     """The names rank 0's checkpoint lacks, known on every rank; an error for any under strict loading."""
     absent = strategy.broadcast([n for n in names if n not in weights] if strategy.is_global_zero else None)
     if absent and strict:
-        raise CheckpointError(f"ckpt_path: the checkpoint has no weights for {', '.join(absent[:3])} (of {len(absent)})")
+        raise CheckpointError(
+            f"ckpt_path: the checkpoint has no weights for {', '.join(absent[:3])} (of {len(absent)})"
+        )
     return set(absent)
 
 

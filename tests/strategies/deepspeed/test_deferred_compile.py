@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from lightning_dist.parallel import deferred_compile
+from lightning_dist.strategies.deepspeed import deferred_compile
 from tests.conftest import REPO
 
 
@@ -35,7 +35,7 @@ def test_compile_is_deferred_to_the_first_call_and_done_once(monkeypatch):
 def test_muon_module_imports_without_the_compiler_stack():
     probe = (
         "import sys, lightning, deepspeed\n"
-        "from lightning_dist.parallel.deferred_compile import import_muon_with_deferred_compilation\n"
+        "from lightning_dist.strategies.deepspeed.deferred_compile import import_muon_with_deferred_compilation\n"
         "import_muon_with_deferred_compilation(); import_muon_with_deferred_compilation()\n"
         "from deepspeed.runtime import compiler\n"
         "from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam\n"

@@ -80,8 +80,14 @@ class ZeroSection:
         found = [stage_problem(self.stage, f"{SECTION}.stage")] if self.stage not in (0, "auto") else []
         found += [device_problem(offload.device, f"{SECTION}.{block}.device")
                   for block, offload in ((OPTIMIZER_BLOCK, self.optimizer), (PARAMETER_BLOCK, self.parameters))]
-        found.append(parameter_offload_problem(self.stage, self.parameters.device, f"{SECTION}.stage", f"{SECTION}.{PARAMETER_BLOCK}"))
-        found += [nvme_path_problem(key, path, f"{key} or strategy.nvme_path") for key, path in self.nvme_paths().items()]
+        found.append(
+            parameter_offload_problem(
+                self.stage, self.parameters.device, f"{SECTION}.stage", f"{SECTION}.{PARAMETER_BLOCK}"
+            )
+        )
+        found += [
+            nvme_path_problem(key, path, f"{key} or strategy.nvme_path") for key, path in self.nvme_paths().items()
+        ]
         return [problem for problem in found if problem]
 
 
@@ -93,7 +99,9 @@ def option_problems(stage: int | None, offload_optimizer: str | None, offload_pa
     found += [device_problem(offload_optimizer, "strategy.offload_optimizer"),
               device_problem(offload_parameters, "strategy.offload_parameters")]
     if stage is not None:
-        found.append(parameter_offload_problem(stage, offload_parameters, "strategy.stage", "strategy.offload_parameters"))
+        found.append(
+            parameter_offload_problem(stage, offload_parameters, "strategy.stage", "strategy.offload_parameters")
+        )
     if not with_config and "nvme" in (offload_optimizer, offload_parameters):
         found.append(nvme_path_problem("strategy.nvme_path", nvme_path, "strategy.nvme_path"))
     return [problem for problem in found if problem]

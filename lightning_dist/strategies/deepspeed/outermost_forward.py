@@ -27,7 +27,9 @@ def run_root_hooks_once_per_forward(engine: Any) -> int:
     """Guard the engine's root-module hooks (prologue, epilogue, ZeRO-3's trace restart) so that only the outermost
     call of the root runs them; returns how many hooks were guarded."""
     root: nn.Module = engine.module
-    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None) or getattr(engine, "parameter_offload", None)
+    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None) or getattr(
+        engine, "parameter_offload", None
+    )
     handles = [
         getattr(engine, "module_forward_pre_hook", None),
         getattr(engine, "module_forward_post_hook", None),

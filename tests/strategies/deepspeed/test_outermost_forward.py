@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_dist.parallel.outermost_forward import run_root_hooks_once_per_forward
+from lightning_dist.strategies.deepspeed.outermost_forward import run_root_hooks_once_per_forward
 from tests.conftest import run_train
 
 

@@ -17,14 +17,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_dist.deepspeed_config.facts import HIDDEN_SIZE_NAMES, UNKNOWN, TrainingFacts
-from lightning_dist.deepspeed_config.outputs import missing_monitor_packages
-from lightning_dist.deepspeed_config.zero import ZeroSection, nvme_path_problem, parameter_offload_problem
+from lightning_dist.memory.hidden_size import HIDDEN_SIZE_NAMES
+from lightning_dist.parallel.precision import PRECISIONS
+from lightning_dist.strategies.deepspeed.config.facts import UNKNOWN, TrainingFacts
+from lightning_dist.strategies.deepspeed.config.outputs import missing_monitor_packages
+from lightning_dist.strategies.deepspeed.config.zero import ZeroSection, nvme_path_problem, parameter_offload_problem
 
 AUTO = "auto"
 _ABSENT = object()
 
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
 _OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay")
 _SCHEDULER_PARAMS = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")
 HIDDEN_SIZE_RULES = {  # HF's rules: per-bucket element counts from the hidden size h
@@ -129,7 +130,13 @@ def resolve(
 
 
 def _show(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, (str, bool, list, tuple)) or value is None else f"{value:g}" if isinstance(value, float) else str(value)
+    return (
+        json.dumps(value)
+        if isinstance(value, (str, bool, list, tuple)) or value is None
+        else f"{value:g}"
+        if isinstance(value, float)
+        else str(value)
+    )
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -198,7 +205,9 @@ class _Resolver:
     def merge_zero_options(self, options: ZeroOptions) -> None:
         zero_key = "zero_optimization"
         if options.stage is not None:
-            self.fill_match(f"{zero_key}.stage", options.stage, f"strategy.stage={options.stage}", fix="make them agree")
+            self.fill_match(
+                f"{zero_key}.stage", options.stage, f"strategy.stage={options.stage}", fix="make them agree"
+            )
         for block, option_name, device in (
             ("offload_optimizer", "offload_optimizer", options.offload_optimizer),
             ("offload_param", "offload_parameters", options.offload_parameters),
@@ -209,11 +218,15 @@ class _Resolver:
             if device is not None and in_file is None:
                 self.set(f"{key}.device", device)
             elif device is not None and in_file != device:
-                self.problems.append(f"{key}.device={_show(in_file)} but strategy.{option_name}={device} (make them agree)")
+                self.problems.append(
+                    f"{key}.device={_show(in_file)} but strategy.{option_name}={device} (make them agree)"
+                )
             if self.get(f"{key}.device", None) == "nvme":
                 self._fill_nvme_path(key, options.nvme_path)
         zero = ZeroSection.of(self.config)
-        problem = parameter_offload_problem(zero.stage, zero.parameters.device, f"{zero_key}.stage", f"{zero_key}.offload_param")
+        problem = parameter_offload_problem(
+            zero.stage, zero.parameters.device, f"{zero_key}.stage", f"{zero_key}.offload_param"
+        )
         if problem:
             self.problems.append(problem)
 
@@ -224,12 +237,16 @@ class _Resolver:
         elif in_file is None:
             self.problems.append(nvme_path_problem(f"{key}.nvme_path", None, f"{key}.nvme_path or strategy.nvme_path"))
         elif nvme_path and str(in_file) != str(nvme_path):
-            self.problems.append(f"{key}.nvme_path={_show(in_file)} but strategy.nvme_path={nvme_path} (make them agree)")
+            self.problems.append(
+                f"{key}.nvme_path={_show(in_file)} but strategy.nvme_path={nvme_path} (make them agree)"
+            )
 
     def decide(self, setting: str, value: Any, key: str) -> None:
         """The file's explicit `key` decides a Trainer setting the Trainer left unset."""
         self.trainer_settings[setting] = value
-        self.notes.append(f"trainer.{setting}={value} comes from {key}={_show(self.get(key))} in {self.source}; the Trainer sets none")
+        self.notes.append(
+            f"trainer.{setting}={value} comes from {key}={_show(self.get(key))} in {self.source}; the Trainer sets none"
+        )
 
     def fill_precision(self) -> None:
         precision = self.facts.precision
@@ -248,7 +265,11 @@ class _Resolver:
         self.fill_match("fp16.enabled", wants_fp16, said, fill_absent=wants_fp16)
         self.fill_match("bf16.enabled", wants_bf16, said, fill_absent=wants_bf16)
         if wants_fp16 and not self.facts.fp16_supported:
-            fix = "choose 32-true, bf16-mixed or bf16-true" if said.startswith("trainer.") else 'set it to "auto" or false'
+            fix = (
+                "choose 32-true, bf16-mixed or bf16-true"
+                if said.startswith("trainer.")
+                else 'set it to "auto" or false'
+            )
             self.problems.append(
                 f"{said}: this {self.facts.device_type.upper()} has no fp16 support in DeepSpeed (its CPU accelerator"
                 f" needs AVX512-FP16/AMX-FP16); {fix}, or run on CUDA"
@@ -260,7 +281,12 @@ class _Resolver:
         self.fill_match("train_micro_batch_size_per_gpu", micro, f"the train loader's batch size is {micro}")
         accumulate = facts.accumulate_grad_batches
         in_file = self.get("gradient_accumulation_steps")
-        if accumulate == UNSET_ACCUMULATION and isinstance(in_file, int) and not isinstance(in_file, bool) and in_file > 1:
+        if (
+            accumulate == UNSET_ACCUMULATION
+            and isinstance(in_file, int)
+            and not isinstance(in_file, bool)
+            and in_file > 1
+        ):
             self.decide("accumulate_grad_batches", in_file, "gradient_accumulation_steps")
             accumulate = in_file
         self.fill_match("gradient_accumulation_steps", accumulate, f"trainer.accumulate_grad_batches={accumulate}")
@@ -276,12 +302,15 @@ class _Resolver:
         clip_val, algorithm = self.facts.gradient_clip_val, self.facts.gradient_clip_algorithm
         if clip_val and algorithm == "value":
             self.problems.append(
-                "trainer.gradient_clip_algorithm=value: DeepSpeed clips by norm only; choose gradient_clip_algorithm=norm"
+                "trainer.gradient_clip_algorithm=value: DeepSpeed clips by norm only; choose "
+                "gradient_clip_algorithm=norm"
             )
         in_file = self.get("gradient_clipping")
         if clip_val is None and in_file not in (_ABSENT, AUTO):
             # The Trainer left clipping unset: the file's explicit value is a choice, not a contradiction.
-            self.notes.append(f"gradient_clipping={_show(in_file)} comes from {self.source}; the Trainer sets no gradient_clip_val")
+            self.notes.append(
+                f"gradient_clipping={_show(in_file)} comes from {self.source}; the Trainer sets no gradient_clip_val"
+            )
             return
         self.fill_match("gradient_clipping", float(clip_val or 0.0), f"trainer.gradient_clip_val={clip_val}")
 
@@ -325,7 +354,9 @@ class _Resolver:
                     f" section); did you mean {close[0]}?"
                 )
             else:
-                self.notes.append(f"{self.source}: {key} is not a DeepSpeed {deepspeed.__version__} key; ignored, as DeepSpeed does")
+                self.notes.append(
+                    f"{self.source}: {key} is not a DeepSpeed {deepspeed.__version__} key; ignored, as DeepSpeed does"
+                )
 
     def check_tensor_parallel(self, option: int | None) -> None:
         """DeepSpeed AutoTP: `strategy.tensor_parallel_size` and the file's `tensor_parallel.autotp_size` agree, and
@@ -365,7 +396,10 @@ class _Resolver:
         except ValidationError as error:
             for detail in error.errors():
                 key = ".".join(["zero_optimization", *map(str, detail["loc"])])
-                self.problems.append(f"{key}={_show(detail.get('input'))}: DeepSpeed {deepspeed.__version__} refuses it ({detail['msg']})")
+                self.problems.append(
+                    f"{key}={_show(detail.get('input'))}: DeepSpeed {deepspeed.__version__} refuses it "
+                    f"({detail['msg']})"
+                )
 
 
 def _copied_from(optimizer: Any, name: str) -> tuple[Any, str | None]:

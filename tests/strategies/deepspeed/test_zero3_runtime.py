@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_dist.parallel.zero3_runtime import use_memory_efficient_linear
+from lightning_dist.strategies.deepspeed.zero3_runtime import use_memory_efficient_linear
 
 
 def _views_of_weight_saved_by_linear(weight: torch.Tensor) -> list[torch.Size]:

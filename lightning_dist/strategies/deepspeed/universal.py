@@ -4,7 +4,7 @@ re-partitions (weights and Adam state, per parameter) for any number of ranks.
 The conversion (`deepspeed.checkpoint.ds_to_universal`) runs once, on demand, and lives inside the checkpoint
 directory beside the tag it was made from (`<tag>_universal` and `latest_universal`): nothing saved is changed.
 
-    python -m lightning_dist.checkpoints.universal CHECKPOINT_DIR     # ahead of time, e.g. on a login node
+    python -m lightning_dist.strategies.deepspeed.universal CHECKPOINT_DIR     # ahead of time, e.g. on a login node
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ def ensure_universal(path: str | Path) -> Path:
     """The universal form of the DeepSpeed checkpoint at `path`, made now unless an earlier conversion finished."""
     path = Path(path)
     if checkpoint_format(path) != DEEPSPEED:
-        raise CheckpointError(f"ckpt_path: {path} is not a DeepSpeed checkpoint directory; only those convert to universal")
+        raise CheckpointError(
+            f"ckpt_path: {path} is not a DeepSpeed checkpoint directory; only those convert to universal"
+        )
     tag_dir = deepspeed_tag_dir(path)
     output = tag_dir.with_name(f"{tag_dir.name}_universal")
     if (path / LATEST_UNIVERSAL).is_file() and (path / LATEST_UNIVERSAL).read_text().strip() == output.name:
@@ -99,7 +101,9 @@ def _repair_zero3_load(optimizer: Any, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Convert a DeepSpeed checkpoint to DeepSpeed's universal format, in place.")
+    parser = argparse.ArgumentParser(
+        description="Convert a DeepSpeed checkpoint to DeepSpeed's universal format, in place."
+    )
     parser.add_argument("checkpoint", type=Path, help="a DeepSpeed checkpoint directory (with a 'latest' file)")
     args = parser.parse_args(argv)
     try:

@@ -39,14 +39,15 @@ from lightning_dist._compat.fake_tensors import (
     memory_categories, storage_categorized_tracker, tensors_from_data_made_on_the_host,
 )
 from lightning_dist._compat.torch import tree_map
-from lightning_dist.deepspeed_config.for_run import config_in_effect
+from lightning_dist.strategies.deepspeed.config.for_run import config_in_effect
 from lightning_dist.dry_run.optimizer import configured_optimizer
+from lightning_dist.dry_run.ranks import RankView, as_rank, shards_of
 from lightning_dist.memory.attention_kernel import fused_attention
 from lightning_dist.parallel.device_check import OneDevicePerRank, collective_devices
 from lightning_dist.parallel.devices import process_group_backend
 from lightning_dist.parallel.sharded_init import parameters_on_meta
-from lightning_dist.parallel.zero3_runtime import prepare_zero3_runtime
-from lightning_dist.parallel.zero_engine import use_deepspeed_accelerator
+from lightning_dist.strategies.deepspeed.zero3_runtime import prepare_zero3_runtime
+from lightning_dist.strategies.deepspeed.engine import use_deepspeed_accelerator
 
 # What torch says about DeepSpeed's code on fake tensors, once per call site: it checks a partition's alignment by
 # its data pointer (fake tensors have none), and calls collectives by names torch deprecates.
@@ -187,7 +188,7 @@ def loop_on_fake_tensors(strategy: Any) -> Iterator[None]:
     the resolved config as a dry run runs it (NVMe traced as host offload, torch's optimizer allowed on the host),
     and the module's own optimizer kept under offload, where DeepSpeed's CPU Adam (a native op) would step it: no
     native op is built or loaded (the preflight's build of them is the real run's)."""
-    from lightning_dist.deepspeed_config import preflight
+    from lightning_dist.strategies.deepspeed.config import preflight
 
     effective_config = strategy.effective_config
     with (over_a_fake_process_group(),
@@ -195,3 +196,14 @@ def loop_on_fake_tensors(strategy: Any) -> Iterator[None]:
           mock.patch.object(strategy, "optimizer_for_offload", lambda optimizer, scheduler_config: optimizer),
           mock.patch.object(preflight, "native_ops_needed", lambda config: [])):
         yield
+
+
+def rank_view(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int,
+                        num_nodes: int, rank: int, device_type: str) -> RankView:
+    """One rank of DeepSpeed's ZeRO, as the dry run reports it (dry_run/ranks.py)."""
+    as_rank(strategy, rank, devices, num_nodes, device_type)
+    world = devices * num_nodes
+    module, by_device, coordinate = deepspeed_rank(strategy, build, batch, precision, world, rank, device_type)
+    peak = next(categories for device, categories in by_device.items() if device.startswith(device_type))
+    host = by_device.get("cpu", {}).get("Total", 0) if device_type != "cpu" else 0
+    return RankView(rank, coordinate, shards_of(module, strategy.blocks.classes_in(module)), peak, host, "deepspeed")

@@ -10,7 +10,9 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 
-def optimizer_for_offload(optimizer: torch.optim.Optimizer, scheduler_config: Any, config: dict[str, Any]) -> torch.optim.Optimizer:
+def optimizer_for_offload(
+    optimizer: torch.optim.Optimizer, scheduler_config: Any, config: dict[str, Any]
+) -> torch.optim.Optimizer:
     """The optimizer to hand DeepSpeed when `config` offloads optimizer state; a scheduler built around the torch
     optimizer is pointed at its replacement (it only reads and writes param_groups). May set
     `zero_force_ds_cpu_optimizer` in `config`."""
@@ -39,5 +41,7 @@ def as_deepspeed_cpu_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
         amsgrad=defaults.get("amsgrad", False),
         adamw_mode=isinstance(optimizer, torch.optim.AdamW),
     )
-    rank_zero_info(f"Optimizer offload: {type(optimizer).__name__} replaced by DeepSpeedCPUAdam (same hyper-parameters)")
+    rank_zero_info(
+        f"Optimizer offload: {type(optimizer).__name__} replaced by DeepSpeedCPUAdam (same hyper-parameters)"
+    )
     return cpu_adam

@@ -9,13 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-UNKNOWN: Any = type("Unknown", (), {"__repr__": lambda self: "UNKNOWN"})()
+from lightning_dist.memory.hidden_size import hidden_size_of
+from lightning_dist.parallel.precision import fp16_supported
 
-# Model hyper-parameter names that give the hidden size, which the bucket-size "auto"s are derived from.
-HIDDEN_SIZE_NAMES = ("hidden_size", "n_embd", "d_model", "embed_dim")
+UNKNOWN: Any = type("Unknown", (), {"__repr__": lambda self: "UNKNOWN"})()
 
 
 @dataclass(frozen=True)
@@ -60,24 +59,17 @@ def training_facts(
         world_size=strategy.num_nodes * strategy.num_processes,
         accumulate_grad_batches=trainer.accumulate_grad_batches,
         gradient_clip_val=trainer.gradient_clip_val,
-        gradient_clip_algorithm=str(trainer.gradient_clip_algorithm.value if trainer.gradient_clip_algorithm else "norm"),
+        gradient_clip_algorithm=str(
+            trainer.gradient_clip_algorithm.value if trainer.gradient_clip_algorithm else "norm"
+        ),
         fp16_supported=fp16_supported(device_type),
         device_type=device_type,
         micro_batch_size=_micro_batch_size(trainer, train_dataloader, datamodule, in_rank),
         optimizer=module_optimizer_facts(model, trainer, in_rank) if need_optimizer else UNKNOWN,
         warmup_steps=int(hparams.get("warmup_steps", 0) or 0),
         total_steps=_total_steps(trainer, in_rank),
-        hidden_size=_hidden_size(model, hparams),
+        hidden_size=hidden_size_of(model),
     )
-
-
-def fp16_supported(device_type: str) -> bool:
-    """What DeepSpeed's accelerator for the device answers; on CPU it needs hardware fp16 (AVX512-FP16/AMX-FP16)."""
-    if device_type == "cuda":
-        return True
-    from lightning_dist._compat.torch import cpu_supports_fp16
-
-    return cpu_supports_fp16()  # the CPU accelerator's own test
 
 
 def _micro_batch_size(trainer: Any, train_dataloader: Any, datamodule: Any, in_rank: bool) -> int | None:
@@ -131,17 +123,3 @@ def _total_steps(trainer: Any, in_rank: bool) -> int | None:
     # Epoch-limited: only the fitting Trainer, with its train loader, can count the steps.
     fitting = in_rank and trainer.state.fn == TrainerFn.FITTING
     return int(trainer.estimated_stepping_batches) if fitting else UNKNOWN
-
-
-def hidden_size_of(model: Any) -> int | None:
-    """The hidden size a model's hyper-parameters (or its Hugging Face `config`) name, if any."""
-    return _hidden_size(model, getattr(model, "hparams", None) or {})
-
-
-def _hidden_size(model: Any, hparams: Any) -> int | None:
-    sources = [hparams, getattr(getattr(model, "config", None), "__dict__", {})]
-    for source in sources:
-        for name in HIDDEN_SIZE_NAMES:
-            if isinstance(source.get(name), int):
-                return source[name]
-    return None

@@ -15,18 +15,24 @@ def load_user_config(config: str | Path | Mapping[str, Any]) -> tuple[dict[str, 
         return copy.deepcopy(dict(config)), "strategy.config"
     path = Path(config).expanduser()
     if not path.is_file():
-        raise ValueError(f"strategy.config: {str(path)!r} is not a file; give the path of a DeepSpeed JSON config or a dict")
+        raise ValueError(
+            f"strategy.config: {str(path)!r} is not a file; give the path of a DeepSpeed JSON config or a dict"
+        )
     try:
         loaded = json.loads(path.read_text())
         too_deep = _depth(loaded) > MAX_DEPTH
     except json.JSONDecodeError as error:
-        raise ValueError(f"strategy.config: {path} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno})") from None
+        raise ValueError(
+            f"strategy.config: {path} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno})"
+        ) from None
     except RecursionError:  # deeper than Python's parser goes
         too_deep = True
     if too_deep:
         raise ValueError(f"strategy.config: {path} nests deeper than {MAX_DEPTH} levels; a DeepSpeed config has a few")
     if not isinstance(loaded, dict):
-        raise TypeError(f"strategy.config: {path} holds a JSON {type(loaded).__name__}; a DeepSpeed config is a JSON object")
+        raise TypeError(
+            f"strategy.config: {path} holds a JSON {type(loaded).__name__}; a DeepSpeed config is a JSON object"
+        )
     return loaded, f"strategy.config ({path.name})"
 
 
@@ -43,7 +49,9 @@ def _depth(node: Any) -> int:
     return deepest - 1
 
 
-def write_effective_config(config: dict[str, Any], directory: str | Path, name: str = "deepspeed_config.effective.json") -> Path:
+def write_effective_config(
+    config: dict[str, Any], directory: str | Path, name: str = "deepspeed_config.effective.json"
+) -> Path:
     """The config DeepSpeed was given, for the record: sorted keys, no "auto" left."""
     path = Path(directory) / name
     path.parent.mkdir(parents=True, exist_ok=True)

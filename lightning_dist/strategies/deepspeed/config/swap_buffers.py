@@ -55,7 +55,9 @@ def parameter_swap_pool(
     return SwapPool(count, math.ceil(window / world_size), window)
 
 
-def swap_buffers_sized_by_model(config: dict[str, Any], modules: Iterable[torch.nn.Module], world_size: int) -> dict[str, Any]:
+def swap_buffers_sized_by_model(
+    config: dict[str, Any], modules: Iterable[torch.nn.Module], world_size: int
+) -> dict[str, Any]:
     """`config` with its ZeRO-3 `offload_param` pool sized for these modules (see the module docstring); unchanged
     unless parameters are offloaded to NVMe."""
     zero = config.get("zero_optimization") or {}

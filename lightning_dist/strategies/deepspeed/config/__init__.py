@@ -1,9 +1,16 @@
 """Bring-your-own DeepSpeed config: Hugging Face-style JSON with "auto" values, filled from the Trainer, the
 LightningModule and the data, with every contradiction reported before any rank starts."""
 
-from lightning_dist.deepspeed_config.facts import UNKNOWN, OptimizerFacts, TrainingFacts, training_facts
-from lightning_dist.deepspeed_config.load import load_user_config, write_effective_config
-from lightning_dist.deepspeed_config.resolve import FILLED_KEYS, DeepSpeedConfigError, Resolution, ZeroOptions, resolve, resolve_config
+from lightning_dist.strategies.deepspeed.config.facts import UNKNOWN, OptimizerFacts, TrainingFacts, training_facts
+from lightning_dist.strategies.deepspeed.config.load import load_user_config, write_effective_config
+from lightning_dist.strategies.deepspeed.config.resolve import (
+    FILLED_KEYS,
+    DeepSpeedConfigError,
+    Resolution,
+    ZeroOptions,
+    resolve,
+    resolve_config,
+)
 
 __all__ = [
     "FILLED_KEYS",

@@ -1,0 +1,103 @@
+"""DDP: Lightning's own strategy, which already runs on CPU (gloo) and CUDA (nccl) alike."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_dist.checkpoints.formats import FILE
+from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
+from lightning_dist.memory.layout import Layout
+from lightning_dist.parallel.dims import ParallelDims
+from lightning_dist.strategies.base import StrategyBase
+
+if TYPE_CHECKING:
+    from lightning_dist.dry_run.ranks import RankView
+
+
+class DDPStrategy(StrategyBase, _LightningDDPStrategy):
+    """Data-parallel training; registered as `ld_ddp` so it sits beside our FSDP and DeepSpeed presets.
+
+    Lightning's DDP already runs on CPU. What this adds: gradients that live in DDP's buckets (one copy, not two),
+    and resuming from FSDP and DeepSpeed checkpoint directories too (consolidated on load, Adam state included),
+    at any world size.
+
+    Args:
+        activation_checkpointing: recompute activations in backward: true (every block), "ops" (every block,
+            keeping the outputs of its matrix products and attention), or an integer k (every k-th block).
+        compile: compile each block with torch.compile (regional compilation) before DDP wraps the model.
+        block_class: the repeated layer (class or dotted path, or a list) that the two options above act on; unset:
+            the classes of the model's layer stacks.
+        async_checkpoint: write checkpoints in the background: the step waits only while rank 0 copies the state.
+    """
+
+    strategy_name = "ld_ddp"
+
+    def __init__(
+        self,
+        *args: Any,
+        gradient_as_bucket_view: bool = True,
+        timeout: timedelta | float | None = None,
+        activation_checkpointing: bool | str | int = False,
+        compile: bool = False,
+        block_class: str | type[nn.Module] | Sequence[str | type[nn.Module]] | None = None,
+        async_checkpoint: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        # Gradients as views of DDP's all-reduce buckets: without it every rank holds each gradient twice (in
+        # the parameter's .grad and in a bucket) and copies between them on every step.
+        super().__init__(
+            *args, gradient_as_bucket_view=gradient_as_bucket_view, timeout=timeout, block_class=block_class,
+            activation_checkpointing=activation_checkpointing, compile=compile, async_checkpoint=async_checkpoint,
+            **kwargs,
+        )
+
+    @override
+    def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
+        self.blocks.apply(model)  # in place, before DDP registers its gradient hooks
+        return super()._setup_model(model)
+
+    def memory_layout(self, name: str) -> Layout:
+        # Everything replicated, nothing offloaded.
+        return Layout(name, "torch", activation_checkpointing=self.activation_checkpointing)
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """Every rank holds the whole model: the data-parallel state is replicated."""
+        return ParallelDims(dp_replicate=self.world_size)
+
+    @override
+    def dry_run_rank(self, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int, num_nodes: int,
+                     rank: int, device_type: str) -> RankView:
+        from lightning_dist.strategies.torch.dry_run import rank_view  # fake tensors, trackers: a dry run only
+
+        return rank_view(self, build, batch, precision, devices, num_nodes, rank, device_type, sharded=False)
+
+    @override
+    def setup_environment(self) -> None:
+        with self.forming_process_group():
+            super().setup_environment()
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        foreign = load_for_resume(self, checkpoint_path, native_formats={FILE}, weights_only=weights_only)
+        return foreign if foreign is not None else super().load_checkpoint(checkpoint_path, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if checkpoint.get("state_dict") is not None:
+            super().load_model_state_dict(checkpoint, strict)
+        # Else a foreign checkpoint consolidated on rank 0 only: DDP broadcasts rank 0's weights as it wraps the model.
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if "optimizer_state_by_name" in checkpoint:  # consolidated from another strategy's checkpoint
+            restore_optimizer_by_name(self, self.lightning_module, self.optimizers, checkpoint)
+        else:
+            super().load_optimizer_state_dict(checkpoint)

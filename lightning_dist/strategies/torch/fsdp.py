@@ -1,0 +1,271 @@
+"""FSDP2 (`fully_shard`) without a `configure_model` hook: the strategy shards the model by its block class."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from lightning_dist._compat.lightning import give_device_mesh, move_optimizers_to_device
+from lightning_dist.checkpoints.formats import DISTRIBUTED
+from lightning_dist.checkpoints.resume import load_for_resume, load_weights_from_rank_zero, restore_optimizer_by_name
+from lightning_dist.checkpoints.swap import write_then_swap
+from lightning_dist.memory.layout import Layout
+from lightning_dist.optim import require_shardable_optimizer
+from lightning_dist.parallel.classes import BlockClasses
+from lightning_dist.parallel.dims import sharding_layout
+from lightning_dist.strategies.torch.fully_shard import (
+    apply_fully_shard, materialize_shards, mixed_precision_policy, offload_policy, shard_device,
+)
+from lightning_dist.parallel.module_state import move_module_state
+from lightning_dist.parallel.dims import TENSOR_PARALLEL, ParallelDims, check_sharding_sizes
+from lightning_dist.parallel.grad_norm import clip_grad_norm_
+from lightning_dist.parallel.tensor_parallel import (
+    TensorParallelPlan, apply_tensor_parallel, check_plan, resolve_plan,
+)
+from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
+from lightning_dist.parallel.precision import PrecisionSupport
+from lightning_dist.strategies.base import StrategyBase
+
+if TYPE_CHECKING:
+    from lightning_dist.dry_run.ranks import RankView
+
+# LightningModule methods that run the model without going through `forward`.
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+class FSDPStrategy(StrategyBase, ModelParallelStrategy):
+    """Fully Sharded Data Parallel (FSDP2) on CPU (gloo) or CUDA (nccl).
+
+    Args:
+        sharding_strategy: FULL_SHARD (ZeRO-3 like), SHARD_GRAD_OP (ZeRO-2 like) or HYBRID_SHARD (shard within a
+            node, replicate across nodes).
+        block_class: the repeated layer (class or dotted path, or a list of them: an encoder's and a decoder's) that
+            becomes one FSDP unit each, and what activation checkpointing wraps. Unset: the classes of the model's
+            layer stacks (`nn.ModuleList`s of one class).
+        activation_checkpointing: recompute activations in backward: true (every block), "ops" (every block,
+            keeping the outputs of its matrix products and attention), or an integer k (every k-th block).
+        cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
+        save_distributed_checkpoint: each rank writes its shard (a checkpoint directory); False gathers one file.
+        tensor_parallel_size: ranks of one tensor-parallel group, which split each planned layer (within a node);
+            FSDP shards over the data-parallel ranks that are left. 1: no tensor parallelism.
+        data_parallel_replicate_size: groups that replicate the sharded state (HSDP); unset: the number of nodes
+            under HYBRID_SHARD, else 1. One of the two sizes may be -1, the ranks that are left.
+        tensor_parallel_plan: module-name patterns mapped to "colwise" or "rowwise"; unset: the model's own
+            (`tp_plan`, parallel/tensor_parallel.py).
+        compile: compile each block with torch.compile (regional compilation), after activation checkpointing and
+            before sharding.
+        async_checkpoint: write checkpoints in the background: the step waits only while each rank copies its
+            shards to host memory.
+    """
+
+    strategy_name = "ld_fsdp"
+
+    def __init__(
+        self,
+        sharding_strategy: str = "FULL_SHARD",
+        block_class: str | type[nn.Module] | Sequence[str | type[nn.Module]] | None = None,
+        activation_checkpointing: bool | str | int = False,
+        cpu_offload: bool = False,
+        save_distributed_checkpoint: bool = True,
+        tensor_parallel_size: int = 1,
+        data_parallel_replicate_size: int | None = None,
+        tensor_parallel_plan: dict[str, str] | None = None,
+        compile: bool = False,
+        async_checkpoint: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
+            timeout=timeout, block_class=block_class, activation_checkpointing=activation_checkpointing,
+            compile=compile, async_checkpoint=async_checkpoint,
+        )
+        self.reshard_after_forward, self.hybrid = sharding_layout(sharding_strategy)
+        self.sharding_strategy = str(sharding_strategy).upper()
+        self.cpu_offload = cpu_offload
+        self.tensor_parallel_size = tensor_parallel_size
+        self.data_parallel_replicate_size = data_parallel_replicate_size
+        self.tensor_parallel_plan = None if tensor_parallel_plan is None else check_plan(
+            dict(tensor_parallel_plan), "strategy.tensor_parallel_plan")
+
+    @override
+    def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
+        """On the launching process: a model already built (eagerly or on meta) must say what its blocks are, and
+        its configured optimizer must be one that steps shards."""
+        self.check_parallel_sizes()
+        model = fit_arguments.get("model")
+        require_shardable_optimizer(model, "fsdp")
+        if isinstance(model, nn.Module) and next(model.parameters(), None) is not None:
+            self.block_classes_of(model)
+            if self.tensor_parallel_size != 1 and not is_overridden("configure_model", model, pl.LightningModule):
+                self.tensor_parallel_plan_of(model)  # a configure_model may split the model itself
+
+    def check_parallel_sizes(self) -> None:
+        """The sizes fit the ranks (trainer.devices x trainer.num_nodes), and a tensor-parallel group fits a node."""
+        check_sharding_sizes(self.num_processes, self.num_nodes, self.tensor_parallel_size,
+                             self.data_parallel_replicate_size, self.hybrid)
+
+    def tensor_parallel_plan_of(self, model: nn.Module) -> TensorParallelPlan:
+        """The configured plan, or the model's own, checked against `model`."""
+        return resolve_plan(model, self.tensor_parallel_plan, self.parallel_dims.tp)
+
+    def block_classes_of(self, model: nn.Module) -> BlockClasses:
+        """The configured block classes, each present in `model`, or those inferred from its layer stacks."""
+        return self.blocks.classes_in(model)
+
+    precision_support = PrecisionSupport(fp16_loss_scaling=False)  # FSDP2 has no gradient scaler for fp16
+
+    def memory_layout(self, name: str) -> Layout:
+        offload = "cpu" if self.cpu_offload else None
+        return Layout(
+            name, "torch", shard_parameters=True, shard_gradients=True, shard_optimizer=True,
+            keep_gathered=not self.reshard_after_forward, offload_optimizer=offload, offload_parameters=offload,
+            activation_checkpointing=self.activation_checkpointing, replicate_across_nodes=self.hybrid,
+            tensor_parallel=self.tensor_parallel_size, data_parallel_replicate=self.data_parallel_replicate_size,
+        )
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """Every rank shards, or the ranks left by tensor parallelism; HYBRID_SHARD shards within a node and
+        replicates across nodes."""
+        return ParallelDims.of_sharding(self.num_nodes * self.num_processes, self.num_nodes,
+                                        self.tensor_parallel_size, self.data_parallel_replicate_size, self.hybrid)
+
+    @property
+    @override
+    def keeps_state_on_host(self) -> bool:
+        return self.cpu_offload
+
+    @override
+    def dry_run_rank(self, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int, num_nodes: int,
+                     rank: int, device_type: str) -> RankView:
+        from lightning_dist.strategies.torch.dry_run import rank_view  # fake tensors, trackers: a dry run only
+
+        return rank_view(self, build, batch, precision, devices, num_nodes, rank, device_type, sharded=True)
+
+    @override
+    def setup_environment(self) -> None:
+        # Lightning's own set-up (the accelerator's device), then the process group and the mesh of our dimensions.
+        # ModelParallelStrategy's set-up would size its data x tensor mesh by its own `data_parallel_size` and
+        # `tensor_parallel_size`; the mesh built here has its axes (and HSDP's two as well).
+        with self.forming_process_group():
+            Strategy.setup_environment(self)
+            self._setup_distributed()
+        give_device_mesh(self.lightning_module, self.build_device_mesh(self.root_device.type))
+
+    def build_device_mesh(self, device_type: str) -> DeviceMesh:
+        """The mesh of this strategy's parallel dimensions over the default process group, kept as its own (a
+        collective: every rank builds it)."""
+        self._device_mesh = self.parallel_dims.build_mesh(device_type)
+        return self._device_mesh
+
+    # `train.py` and `trainer.init_module()` build the model without weights under this strategy.
+    initializes_shards = True
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """`trainer.init_module()` and `configure_model`: parameters on the meta device (buffers stay real); `setup`
+        shards them and each rank initialises its own shards. `empty_init=False` builds the whole model eagerly."""
+        deferred = nullcontext() if empty_init is False else parameters_on_meta()
+        with deferred, self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        if has_meta_parameters(self.model):
+            # The order torchtitan uses: shard the model while it has no memory, then initialise the shards.
+            self.parallelize(self.model)
+            device = shard_device(self.cpu_offload, self.root_device)
+            materialize_shards(self.model, device, seed=self.broadcast(torch.initial_seed()))
+            self.model_to_device()  # the buffers
+        else:
+            self.model_to_device()
+            self.parallelize(self.model)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        # Under tensor parallelism the gradients lie on two meshes, which torch's clip_grad_norm_ cannot combine.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+        if trainer.state.fn == TrainerFn.FITTING:
+            move_optimizers_to_device(self.optimizers, self.root_device)
+
+    def parallelize(self, model: nn.Module) -> None:
+        """Tensor parallelism first, then activation checkpointing, then compilation, then sharding: FSDP shards the
+        checkpoint wrapper of each block, so the block's parameters are gathered before backward recomputes it."""
+        block_classes = self.block_classes_of(model)
+        if self.parallel_dims.tp > 1 and not any(isinstance(p, DTensor) for p in model.parameters()):
+            # Split first (a configure_model that split the model itself is left as it is), as torchtitan orders it.
+            apply_tensor_parallel(model, self.device_mesh[TENSOR_PARALLEL], self.tensor_parallel_plan_of(model))
+        self.blocks.apply(model, block_classes)  # activation checkpointing, then compilation
+        apply_fully_shard(
+            model,
+            mesh=self.parallel_dims.sharding_mesh(self.device_mesh),
+            block_classes=block_classes,
+            reshard_after_forward=self.reshard_after_forward,
+            offload=offload_policy(self.cpu_offload, self.root_device),
+            mixed_precision=mixed_precision_policy(self.precision_plugin.precision),
+            forward_methods=[m for m in _STEP_METHODS if hasattr(model, m)],
+        )
+
+    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        if not self._save_distributed_checkpoint or self.async_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (got {storage_options!r})")
+        # As Lightning's, with the save's id in every shard file (checkpoints/save_id.py), swapped in when whole.
+        write_then_swap(
+            self, self.broadcast(filepath), lambda partial: self.sharded_write(checkpoint, partial, staged=False)()
+        )
+
+    def staged_write(self, checkpoint: dict[str, Any], partial: Path) -> Callable[[], None]:
+        """Background saves: the shards, each rank's staged now, and the rest as Lightning's metadata file."""
+        if not self._save_distributed_checkpoint:
+            return super().staged_write(checkpoint, partial)
+        return self.sharded_write(checkpoint, partial)
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        # Sharded directories (at any world size) load through Lightning, each rank reading its part; a full file
+        # or a DeepSpeed directory is read by rank 0, and its weights are broadcast into the shards.
+        checkpoint_path = self.broadcast(checkpoint_path)
+        foreign = load_for_resume(self, checkpoint_path, {DISTRIBUTED}, weights_only)
+        if foreign is None:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        load_weights_from_rank_zero(self.model, foreign, strict=self.lightning_module.strict_loading)
+        if self.optimizers:  # fitting: restore Adam's moments into the shards too
+            restore_optimizer_by_name(self, self.model, self.optimizers, foreign)
+        return foreign
+
+    @override
+    def model_to_device(self) -> None:
+        # With CPU offload the shards live in host memory (FSDP moves each unit to the device when it runs); the
+        # rest of the module's state, its buffers and metrics, is used on the device.
+        if self.cpu_offload:
+            move_module_state(self.model, self.root_device)
+        else:
+            super().model_to_device()
