@@ -31,7 +31,7 @@ import lightning_dist.strategies.deepspeed.strategy as deepspeed_strategy
 from lightning_dist.run.config_check import CONF_DIR
 from lightning_dist.models.gpt import GPT
 from lightning_dist.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
-from lightning_dist.run.train import build
+from lightning_dist.run.compose import build
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (glibc malloc.h)
 ONE_MIB = 1 << 20

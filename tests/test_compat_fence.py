@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -120,6 +122,79 @@ def test_the_check_sees_each_kind_of_crossing():
         "self._launcher = None\n"  # our own object's attribute: not a library's
     )
     assert [line.split(":")[0] for line in crossings(source)] == ["3", "4", "6", "7", "8", "9"]
+
+
+PRIVATE_NAME = re.compile(r"_[A-Za-z][A-Za-z0-9_]*[A-Za-z0-9]\.?")  # `_name` or `_name.`; not `_target_` (Hydra's key)
+
+
+def private_name_strings(source: str) -> list[str]:
+    """Each string that is a private name (`getattr(x, "_optimizer")`, a `"_forward_module."` prefix), where it does not
+    name an attribute of our own object (`getattr(self, "_x")`): a library's internals passed as a string."""
+    tree = ast.parse(source)
+    own = {id(node.args[1]) for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+           and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1
+           and isinstance(node.args[0], ast.Name) and node.args[0].id == "self"}
+    own |= {id(part) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for part in node.values}  # f"{x}_y"
+    return [f"{node.lineno}: {node.value!r}" for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and PRIVATE_NAME.fullmatch(node.value)
+            and node.value not in OTHER_LIBRARIES and id(node) not in own]
+
+
+def test_no_module_outside_the_fence_names_a_library_private_in_a_string():
+    outside = {
+        str(path.relative_to(REPO)): found
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if FENCE not in path.parents and (found := private_name_strings(path.read_text()))
+    }
+    assert outside == {}
+    source = ("a = getattr(optimizer, '_optimizer', optimizer)\nb = name.removeprefix('_forward_module.')\n"
+              "c = getattr(self, '_mine', None)\nd = cfg['_target_']\ne = f'{stage}_loss'\n")
+    assert private_name_strings(source) == ["1: '_optimizer'", "2: '_forward_module.'"]
+
+
+def library_privates_used_by(cls: type, package: str = "lightning_dist.") -> set[str]:
+    """The private names that the package's own classes among `cls`'s bases define, call, read or assign on `self` or
+    `super()`, and that the first library class among its bases (Lightning's strategy) has too: on the class, or on
+    an instance made with its defaults."""
+    ours = [base for base in cls.__mro__ if base.__module__.startswith(package)]
+    library = next(base for base in cls.__mro__ if not base.__module__.startswith(package))
+    used = set()
+    for base in ours:
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(base)))):
+            if isinstance(node, ast.FunctionDef) and _private(node.name):
+                used.add(node.name)
+            elif isinstance(node, ast.Attribute) and _private(node.attr):
+                owner = node.value
+                if (isinstance(owner, ast.Name) and owner.id == "self") or (
+                        isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super"):
+                    used.add(node.attr)
+    return {name for name in used if hasattr(library, name) or name in vars(library())}
+
+
+def test_the_check_sees_a_lightning_private_read_overridden_or_set():
+    from lightning.pytorch.strategies import DDPStrategy
+
+    class ReadsPrivates(DDPStrategy):
+        def _setup_model(self, model):  # overridden
+            self._own = self._ddp_kwargs  # read; ours
+            super()._configure_launcher()  # called
+            self._model_averager = None  # set
+
+    assert library_privates_used_by(ReadsPrivates, package="tests.") == {
+        "_setup_model", "_ddp_kwargs", "_configure_launcher", "_model_averager"}
+
+
+@pytest.mark.parametrize("name", ["DDPStrategy", "FSDPStrategy", "DeepSpeedStrategy"])
+def test_every_lightning_private_a_strategy_uses_is_fenced(name):
+    import lightning_dist.strategies as strategies
+    from lightning_dist._compat.lightning import INHERITED_PRIVATES
+
+    strategy = getattr(strategies, name)
+    library = next(base for base in strategy.__mro__ if not base.__module__.startswith("lightning_dist."))
+    listed = INHERITED_PRIVATES[f"{library.__module__}.{library.__qualname__}"]
+    assert sorted(library_privates_used_by(strategy) - set(listed)) == []
+    instance = library()
+    assert [private for private in listed if not (hasattr(library, private) or hasattr(instance, private))] == []
 
 
 @pytest.mark.parametrize("symbol", fenced(), ids=lambda symbol: symbol.name)

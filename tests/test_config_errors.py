@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from lightning_dist.run.config_check import ConfigError, check_overrides
-from lightning_dist.run.train import build
+from lightning_dist.run.compose import build
 from tests.conftest import CONF_DIR, REPO, PRESET_NAMES
 
 

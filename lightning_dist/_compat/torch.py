@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_WRAPPED_MODULE, CheckpointWrapper, checkpoint_wrapper,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -44,9 +46,30 @@ __all__ = [
     "TorchDispatchMode",
     "tree_map",
     "wrapped_module",
+    "ATTENTION_KERNEL_OPS",
+    "COLLECTIVE_NAMESPACES",
+    "DCP_METADATA_GLOBALS",
+    "WRAPPER_MODULE_NAMES",
+    "checkpointed_module",
+    "parameter_initialiser",
 ]
 
+# The names torch's wrappers insert between a model and its layers: activation checkpointing's, and FSDP1's.
+WRAPPER_MODULE_NAMES = (_CHECKPOINT_WRAPPED_MODULE, "_fsdp_wrapped_module")
+# The kernels scaled_dot_product_attention dispatches to, by their (private) aten op names.
+ATTENTION_KERNEL_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+# The op namespaces of collectives: process groups' ops, and the functional ones DTensor uses.
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+# Globals that torch.distributed.checkpoint's `.metadata` pickle names besides its own record classes.
+DCP_METADATA_GLOBALS = {("torch.serialization", "_get_layout")}
+
 FENCED = [
+    Fenced("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "_CHECKPOINT_WRAPPED_MODULE"),
+    Fenced("torch.serialization", "_get_layout"),
+    Fenced("torch", "ops._c10d_functional.all_gather_into_tensor"),
+    Fenced("torch.nn", "MultiheadAttention._reset_parameters", ("self",)),
+    *(Fenced("torch", f"ops.aten.{name}") for name in ATTENTION_KERNEL_OPS),
     Fenced("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointWrapper"),
     Fenced("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper", ("module",)),
     Fenced("torch.distributed.device_mesh", "DeviceMesh._flatten", ("self", "mesh_dim_name")),
@@ -83,6 +106,17 @@ def forward_hook_tables(module: nn.Module) -> tuple[dict, dict]:
     """`module`'s forward pre-hooks and forward hooks, keyed by their handles' ids: a registered hook can be
     replaced in place, keeping its `with_kwargs`/`always_call` flags, only through these."""
     return module._forward_pre_hooks, module._forward_hooks
+
+
+def checkpointed_module(module: nn.Module) -> nn.Module:
+    """The module an activation-checkpoint wrapper runs, or `module` itself when it is not one."""
+    return getattr(module, _CHECKPOINT_WRAPPED_MODULE, module)
+
+
+def parameter_initialiser(module: nn.Module) -> Callable[[], None] | None:
+    """How `module` initialises its own parameters: `reset_parameters()` (torch's convention), or the private one
+    torch's MultiheadAttention has instead."""
+    return getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
 
 
 def wrapped_module(wrapper: CheckpointWrapper) -> nn.Module:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from lightning_dist._compat.deepspeed import merge_zero_partitions
+from lightning_dist._compat.lightning import WRAPPED_MODULE_PREFIX
 from lightning_dist.checkpoints.contents import autotp_refusal, autotp_size
 from lightning_dist.checkpoints.formats import DEEPSPEED, FILE, CheckpointError, deepspeed_tag_dir
 from lightning_dist.checkpoints.safe_load import load_file
@@ -111,7 +112,7 @@ def _load_deepspeed(path: Path) -> dict[str, Any]:
         if name not in state_dict and tensor.numel() > 0:
             state_dict[name] = tensor.float() if tensor.is_floating_point() else tensor
     checkpoint = {k: v for k, v in client_state.items() if k not in deepspeed_keys}
-    checkpoint["state_dict"] = {k.removeprefix("_forward_module."): v for k, v in state_dict.items()}
+    checkpoint["state_dict"] = {k.removeprefix(WRAPPED_MODULE_PREFIX): v for k, v in state_dict.items()}
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return _with_state_by_name(checkpoint, _deepspeed_adam_state(tag_dir))
 
@@ -136,10 +137,9 @@ def _deepspeed_adam_state(ds_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
         moments[key] = z.to_torch_tensor(merged)  # ZeRO-3 merges lazily; materialise
     step = next(iter(states[0].values()))["step"]
     return {
-        name.removeprefix("_forward_module."): {
-            "step": torch.as_tensor(
-                step, dtype=torch.float32, device="cpu"
-            ).clone(),  # host data, like the rest of a loaded checkpoint
+        name.removeprefix(WRAPPED_MODULE_PREFIX): {
+            # Host data, like the rest of a loaded checkpoint.
+            "step": torch.as_tensor(step, dtype=torch.float32, device="cpu").clone(),
             "exp_avg": moments["exp_avg"][name],
             "exp_avg_sq": moments["exp_avg_sq"][name],
         }

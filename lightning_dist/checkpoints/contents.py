@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lightning_dist._compat.lightning import WRAPPED_MODULE_PREFIX
 from lightning_dist.checkpoints.formats import (
     DEEPSPEED,
     DISTRIBUTED,
@@ -16,8 +17,8 @@ from lightning_dist.checkpoints.formats import (
 )
 from lightning_dist.checkpoints.safe_load import load_file
 
-# Lightning's DeepSpeed strategy hands DeepSpeed the module inside a wrapper, and DeepSpeed names parameters by it.
-_WRAPPER_PREFIX = "_forward_module."
+# Lightning's DeepSpeed strategy handed DeepSpeed the module inside a wrapper, and DeepSpeed named parameters by it.
+_WRAPPER_PREFIX = WRAPPED_MODULE_PREFIX
 
 Shape = tuple[int, ...]
 

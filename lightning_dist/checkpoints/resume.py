@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
+from lightning_dist._compat.lightning import unwrapped_optimizer
 from lightning_dist.checkpoints.consolidate import load_consolidated
 from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.checkpoints.gather import plain_name
@@ -91,7 +92,7 @@ def restore_optimizer_by_name(
     """Load rank 0's per-parameter-name optimizer state (from `load_for_resume`) into the live optimizer on every
     rank, whatever its parameter groups or sharding: torch's state-dict API maps names onto plain and FSDP2
     parameters alike, and broadcasts one tensor at a time."""
-    optimizer = getattr(optimizers[0], "_optimizer", optimizers[0]) if len(optimizers) == 1 else None
+    optimizer = unwrapped_optimizer(optimizers[0]) if len(optimizers) == 1 else None
     names = group_names(module, optimizer.param_groups) if optimizer is not None else []
     state_by_name = optimizer_state_by_name(checkpoint, names) if strategy.is_global_zero and optimizer else None
     for key in OPTIMIZER_KEYS:

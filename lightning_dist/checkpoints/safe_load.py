@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
+from lightning_dist._compat.torch import DCP_METADATA_GLOBALS
 from lightning_dist.checkpoints.formats import (
     DEEPSPEED, DISTRIBUTED, CheckpointError, checkpoint_format, deepspeed_tag_dir, is_deepspeed_dir,
 )
@@ -89,8 +90,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     """torch.distributed.checkpoint's `.metadata` is a bare pickle of its own record classes: allow those only."""
 
     _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-    _NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-              ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+    _NAMES = {("torch", "Size"), *DCP_METADATA_GLOBALS, ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+              ("collections", "OrderedDict")}
 
     def find_class(self, module: str, name: str) -> Any:
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)

@@ -144,7 +144,9 @@ def forming_process_group(timeout: timedelta, rank: Callable[[], int]) -> Iterat
 
 
 def _limit(trainer: Any) -> str:
-    seconds = getattr(trainer.strategy, "_timeout", None)
+    from lightning_dist._compat.lightning import strategy_timeout  # a trainer exists: Lightning is loaded already
+
+    seconds = strategy_timeout(trainer.strategy)
     return f"strategy.timeout={seconds.total_seconds():g} s" if seconds is not None else "the process group's timeout"
 
 

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from lightning_dist._compat.lightning import unwrapped_optimizer
 from lightning_dist.parallel.placement import local_part
 
 # How deep to look into an optimizer's attributes: DeepSpeed keeps its groups as lists of lists of tensors.
@@ -25,7 +26,7 @@ def model_state_bytes(module: nn.Module, optimizers: list[Any]) -> dict[str, int
     for tensor in _model_tensors(module):
         _add(storages, tensor)
     for optimizer in optimizers:
-        for tensor in _reachable_tensors(getattr(optimizer, "_optimizer", optimizer), _SEARCH_DEPTH, set()):
+        for tensor in _reachable_tensors(unwrapped_optimizer(optimizer), _SEARCH_DEPTH, set()):
             _add(storages, tensor)
     by_device: dict[str, int] = {}
     for (device, _), nbytes in storages.items():

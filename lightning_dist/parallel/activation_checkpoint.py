@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_dist._compat.torch import CheckpointWrapper, checkpoint_wrapper, wrapped_module
+from lightning_dist._compat.torch import ATTENTION_KERNEL_OPS, CheckpointWrapper, checkpoint_wrapper, wrapped_module
 
 CHOICES = (
     "false, true (every block), ops (every block, keeping matrix products and attention), or an integer k >= 1 "
@@ -31,9 +31,7 @@ def _aten_ops(*names: str) -> frozenset:
 
 # What op-level checkpointing keeps: the outputs of matrix products and attention, torchtitan's choice (its
 # `_save_list`); each costs O(d) per element to recompute, while what is recomputed costs O(1).
-KEPT_OPS = _aten_ops("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
-                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                     "_scaled_dot_product_flash_attention_for_cpu")
+KEPT_OPS = _aten_ops("mm", "addmm", "bmm", "baddbmm", *ATTENTION_KERNEL_OPS)
 
 
 @dataclass(frozen=True)

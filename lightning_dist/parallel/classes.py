@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_dist._compat.torch import checkpointed_module
+
 
 def resolve_module_class(spec: str | type[nn.Module], key: str) -> type[nn.Module]:
     """Import `spec` if it is a dotted path; fail in one line naming `key` and the classes that do exist there."""
@@ -108,7 +110,7 @@ def _layer_class(module: nn.Module) -> type[nn.Module]:
     """The class a layer was built as, under what a strategy has made of it: Lightning sets a strategy up again
     for `trainer.test()` after `fit()`, and by then each block is in a checkpoint wrapper and is an FSDP module
     (FSDP2 swaps in a subclass of the block's own class)."""
-    module = getattr(module, "_checkpoint_wrapped_module", module)
+    module = checkpointed_module(module)
     cls = type(module)
     if isinstance(module, FSDPModule):
         cls = next(base for base in cls.__bases__ if base is not FSDPModule)

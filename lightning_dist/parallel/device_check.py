@@ -13,9 +13,8 @@ from typing import Any
 import torch
 
 from lightning_dist._compat.fake_tensors import device_mismatch
-from lightning_dist._compat.torch import TorchDispatchMode, tree_map
+from lightning_dist._compat.torch import COLLECTIVE_NAMESPACES, TorchDispatchMode, tree_map
 
-COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")  # process groups' ops, and the functional ones DTensor uses
 # Collectives whose tensor the process group makes itself, on the device its backend uses (a barrier's placeholder:
 # the fake backend's is on the host, nccl's on the rank's device), and sends nothing of the caller's.
 OWN_PLACEHOLDERS = ("barrier",)

@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_dist._compat.lightning import unwrapped_optimizer
 from lightning_dist._compat.torch import CheckpointWrapper, fsdp_param_groups
 
 
@@ -28,13 +29,13 @@ def parameter_numel(module: nn.Module) -> tuple[int, int]:
 
 def _base_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     # Lightning wraps in LightningOptimizer (`_optimizer`); DeepSpeed's ZeRO optimizers hold the torch one.
-    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    optimizer = unwrapped_optimizer(optimizer)
     return getattr(optimizer, "optimizer", optimizer)
 
 
 def master_weights(optimizer: Any) -> list[torch.Tensor]:
     """What the optimizer updates: DeepSpeed ZeRO's fp32 partitions, or a torch optimizer's parameters."""
-    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    optimizer = unwrapped_optimizer(optimizer)
     # ZeRO-3 lends its partitions to the torch optimizer only while stepping; ZeRO-1/2 keep them here too.
     for attribute in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
         if hasattr(optimizer, attribute):

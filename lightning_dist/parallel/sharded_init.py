@@ -27,14 +27,16 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_dist._compat.torch import own_parameters, parameter_registration
+from lightning_dist._compat.torch import (
+    WRAPPER_MODULE_NAMES, own_parameters, parameter_initialiser, parameter_registration,
+)
 
 # What to keep of an initialised full tensor (on the CPU, in the parameter's dtype): a shard, a partition, all.
 Keep = Callable[[nn.Parameter, torch.Tensor], None]
 
 # Module names that wrappers (activation checkpointing) insert between a model and its layers; a layer's seed must
 # not depend on them.
-_WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+_WRAPPER_NAMES = WRAPPER_MODULE_NAMES
 
 _REGISTER_PARAMETER = nn.Module.register_parameter  # torch's own, whatever a context below has patched in since
 
@@ -104,7 +106,7 @@ def initialize_parameters(
         if not todo:
             continue
         owner_seed, relative_name, init_weights = _initialiser_of(model, name, seed)
-        reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)  # torch's MHA
+        reset = parameter_initialiser(module)
         # NaN until an initialiser writes it: what none writes is found below, not trained as uninitialised memory.
         full = {n: _unwritten(p) for n, p in params_here.items()}
         with _swapped_parameters(module, full), torch.random.fork_rng(devices=[]), torch.no_grad():

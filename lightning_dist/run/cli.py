@@ -5,7 +5,7 @@
     python train.py -m strategy=ddp,fsdp               # a sweep: logs/train/multiruns/<date>/<job>
 
 Only Hydra is imported here: `--help`, `--cfg job` and a refused override answer without loading torch, Lightning
-or DeepSpeed (several seconds); the job itself (`lightning_dist/run/train.py`) imports them when it runs.
+or DeepSpeed (several seconds); the job itself (`lightning_dist/run/job.py`) imports them when it runs.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _hydra_entry(cfg: DictConfig) -> Any:
     from lightning_dist.lifecycle.stop_signals import leaving_as_the_stop
 
     with leaving_as_the_stop():  # before Hydra prints the traceback of a job that failed
-        from lightning_dist.run.train import run_job
+        from lightning_dist.run.job import run_job
 
         return run_job(cfg)
 
@@ -70,7 +70,7 @@ def _check_and_run(args: Any) -> None:
             overrides = [*overrides, f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]"]
         try:
             cfg = check_overrides(overrides, config_name=args.config_name or "train")
-            if cfg is not None:  # a sweep's jobs are checked each in turn, when built (lightning_dist/run/train.py)
+            if cfg is not None:  # a sweep's jobs are checked each in turn, when built (lightning_dist/run/compose.py)
                 check_values(cfg)
             if args.multirun:  # a launcher sizes its jobs only in a sweep
                 check_launcher(overrides, config_name=args.config_name or "train")

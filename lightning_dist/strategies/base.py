@@ -6,7 +6,7 @@ package (the planner, the dry run, the job) asks a strategy through the protocol
 
 - `parallel_dims`: the named parallel axes and their sizes (parallel/dims.py);
 - `memory_layout(name)`: the planner's terms for what is sharded and offloaded (memory/layout.py);
-- `precision_support`: what it trains in beyond the defaults (precision.py);
+- `precision_support`: what it trains in beyond the defaults (parallel/precision.py);
 - `initializes_shards`: the model is built without weights and each rank initialises its own shards;
 - `keeps_state_on_host`: offloaded state, whose collectives need gloo beside nccl;
 - `dry_run_refusal`, `dry_run_rank(...)` and `dry_run_patches()`: whether the dry run knows it, one rank of it, and

@@ -114,3 +114,28 @@ def test_fake_tensors_do_what_tensors_do_where_the_loop_needs_it():
         assert copy.deepcopy(torch.zeros(2)).shape == (2,)
         assert torch.ones(5)[torch.ones(5) > 2].shape == (5,)
         assert (torch.ones(()).item(), torch.ones((), dtype=torch.long).item(), bool(torch.ones(()) > 0)) == (1.0, 0, False)
+
+
+def test_the_wrapper_names_are_what_activation_checkpointing_inserts():
+    block = TwoLayers()
+    wrapper = fence.checkpoint_wrapper(block)
+    assert fence.checkpointed_module(wrapper) is block and fence.checkpointed_module(block) is block
+    assert [name for name, _ in wrapper.named_children()] == [fence.WRAPPER_MODULE_NAMES[0]]
+
+
+def test_a_module_s_own_initialiser_includes_multihead_attention_s_private_one():
+    attention, linear = nn.MultiheadAttention(4, 2), nn.Linear(4, 4)
+    assert fence.parameter_initialiser(linear) == linear.reset_parameters
+    with torch.no_grad():
+        attention.in_proj_weight.fill_(7.0)
+    fence.parameter_initialiser(attention)()
+    assert not torch.all(attention.in_proj_weight == 7.0)
+
+
+def test_the_attention_kernels_and_collective_namespaces_are_torch_s_ops():
+    import torch.distributed  # registers the process groups' ops, and the functional collectives DTensor uses
+
+    assert all(callable(getattr(torch.ops.aten, name)) for name in fence.ATTENTION_KERNEL_OPS)
+    process_groups, functional = (getattr(torch.ops, namespace) for namespace in fence.COLLECTIVE_NAMESPACES)
+    assert process_groups.barrier.default.namespace == "c10d"
+    assert functional.all_gather_into_tensor.default.namespace == fence.COLLECTIVE_NAMESPACES[1]

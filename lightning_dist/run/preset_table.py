@@ -1,15 +1,15 @@
-"""One line per named preset: the answer to "which strategy do I need for this model on these devices?"."""
+"""`plan=true`'s second table, one line per named preset: the answer to "which strategy do I need for this model on
+these devices?"."""
 
 from __future__ import annotations
 
 from lightning_dist.memory.layout import layout_of
 from lightning_dist.memory.model_facts import ModelFacts
 from lightning_dist.memory.planner import GB, plan_memory
+from lightning_dist.strategies.presets import PRESETS
 
 
 def compare_presets(facts: ModelFacts, precision: str, devices: int, num_nodes: int = 1) -> str:
-    from lightning_dist.strategies.presets import PRESETS
-
     lines = [
         f"All presets for {facts.parameters:,} parameters, {precision}, {devices * num_nodes} ranks (GB per device / "
         "per node):",

@@ -1,0 +1,93 @@
+"""`resume=true`: which checkpoint a run starts from. The newest whole one of this command that holds this model's
+weights, chosen by global rank 0 and shared with every rank, each one passed over named with why; a run that
+trained to its end has nothing left to train."""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_dist.checkpoints.autoresume import (
+    RESUME_OWN_DIR, finished_run, newest_complete_checkpoint, newest_whole_checkpoint_in,
+)
+from lightning_dist.checkpoints.contents import another_model
+from lightning_dist.checkpoints.formats import CheckpointError
+from lightning_dist.lifecycle.exits import FINISHED
+from lightning_dist.lifecycle.job_store import shared_choice
+from lightning_dist.reports.summary_file import SUMMARY_NAME, read_summary
+
+log = logging.getLogger(__name__)
+
+
+class NothingLeftToTrain(Exception):
+    """`resume=true` found the last save of a run that trained to its end: this run trains nothing, says so, and
+    leaves no run directory behind (`summary`: that run's)."""
+
+    exit_code = FINISHED
+
+    def __init__(self, said: str, summary: dict) -> None:
+        super().__init__(said)
+        self.summary = summary
+
+
+# Rank 0 decides what to resume from; the ranks it starts inherit the decision through the environment, so a
+# checkpoint written meanwhile cannot make them disagree.
+RESUME_ENV = "LIGHTNING_DIST_RESUME_FROM"
+
+
+def checkpoint_to_resume(cfg: DictConfig, shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """`resume=true`: the newest whole checkpoint of this command that holds this model's weights (`shapes`), each
+    one passed over named with why; the user's own `ckpt_path` when given."""
+    if cfg.get("ckpt_path") or not cfg.get("resume"):
+        return cfg.get("ckpt_path")
+    if RESUME_ENV in os.environ:
+        return os.environ[RESUME_ENV] or None
+    output_dir = Path(cfg.paths.output_dir)
+    said = f"resume={'true' if cfg.resume is True else cfg.resume}: "
+    passed: list[str] = []
+
+    def passed_over(checkpoint: Path, why: str) -> None:
+        passed.append(str(checkpoint))
+        log.info(f"{said}passed over {checkpoint}: {why}")
+
+    def another_models(checkpoint: Path) -> str | None:
+        try:
+            return another_model(checkpoint, shapes, "resume", trusted=cfg.get("trust_checkpoint", False))
+        except CheckpointError as error:  # not a Lightning checkpoint at all
+            return " ".join(str(error).removeprefix(f"resume: {checkpoint} ").split())
+
+    def newest() -> str | None:
+        if cfg.resume == RESUME_OWN_DIR:  # a requeued job: its own run directory only, never another job's
+            found = newest_whole_checkpoint_in(output_dir, passed_over, another_models)
+        else:
+            # As typed: an override such as `+model.path=${paths.output_dir}/x` resolves to another path in every run.
+            overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
+            found = newest_complete_checkpoint(output_dir.parent, overrides, passed_over, another_models)
+        return str(found) if found else None
+
+    # Global rank 0's choice on every rank of a torchrun job (lifecycle/job_store.py), where each runs this search.
+    found = shared_choice(newest, timedelta(seconds=cfg.strategy.get("timeout") or 1800))
+    # Every rank asks (the run directories are on storage they share), so that every rank ends here together.
+    if found is not None and cfg.resume is True and (finished := finished_run(Path(found))) is not None:
+        raise NothingLeftToTrain(
+            f"{said}nothing left to train: the newest whole checkpoint of this command, {found}, is the last save of a"
+            f" run that trained to its end ({finished / SUMMARY_NAME}); pass ckpt_path={found} with a larger"
+            " trainer.max_steps to train on from it, or resume=false to start afresh", read_summary(finished))
+    if found is None:
+        nothing = (f"no complete checkpoint in {output_dir}" if cfg.resume == RESUME_OWN_DIR
+                   else "no earlier complete checkpoint of this command")
+        log.info(
+            said + nothing + (f" (passed over {len(passed)}, named above)" if passed else "") + "; starting afresh"
+        )
+    elif Path(found).parent.parent != output_dir:
+        log.info(f"{said}resuming from {found}: an earlier run's, in {Path(found).parent.parent} ({output_dir} has no"
+                 " checkpoint of its own)")
+    else:
+        log.info(f"{said}resuming from {found}")
+    os.environ[RESUME_ENV] = found or ""
+    return found
