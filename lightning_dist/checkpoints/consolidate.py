@@ -15,6 +15,7 @@ import contextlib
 import io
 import os
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 from lightning_dist._compat.deepspeed import merge_zero_partitions
 from lightning_dist._compat.lightning import WRAPPED_MODULE_PREFIX
 from lightning_dist.checkpoints.contents import autotp_refusal, autotp_size
-from lightning_dist.checkpoints.formats import DEEPSPEED, FILE, CheckpointError, deepspeed_tag_dir
+from lightning_dist.checkpoints.formats import DEEPSPEED, FILE, CheckpointError, command_exit, deepspeed_tag_dir
 from lightning_dist.checkpoints.safe_load import load_file
 from lightning_dist.checkpoints.save_id import SAVE_ID
 from lightning_dist.checkpoints.source import CheckpointSource
@@ -177,13 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="load pickled objects other than tensors and plain data (runs code the file names)")
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # consolidation runs on the host; DeepSpeed need not look for one
-    try:
-        output = consolidate_checkpoint(args.checkpoint, args.output, trusted=args.trust_checkpoint)
-    except CheckpointError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(f"Consolidated {args.checkpoint} -> {output}")
-    return 0
+    make = partial(consolidate_checkpoint, args.checkpoint, args.output, trusted=args.trust_checkpoint)
+    return command_exit(make, f"Consolidated {args.checkpoint} -> ")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 FILE = "file"                # torch.save'd dict: DDP, or anything consolidated
@@ -12,6 +14,18 @@ LIGHTNING_METADATA = "meta.pt"  # what Lightning's ModelParallelStrategy writes 
 
 class CheckpointError(ValueError):
     """A checkpoint path that does not hold what was expected; the message says what would."""
+
+
+def command_exit(make: Callable[[], Path], done: str) -> int:
+    """A checkpoint command's end (`python -m ...`): `done` and what `make` made, exit 0; or its one-line refusal on
+    stderr, exit 2."""
+    try:
+        output = make()
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"{done}{output}")
+    return 0
 
 
 def is_deepspeed_dir(path: Path) -> bool:

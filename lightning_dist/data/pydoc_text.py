@@ -48,14 +48,8 @@ class PydocTextDataModule(L.LightningDataModule):
     sample, at any world size (sample_position.py).
     """
 
-    def __init__(
-        self,
-        block_size: int = 128,
-        batch_size: int = 16,
-        val_fraction: float = 0.05,
-        test_fraction: float = 0.05,
-        num_workers: int = 0,
-    ) -> None:
+    def __init__(self, block_size: int = 128, batch_size: int = 16, val_fraction: float = 0.05,
+                 test_fraction: float = 0.05, num_workers: int = 0) -> None:
         super().__init__()
         if not 0 < val_fraction + test_fraction < 1:
             raise ValueError(

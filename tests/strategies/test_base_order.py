@@ -16,12 +16,13 @@ BASE = ["lightning_dist.strategies.base.StrategyBase",
         "lightning_dist.checkpoints.swap.SwappedSaves",
         "lightning_dist.checkpoints.logged_steps.LogsGlobalSteps",
         "lightning_dist.parallel.sharded_init.ForgetsUnbuiltModel"]
+TORCH_REPLAY = "lightning_dist.strategies.torch.replay.ReplayedOnTorch"  # the dry run's replay of DDP and FSDP2
 LIGHTNING = ["lightning.pytorch.strategies.parallel.ParallelStrategy", "lightning.pytorch.strategies.strategy.Strategy",
              "abc.ABC", "builtins.object"]
 ORDERS = {
-    "DDPStrategy": ["lightning_dist.strategies.torch.ddp.DDPStrategy", *BASE,
+    "DDPStrategy": ["lightning_dist.strategies.torch.ddp.DDPStrategy", TORCH_REPLAY, *BASE,
                     "lightning.pytorch.strategies.ddp.DDPStrategy", *LIGHTNING],
-    "FSDPStrategy": ["lightning_dist.strategies.torch.fsdp.FSDPStrategy", *BASE,
+    "FSDPStrategy": ["lightning_dist.strategies.torch.fsdp.FSDPStrategy", TORCH_REPLAY, *BASE,
                      "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy", *LIGHTNING],
     "DeepSpeedStrategy": ["lightning_dist.strategies.deepspeed.strategy.DeepSpeedStrategy", *BASE,
                           "lightning.pytorch.strategies.deepspeed.DeepSpeedStrategy",

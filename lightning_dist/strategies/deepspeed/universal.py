@@ -14,13 +14,16 @@ import shutil
 import subprocess
 import sys
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
 from lightning_dist._compat.deepspeed import universal_checkpoint_loading
-from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError, checkpoint_format, deepspeed_tag_dir
+from lightning_dist.checkpoints.formats import (
+    DEEPSPEED, CheckpointError, checkpoint_format, command_exit, deepspeed_tag_dir,
+)
 from lightning_dist.checkpoints.ranks import Ranks
 from lightning_dist.checkpoints.safe_load import load_file
 
@@ -106,13 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("checkpoint", type=Path, help="a DeepSpeed checkpoint directory (with a 'latest' file)")
     args = parser.parse_args(argv)
-    try:
-        output = ensure_universal(args.checkpoint)
-    except CheckpointError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(f"Universal checkpoint: {output}")
-    return 0
+    return command_exit(partial(ensure_universal, args.checkpoint), "Universal checkpoint: ")
 
 
 if __name__ == "__main__":

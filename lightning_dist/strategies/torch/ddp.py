@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
 from torch import nn
@@ -16,12 +16,10 @@ from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer
 from lightning_dist.memory.layout import Layout
 from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.strategies.base import StrategyBase
-
-if TYPE_CHECKING:
-    from lightning_dist.dry_run.ranks import RankView
+from lightning_dist.strategies.torch.replay import ReplayedOnTorch
 
 
-class DDPStrategy(StrategyBase, _LightningDDPStrategy):
+class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
     """Data-parallel training; registered as `ld_ddp` so it sits beside our FSDP and DeepSpeed presets.
 
     Lightning's DDP already runs on CPU. What this adds: gradients that live in DDP's buckets (one copy, not two),
@@ -71,13 +69,6 @@ class DDPStrategy(StrategyBase, _LightningDDPStrategy):
     def parallel_dims(self) -> ParallelDims:
         """Every rank holds the whole model: the data-parallel state is replicated."""
         return ParallelDims(dp_replicate=self.world_size)
-
-    @override
-    def dry_run_rank(self, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int, num_nodes: int,
-                     rank: int, device_type: str) -> RankView:
-        from lightning_dist.strategies.torch.dry_run import rank_view  # fake tensors, trackers: a dry run only
-
-        return rank_view(self, build, batch, precision, devices, num_nodes, rank, device_type, sharded=False)
 
     @override
     def setup_environment(self) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -39,15 +39,13 @@ from lightning_dist.parallel.tensor_parallel import (
 from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
 from lightning_dist.parallel.precision import PrecisionSupport
 from lightning_dist.strategies.base import StrategyBase
-
-if TYPE_CHECKING:
-    from lightning_dist.dry_run.ranks import RankView
+from lightning_dist.strategies.torch.replay import ReplayedOnTorch
 
 # LightningModule methods that run the model without going through `forward`.
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-class FSDPStrategy(StrategyBase, ModelParallelStrategy):
+class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
     """Fully Sharded Data Parallel (FSDP2) on CPU (gloo) or CUDA (nccl).
 
     Args:
@@ -151,13 +149,6 @@ class FSDPStrategy(StrategyBase, ModelParallelStrategy):
         return self.cpu_offload
 
     @override
-    def dry_run_rank(self, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int, num_nodes: int,
-                     rank: int, device_type: str) -> RankView:
-        from lightning_dist.strategies.torch.dry_run import rank_view  # fake tensors, trackers: a dry run only
-
-        return rank_view(self, build, batch, precision, devices, num_nodes, rank, device_type, sharded=True)
-
-    @override
     def setup_environment(self) -> None:
         # Lightning's own set-up (the accelerator's device), then the process group and the mesh of our dimensions.
         # ModelParallelStrategy's set-up would size its data x tensor mesh by its own `data_parallel_size` and
@@ -175,6 +166,7 @@ class FSDPStrategy(StrategyBase, ModelParallelStrategy):
 
     # `train.py` and `trainer.init_module()` build the model without weights under this strategy.
     initializes_shards = True
+    dry_run_shards = True
 
     @contextmanager
     @override
