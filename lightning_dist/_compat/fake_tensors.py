@@ -98,8 +98,9 @@ def object_collectives_kept_local() -> Iterator[None]:
     """Within: the collectives of picklable objects answer with this rank's own object (as if every rank had sent
     it), where over torch's fake process group nothing arrives to unpickle. Lightning broadcasts its log directory
     and checkpoint paths so; our callbacks gather their figures."""
-    import torch.distributed as dist
     from unittest import mock
+
+    import torch.distributed as dist
 
     def broadcast_object_list(object_list: list, *args: Any, **kwargs: Any) -> None:
         return None  # the list holds this rank's objects, as rank 0's would arrive
@@ -177,9 +178,10 @@ def ddp_on_fake_tensors() -> Iterator[None]:
     here), timing each step with a CUDA timer (a build without CUDA has none), and reordering its buckets after the
     first step from an index tensor (the same bytes, in the order gradients came). Each DDP made here all-reduces
     its buckets through a hook of its own (`_all_reduce_bucket`)."""
+    from unittest import mock
+
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-    from unittest import mock
 
     construct = DistributedDataParallel.__init__
 

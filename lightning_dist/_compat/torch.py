@@ -12,7 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    _CHECKPOINT_WRAPPED_MODULE, CheckpointWrapper, checkpoint_wrapper,
+    _CHECKPOINT_WRAPPED_MODULE,
+    CheckpointWrapper,
+    checkpoint_wrapper,
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -15,11 +15,11 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from lightning_dist.reports.flops import Utilisation
 from lightning_dist.memory.measure import model_state_bytes
 from lightning_dist.parallel.devices import gather_numbers, gather_objects
 from lightning_dist.parallel.dims import parallel_dims_of
 from lightning_dist.parallel.placement import offload_targets, placement_report
+from lightning_dist.reports.flops import Utilisation
 
 
 class RunSummary(L.Callback):

@@ -16,9 +16,9 @@ from typing_extensions import override
 from lightning_dist._compat.lightning import logs_this_step
 from lightning_dist.callbacks.finite_watch import FiniteWatch, NonFiniteError
 from lightning_dist.callbacks.run_summary import input_shape, peak_memory, throughput
-from lightning_dist.reports.flops import ModelFlops, Utilisation, device_peak_flops
 from lightning_dist.parallel.dims import parallel_dims_of
 from lightning_dist.parallel.grad_norm import total_norm
+from lightning_dist.reports.flops import ModelFlops, Utilisation, device_peak_flops
 
 __all__ = ["NonFiniteError", "TrainingMonitor"]
 

@@ -24,7 +24,6 @@ from lightning_dist.checkpoints.swap import SaveFailed, SaveFailedElsewhere, cle
 from lightning_dist.parallel.devices import gather_objects
 
 
-
 class BackgroundWriter:
     """This process's writer thread, and the saves it has not finished, by final path."""
 

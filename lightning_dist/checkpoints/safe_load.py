@@ -20,7 +20,12 @@ import torch
 
 from lightning_dist._compat.torch import DCP_METADATA_GLOBALS
 from lightning_dist.checkpoints.formats import (
-    DEEPSPEED, DISTRIBUTED, CheckpointError, checkpoint_format, deepspeed_tag_dir, is_deepspeed_dir,
+    DEEPSPEED,
+    DISTRIBUTED,
+    CheckpointError,
+    checkpoint_format,
+    deepspeed_tag_dir,
+    is_deepspeed_dir,
 )
 
 OPT_IN = (

@@ -13,7 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from lightning_dist.checkpoints.formats import (
-    LIGHTNING_METADATA, CheckpointError, check_complete, deepspeed_tag_dir, is_complete, is_deepspeed_dir,
+    LIGHTNING_METADATA,
+    CheckpointError,
+    check_complete,
+    deepspeed_tag_dir,
+    is_complete,
+    is_deepspeed_dir,
     is_distributed_dir,
 )
 from lightning_dist.checkpoints.manifest import has_manifest, manifest_problem, zip_problem

@@ -35,11 +35,16 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_dist._compat.lightning import checkpoint_contents
 from lightning_dist._compat.fake_tensors import (
-    data_loaded_outside_fake_tensors, ddp_on_fake_tensors, fake_devices, fake_process_group, made_fake_in_place,
-    object_collectives_kept_local, outside_fake_tensors,
+    data_loaded_outside_fake_tensors,
+    ddp_on_fake_tensors,
+    fake_devices,
+    fake_process_group,
+    made_fake_in_place,
+    object_collectives_kept_local,
+    outside_fake_tensors,
 )
+from lightning_dist._compat.lightning import checkpoint_contents
 from lightning_dist._compat.torch import tree_map
 from lightning_dist.callbacks.finite_watch import FiniteWatch
 from lightning_dist.dry_run.ranks import FakeRankEnvironment

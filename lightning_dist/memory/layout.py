@@ -13,6 +13,7 @@ from typing import Any
 from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
 from lightning_dist.parallel.dims import ParallelDims
 
+
 @dataclass(frozen=True)
 class Layout:
     name: str

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from lightning_dist._compat.torch import TorchDispatchMode, storage_identity, storage_owner, tree_map
-from lightning_dist.memory.hidden_size import hidden_size_of
 from lightning_dist.memory.attention_kernel import fused_attention
+from lightning_dist.memory.hidden_size import hidden_size_of
 from lightning_dist.parallel.activation_checkpoint import KEPT_OPS, CheckpointPlan
 from lightning_dist.parallel.classes import block_modules
 

@@ -15,7 +15,11 @@ from typing import Any
 from torch import nn
 
 from lightning_dist._compat.torch import (
-    CheckpointWrapper, compilation_events, inductor_cache_dir, is_compiled, wrapped_module,
+    CheckpointWrapper,
+    compilation_events,
+    inductor_cache_dir,
+    is_compiled,
+    wrapped_module,
 )
 from lightning_dist.parallel.classes import BlockClasses
 

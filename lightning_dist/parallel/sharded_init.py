@@ -28,7 +28,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_dist._compat.torch import (
-    WRAPPER_MODULE_NAMES, own_parameters, parameter_initialiser, parameter_registration,
+    WRAPPER_MODULE_NAMES,
+    own_parameters,
+    parameter_initialiser,
+    parameter_registration,
 )
 
 # What to keep of an initialised full tensor (on the CPU, in the parameter's dtype): a shard, a partition, all.

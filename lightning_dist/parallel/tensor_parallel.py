@@ -28,7 +28,6 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-
 STYLES = ("colwise", "rowwise")
 TensorParallelPlan = dict[str, str]
 

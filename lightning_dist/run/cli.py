@@ -17,9 +17,9 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
+from lightning_dist.lifecycle.exits import exit_with
 from lightning_dist.run.config_check import CONF_DIR, ConfigError, check_launcher, check_overrides
 from lightning_dist.run.config_values import check_values
-from lightning_dist.lifecycle.exits import exit_with
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")

@@ -15,8 +15,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lightning_dist.run.config_check import ConfigError
 from lightning_dist.parallel.dims import check_sharding_sizes, sharding_layout
+from lightning_dist.run.config_check import ConfigError
 from lightning_dist.strategies.refusals import deepspeed_refusal
 
 _ABSENT = object()

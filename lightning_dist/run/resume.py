@@ -13,7 +13,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_dist.checkpoints.autoresume import (
-    RESUME_OWN_DIR, finished_run, newest_complete_checkpoint, newest_whole_checkpoint_in,
+    RESUME_OWN_DIR,
+    finished_run,
+    newest_complete_checkpoint,
+    newest_whole_checkpoint_in,
 )
 from lightning_dist.checkpoints.contents import another_model
 from lightning_dist.checkpoints.formats import CheckpointError

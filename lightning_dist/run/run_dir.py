@@ -30,10 +30,10 @@ from typing import IO, Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from lightning_dist.run.config_check import ConfigError
 from lightning_dist.lifecycle.exits import exit_with
-from lightning_dist.run.per_rank import config_subdir, launcher_ranks, log_suffix
 from lightning_dist.lifecycle.writable import unwritable_because
+from lightning_dist.run.config_check import ConfigError
+from lightning_dist.run.per_rank import config_subdir, launcher_ranks, log_suffix
 
 CLAIM_FILE = ".run.lock"
 # The directory this process claimed, for the processes it starts (Lightning's ranks, a sweep job's process).

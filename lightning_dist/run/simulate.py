@@ -11,10 +11,10 @@ from lightning_dist._compat.fake_cuda import FakeCudaRunFailed
 from lightning_dist.dry_run import RankView, can_dry_run, dry_run_configured, dry_run_devices
 from lightning_dist.dry_run import table as dry_run_table
 from lightning_dist.memory import MemoryPlan, layout_of, plan_memory
-from lightning_dist.run.preset_table import compare_presets
 from lightning_dist.parallel.device_check import DeviceMismatch
 from lightning_dist.run.compose import CONFIG_MISTAKES, compose, config_error, device_count, module_config
 from lightning_dist.run.config_check import ConfigError
+from lightning_dist.run.preset_table import compare_presets
 
 
 def plan(cfg: DictConfig) -> MemoryPlan:

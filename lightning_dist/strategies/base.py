@@ -31,9 +31,9 @@ from lightning_dist.lifecycle.collective_timeout import forming_process_group
 from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
 from lightning_dist.parallel.block_options import BlockOptions
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
+from lightning_dist.parallel.precision import PrecisionSupport
 from lightning_dist.parallel.regional_compile import ReportsCompilation
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel
-from lightning_dist.parallel.precision import PrecisionSupport
 from lightning_dist.strategies.launcher import guarded
 
 if TYPE_CHECKING:

@@ -15,10 +15,13 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_dist._compat.lightning import (
-    Launcher, MultiProcessingLauncher, SubprocessScriptLauncher, WorkerOutput, end_job_as_its_failed_rank,
+    Launcher,
+    MultiProcessingLauncher,
+    SubprocessScriptLauncher,
+    WorkerOutput,
+    end_job_as_its_failed_rank,
 )
 from lightning_dist.lifecycle.stop_signals import end_now, passing_signals_to, stopped
-
 
 # How long the ranks this process started get to leave on their own after it stopped early: they see the same
 # error, preemption or NaN at the same step and exit within seconds unless stuck. What they must finish (a save, the

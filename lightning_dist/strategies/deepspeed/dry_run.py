@@ -30,24 +30,34 @@ import torch
 from torch import nn
 
 from lightning_dist._compat.deepspeed import (
-    after_bucket_setup, after_each_gather, over_a_fake_process_group, zero3_gradient_partitions, zero3_partitions,
+    after_bucket_setup,
+    after_each_gather,
+    over_a_fake_process_group,
+    zero3_gradient_partitions,
+    zero3_partitions,
     zero3_persistent,
 )
-from lightning_dist._compat.lightning import deepspeed_engine, training_step_in_wrapper
 from lightning_dist._compat.fake_tensors import (
-    fake_parameters_converted_in_place, fake_pinned_memory, fake_process_group, fake_scalars, fake_tensors,
-    memory_categories, storage_categorized_tracker, tensors_from_data_made_on_the_host,
+    fake_parameters_converted_in_place,
+    fake_pinned_memory,
+    fake_process_group,
+    fake_scalars,
+    fake_tensors,
+    memory_categories,
+    storage_categorized_tracker,
+    tensors_from_data_made_on_the_host,
 )
+from lightning_dist._compat.lightning import deepspeed_engine, training_step_in_wrapper
 from lightning_dist._compat.torch import tree_map
-from lightning_dist.strategies.deepspeed.config.for_run import config_in_effect
 from lightning_dist.dry_run.optimizer import configured_optimizer
 from lightning_dist.dry_run.ranks import RankView, as_rank, shards_of
 from lightning_dist.memory.attention_kernel import fused_attention
 from lightning_dist.parallel.device_check import OneDevicePerRank, collective_devices
 from lightning_dist.parallel.devices import process_group_backend
 from lightning_dist.parallel.sharded_init import parameters_on_meta
-from lightning_dist.strategies.deepspeed.zero3_runtime import prepare_zero3_runtime
+from lightning_dist.strategies.deepspeed.config.for_run import config_in_effect
 from lightning_dist.strategies.deepspeed.engine import use_deepspeed_accelerator
+from lightning_dist.strategies.deepspeed.zero3_runtime import prepare_zero3_runtime
 
 # What torch says about DeepSpeed's code on fake tensors, once per call site: it checks a partition's alignment by
 # its data pointer (fake tensors have none), and calls collectives by names torch deprecates.

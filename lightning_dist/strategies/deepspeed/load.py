@@ -21,8 +21,8 @@ from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.checkpoints.ranks import DeepSpeedRanks, Ranks
 from lightning_dist.checkpoints.resume import OPTIMIZER_KEYS, load_for_resume, optimizer_state_by_name
 from lightning_dist.checkpoints.source import CheckpointSource
-from lightning_dist.strategies.deepspeed.universal import convert_on_rank_zero, loading_universal, saved_run
 from lightning_dist.strategies.deepspeed.config.zero import ZeroSection
+from lightning_dist.strategies.deepspeed.universal import convert_on_rank_zero, loading_universal, saved_run
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 

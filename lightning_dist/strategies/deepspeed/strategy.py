@@ -16,30 +16,31 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
-from lightning.pytorch.strategies import DDPStrategy, Strategy, DeepSpeedStrategy as _LightningDeepSpeedStrategy
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpeedStrategy
 from torch import nn
 from typing_extensions import override
 
 from lightning_dist._compat.deepspeed import zero3_partitions
 from lightning_dist._compat.lightning import validate_cuda_device_indices
-from lightning_dist.strategies.deepspeed.load import load_deepspeed_checkpoint
 from lightning_dist.checkpoints.resume import group_names
+from lightning_dist.memory.layout import Layout
+from lightning_dist.parallel.dims import ParallelDims
+from lightning_dist.parallel.module_state import move_module_state
+from lightning_dist.parallel.precision import PrecisionSupport
+from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
+from lightning_dist.strategies.base import StrategyBase
+from lightning_dist.strategies.deepspeed.autotp import check_tensor_parallel_inputs, initialize_inference_engine
 from lightning_dist.strategies.deepspeed.config.for_run import Resolution, RunConfig, config_in_effect
 from lightning_dist.strategies.deepspeed.config.preflight import check_before_launch
 from lightning_dist.strategies.deepspeed.config.zero import OPTIMIZER_TILE, ZeroSection
-from lightning_dist.memory.layout import Layout
-from lightning_dist.strategies.deepspeed.offload import optimizer_for_offload
-from lightning_dist.strategies.deepspeed.autotp import check_tensor_parallel_inputs, initialize_inference_engine
 from lightning_dist.strategies.deepspeed.deferred_compile import import_muon_with_deferred_compilation
-from lightning_dist.parallel.dims import ParallelDims
-from lightning_dist.parallel.module_state import move_module_state
-from lightning_dist.strategies.deepspeed.outermost_forward import run_root_hooks_once_per_forward
-from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
-from lightning_dist.strategies.deepspeed.zero3_runtime import prepare_zero3_runtime
-from lightning_dist.strategies.deepspeed.layout import zero_layout
 from lightning_dist.strategies.deepspeed.engine import initialize_deferred_parameters, use_deepspeed_accelerator
-from lightning_dist.parallel.precision import PrecisionSupport
-from lightning_dist.strategies.base import StrategyBase
+from lightning_dist.strategies.deepspeed.layout import zero_layout
+from lightning_dist.strategies.deepspeed.load import load_deepspeed_checkpoint
+from lightning_dist.strategies.deepspeed.offload import optimizer_for_offload
+from lightning_dist.strategies.deepspeed.outermost_forward import run_root_hooks_once_per_forward
+from lightning_dist.strategies.deepspeed.zero3_runtime import prepare_zero3_runtime
 from lightning_dist.strategies.refusals import deepspeed_refusal
 
 if TYPE_CHECKING:

@@ -22,7 +22,11 @@ import torch
 
 from lightning_dist._compat.deepspeed import universal_checkpoint_loading
 from lightning_dist.checkpoints.formats import (
-    DEEPSPEED, CheckpointError, checkpoint_format, command_exit, deepspeed_tag_dir,
+    DEEPSPEED,
+    CheckpointError,
+    checkpoint_format,
+    command_exit,
+    deepspeed_tag_dir,
 )
 from lightning_dist.checkpoints.ranks import Ranks
 from lightning_dist.checkpoints.safe_load import load_file

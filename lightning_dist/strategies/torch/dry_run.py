@@ -14,8 +14,14 @@ import torch
 from torch import nn
 
 from lightning_dist._compat.fake_tensors import (
-    ddp_on_fake_tensors, fake_pinned_memory, fake_process_group, fake_tensors, fsdp_memory_tracker,
-    memory_categories, meshes_built_outside_fake_tensors, module_memory_tracker,
+    ddp_on_fake_tensors,
+    fake_pinned_memory,
+    fake_process_group,
+    fake_tensors,
+    fsdp_memory_tracker,
+    memory_categories,
+    meshes_built_outside_fake_tensors,
+    module_memory_tracker,
 )
 from lightning_dist._compat.lightning import training_step_in_wrapper, wrapped_by_strategy
 from lightning_dist._compat.torch import tree_map

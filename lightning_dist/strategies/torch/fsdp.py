@@ -26,19 +26,25 @@ from lightning_dist.checkpoints.swap import write_then_swap
 from lightning_dist.memory.layout import Layout
 from lightning_dist.optim import require_shardable_optimizer
 from lightning_dist.parallel.classes import BlockClasses
-from lightning_dist.parallel.dims import sharding_layout
-from lightning_dist.strategies.torch.fully_shard import (
-    apply_fully_shard, materialize_shards, mixed_precision_policy, offload_policy, shard_device,
-)
-from lightning_dist.parallel.module_state import move_module_state
-from lightning_dist.parallel.dims import TENSOR_PARALLEL, ParallelDims, check_sharding_sizes
+from lightning_dist.parallel.dims import TENSOR_PARALLEL, ParallelDims, check_sharding_sizes, sharding_layout
 from lightning_dist.parallel.grad_norm import clip_grad_norm_
-from lightning_dist.parallel.tensor_parallel import (
-    TensorParallelPlan, apply_tensor_parallel, check_plan, resolve_plan,
-)
-from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
+from lightning_dist.parallel.module_state import move_module_state
 from lightning_dist.parallel.precision import PrecisionSupport
+from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
+from lightning_dist.parallel.tensor_parallel import (
+    TensorParallelPlan,
+    apply_tensor_parallel,
+    check_plan,
+    resolve_plan,
+)
 from lightning_dist.strategies.base import StrategyBase
+from lightning_dist.strategies.torch.fully_shard import (
+    apply_fully_shard,
+    materialize_shards,
+    mixed_precision_policy,
+    offload_policy,
+    shard_device,
+)
 from lightning_dist.strategies.torch.replay import ReplayedOnTorch
 
 # LightningModule methods that run the model without going through `forward`.

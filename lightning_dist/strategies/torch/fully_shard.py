@@ -19,9 +19,14 @@ from torch.distributed.fsdp import (
 )
 
 from lightning_dist._compat.torch import (
-    CheckpointWrapper, apply_to_tensors, local_shard_region, reopen_fsdp_forward, wrapped_module,
+    CheckpointWrapper,
+    apply_to_tensors,
+    local_shard_region,
+    reopen_fsdp_forward,
+    wrapped_module,
 )
 from lightning_dist.parallel.sharded_init import initialize_parameters
+
 
 def offload_policy(cpu_offload: bool, device: torch.device) -> OffloadPolicy:
     # Pinned host memory only speeds up copies to an accelerator; on a CPU-only machine pinning itself fails.

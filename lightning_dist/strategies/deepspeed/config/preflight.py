@@ -6,8 +6,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_dist.strategies.deepspeed.config.zero import ZeroSection
 from lightning_dist.lifecycle.writable import unwritable_because
+from lightning_dist.strategies.deepspeed.config.zero import ZeroSection
 
 # DeepSpeed's native ops for offload, JIT-compiled on first use, and what makes them buildable.
 INSTALL_HINTS = {
