@@ -1,6 +1,7 @@
 """The package's layers, read from the source with `ast` (imports inside functions included): no two modules import
-each other, however far round; the edge (lightning_dist/run/) is imported by nothing below it; the process lifecycle
-(lightning_dist/lifecycle/) and the fence (lightning_dist/_compat/) import nothing above them."""
+each other, however far round, and no import goes up a layer. From the top: the edge (the run, its command line and
+the names kept for old configs), the strategies with their engine slices, the floors that name no engine, the process
+lifecycle, and the fence round the libraries (lightning_dist/_compat/)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ from pathlib import Path
 from tests.conftest import REPO
 
 PACKAGE = REPO / "lightning_dist"
-# What may import the edge: the edge itself, and the names configs written before it kept (launch/run_dir.py).
-ABOVE_THE_EDGE = ("run", "launch")
-# Each floor, and the floors it may import (besides itself).
-FLOORS_BELOW = {"lifecycle": ("_compat",), "_compat": ()}
+# Top to bottom; a module imports its own layer's modules and those of the layers below, never one above.
+LAYERS = (
+    ("the edge", ("(root)", "run", "launch")),  # launch/: the names configs written before run/ existed kept
+    ("the strategies", ("strategies",)),
+    ("the floors", ("dry_run", "callbacks", "data", "models", "optim", "reports", "parallel", "memory", "checkpoints")),
+    ("the lifecycle", ("lifecycle",)),
+    ("the fence", ("_compat",)),
+)
 
 
 def module_name(path: Path, package: Path = PACKAGE) -> str:
@@ -82,18 +87,23 @@ def test_no_modules_import_each_other():
     assert circles(import_graph()) == []
 
 
-def test_nothing_below_the_edge_imports_it():
-    graph = import_graph()
-    upward = sorted(f"{module} -> {other}" for module, imported in graph.items() for other in imported
-                    if floor(other) == "run" and floor(module) not in ABOVE_THE_EDGE)
-    assert upward == []
+def layer(floor_name: str) -> int:
+    return next(depth for depth, (_, floors) in enumerate(LAYERS) if floor_name in floors)
 
 
-def test_the_lifecycle_and_the_fence_import_nothing_above_them():
-    graph = import_graph()
-    upward = sorted(f"{module} -> {other}" for module, imported in graph.items() for other in imported
-                    if floor(module) in FLOORS_BELOW and floor(other) not in (floor(module), *FLOORS_BELOW[floor(module)]))
-    assert upward == []
+def arrows_up(graph: dict[str, set[str]], floor_of=floor) -> list[str]:
+    """Each import of a module in a layer above the importing one's."""
+    return sorted(f"{module} -> {other} ({LAYERS[layer(floor_of(other))][0]})" for module, imported in graph.items()
+                  for other in imported if layer(floor_of(other)) < layer(floor_of(module)))
+
+
+def test_every_folder_of_the_package_is_in_a_layer():
+    folders = {path.name for path in PACKAGE.iterdir() if path.is_dir() and any(path.rglob("*.py"))} | {"(root)"}
+    assert folders == {name for _, floors in LAYERS for name in floors}
+
+
+def test_no_import_goes_up_a_layer():
+    assert arrows_up(import_graph()) == []
 
 
 def test_the_checks_see_a_circle_through_a_lazy_import_and_an_arrow_up(tmp_path):
@@ -107,6 +117,9 @@ def test_the_checks_see_a_circle_through_a_lazy_import_and_an_arrow_up(tmp_path)
     assert graph == {"toy": set(), "toy.lifecycle": set(), "toy.lifecycle.exits": {"toy.job"},
                      "toy.job": {"toy.lifecycle.exits"}}
     assert circles(graph) == [["toy.job", "toy.lifecycle.exits"]]
+    assert arrows_up(graph, floor_of=lambda module: "lifecycle" if "lifecycle" in module else "(root)") == [
+        "toy.lifecycle.exits -> toy.job (the edge)"
+    ]
 
 
 def test_the_package_root_holds_at_most_8_modules():
@@ -154,3 +167,40 @@ def test_the_planner_and_the_dry_run_ask_a_strategy_and_never_switch_on_its_type
     source = ("if isinstance(strategy, (DDPStrategy, strategies.FSDPStrategy)): pass\n"
               "shards = hasattr(strategy, 'parallelize')\nbatch = isinstance(batch, dict)\n")
     assert [line.split(":")[0] for line in type_switches(source)] == ["1", "2"]
+
+
+# The engines the strategies' slices hold. Below them, no module imports an engine or names an engine's type; DeepSpeed's
+# checkpoint files are read with `zero_to_fp32`, the converter DeepSpeed ships (and copies into every checkpoint) to
+# read them without an engine, or through the fence.
+ENGINE_PACKAGES = ("deepspeed", "torch.distributed.fsdp")
+ENGINE_FREE_READERS = ("deepspeed.utils.zero_to_fp32",)
+ENGINE_TYPES = {"DeepSpeedEngine", "DeepSpeedStrategy", "DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3",
+                "FSDPModule", "FullyShardedDataParallel", "FSDPStrategy", "fully_shard"}
+
+
+def engine_names(source: str) -> list[str]:
+    """Each import of an engine's package, and each use of an engine's type, in `source`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        modules = []
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            modules = [node.module]
+        named = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        if any(module.startswith(ENGINE_PACKAGES) and not module.startswith(ENGINE_FREE_READERS) for module in modules):
+            found.append(f"{node.lineno}: import {', '.join(modules)}")
+        elif named in ENGINE_TYPES:
+            found.append(f"{node.lineno}: {named}")
+    return found
+
+
+def test_nothing_below_the_strategies_imports_an_engine_or_names_its_types():
+    below = [floor_name for _, floors in LAYERS[2:-1] for floor_name in floors]  # the floors and the lifecycle
+    naming = {str(path.relative_to(REPO)): found for folder in below
+              for path in sorted((PACKAGE / folder).rglob("*.py")) if (found := engine_names(path.read_text()))}
+    assert naming == {}
+    source = ("import deepspeed\nfrom torch.distributed.fsdp import FSDPModule\n"
+              "from deepspeed.utils.zero_to_fp32 import get_model_state_files\n"
+              "def f(engine):\n    return isinstance(engine, deepspeed.DeepSpeedEngine)\n")
+    assert [line.split(":")[0] for line in engine_names(source)] == ["1", "2", "5"]

@@ -57,6 +57,12 @@ FENCED = [
     # Builds the shared-memory comm op as the comm backend starts (skip_shared_memory_comm_op below).
     Fenced("deepspeed.comm.torch", "build_shm_op", ()),
     Fenced("deepspeed.comm.torch", "TorchBackend.inference_all_reduce", ("self", "tensor", "op", "group")),
+    # The classes a ZeRO checkpoint pickles besides tensors (zero_checkpoint_globals below).
+    Fenced("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    Fenced("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    Fenced("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    Fenced("deepspeed.utils.tensor_fragment", "fragment_address"),
+    Fenced("deepspeed.runtime.zero.partition_parameters", "GatheredParameters"),
 ]
 
 
@@ -70,6 +76,24 @@ def skip_shared_memory_comm_op() -> None:
 
     # Not `import deepspeed.comm.torch`: that name is torch itself, which deepspeed.comm imports under it.
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+def zero_checkpoint_globals() -> list[Any]:
+    """What DeepSpeed's ZeRO optimizer states pickle besides tensors: plain record and enum classes."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextmanager
+def zero3_gathered(parameters: list[torch.nn.Parameter]) -> Iterator[None]:
+    """Within: ZeRO-3's partitioned `parameters` whole on every rank (read only: nothing is written back)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(parameters, modifier_rank=None):
+        yield
 
 
 def merge_zero_partitions(

@@ -79,7 +79,9 @@ def shim_library(devices: int) -> Path:
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         raise FakeCudaUnavailable("no C++ compiler (g++ or $CXX) to build the device shim")
-    torch_dir = Path(importlib.util.find_spec("torch").submodule_search_locations[0])
+    spec = importlib.util.find_spec("torch")  # found, not imported: the shim must load before it
+    assert spec is not None and spec.submodule_search_locations is not None
+    torch_dir = Path(spec.submodule_search_locations[0])
     digest = hashlib.sha256(SOURCE.read_bytes() + version.encode()).hexdigest()[:16]
     library = _cache_dir() / f"libfake_cuda-{digest}.so"
     if library.exists():

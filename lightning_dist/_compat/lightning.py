@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.connector import _convert_precision_to_unified_args
@@ -30,7 +30,17 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (
 
 from lightning_dist._compat.fenced import Fenced
 
+if TYPE_CHECKING:
+    # A mixin is checked as the Lightning strategy or module it will sit on; at run time it is a plain class, so the
+    # mixins' order among themselves is the only order (tests/strategies/test_base_order.py).
+    from lightning.pytorch import LightningModule as ModuleMixin
+    from lightning.pytorch.strategies import DDPStrategy as StrategyMixin
+else:
+    ModuleMixin = StrategyMixin = object
+
 __all__ = [
+    "ModuleMixin",
+    "StrategyMixin",
     "ContinuingCSVWriter",
     "Launcher",
     "checkpoint_contents",

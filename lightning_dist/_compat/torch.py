@@ -159,6 +159,27 @@ def fsdp_param_groups(unit: nn.Module) -> list[Any]:
     return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
 
 
+def fully_sharded_units(module: nn.Module) -> list[nn.Module]:
+    """The FSDP2 units in `module`: the modules `fully_shard` was applied to."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [unit for unit in module.modules() if isinstance(unit, FSDPModule)]
+
+
+def fully_sharded_parameters(module: nn.Module) -> list[Any]:
+    """FSDP2's per-parameter records (sharding, offload, mixed-precision dtypes) of every unit in `module`."""
+    return [record for unit in fully_sharded_units(module) for group in fsdp_param_groups(unit)
+            for record in group.fsdp_params]
+
+
+def class_before_fully_shard(module: nn.Module) -> type[nn.Module]:
+    """The class `module` was built as: `fully_shard` makes each unit an instance of a subclass of its own class."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    return next(base for base in cls.__bases__ if base is not FSDPModule) if isinstance(module, FSDPModule) else cls
+
+
 def flatten_mesh_dims(mesh: DeviceMesh, dims: Sequence[str], name: str) -> DeviceMesh:
     """Make `mesh[name]` the 1-D mesh of `dims` flattened (HSDP's replicate x shard as one data-parallel axis).
 

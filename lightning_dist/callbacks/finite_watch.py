@@ -64,11 +64,13 @@ class FiniteWatch:
         grad_step = _first(records, _GRAD_STEP)
         if loss_step is None and grad_step is None:
             return None
+        step: int
         if loss_step is not None and (grad_step is None or loss_step <= grad_step):
             losses = [record[_RECENT_LOSSES + loss_step % self.window] for record in records]
             what, step = f"loss (by rank: {', '.join(f'{value:.4g}' for value in losses)})", loss_step
             ranks = [rank for rank, record in enumerate(records) if record[_LOSS_STEP] == loss_step]
         else:
+            assert grad_step is not None
             what, step = f"gradient norm ({records[0][_GRAD_NORM]})", grad_step
             ranks = [rank for rank, record in enumerate(records) if record[_GRAD_STEP] == grad_step]
         message = f"non-finite {what} at global step {step} on rank(s) {', '.join(map(str, ranks))}"

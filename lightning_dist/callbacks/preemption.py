@@ -21,6 +21,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
@@ -88,9 +89,8 @@ class Preemption(L.Callback):
             _requeue_slurm_job()
         # Lightning's launcher watches the ranks it started and kills the whole job when one exits non-zero: those
         # leave quietly and rank 0 speaks for the job. Ranks a scheduler started each report the preemption.
-        launched_here = (
-            isinstance(trainer.strategy.cluster_environment, LightningEnvironment) and trainer.global_rank > 0
-        )
+        environment = getattr(trainer.strategy, "cluster_environment", None)
+        launched_here = isinstance(environment, LightningEnvironment) and trainer.global_rank > 0
         raise Preempted(message, code=0 if launched_here else PREEMPTED_EXIT_CODE)
 
     def _agreed(self, trainer: L.Trainer) -> bool:
@@ -103,7 +103,7 @@ class Preemption(L.Callback):
 
     def _save(self, trainer: L.Trainer) -> str:
         checkpoint = trainer.checkpoint_callback
-        if checkpoint is not None and checkpoint.dirpath:
+        if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath:
             path = checkpoint.format_checkpoint_name({}, checkpoint.CHECKPOINT_NAME_LAST)
         else:
             path = str(Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt")
@@ -111,7 +111,7 @@ class Preemption(L.Callback):
         wait_for_checkpoints = getattr(trainer.strategy, "wait_for_checkpoints", None)
         if wait_for_checkpoints is not None:  # checkpoint.async: the job ends next, so the write must be done first
             wait_for_checkpoints()
-        if checkpoint is not None:
+        if isinstance(checkpoint, ModelCheckpoint):
             checkpoint.last_model_path = path
         return path
 

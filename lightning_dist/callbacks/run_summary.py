@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_dist.memory.measure import model_state_bytes
 from lightning_dist.parallel.devices import gather_numbers, gather_objects
 from lightning_dist.parallel.dims import parallel_dims_of
-from lightning_dist.parallel.placement import offload_targets, placement_report
+from lightning_dist.parallel.placement import placement_report
 from lightning_dist.reports.flops import Utilisation
 
 
@@ -54,13 +54,16 @@ class RunSummary(L.Callback):
         self.step_times.append(time.perf_counter() - self._step_start)
         self.batches_on_this_rank += 1
         stepped = trainer.global_step != self._recorded_step  # the last micro-batch of an accumulated step
-        logging_step = trainer.log_every_n_steps and trainer.global_step % trainer.log_every_n_steps == 0
+        every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning's logger connector
+        logging_step = every and trainer.global_step % every == 0
         if stepped and (logging_step or trainer.should_stop):  # the loggers' cadence, and the last step
             self._record(trainer, trainer.global_step - 1, validation=False)
         self._recorded_step = trainer.global_step
         if self.batches_on_this_rank == 1:  # optimizer state exists from the first step on
             report = placement_report(pl_module, trainer.optimizers)
-            report["offload"] = offload_targets(trainer.strategy.model)
+            # Ours read it back from their engine; Lightning's own strategies are not asked.
+            offload_targets = getattr(trainer.strategy, "offload_targets", None)
+            report["offload"] = offload_targets() if offload_targets else {"optimizer": None, "parameters": None}
             self.summary["placement_per_rank"] = gather_objects(report)
 
     @override
@@ -128,9 +131,11 @@ class RunSummary(L.Callback):
         if not times:
             return {}
         step = statistics.median(times)
-        speed = {"median_step_time_s": step, **throughput(self.batch_shape or (1,), data_parallel_size, step)}
+        speed: dict[str, Any] = {"median_step_time_s": step}
+        speed.update(throughput(self.batch_shape or (1,), data_parallel_size, step))
         # The training monitor's terms (it counts the model before the strategy splits it, and knows the peak).
-        monitors = (getattr(callback, "utilisation", None) for callback in trainer.callbacks)
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+        monitors = (getattr(callback, "utilisation", None) for callback in callbacks)
         utilisation = next((u for u in monitors if isinstance(u, Utilisation)), None)
         if utilisation is not None and "tokens_per_s" in speed:
             speed.update(

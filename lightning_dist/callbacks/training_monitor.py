@@ -71,7 +71,7 @@ class TrainingMonitor(L.Callback):
         self._peak = device_peak_flops(trainer.strategy.root_device, str(trainer.precision), self.peak_tflops)
         if not self.check_finite:
             return
-        every = self.check_every_n_steps or trainer.log_every_n_steps or 1
+        every = self.check_every_n_steps or trainer.log_every_n_steps or 1  # type: ignore[attr-defined]
         names = [
             f"{name or type(module).__name__} ({type(module).__name__})" for name, module in pl_module.named_modules()
         ]
@@ -87,9 +87,12 @@ class TrainingMonitor(L.Callback):
         self._hooks.clear()
 
     def _output_check(self, trainer: L.Trainer, index: int):
+        watch = self._watch
+        assert watch is not None, "module outputs are checked while a watch is kept"
+
         def check(module: nn.Module, args: Any, output: Any) -> None:
             if trainer.training and isinstance(output, torch.Tensor) and output.is_floating_point():
-                self._watch.observe_module_output(index, output, trainer.global_step)
+                watch.observe_module_output(index, output, trainer.global_step)
         return check
 
     @override
@@ -172,7 +175,7 @@ class TrainingMonitor(L.Callback):
             self._check_if_due(step)
 
     def _check_if_due(self, step: int) -> None:
-        if (step + 1) % self._watch.window == 0:
+        if self._watch is not None and (step + 1) % self._watch.window == 0:
             self._watch.raise_if_nonfinite(step)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_dist._compat.lightning import StrategyMixin
 from lightning_dist.checkpoints.formats import LIGHTNING_METADATA
 from lightning_dist.checkpoints.save_id import SaveId, sharded_layout
 from lightning_dist.checkpoints.swap import SaveFailed, SaveFailedElsewhere, clear_partial, commit, discard
@@ -76,7 +77,7 @@ def stage(state: Any) -> Any:
         stager.close()
 
 
-class BackgroundSaves:
+class BackgroundSaves(StrategyMixin):
     """Strategy mixin (before SwappedSaves in the bases): with `self.async_checkpoint`, every save is staged in the
     step and written by the writer thread; the strategy says how its checkpoint is staged and written
     (`staged_write`). Without it, saves are SwappedSaves' synchronous ones."""
@@ -87,13 +88,13 @@ class BackgroundSaves:
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
         if not self.async_checkpoint:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
-        final = Path(self.broadcast(filepath))  # type: ignore[attr-defined]
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        final = Path(self.broadcast(filepath))
         writer = self._background_writer()
         self._raise_if_any_failed(writer.wait(final), final)  # and its partial path is free again
-        partial = clear_partial(self, final)  # type: ignore[arg-type]
+        partial = clear_partial(self, final)
         write = self.staged_write(checkpoint, partial)
-        commits = self.is_global_zero  # type: ignore[attr-defined]
+        commits = self.is_global_zero
 
         def write_then_swap() -> None:
             try:
@@ -110,9 +111,9 @@ class BackgroundSaves:
     def staged_write(self, checkpoint: dict[str, Any], partial: Path) -> Callable[[], None]:
         """Stage `checkpoint` now; return what writes the staged copy to `partial` (run by the writer thread).
         Here: one file, written by global rank 0 (DDP, and FSDP gathering a full state dict)."""
-        if not self.is_global_zero:  # type: ignore[attr-defined]
+        if not self.is_global_zero:
             return lambda: None
-        staged, io = stage(checkpoint), self.checkpoint_io  # type: ignore[attr-defined]
+        staged, io = stage(checkpoint), self.checkpoint_io
         return lambda: io.save_checkpoint(staged, partial)
 
     def sharded_write(self, checkpoint: dict[str, Any], partial: Path, staged: bool = True) -> Callable[[], None]:
@@ -123,12 +124,12 @@ class BackgroundSaves:
         written now, by global rank 0. A collective: every rank calls it."""
         from torch.distributed.checkpoint import save
 
-        save_id = self.broadcast(SaveId.drawn(int(checkpoint.get("global_step", 0))))  # type: ignore[attr-defined]
-        state, metadata = sharded_layout(checkpoint, save_id, self.global_rank)  # type: ignore[attr-defined]
+        save_id = self.broadcast(SaveId.drawn(int(checkpoint.get("global_step", 0))))
+        state, metadata = sharded_layout(checkpoint, save_id, self.global_rank)
         if staged:
             state = stage(state)
         partial.mkdir(parents=True, exist_ok=True)
-        if self.is_global_zero:  # type: ignore[attr-defined]
+        if self.is_global_zero:
             torch.save(metadata, partial / LIGHTNING_METADATA)
         group = self._writer_group if staged else None
         return lambda: save(state, checkpoint_id=partial, process_group=group)
@@ -137,8 +138,8 @@ class BackgroundSaves:
         """A superseded checkpoint (ModelCheckpoint's top-k) is removed only once the saves before it are written:
         a kill meanwhile leaves the old one, not neither."""
         if not self.async_checkpoint or self._writer is None:
-            return super().remove_checkpoint(filepath)  # type: ignore[misc]
-        remove = super().remove_checkpoint  # type: ignore[misc]
+            return super().remove_checkpoint(filepath)
+        remove = super().remove_checkpoint
         self._writer.submit_after_writes(lambda: remove(filepath))
 
     def wait_for_checkpoints(self) -> None:
@@ -162,11 +163,11 @@ class BackgroundSaves:
 
     def on_train_end(self) -> None:
         self.finish_checkpoints()
-        super().on_train_end()  # type: ignore[misc]
+        super().on_train_end()
 
     def teardown(self) -> None:
         self.wait_for_checkpoints()
-        super().teardown()  # type: ignore[misc]
+        super().teardown()
 
     def _background_writer(self) -> BackgroundWriter:
         if self._writer is None:
@@ -178,5 +179,5 @@ class BackgroundSaves:
 
     def _raise_if_any_failed(self, error: BaseException | None, final: Path) -> None:
         """A background write that failed is raised at the next save under its name, on every rank together."""
-        if self.reduce_boolean_decision(error is not None, all=False):  # type: ignore[attr-defined]
+        if self.reduce_boolean_decision(error is not None, all=False):
             raise error or SaveFailed(final, RuntimeError("another rank's background write of it failed"))

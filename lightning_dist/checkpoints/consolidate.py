@@ -43,7 +43,7 @@ def load_consolidated(path: str | Path | CheckpointSource, trusted: bool = False
     return _load_distributed(source.path)
 
 
-def load_from_checkpoint(module_class: type, path: str | Path, trusted: bool = False, **kwargs: Any) -> Any:
+def load_from_checkpoint(module_class: type[Any], path: str | Path, trusted: bool = False, **kwargs: Any) -> Any:
     """`module_class.load_from_checkpoint` for any checkpoint our strategies write: a file, or a DeepSpeed or FSDP
     directory (consolidated in memory first, as `consolidate_checkpoint` would write it). `kwargs` go to Lightning's
     `load_from_checkpoint` (`map_location`, `strict`, hyper-parameter overrides)."""
@@ -121,7 +121,7 @@ def _load_deepspeed(path: Path) -> dict[str, Any]:
 def _deepspeed_adam_state(ds_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     """Adam's moments per parameter name, un-partitioned with DeepSpeed's own merge of the fp32 master weights:
     the base optimizer's moments have exactly the flat layout of those weights."""
-    from deepspeed.utils import zero_to_fp32 as z
+    import deepspeed.utils.zero_to_fp32 as z
 
     model_states = z.parse_model_states(z.get_model_state_files(str(ds_dir)))
     shards = [load_file(f, trusted=True)["optimizer_state_dict"]  # vetted by load_consolidated

@@ -50,7 +50,9 @@ def state_dict_shapes(path: str | Path, key: str = "ckpt_path", trusted: bool = 
     )
     # ZeRO-3 saves each parameter as an empty placeholder and records its whole shape beside it.
     groups = [*(model_states.get("param_shapes") or []), model_states.get("frozen_param_shapes") or {}]
-    recorded = {name.removeprefix(_WRAPPER_PREFIX): tuple(shape) for group in groups for name, shape in group.items()}
+    recorded: dict[str, tuple[int, ...] | None] = {
+        name.removeprefix(_WRAPPER_PREFIX): tuple(shape) for group in groups for name, shape in group.items()
+    }
     for name, source in (model_states.get("shared_params") or {}).items():  # tied weights: one shape recorded
         recorded.setdefault(name.removeprefix(_WRAPPER_PREFIX), recorded.get(source.removeprefix(_WRAPPER_PREFIX)))
     recorded.update(autotp_logical_shapes(model_states))
@@ -97,11 +99,13 @@ def another_model(
         return (f"holds another model's weights: {len(missing)} of this model's keys are missing"
                 f" (e.g. {', '.join(missing[:3]) or '-'}) and {len(unexpected)} are not in this model"
                 f" (e.g. {', '.join(unexpected[:3]) or '-'})")
-    reshaped = [name for name in expected if found[name] is not None and tuple(found[name]) != tuple(expected[name])]
+    reshaped = [
+        name for name in expected if found[name] is not None and tuple(found[name] or ()) != tuple(expected[name] or ())
+    ]
     if reshaped:
         first = reshaped[0]
         return (f"holds another model's weights: {len(reshaped)} have other shapes (e.g. {first} is"
-                f" {list(found[first])} there and {list(expected[first])} in this model)")
+                f" {list(found[first] or ())} there and {list(expected[first] or ())} in this model)")
     return None
 
 

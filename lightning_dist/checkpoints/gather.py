@@ -10,9 +10,9 @@ def gather_full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every rank gets the complete state dict on CPU: FSDP2 shards and ZeRO-3 partitions are gathered."""
     parameters = list(module.parameters())
     if any(hasattr(p, "ds_tensor") for p in parameters):  # DeepSpeed ZeRO-3 placeholders
-        import deepspeed
+        from lightning_dist._compat.deepspeed import zero3_gathered
 
-        with deepspeed.zero.GatheredParameters(parameters, modifier_rank=None):
+        with zero3_gathered(parameters):
             return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
     from torch.distributed.tensor import DTensor
 

@@ -12,12 +12,23 @@ T = TypeVar("T")
 class Ranks(Protocol):
     """A running strategy, as the checkpoint code sees it (Lightning's `Strategy` has all of this)."""
 
-    is_global_zero: bool
-    global_rank: int
-    local_rank: int
-    world_size: int
-    root_device: torch.device
-    lightning_module: Any
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    @property
+    def lightning_module(self) -> Any: ...
 
     def broadcast(self, obj: T, src: int = 0) -> T: ...
 
@@ -29,5 +40,8 @@ class Ranks(Protocol):
 class DeepSpeedRanks(Ranks, Protocol):
     """The DeepSpeed strategy's ranks: its engine and its resolved config as well."""
 
-    deepspeed_engine: Any
-    config: dict[str, Any]
+    @property
+    def deepspeed_engine(self) -> Any: ...
+
+    @property
+    def config(self) -> Any: ...

@@ -28,7 +28,7 @@ _FROM_RANK_ZERO = StateDictOptions(full_state_dict=True, broadcast_from_rank0=Tr
 
 
 def load_for_resume(
-    strategy: Ranks, path: str | Path, native_formats: set[str], weights_only: bool | None
+    strategy: Ranks, path: str | Path | CheckpointSource, native_formats: set[str], weights_only: bool | None
 ) -> dict[str, Any] | None:
     """None when `path` is in one of the strategy's own formats (let it load as usual, once vetted); otherwise
     the checkpoint consolidated into one plain dict: on rank 0 with its weights and optimizer state by parameter
@@ -41,7 +41,8 @@ def load_for_resume(
     if source.format in native_formats:
         source.vet()
         return None
-    checkpoint, shared = None, None
+    checkpoint: dict[str, Any] | None = None
+    shared: Any = None  # rank 0's checkpoint without its tensors, or its error
     if strategy.is_global_zero:
         try:
             checkpoint = load_consolidated(source)
@@ -100,15 +101,18 @@ def restore_optimizer_by_name(
     if not strategy.broadcast(bool(state_by_name)):
         rank_zero_warn("The checkpoint's optimizer state cannot be mapped onto this optimizer: it starts afresh.")
         return
+    assert optimizer is not None  # rank 0 mapped its state, and every rank has the same optimizers
     groups = [{**group, "params": params} for group, params in zip(optimizer.param_groups, names)]
     missing = None
     if strategy.is_global_zero:
+        assert state_by_name is not None
         missing = [name for group in groups for name in group["params"] if name not in state_by_name]
     missing = strategy.broadcast(missing)
     if missing:
         raise CheckpointError(f"ckpt_path: the checkpoint has no optimizer state for {', '.join(missing[:3])}")
-    full = {}
+    full: dict[str, Any] = {}
     if strategy.is_global_zero:
+        assert state_by_name is not None
         full = {
             "state": {name: state_by_name[name] for group in groups for name in group["params"]},
             "param_groups": groups,

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
+from lightning_dist._compat.deepspeed import zero_checkpoint_globals
 from lightning_dist._compat.torch import DCP_METADATA_GLOBALS
 from lightning_dist.checkpoints.formats import (
     DEEPSPEED,
@@ -38,19 +39,10 @@ class UnsafeCheckpointError(CheckpointError):
     """A checkpoint that names code to run when loaded; refused unless the user trusts it."""
 
 
-def _deepspeed_globals() -> list[Any]:
-    # What DeepSpeed's ZeRO optimizer states pickle besides tensors: plain record and enum classes.
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
 @contextmanager
 def _allowed(path: Path, key: str, deepspeed: bool) -> Iterator[None]:
     try:
-        with torch.serialization.safe_globals(_deepspeed_globals() if deepspeed else []):
+        with torch.serialization.safe_globals(zero_checkpoint_globals() if deepspeed else []):
             yield
     except pickle.UnpicklingError as error:
         named = re.search(r"GLOBAL ([\w.]+)", str(error))

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from lightning_dist._compat.lightning import StrategyMixin
 from lightning_dist.checkpoints.manifest import write_manifest
 from lightning_dist.checkpoints.ranks import Ranks
 
@@ -93,21 +94,21 @@ def check_shared(strategy: Ranks, directory: Path) -> None:
     _seen_shared.add(directory)
 
 
-class SwappedSaves:
+class SwappedSaves(StrategyMixin):
     """Strategy mixin (before the Lightning strategy in the bases): every save is written beside its name and swapped
     in when complete. `last` is saved again and again under one name; a save cut off midway must not cost the
     previous one, and DeepSpeed's NVMe offload cannot save over an earlier save at all."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if type(self.checkpoint_io) is TorchCheckpointIO:  # type: ignore[attr-defined]  # Lightning's default
+        if type(self.checkpoint_io) is TorchCheckpointIO:  # Lightning's default
             self.checkpoint_io = PartialFileIO()
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
-        save = super().save_checkpoint  # type: ignore[misc]
-        write_then_swap(self, self.broadcast(filepath), lambda path: save(checkpoint, path, storage_options))  # type: ignore[attr-defined]
+        save = super().save_checkpoint
+        write_then_swap(self, self.broadcast(filepath), lambda path: save(checkpoint, path, storage_options))
 
 
 class PartialFileIO(TorchCheckpointIO):
@@ -186,7 +187,7 @@ def space_left(directory: Path) -> str:
     return f"{full}{_size(usage.free)} free of {_size(usage.total)} on the file system of {directory}"
 
 
-def _size(count: int) -> str:
+def _size(count: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if count < 1024:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"

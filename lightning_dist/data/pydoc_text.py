@@ -62,23 +62,23 @@ class PydocTextDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         tokens = load_pydoc_bytes()
-        n_val = int(len(tokens) * self.hparams.val_fraction)
-        n_test = int(len(tokens) * self.hparams.test_fraction)
+        n_val = int(len(tokens) * self.hparams["val_fraction"])
+        n_test = int(len(tokens) * self.hparams["test_fraction"])
         n_train = len(tokens) - n_val - n_test
-        block = self.hparams.block_size
+        block = self.hparams["block_size"]
         self.train_set = NextTokenWindows(tokens[:n_train], block)
         self.val_set = NextTokenWindows(tokens[n_train : n_train + n_val], block)
         self.test_set = NextTokenWindows(tokens[n_train + n_val :], block)
 
     def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.hparams.num_workers)
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.hparams["num_workers"])
 
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer
         # One share of the data per data-parallel rank (the ranks of a tensor-parallel group read the same batches).
         shares = parallel_dims_of(trainer.strategy).sampler_kwargs(trainer.global_rank) if trainer is not None else {}
         if trainer is not None:  # called after Lightning restored its loops: their count is the checkpoint's
-            self._counted_from = (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+            self._counted_from = (trainer.current_epoch, _batches_processed(trainer))
         sampler = ResumableDistributedSampler(
             self.train_set,
             num_replicas=shares.get("num_replicas", 1),
@@ -88,14 +88,15 @@ class PydocTextDataModule(L.LightningDataModule):
             skip=self._resume["samples_done"],
         )
         return PositionedLoader(
-            self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.hparams.num_workers
+            self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.hparams["num_workers"]
         )
 
     def state_dict(self) -> dict[str, int]:
         # `processed` counts the batches whose training step ran, whether the checkpoint is written at the end of
         # a batch or after a validation that followed it; batches run before a resume ran at another world size.
         trainer = self.trainer
-        epoch, processed = trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        assert trainer is not None, "a data module's state is saved by its trainer"
+        epoch, processed = trainer.current_epoch, _batches_processed(trainer)
         counted_epoch, counted_processed = self._counted_from
         if epoch == counted_epoch and epoch == self._resume["epoch"]:
             before = self._resume["samples_done"]
@@ -120,3 +121,8 @@ class PydocTextDataModule(L.LightningDataModule):
 
 def _data_parallel_size(trainer: L.Trainer | None) -> int:
     return parallel_dims_of(trainer.strategy).dp_size if trainer is not None else 1
+
+
+def _batches_processed(trainer: L.Trainer) -> int:
+    """The batches of this epoch whose training step ran (the training loop's progress tracker counts them)."""
+    return trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]

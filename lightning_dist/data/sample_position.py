@@ -26,18 +26,21 @@ class ResumableDistributedSampler(DistributedSampler):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
         self.skip_epoch, self.skip = skip_epoch, skip
 
+    def _samples(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]  # a sampled dataset is sized; torch types it unsized
+
     def _skipped(self) -> int:
         return self.skip if self.epoch == self.skip_epoch else 0
 
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.dataset), generator=generator)[self._skipped():].tolist()
+        order = torch.randperm(self._samples(), generator=generator)[self._skipped():].tolist()
         order += order[: -len(order) % self.num_replicas]  # every rank the same number of samples, as torch pads
         return iter(order[self.rank :: self.num_replicas])
 
     def __len__(self) -> int:
-        return math.ceil((len(self.dataset) - self._skipped()) / self.num_replicas)
+        return math.ceil((self._samples() - self._skipped()) / self.num_replicas)
 
 
 class PositionedLoader(DataLoader):

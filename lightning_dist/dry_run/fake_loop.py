@@ -79,12 +79,12 @@ class _Run:
     module: dict
     data: dict
     callbacks: list[dict]
-    precision: str
+    precision: Any  # one of Lightning's precision names, as the config check let through
     devices: int
     num_nodes: int
     rank: int
 
-    def trainer(self, report: LoopReport, directory: str, resuming: bool) -> tuple[L.Trainer, nn.Module, Any]:
+    def trainer(self, report: LoopReport, directory: str, resuming: bool) -> tuple[L.Trainer, L.LightningModule, Any]:
         """A new Trainer, module and data module: fit's (2 steps, then a validation) or a resumed run's (1 step
         more, validated)."""
         from hydra.utils import instantiate
@@ -134,11 +134,12 @@ def loop_on_fake_devices(strategy_config: dict, module_config: dict, data_config
         with _on_fake_devices(trainer.strategy, rank), _metric_named(module):
             trainer.fit(module, datamodule=datamodule)
             trainer.test(module, datamodule=datamodule)
-        saved = next(c for c in trainer.callbacks if isinstance(c, StateAudit)).saved
+        saved = next(c for c in trainer.callbacks if isinstance(c, StateAudit)).saved  # type: ignore[attr-defined]
+        assert saved is not None, "fit saves a checkpoint after its validation"
         report.resumed_from_step = saved.get("global_step")
 
         trainer, module, datamodule = run.trainer(report, directory, resuming=True)
-        trainer.strategy.load_checkpoint = lambda path, weights_only=None: saved  # noqa: ARG005 - read from memory
+        setattr(trainer.strategy, "load_checkpoint", lambda path, weights_only=None: saved)  # read from memory
         with _on_fake_devices(trainer.strategy, rank), _metric_named(module):
             trainer.fit(module, datamodule=datamodule, ckpt_path="the checkpoint in memory")
     return report
@@ -270,7 +271,7 @@ def _metric_named(module: nn.Module) -> Iterator[None]:
         ) from error
 
 
-def _device_mismatch_in(error: BaseException) -> DeviceMismatch | None:
+def _device_mismatch_in(error: BaseException | None) -> DeviceMismatch | None:
     while error is not None:
         if isinstance(error, DeviceMismatch):
             return error
@@ -278,7 +279,7 @@ def _device_mismatch_in(error: BaseException) -> DeviceMismatch | None:
     return None
 
 
-def _metric_in_traceback(error: BaseException) -> Metric | None:
+def _metric_in_traceback(error: BaseException | None) -> Metric | None:
     """The innermost torchmetrics metric whose method raised (or called what raised) `error` or its causes."""
     found = None
     while error is not None:

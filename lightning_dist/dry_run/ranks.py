@@ -27,7 +27,6 @@ import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from torch import nn
 
-from lightning_dist._compat.deepspeed import zero3_whole_shape
 from lightning_dist._compat.fake_cuda import FakeCudaUnavailable, run_with_fake_cuda, shim_library
 from lightning_dist.memory.auto_fit import AutoFit
 from lightning_dist.parallel.classes import block_modules
@@ -158,22 +157,22 @@ def as_rank(strategy: Any, rank: int, devices: int, num_nodes: int, device_type:
                                  for index in range(devices)]
 
 
-def shards_of(model: nn.Module, block_classes: tuple[type[nn.Module], ...]) -> list[Shard]:
-    """Every parameter outside the repeated blocks, and those of the first block: the other blocks repeat it."""
+def shards_of(model: nn.Module, block_classes: tuple[type[nn.Module], ...],
+              partition_row: Callable[[str, nn.Parameter], Shard | None] = lambda name, parameter: None) -> list[Shard]:
+    """Every parameter outside the repeated blocks, and those of the first block: the other blocks repeat it.
+    `partition_row`: the row of a parameter an engine partitions in its own way (ZeRO-3), None for the others."""
     blocks = block_modules(model, block_classes)
     others = tuple(f"{name}." for name, module in model.named_modules() if module in blocks[1:])
     rows = []
     for name, parameter in model.named_parameters():
         if name.startswith(others):
             continue
-        if partitioned := zero3_whole_shape(parameter):  # ZeRO-3: a slice of the flattened parameter
-            whole, local, persistent = partitioned
-            kept = "flat partition, and whole (persistent)" if persistent else "flat partition"
-            rows.append((name, whole, local, kept))
+        if (row := partition_row(name, parameter)) is not None:
+            rows.append(row)
             continue
-        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+        shard = parameter.to_local() if hasattr(parameter, "to_local") else parameter
         placements = ", ".join(str(p) for p in getattr(parameter, "placements", ())) or "whole"
-        rows.append((name, tuple(parameter.shape), tuple(local.shape), placements))
+        rows.append((name, tuple(parameter.shape), tuple(shard.shape), placements))
     return rows
 
 
@@ -208,7 +207,7 @@ def table(views: list[RankView], name: str, precision: str, devices: int, num_no
     shown = set()
     planned_as = PLANNED_AS[views[0].engine]
     for key, label in CATEGORIES.items():
-        plan_key = planned_as.get(key)
+        plan_key = planned_as.get(key, "")
         tracked = any(key in view.peak for view in views)  # FSDP's tracker and the module tracker differ
         if not tracked or (not any(view.peak.get(key) for view in views) and not planned.get(plan_key, 0)):
             continue

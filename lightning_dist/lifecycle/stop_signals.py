@@ -247,4 +247,4 @@ def end_now(signum: int) -> None:
     stopped = Stopped(signum)
     if stopped.code:
         print(f"error: {stopped}", file=sys.stderr, flush=True)
-    os._exit(stopped.code)
+    os._exit(int(stopped.code or 0))

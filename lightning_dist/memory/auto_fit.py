@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from lightning.pytorch.strategies import Strategy
 
+from lightning_dist._compat.registry import registered_arguments, registered_strategy
 from lightning_dist.memory.layout import layout_of
 from lightning_dist.memory.model_facts import ModelFacts
 from lightning_dist.memory.planner import GB, MemoryPlan, plan_memory
@@ -70,22 +72,19 @@ class AutoFit:
     def choose(
         self, facts: ModelFacts, precision: str, devices: int, num_nodes: int = 1, accelerator: str = "cpu"
     ) -> Choice:
-        from lightning_dist.strategies.presets import PRESETS
-
         device_budget = self.headroom * (
             self.device_memory_gb * GB if self.device_memory_gb else _device_memory(accelerator, devices)
         )
         host_budget = self.headroom * (self.host_memory_gb * GB if self.host_memory_gb else _host_memory())
         rejected: list[tuple[str, str]] = []
         for name in LADDERS[self.family]:
-            preset = PRESETS[name]
-            kwargs = dict(preset.kwargs, compile=self.compile)
-            if "nvme_path" in kwargs:
+            overrides: dict[str, Any] = {"compile": self.compile}
+            if "nvme_path" in registered_arguments(name):
                 if not self.nvme_path:
                     rejected.append((name, "no strategy.nvme_path to offload to"))
                     continue
-                kwargs["nvme_path"] = self.nvme_path
-            strategy = preset.strategy(**kwargs)
+                overrides["nvme_path"] = self.nvme_path
+            strategy = registered_strategy(name, **overrides)  # the preset, as `ld_<name>` names it
             layout = layout_of(strategy, name)
             if layout.tensor_parallel > 1 and facts.tensor_parallel_parameters == 0:
                 rejected.append((name, "the model has no tensor-parallel plan (a `tp_plan` attribute)"))

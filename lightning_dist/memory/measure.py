@@ -26,7 +26,9 @@ def model_state_bytes(module: nn.Module, optimizers: list[Any]) -> dict[str, int
     for tensor in _model_tensors(module):
         _add(storages, tensor)
     for optimizer in optimizers:
-        for tensor in _reachable_tensors(unwrapped_optimizer(optimizer), _SEARCH_DEPTH, set()):
+        optimizer = unwrapped_optimizer(optimizer)
+        library = type(optimizer).__module__.partition(".")[0]  # an engine's optimizer is built of its own objects
+        for tensor in _reachable_tensors(optimizer, _SEARCH_DEPTH, set(), library):
             _add(storages, tensor)
     by_device: dict[str, int] = {}
     for (device, _), nbytes in storages.items():
@@ -52,7 +54,7 @@ def _model_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
             yield local_part(param.grad)
 
 
-def _reachable_tensors(obj: Any, depth: int, seen: set[int]) -> Iterator[torch.Tensor]:
+def _reachable_tensors(obj: Any, depth: int, seen: set[int], library: str) -> Iterator[torch.Tensor]:
     if id(obj) in seen or isinstance(obj, (nn.Module, str, bytes, int, float, bool, type(None))):
         return  # modules: their parameters are counted above, and the engine's module holds the whole model
     seen.add(id(obj))
@@ -65,9 +67,11 @@ def _reachable_tensors(obj: Any, depth: int, seen: set[int]) -> Iterator[torch.T
         children = list(obj.values())
     elif isinstance(obj, (list, tuple, set)):
         children = list(obj)
-    elif isinstance(obj, torch.optim.Optimizer) or type(obj).__module__.startswith("deepspeed"):
+    elif isinstance(obj, torch.optim.Optimizer) or (
+        type(obj).__module__.partition(".")[0] == library and hasattr(obj, "__dict__")
+    ):
         children = list(vars(obj).values())
     else:
         return
     for child in children:
-        yield from _reachable_tensors(child, depth - 1, seen)
+        yield from _reachable_tensors(child, depth - 1, seen, library)

@@ -176,7 +176,7 @@ def plan_memory(
         tile = min(layout.sub_group_size, math.ceil(n / dims.dp_shard))
         plan.device["optimizer_step"] = tile * (size.master + 2 * size.moment)
     plan.device["buffers"] = facts.buffer_bytes
-    activations = facts.activations_under(layout.activation_checkpointing)
+    activations: float | None = facts.activations_under(layout.activation_checkpointing)
     plan.activations_known = activations is not None
     if activations and dims.tp > 1 and not layout.activation_checkpointing:
         # Tensor parallelism splits what attention and the MLP save, not the residual stream and the norms' inputs:

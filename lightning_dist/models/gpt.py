@@ -29,7 +29,7 @@ class CausalSelfAttention(nn.Module):
         # Separate projections, so that a tensor-parallel split of each gives every rank whole heads of q, k and v.
         self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
         self.proj = nn.Linear(d_model, d_model)
-        self.proj.residual_projection = True
+        self.proj.residual_projection = True  # type: ignore[assignment]  # a flag for _init_weights
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,7 +50,7 @@ class TransformerBlock(nn.Module):
         self.attn = CausalSelfAttention(d_model, n_head, dropout)
         self.ln_mlp = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
-        self.mlp[2].residual_projection = True
+        self.mlp[2].residual_projection = True  # type: ignore[assignment]  # a flag for _init_weights
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

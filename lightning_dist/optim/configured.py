@@ -17,6 +17,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+from lightning_dist._compat.lightning import ModuleMixin
 from lightning_dist.optim.parameter_groups import decay_groups
 
 OptimizerFactory = Callable[..., Optimizer]  # called with `params`
@@ -45,7 +46,7 @@ def require_shardable_optimizer(model: Any, strategy: str) -> None:
         )
 
 
-class ConfiguredOptimizers:
+class ConfiguredOptimizers(ModuleMixin):
     """`configure_optimizers` from two factories: the optimizer over `decay_groups` (weight decay on matrices only),
     and a scheduler stepped after every optimizer step; a `ReduceLROnPlateau` instead steps once after each
     validation, on `monitor`."""

@@ -21,7 +21,7 @@ CHOICES = (
 
 def _aten_ops(*names: str) -> frozenset:
     """The aten overloads of `names` this torch build has (the attention kernels differ by device and version)."""
-    found = set()
+    found: set[Any] = set()
     for name in names:
         packet = getattr(torch.ops.aten, name, None)
         if packet is not None:
@@ -92,17 +92,17 @@ def apply_activation_checkpointing(
     """
     for module in model.modules():
         config = getattr(module, "config", None)
-        if getattr(config, "use_cache", False) is True:
+        if config is not None and getattr(config, "use_cache", False) is True:
             config.use_cache = False
-    options = {"context_fn": _selective_contexts} if plan.ops else {}
+    options: dict[str, Any] = {"context_fn": _selective_contexts} if plan.ops else {}
     index = 0
     for parent in list(model.modules()):
         if isinstance(parent, CheckpointWrapper):
             continue
         for name, child in parent.named_children():
-            wrapped = isinstance(child, CheckpointWrapper)
-            if isinstance(wrapped_module(child) if wrapped else child, block_classes):
-                if not wrapped and plan.checkpoints(index):
+            wrapped = wrapped_module(child) if isinstance(child, CheckpointWrapper) else None
+            if isinstance(wrapped or child, block_classes):
+                if wrapped is None and plan.checkpoints(index):
                     parent.register_module(name, checkpoint_wrapper(child, **options))
                 index += 1
     return sum(isinstance(m, CheckpointWrapper) for m in model.modules())

@@ -8,9 +8,8 @@ import inspect
 from collections.abc import Iterable
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
-from lightning_dist._compat.torch import checkpointed_module
+from lightning_dist._compat.torch import checkpointed_module, class_before_fully_shard
 
 
 def resolve_module_class(spec: str | type[nn.Module], key: str) -> type[nn.Module]:
@@ -110,11 +109,7 @@ def _layer_class(module: nn.Module) -> type[nn.Module]:
     """The class a layer was built as, under what a strategy has made of it: Lightning sets a strategy up again
     for `trainer.test()` after `fit()`, and by then each block is in a checkpoint wrapper and is an FSDP module
     (FSDP2 swaps in a subclass of the block's own class)."""
-    module = checkpointed_module(module)
-    cls = type(module)
-    if isinstance(module, FSDPModule):
-        cls = next(base for base in cls.__bases__ if base is not FSDPModule)
-    return cls
+    return class_before_fully_shard(checkpointed_module(module))
 
 
 def block_classes_for(model: nn.Module, configured: BlockClasses, needed_by: Iterable[str] = ()) -> BlockClasses:

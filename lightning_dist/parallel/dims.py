@@ -1,12 +1,15 @@
-"""The parallel dimensions of a run, as data: how many ranks replicate the data-parallel state, how many shard it,
-and how many split each layer (tensor parallel). Everything that asks "how many data-parallel ranks are there, and
-which one am I" (the sampler, throughput, the memory planner, data positions) asks this, never the world size:
-under tensor parallelism a batch is shared by the ranks of one tensor-parallel group.
+"""The parallel dimensions of a run, as data: named axes and their sizes. How many ranks replicate the data-parallel
+state and how many shard it, and how many split each layer (tensor parallel), each sequence (context parallel) or
+the model's depth (pipeline stages). Everything that asks "how many data-parallel ranks are there, and which one am
+I" (the sampler, throughput, the memory planner, data positions) asks this, never the world size: the ranks of one
+tensor-, context- or pipeline-parallel group read the same batches.
 
-Ranks are laid out as torchtitan lays them: replicate outermost, tensor parallel innermost (the ranks of one
-tensor-parallel group are neighbours, on one node). The device mesh keeps Lightning's axis names
-(`data_parallel`, `tensor_parallel`, as its `ModelParallelStrategy` builds them) so that a `configure_model`
-written as Lightning's documentation shows works under our strategies too.
+An axis is a row of `ParallelDims.AXES`: its size is a field, and the rank layout, the data-parallel rank, the device
+mesh and the sharding mesh follow from the table. Ranks are laid out as torchtitan lays them, in the table's order:
+pipeline stages outermost, then replicate, shard and context parallel, tensor parallel innermost (the ranks of one
+tensor-parallel group are neighbours, on one node). The device mesh keeps Lightning's axis names (`data_parallel`,
+`tensor_parallel`, as its `ModelParallelStrategy` builds them) so that a `configure_model` written as Lightning's
+documentation shows works under our strategies too.
 
 No torch at import: the command line sizes a run from its config with this before anything loads torch
 (lightning_dist/run/config_values.py), so an impossible layout is refused in one line in well under a second.
@@ -14,8 +17,10 @@ No torch at import: the command line sizes a run from its config with this befor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import math
+import weakref
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -24,6 +29,23 @@ DATA_PARALLEL = "data_parallel"  # Lightning's name for the whole data-parallel 
 TENSOR_PARALLEL = "tensor_parallel"
 DATA_PARALLEL_REPLICATE = "data_parallel_replicate"  # HSDP: across nodes
 DATA_PARALLEL_SHARD = "data_parallel_shard"  # HSDP: within a node
+CONTEXT_PARALLEL = "context_parallel"
+PIPELINE_PARALLEL = "pipeline_parallel"
+# What FSDP shards over once context parallelism folds its ranks in (torchtitan's `dp_shard_cp`).
+DATA_PARALLEL_SHARD_CP = "data_parallel_shard_cp"
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One parallel dimension: its size is the `ParallelDims` field `name`; `mesh_name` names it in the device mesh.
+    `reads_data`: its ranks read different batches (a data-parallel axis). `shards_state`: FSDP shards parameters and
+    optimizer state over it as well (context parallelism holds no weights of its own, so it lends its ranks)."""
+
+    name: str
+    mesh_name: str
+    reads_data: bool = False
+    shards_state: bool = False
+
 
 # FSDP1 sharding-strategy names and what they mean for FSDP2: whether to free gathered parameters after forward
 # (ZeRO-3 style) or keep them until backward (ZeRO-2 style), and whether shards are replicated across nodes.
@@ -47,32 +69,46 @@ def sharding_layout(name: str) -> tuple[bool, bool]:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The sizes of a run's parallel dimensions; their product is the world size. Context and pipeline
-    parallelism are not offered yet: when they are, they become fields here, and nothing that asks for the
-    data-parallel size changes."""
+    """The sizes of a run's parallel dimensions, one field per row of `AXES`; their product is the world size."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    cp: int = 1
+    pp: int = 1
+
+    # Outermost first: the order ranks are laid out in, and the device mesh's. Room for more (expert parallelism):
+    # a field and a row.
+    AXES: ClassVar[tuple[Axis, ...]] = (
+        Axis("pp", PIPELINE_PARALLEL),
+        Axis("dp_replicate", DATA_PARALLEL_REPLICATE, reads_data=True),
+        Axis("dp_shard", DATA_PARALLEL_SHARD, reads_data=True, shards_state=True),
+        Axis("cp", CONTEXT_PARALLEL, shards_state=True),
+        Axis("tp", TENSOR_PARALLEL),
+    )
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp"):
-            value = getattr(self, name)
+        if {axis.name for axis in self.AXES} != {field.name for field in fields(self)}:
+            raise TypeError(f"{type(self).__name__}: one field per axis of AXES")
+        for name, value in self.sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelDims.{name}={value!r}: give a whole number of ranks, at least 1")
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Each axis's size, outermost first."""
+        return {axis.name: getattr(self, axis.name) for axis in self.AXES}
+
     @classmethod
-    def resolve(cls, world_size: int, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1) -> ParallelDims:
-        """The dimensions of `world_size` ranks, one of which may be -1: "the ranks that are left" (torchtitan's
-        and Accelerate's convention). Raises ValueError naming the sizes when they do not multiply to the world."""
-        sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+    def resolve(cls, world_size: int, **sizes: int) -> ParallelDims:
+        """The dimensions of `world_size` ranks from some axes' sizes (the others are 1; dp_shard, unless given, is
+        the ranks that are left); one size may be -1: "the ranks that are left" (torchtitan's and Accelerate's
+        convention). Raises ValueError naming the sizes when they do not multiply to the world."""
+        sizes = {"dp_shard": -1, **sizes} if "dp_shard" not in sizes else dict(sizes)
         unknown = [name for name, size in sizes.items() if size == -1]
         if len(unknown) > 1:
             raise ValueError(f"parallel sizes {sizes}: at most one may be -1 (the ranks that are left)")
-        known = 1
-        for name, size in sizes.items():
-            if name not in unknown:
-                known *= size
+        known = math.prod(size for name, size in sizes.items() if name not in unknown)
         if unknown:
             if known < 1 or world_size % known:
                 raise ValueError(f"parallel sizes {sizes}: {world_size} ranks do not divide into groups of {known}")
@@ -97,42 +133,73 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return math.prod(self.sizes.values())
 
     @property
     def dp_size(self) -> int:
         """Ranks that each see their own batches."""
-        return self.dp_replicate * self.dp_shard
+        return math.prod(getattr(self, axis.name) for axis in self.AXES if axis.reads_data)
+
+    def coordinates(self, global_rank: int) -> dict[str, int]:
+        """Where `global_rank` is on each axis."""
+        coordinates = {}
+        for axis in reversed(self.AXES):  # innermost first
+            global_rank, coordinates[axis.name] = divmod(global_rank, getattr(self, axis.name))
+        return {axis.name: coordinates[axis.name] for axis in self.AXES}
 
     def dp_rank(self, global_rank: int) -> int:
-        """Which data-parallel rank `global_rank` is: the ranks of one tensor-parallel group share it."""
-        return global_rank // self.tp
+        """Which data-parallel rank `global_rank` is: the ranks of one tensor-, context- or pipeline-parallel
+        group share it."""
+        rank, coordinates = 0, self.coordinates(global_rank)
+        for axis in self.AXES:
+            if axis.reads_data:
+                rank = rank * getattr(self, axis.name) + coordinates[axis.name]
+        return rank
 
     def sampler_kwargs(self, global_rank: int) -> dict[str, int]:
         """`DistributedSampler`'s arguments: one share of the data per data-parallel rank."""
         return {"num_replicas": self.dp_size, "rank": self.dp_rank(global_rank)}
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """A device mesh over every rank with Lightning's axes, `data_parallel` x `tensor_parallel`; when the
-        data-parallel state is both replicated and sharded (HSDP), `data_parallel` is the flattened
-        `data_parallel_replicate` x `data_parallel_shard`, and those two axes are there as well."""
-        if self.dp_replicate == 1:
-            return init_device_mesh(
-                device_type, (self.dp_shard, self.tp), mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL)
-            )
+        """A device mesh over every rank with Lightning's axes, `data_parallel` and `tensor_parallel`, and every other
+        axis larger than 1. When the data-parallel state is both replicated and sharded (HSDP), or context
+        parallelism lends FSDP its ranks, the data axes are there by their own names and `data_parallel` is them
+        flattened; so is `data_parallel_shard_cp`, what FSDP shards over. Flattened meshes are kept with the mesh
+        (`flattened_mesh`): torch has deprecated slicing them from it."""
+        kept = [axis for axis in self.AXES if getattr(self, axis.name) > 1 or axis.name in ("dp_shard", "tp")]
+        one_data_axis = self.dp_replicate == 1 and self.cp == 1
+        names = [DATA_PARALLEL if one_data_axis and axis.name == "dp_shard" else axis.mesh_name for axis in kept]
         mesh = init_device_mesh(
-            device_type, (self.dp_replicate, self.dp_shard, self.tp),
-            mesh_dim_names=(DATA_PARALLEL_REPLICATE, DATA_PARALLEL_SHARD, TENSOR_PARALLEL),
+            device_type, tuple(getattr(self, axis.name) for axis in kept), mesh_dim_names=tuple(names)
         )
-        flatten_mesh_dims(mesh, (DATA_PARALLEL_REPLICATE, DATA_PARALLEL_SHARD), DATA_PARALLEL)
+        if not one_data_axis:
+            data = tuple(axis.mesh_name for axis in kept if axis.reads_data)
+            flattened = {DATA_PARALLEL: flatten_mesh_dims(mesh, data, DATA_PARALLEL)}
+            if self.cp > 1:
+                shards = tuple(axis.mesh_name for axis in kept if axis.shards_state)
+                flattened[DATA_PARALLEL_SHARD_CP] = flatten_mesh_dims(mesh, shards, DATA_PARALLEL_SHARD_CP)
+            _FLATTENED[mesh] = flattened
         return mesh
 
     def sharding_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The part of `mesh` that FSDP shards over: 1-D, or 2-D (replicate, shard) for HSDP, as `fully_shard`
-        takes it."""
+        takes it; under context parallelism the shard axis is `data_parallel_shard_cp`."""
+        if self.cp > 1:
+            shard = DATA_PARALLEL_SHARD_CP
+        else:
+            shard = DATA_PARALLEL if self.dp_replicate == 1 else DATA_PARALLEL_SHARD
         if self.dp_replicate == 1:
-            return mesh[DATA_PARALLEL]
-        return mesh[DATA_PARALLEL_REPLICATE, DATA_PARALLEL_SHARD]
+            return flattened_mesh(mesh, shard)
+        return mesh[DATA_PARALLEL_REPLICATE, shard]
+
+
+# The meshes `build_mesh` flattened, kept with the mesh they were flattened from (for as long as it lives).
+_FLATTENED: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def flattened_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """`mesh[name]`, or the mesh `build_mesh` flattened under `name`, as it was returned then."""
+    return _FLATTENED.get(mesh, {}).get(name) or mesh[name]
 
 
 def parallel_dims_of(strategy: Any) -> ParallelDims:

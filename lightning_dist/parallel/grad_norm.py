@@ -42,7 +42,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     """Scale the gradients of `parameters` so that their norm together is at most `max_norm`; returns the norm
     before clipping."""
     parameters = [p for p in parameters if p.grad is not None]
-    norm = total_norm((p.grad for p in parameters), norm_type)
+    norm = total_norm((p.grad for p in parameters if p.grad is not None), norm_type)
     for group in _by_mesh(parameters):
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm

@@ -6,11 +6,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_dist._compat.lightning import unwrapped_optimizer
-from lightning_dist._compat.torch import CheckpointWrapper, fsdp_param_groups
+from lightning_dist._compat.torch import CheckpointWrapper, fully_sharded_parameters, fully_sharded_units
 
 
 def local_part(param: torch.Tensor) -> torch.Tensor:
@@ -64,40 +63,7 @@ def placement_report(module: nn.Module, optimizers: list[Any]) -> dict[str, Any]
         # The dtype parameters are stored in, and the dtype of what the optimizer updates (the master weights).
         "parameter_dtypes": sorted({str(local_part(p).dtype) for p in module.parameters()}),
         "master_dtypes": sorted(master_dtypes),
-        "fsdp_gathered_dtypes": sorted({str(p.param_dtype or p.orig_dtype) for p in _fsdp_params(module)}),
-        "fsdp_units": sum(isinstance(m, FSDPModule) for m in module.modules()),
+        "fsdp_gathered_dtypes": sorted({str(p.param_dtype or p.orig_dtype) for p in fully_sharded_parameters(module)}),
+        "fsdp_units": len(fully_sharded_units(module)),
         "checkpointed_blocks": sum(isinstance(m, CheckpointWrapper) for m in module.modules()),
     }
-
-
-def offload_targets(engine: nn.Module) -> dict[str, str | None]:
-    """Where the engine itself has been told to keep optimizer state and parameters (None: on the device).
-
-    Read back from the running engine rather than from our config, so it shows what DeepSpeed or FSDP really use.
-    """
-    if hasattr(engine, "zero_offload_optimizer"):  # a DeepSpeedEngine
-        return {
-            "optimizer": _deepspeed_offload_device(engine.zero_offload_optimizer()),
-            "parameters": _deepspeed_offload_device(engine.zero_offload_param()),
-        }
-    fsdp_offloads = {fsdp_param.offload_to_cpu for fsdp_param in _fsdp_params(engine)}
-    on_cpu = "cpu" if fsdp_offloads == {True} else None
-    return {"optimizer": on_cpu, "parameters": on_cpu}
-
-
-def _fsdp_params(module: nn.Module) -> list[Any]:
-    """FSDP2's per-parameter records (sharding, offload, mixed-precision dtype) of every FSDP unit in `module`."""
-    return [
-        fsdp_param
-        for unit in module.modules()
-        if isinstance(unit, FSDPModule)
-        for group in fsdp_param_groups(unit)
-        for fsdp_param in group.fsdp_params
-    ]
-
-
-def _deepspeed_offload_device(offload_config: Any) -> str | None:
-    if offload_config is None:
-        return None
-    device = getattr(offload_config.device, "value", offload_config.device)  # an enum, or its value
-    return None if device == "none" else str(device)

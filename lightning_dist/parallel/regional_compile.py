@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_dist._compat.lightning import StrategyMixin
 from lightning_dist._compat.torch import (
     CheckpointWrapper,
     compilation_events,
@@ -83,7 +84,7 @@ class CompilationClock:
 CLOCK = CompilationClock()
 
 
-class ReportsCompilation:
+class ReportsCompilation(StrategyMixin):
     """Strategy mixin: at the start of each training step, says what the steps and validation before it compiled
     and how long that took (once after the first step, as a rule; again only if something compiled since)."""
 

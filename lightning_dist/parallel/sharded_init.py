@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_dist._compat.lightning import StrategyMixin
 from lightning_dist._compat.torch import (
     WRAPPER_MODULE_NAMES,
     own_parameters,
@@ -73,7 +74,7 @@ def has_meta_parameters(module: nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters())
 
 
-class ForgetsUnbuiltModel:
+class ForgetsUnbuiltModel(StrategyMixin):
     """Strategy mixin: a run that ends before `setup` built the model (its parameters still on the meta device)
     has nothing to move back to the CPU at teardown, which would fail on meta tensors."""
 
@@ -161,9 +162,9 @@ def _initialiser_of(model: nn.Module, name: str, default_seed: int) -> tuple[int
         if depth:
             owner = getattr(owner, parts[depth - 1])
         if isinstance(getattr(owner, "init_seed", None), int):
-            seed, relative = owner.init_seed, parts[depth:]
+            seed, relative = int(owner.init_seed), parts[depth:]  # type: ignore[arg-type]
         if callable(getattr(owner, "_init_weights", None)):
-            init_weights = owner._init_weights
+            init_weights = getattr(owner, "_init_weights")
     return seed, ".".join(p for p in relative if p not in _WRAPPER_NAMES), init_weights
 
 
@@ -177,7 +178,7 @@ def _swapped_parameters(module: nn.Module, values: dict[str, torch.Tensor]) -> I
     table = own_parameters(module)
     original = dict(table)
     for n, value in values.items():
-        table[n] = nn.Parameter(value, requires_grad=original[n].requires_grad)
+        table[n] = nn.Parameter(value, requires_grad=getattr(original[n], "requires_grad", True))
     try:
         yield
     finally:

@@ -29,7 +29,7 @@ def quiet_console() -> None:
     for name in TOOL_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     _one_handler_per_line()
-    if rank_zero_only.rank != 0:
+    if not is_rank_zero():
         for name in RUN_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
 
@@ -45,7 +45,7 @@ def _one_handler_per_line() -> None:
 
 
 def is_rank_zero() -> bool:
-    return rank_zero_only.rank == 0
+    return getattr(rank_zero_only, "rank", 0) == 0  # Lightning sets the rank on the function
 
 
 class _DropAdverts(logging.Filter):

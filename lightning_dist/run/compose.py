@@ -8,7 +8,7 @@ import inspect
 import logging
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
@@ -141,7 +141,7 @@ def config_error(error: Exception) -> ConfigError:
 def module_config(cfg: DictConfig) -> DictConfig:
     """The model's config as its constructor takes it: without `block_class`, and without an optimizer or scheduler
     group the constructor does not accept (refused when the user chose one)."""
-    module_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    module_cfg = cast(dict[str, Any], OmegaConf.to_container(cfg.model, resolve=True))
     module_cfg.pop("block_class", None)  # describes the model's structure; not a constructor argument
     unused = [group for group in FACTORY_GROUPS if group in module_cfg and not _takes(module_cfg["_target_"], group)]
     for group in unused:

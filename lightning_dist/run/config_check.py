@@ -38,7 +38,7 @@ def devices_per_node(devices: object) -> int:
         count = len([index for index in devices.split(",") if index.strip()])
     else:
         try:
-            count = int(devices)
+            count = int(devices)  # type: ignore[call-overload]  # whatever int() takes; the rest is refused
         except (TypeError, ValueError):
             count = -1
     if count < 1:

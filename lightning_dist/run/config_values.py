@@ -168,7 +168,7 @@ def check_combinations(cfg: DictConfig) -> None:
                                     strategy.get("async_checkpoint") is True)
         if refusal:
             raise ConfigError(refusal)
-    elif target in (f"{_STRATEGIES}FSDPStrategy", f"{_STRATEGIES}fsdp.FSDPStrategy") and ranks is not None:
+    elif target in (f"{_STRATEGIES}FSDPStrategy", f"{_STRATEGIES}fsdp.FSDPStrategy") and devices and ranks is not None:
         try:
             hybrid = sharding_layout(strategy.get("sharding_strategy", "FULL_SHARD"))[1]
             tp, replicate = strategy.get("tensor_parallel_size", 1), strategy.get("data_parallel_replicate_size")
@@ -210,5 +210,6 @@ def _as_typed(cfg: DictConfig, key: str, value: Any) -> str:
     else:
         shown = value
     if OmegaConf.is_interpolation(parent, leaf):
-        return f"{OmegaConf.to_container(parent, resolve=False)[leaf]} (= {shown})"
+        typed = OmegaConf.to_container(parent, resolve=False)
+        return f"{typed[leaf]} (= {shown})"  # type: ignore[index,call-overload]  # `parent` holds `leaf`
     return str(shown)

@@ -8,6 +8,7 @@ import logging
 import os
 from datetime import timedelta
 from pathlib import Path
+from typing import cast
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
@@ -69,7 +70,7 @@ def checkpoint_to_resume(cfg: DictConfig, shapes: dict[str, tuple[int, ...]]) ->
             found = newest_whole_checkpoint_in(output_dir, passed_over, another_models)
         else:
             # As typed: an override such as `+model.path=${paths.output_dir}/x` resolves to another path in every run.
-            overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
+            overrides = cast(list[str], OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False))
             found = newest_complete_checkpoint(output_dir.parent, overrides, passed_over, another_models)
         return str(found) if found else None
 

@@ -218,7 +218,8 @@ def discard_this_run_of_the_job() -> None:
     """`discard_refused_run` for the run this process is in, once another rank refused it: from anywhere (a thread
     that ends the process while the process group forms), nothing if Hydra has not started the run."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    if HydraConfig.initialized() and HydraConfig.get().mode.name == "RUN":
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.RUN:
         config = HydraConfig.get()
         discard_refused_run(Path(config.runtime.output_dir), config.job.name)

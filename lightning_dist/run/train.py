@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig
 
@@ -106,6 +107,6 @@ def _metrics(trainer: L.Trainer) -> dict[str, float]:
 def _report(cfg: DictConfig, trainer: L.Trainer, metrics: dict[str, float]) -> None:
     print(f"\nOutputs: {cfg.paths.output_dir}")
     checkpoint = trainer.checkpoint_callback
-    if checkpoint is not None and checkpoint.last_model_path and Path(checkpoint.last_model_path).exists():
+    if isinstance(checkpoint, ModelCheckpoint) and Path(checkpoint.last_model_path or "").is_file():
         print(f"Last checkpoint: {checkpoint.last_model_path}")
     print("Final metrics: " + ", ".join(f"{name}={value:.4f}" for name, value in sorted(metrics.items())))

@@ -9,6 +9,7 @@ package (the planner, the dry run, the job) asks a strategy through the protocol
 - `precision_support`: what it trains in beyond the defaults (parallel/precision.py);
 - `initializes_shards`: the model is built without weights and each rank initialises its own shards;
 - `keeps_state_on_host`: offloaded state, whose collectives need gloo beside nccl;
+- `offload_targets()`: where the running engine keeps optimizer state and parameters, read back from it;
 - `dry_run_refusal`, `dry_run_rank(...)` and `dry_run_patches()`: whether the dry run knows it, one rank of it, and
   what its engine needs replaced on fake tensors (dry_run/);
 - `checkpoint_tensor_parallel`: the AutoTP size whose DeepSpeed checkpoints it reads as they are, or None.
@@ -37,6 +38,8 @@ from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel
 from lightning_dist.strategies.launcher import guarded
 
 if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule
+
     from lightning_dist.dry_run.ranks import RankView
     from lightning_dist.memory.layout import Layout
     from lightning_dist.parallel.dims import ParallelDims
@@ -51,7 +54,6 @@ class StrategyBase(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobal
     """
 
     precision_support = PrecisionSupport()
-    initializes_shards: bool = False
     dry_run_refusal: str | None = None  # why the dry run cannot replay this strategy (as configured), or None
     checkpoint_tensor_parallel: int | None = None
 
@@ -93,12 +95,32 @@ class StrategyBase(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobal
         return False
 
     @property
+    def initializes_shards(self) -> bool:
+        return False
+
+    def offload_targets(self) -> dict[str, str | None]:
+        """Where the running engine keeps optimizer state and parameters (None: on the device), read back from the
+        engine rather than from our options, so that it shows what the engine really does."""
+        return {"optimizer": None, "parameters": None}
+
+    if TYPE_CHECKING:
+        # Lightning types these as optional, for a strategy not yet connected; ours read them only once it is.
+        @property
+        def lightning_module(self) -> LightningModule: ...
+
+        @property
+        def model(self) -> nn.Module: ...
+
+        @model.setter
+        def model(self, model: nn.Module) -> None: ...
+
+    @property
     def activation_checkpointing(self) -> CheckpointPlan | None:
         return self.blocks.checkpointing
 
     @override
     def _configure_launcher(self) -> None:
-        super()._configure_launcher()  # type: ignore[misc]
+        super()._configure_launcher()
         self._launcher = guarded(self, self._launcher, self.preflight)
 
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
@@ -112,8 +134,9 @@ class StrategyBase(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobal
     def forming_process_group(self) -> Iterator[None]:
         """The rank's prologue: its device, cores and timeouts set (prepare_rank), then, inside, its process group
         formed, a rank that never joins named (lifecycle/collective_timeout.py)."""
-        prepare_rank(self.root_device, self.num_processes, self._timeout)
-        with forming_process_group(self._timeout, lambda: self.global_rank):
+        timeout = process_group_timeout(self._timeout)  # as `__init__` set it
+        prepare_rank(self.root_device, self.num_processes, timeout)
+        with forming_process_group(timeout, lambda: self.global_rank):
             yield
 
     @override

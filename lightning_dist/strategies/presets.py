@@ -2,7 +2,7 @@
 
 Each preset is registered with Lightning as `ld_<name>` (so `L.Trainer(strategy="ld_fsdp")` works after
 `import lightning_dist`) and mirrored by `conf/strategy/<name>.yaml` for Hydra; a test keeps the two equal. The
-prefix keeps Lightning's own `ddp`, `fsdp` and `deepspeed_*`, which refuse CPU, reachable and unchanged.
+prefix (REGISTRY_PREFIX) keeps Lightning's own `ddp`, `fsdp` and `deepspeed_*`, which refuse CPU, reachable.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, NamedTuple
 
-REGISTRY_PREFIX = "ld_"
+from lightning_dist._compat.registry import REGISTRY_PREFIX
 
 DDP, FSDP, DEEPSPEED = (
     "lightning_dist.strategies.torch.ddp.DDPStrategy",

@@ -18,6 +18,7 @@ from lightning_dist.memory.planner import plan_memory
 from lightning_dist.models.gpt import GPTLanguageModel
 from lightning_dist.parallel.dims import ParallelDims, parallel_dims_of
 from tests.conftest import REPO
+from tests.parallel.toy_axis import WithToyAxis
 
 # (world size, sizes given, dimensions, data-parallel rank of each global rank)
 LAYOUTS = [
@@ -56,13 +57,16 @@ def test_a_size_below_one_is_refused():
 MESHES = textwrap.dedent("""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from lightning_dist.parallel.dims import ParallelDims
+    from lightning_dist.parallel.dims import ParallelDims, flattened_mesh
+    from tests.parallel.toy_axis import WithToyAxis
     dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
-    for dims in (ParallelDims(dp_shard=4, tp=2), ParallelDims(2, 2, 2)):
+    for dims in (ParallelDims(dp_shard=4, tp=2), ParallelDims(2, 2, 2), ParallelDims(dp_shard=2, cp=2, tp=2),
+                 WithToyAxis(dp_shard=2, toy=2, tp=2)):
         mesh = dims.build_mesh("cpu")
         sharding = dims.sharding_mesh(mesh)
-        print(mesh.mesh_dim_names, mesh["data_parallel"].size(), mesh["data_parallel"].get_local_rank(),
-              mesh["tensor_parallel"].size(), sharding.mesh_dim_names)
+        data_parallel = flattened_mesh(mesh, "data_parallel")
+        print(mesh.mesh_dim_names, data_parallel.size(), data_parallel.get_local_rank(),
+              mesh["tensor_parallel"].size(), sharding.mesh_dim_names, sharding.size())
 """)
 
 
@@ -70,11 +74,26 @@ def test_meshes_keep_lightnings_axis_names_seen_from_rank_5_of_8():
     # A fake process group: collectives complete without peers, so 8 ranks' meshes can be built in one process.
     done = subprocess.run([sys.executable, "-c", MESHES], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines() == [
-        "('data_parallel', 'tensor_parallel') 4 2 2 ('data_parallel',)",
+    assert done.stdout.splitlines()[-4:] == [
+        "('data_parallel', 'tensor_parallel') 4 2 2 ('data_parallel',) 4",
         "('data_parallel_replicate', 'data_parallel_shard', 'tensor_parallel') 4 2 2"
-        " ('data_parallel_replicate', 'data_parallel_shard')",
+        " ('data_parallel_replicate', 'data_parallel_shard') 4",
+        # Context parallelism lends FSDP its ranks: rank 5 is (shard 1, cp 0, tp 1); FSDP shards over 2 x 2.
+        "('data_parallel_shard', 'context_parallel', 'tensor_parallel') 2 1 2 ('data_parallel_shard_cp',) 4",
+        "('data_parallel', 'toy_parallel', 'tensor_parallel') 2 1 2 ('data_parallel',) 2",
     ]
+
+
+def test_a_new_axis_is_a_field_and_a_row():
+    """A toy axis (tests/parallel/toy_axis.py) is laid out, shares the data and is checked as the others are."""
+    dims = WithToyAxis.resolve(16, toy=2, tp=2)
+    assert dims == WithToyAxis(dp_shard=4, toy=2, tp=2) and (dims.world_size, dims.dp_size) == (16, 4)
+    assert dims.coordinates(13) == {"pp": 0, "dp_replicate": 0, "dp_shard": 3, "cp": 0, "toy": 0, "tp": 1}
+    assert [dims.sampler_kwargs(rank)["rank"] for rank in range(16)] == [rank // 4 for rank in range(16)]
+    with pytest.raises(ValueError, match=r"ParallelDims.toy=0: give a whole number of ranks"):
+        WithToyAxis(toy=0)
+    with pytest.raises(ValueError, match="16 ranks do not divide into groups of 6"):
+        WithToyAxis.resolve(16, toy=3, tp=2)
 
 
 def _strategy(dims: ParallelDims) -> SimpleNamespace:

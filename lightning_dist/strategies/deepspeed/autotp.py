@@ -66,7 +66,7 @@ def initialize_inference_engine(strategy: Any, model: torch.nn.Module) -> Any:
     if strategy.zero_stage_3:
         config.update({key: strategy.config[key] for key in ("zero_allow_untested_optimizer", "zero_optimization")})
     if is_split(model):
-        model.ds_autotp_parsed = True
+        setattr(model, "ds_autotp_parsed", True)  # DeepSpeed's mark of a split model, read as an attribute
     remove_module_hooks(model)
     engine, *_ = deepspeed.initialize(args=argparse.Namespace(device_rank=strategy.root_device.index), config=config,
                                       model=model, optimizer=None, lr_scheduler=None, model_parameters=[],

@@ -36,6 +36,7 @@ from lightning_dist._compat.deepspeed import (
     zero3_gradient_partitions,
     zero3_partitions,
     zero3_persistent,
+    zero3_whole_shape,
 )
 from lightning_dist._compat.fake_tensors import (
     fake_parameters_converted_in_place,
@@ -50,7 +51,7 @@ from lightning_dist._compat.fake_tensors import (
 from lightning_dist._compat.lightning import deepspeed_engine, training_step_in_wrapper
 from lightning_dist._compat.torch import tree_map
 from lightning_dist.dry_run.optimizer import configured_optimizer
-from lightning_dist.dry_run.ranks import RankView, as_rank, shards_of
+from lightning_dist.dry_run.ranks import RankView, Shard, as_rank, shards_of
 from lightning_dist.memory.attention_kernel import fused_attention
 from lightning_dist.parallel.device_check import OneDevicePerRank, collective_devices
 from lightning_dist.parallel.devices import process_group_backend
@@ -108,7 +109,7 @@ def deepspeed_rank(strategy: Any, build: Callable[[], nn.Module], batch: Any, pr
 
     root = strategy.root_device
     device = root if device_type == "cuda" else torch.device("cpu")  # DeepSpeed names the host "cpu", unindexed
-    strategy.precision_plugin = DeepSpeedPrecision(precision)
+    strategy.precision_plugin = DeepSpeedPrecision(precision)  # type: ignore[arg-type]  # checked before the run
     with parameters_on_meta():
         module = strategy.precision_plugin.convert_module(build())  # a "-true" precision's dtype, on meta
     config = strategy.config = dry_run_config(resolved_config(strategy, module, batch, precision))
@@ -216,4 +217,13 @@ def rank_view(strategy: Any, build: Callable[[], nn.Module], batch: Any, precisi
     module, by_device, coordinate = deepspeed_rank(strategy, build, batch, precision, world, rank, device_type)
     peak = next(categories for device, categories in by_device.items() if device.startswith(device_type))
     host = by_device.get("cpu", {}).get("Total", 0) if device_type != "cpu" else 0
-    return RankView(rank, coordinate, shards_of(module, strategy.blocks.classes_in(module)), peak, host, "deepspeed")
+    shards = shards_of(module, strategy.blocks.classes_in(module), _zero3_row)
+    return RankView(rank, coordinate, shards, peak, host, "deepspeed")
+
+
+def _zero3_row(name: str, parameter: torch.nn.Parameter) -> Shard | None:
+    """A ZeRO-3 parameter's row: its whole shape, and this rank's slice of the flattened parameter."""
+    if (partitioned := zero3_whole_shape(parameter)) is None:
+        return None
+    whole, local, persistent = partitioned
+    return name, whole, local, "flat partition, and whole (persistent)" if persistent else "flat partition"

@@ -40,7 +40,7 @@ def load_into_engine(strategy: DeepSpeedRanks, checkpoint: dict[str, Any], stric
     tensors = [(plain_name(n), t) for n, t in (*module.named_parameters(), *module.named_buffers())]
     absent = _absent_on_rank_zero(strategy, weights, [name for name, _ in tensors], strict)
     optimizer = engine.optimizer if strategy.lightning_module.trainer.training else None
-    adam_states = bool(states) and all("exp_avg" in state for state in states.values())
+    adam_states = bool(states) and all("exp_avg" in state for state in (states or {}).values())
     with_moments = strategy.broadcast(adam_states and optimizer is not None)
     if optimizer is not None and not with_moments:
         rank_zero_warn("The checkpoint has no Adam state for this optimizer: it starts afresh.")
@@ -58,7 +58,7 @@ def load_into_engine(strategy: DeepSpeedRanks, checkpoint: dict[str, Any], stric
                     state = states[name][key] if states else None
                     safe_set_full_optimizer_state(tensor, _from_rank_zero(strategy, state, tensor).float(), key)
     if with_moments:
-        step = strategy.broadcast(_step_of(states) if strategy.is_global_zero else None)
+        step = strategy.broadcast(_step_of(states or {}) if strategy.is_global_zero else 0.0)
         _set_step(optimizer, step)
 
 
@@ -78,7 +78,7 @@ def engine_reads_natively(saved_config: dict[str, Any], config: dict[str, Any]) 
 
 def _absent_on_rank_zero(strategy: Ranks, weights: dict | None, names: list[str], strict: bool) -> set[str]:
     """The names rank 0's checkpoint lacks, known on every rank; an error for any under strict loading."""
-    absent = strategy.broadcast([n for n in names if n not in weights] if strategy.is_global_zero else None)
+    absent = strategy.broadcast([n for n in names if n not in (weights or {})] if strategy.is_global_zero else [])
     if absent and strict:
         raise CheckpointError(
             f"ckpt_path: the checkpoint has no weights for {', '.join(absent[:3])} (of {len(absent)})"
@@ -94,6 +94,7 @@ def _from_rank_zero(strategy: Ranks, value: torch.Tensor | None, like: torch.Ten
     # Collectives take tensors on the root device (nccl refuses host tensors); every rank gets the full tensor.
     device = strategy.root_device
     if strategy.is_global_zero:
+        assert value is not None, "rank 0 sends what its checkpoint holds"
         buffer = value.to(device=device, dtype=like.dtype).contiguous()
     else:
         buffer = torch.empty(_full_shape(like), dtype=like.dtype, device=device)
@@ -164,6 +165,7 @@ def load_deepspeed_checkpoint(strategy: DeepSpeedRanks, checkpoint_path: Any, we
         native = engine_reads_natively(saved_config, strategy.config)
     if not native:
         checkpoint = load_for_resume(strategy, source, native_formats=set(), weights_only=weights_only)
+        assert checkpoint is not None  # no format is native to this call: every one is consolidated
         load_into_engine(strategy, checkpoint, strict=strategy.lightning_module.strict_loading)
         return checkpoint
     if saved_world_size in (None, strategy.world_size):

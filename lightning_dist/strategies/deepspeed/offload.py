@@ -45,3 +45,12 @@ def as_deepspeed_cpu_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
         f"Optimizer offload: {type(optimizer).__name__} replaced by DeepSpeedCPUAdam (same hyper-parameters)"
     )
     return cpu_adam
+
+
+def offload_device(offload_config: Any) -> str | None:
+    """The device of one of the engine's offload sections (`zero_offload_optimizer()`, `zero_offload_param()`), or
+    None when it offloads nothing."""
+    if offload_config is None:
+        return None
+    device = getattr(offload_config.device, "value", offload_config.device)  # an enum, or its value
+    return None if device == "none" else str(device)

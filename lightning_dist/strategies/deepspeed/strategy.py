@@ -38,7 +38,7 @@ from lightning_dist.strategies.deepspeed.deferred_compile import import_muon_wit
 from lightning_dist.strategies.deepspeed.engine import initialize_deferred_parameters, use_deepspeed_accelerator
 from lightning_dist.strategies.deepspeed.layout import zero_layout
 from lightning_dist.strategies.deepspeed.load import load_deepspeed_checkpoint
-from lightning_dist.strategies.deepspeed.offload import optimizer_for_offload
+from lightning_dist.strategies.deepspeed.offload import offload_device, optimizer_for_offload
 from lightning_dist.strategies.deepspeed.outermost_forward import run_root_hooks_once_per_forward
 from lightning_dist.strategies.deepspeed.zero3_runtime import prepare_zero3_runtime
 from lightning_dist.strategies.refusals import deepspeed_refusal
@@ -69,6 +69,10 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
             the classes of the model's layer stacks.
         async_checkpoint: refused before launch: DeepSpeed's engine writes its checkpoints itself.
     """
+
+    if TYPE_CHECKING:  # Lightning's types, for a strategy not yet set up; ours reads them once it is
+        config: dict[str, Any]
+        parallel_devices: list[torch.device]
 
     strategy_name = "ld_deepspeed"
 
@@ -138,6 +142,12 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     @override
     def keeps_state_on_host(self) -> bool:
         return self.zero.offloads_to_host
+
+    @override
+    def offload_targets(self) -> dict[str, str | None]:
+        engine = self.deepspeed_engine
+        return {"optimizer": offload_device(engine.zero_offload_optimizer()),
+                "parameters": offload_device(engine.zero_offload_param())}
 
     @property
     @override

@@ -87,7 +87,7 @@ class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
         # Else a foreign checkpoint consolidated on rank 0 only: DDP broadcasts rank 0's weights as it wraps the model.
 
     @override
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:  # type: ignore[override]  # its dict
         if "optimizer_state_by_name" in checkpoint:  # consolidated from another strategy's checkpoint
             restore_optimizer_by_name(self, self.lightning_module, self.optimizers, checkpoint)
         else:

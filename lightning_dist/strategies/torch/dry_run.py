@@ -93,9 +93,9 @@ def _precision_plugin(sharded: bool, precision: str, device_type: str) -> Any:
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
     if not sharded and precision.endswith("-mixed"):
-        return MixedPrecision(precision, device_type)
+        return MixedPrecision(precision, device_type)  # type: ignore[arg-type]  # a mixed precision, as checked
     plugin = Precision()
-    plugin.precision = precision
+    plugin.precision = precision  # type: ignore[assignment]  # one of Lightning's names, checked before the run
     return plugin
 
 

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_dist._compat.lightning import give_device_mesh, move_optimizers_to_device
+from lightning_dist._compat.torch import fully_sharded_parameters
 from lightning_dist.checkpoints.formats import DISTRIBUTED
 from lightning_dist.checkpoints.resume import load_for_resume, load_weights_from_rank_zero, restore_optimizer_by_name
 from lightning_dist.checkpoints.swap import write_then_swap
@@ -155,6 +156,12 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         return self.cpu_offload
 
     @override
+    def offload_targets(self) -> dict[str, str | None]:
+        offloads = {record.offload_to_cpu for record in fully_sharded_parameters(self.model)}
+        on_host = "cpu" if offloads == {True} else None
+        return {"optimizer": on_host, "parameters": on_host}
+
+    @override
     def setup_environment(self) -> None:
         # Lightning's own set-up (the accelerator's device), then the process group and the mesh of our dimensions.
         # ModelParallelStrategy's set-up would size its data x tensor mesh by its own `data_parallel_size` and
@@ -171,7 +178,10 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         return self._device_mesh
 
     # `train.py` and `trainer.init_module()` build the model without weights under this strategy.
-    initializes_shards = True
+    @property
+    def initializes_shards(self) -> bool:
+        return True
+
     dry_run_shards = True
 
     @contextmanager
@@ -202,7 +212,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         # Under tensor parallelism the gradients lie on two meshes, which torch's clip_grad_norm_ cannot combine.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         if trainer.state.fn == TrainerFn.FITTING:
             move_optimizers_to_device(self.optimizers, self.root_device)
 

@@ -70,7 +70,7 @@ def apply_fully_shard(
     this again (fit, then test) changes nothing. `forward_methods` are root methods other than `forward` that run
     the model (e.g. Lightning's `training_step`): they must gather the root's parameters just as `forward` does.
     """
-    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
+    kwargs: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
     if mixed_precision is not None:
         kwargs["mp_policy"] = mixed_precision
     for unit in _block_units(model, block_classes):
@@ -84,7 +84,7 @@ def apply_fully_shard(
     return sum(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def register_step_method(model: FSDPModule, name: str) -> None:
+def register_step_method(model: nn.Module, name: str) -> None:
     """`register_fsdp_forward_method` for a Lightning step method, which usually calls `forward` itself.
 
     FSDP2 counts that nested `forward` as a pass of its own: its end marks the root idle, so the step method's end

@@ -21,7 +21,7 @@ from lightning_dist.memory.hidden_size import HIDDEN_SIZE_NAMES
 from lightning_dist.parallel.precision import PRECISIONS
 from lightning_dist.strategies.deepspeed.config.facts import UNKNOWN, TrainingFacts
 from lightning_dist.strategies.deepspeed.config.outputs import missing_monitor_packages
-from lightning_dist.strategies.deepspeed.config.zero import ZeroSection, nvme_path_problem, parameter_offload_problem
+from lightning_dist.strategies.deepspeed.config.zero import ZeroSection, nvme_path_missing, parameter_offload_problem
 
 AUTO = "auto"
 _ABSENT = object()
@@ -235,7 +235,7 @@ class _Resolver:
         if in_file is None and nvme_path:
             self.set(f"{key}.nvme_path", str(nvme_path))
         elif in_file is None:
-            self.problems.append(nvme_path_problem(f"{key}.nvme_path", None, f"{key}.nvme_path or strategy.nvme_path"))
+            self.problems.append(nvme_path_missing(f"{key}.nvme_path", f"{key}.nvme_path or strategy.nvme_path"))
         elif nvme_path and str(in_file) != str(nvme_path):
             self.problems.append(
                 f"{key}.nvme_path={_show(in_file)} but strategy.nvme_path={nvme_path} (make them agree)"

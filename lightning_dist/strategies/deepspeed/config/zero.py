@@ -128,4 +128,8 @@ def parameter_offload_problem(stage: Any, device: str | None, stage_key: str, of
 
 
 def nvme_path_problem(key: str, path: str | None, where: str) -> str | None:
-    return None if path else f"{key}: NVMe offload needs a directory to offload to; set {where}"
+    return None if path else nvme_path_missing(key, where)
+
+
+def nvme_path_missing(key: str, where: str) -> str:
+    return f"{key}: NVMe offload needs a directory to offload to; set {where}"
