@@ -12,10 +12,10 @@ from lightning_dist.checkpoints.formats import (
     DISTRIBUTED,
     FILE,
     CheckpointError,
-    checkpoint_format,
     deepspeed_tag_dir,
 )
 from lightning_dist.checkpoints.safe_load import load_file
+from lightning_dist.checkpoints.source import CheckpointSource
 
 # Lightning's DeepSpeed strategy handed DeepSpeed the module inside a wrapper, and DeepSpeed named parameters by it.
 _WRAPPER_PREFIX = WRAPPED_MODULE_PREFIX
@@ -23,11 +23,13 @@ _WRAPPER_PREFIX = WRAPPED_MODULE_PREFIX
 Shape = tuple[int, ...]
 
 
-def state_dict_shapes(path: str | Path, key: str = "ckpt_path", trusted: bool = False) -> dict[str, Shape | None]:
+def state_dict_shapes(
+    path: str | Path | CheckpointSource, key: str = "ckpt_path", trusted: bool = False
+) -> dict[str, Shape | None]:
     """The model's weights a checkpoint holds, name -> shape (None where the checkpoint does not record it), read
     from metadata or memory-mapped files: no tensor is loaded."""
-    path = Path(path)
-    kind = checkpoint_format(path, key)
+    source = CheckpointSource.of(path, trusted, key)
+    path, kind, trusted = source.path, source.format, source.trusted
     if kind == FILE:
         checkpoint = load_file(path, key, mmap=True, trusted=trusted)
         if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
@@ -80,7 +82,7 @@ def _shape(tensor: Any) -> Shape | None:
 
 
 def check_checkpoint_matches(
-    path: str | Path, expected: dict[str, Shape], key: str = "ckpt_path", trusted: bool = False
+    path: str | Path | CheckpointSource, expected: dict[str, Shape], key: str = "ckpt_path", trusted: bool = False
 ) -> None:
     """CheckpointError when the checkpoint is of another model: its weights' names or shapes differ from the
     model's (`expected`, name -> shape, which a model built on the meta device gives without memory)."""
@@ -90,7 +92,7 @@ def check_checkpoint_matches(
 
 
 def another_model(
-    path: str | Path, expected: dict[str, Shape], key: str = "ckpt_path", trusted: bool = False
+    path: str | Path | CheckpointSource, expected: dict[str, Shape], key: str = "ckpt_path", trusted: bool = False
 ) -> str | None:
     """How the checkpoint's weights differ from the model's (`expected`), or None where they are this model's."""
     found = state_dict_shapes(path, key, trusted)
@@ -109,11 +111,14 @@ def another_model(
     return None
 
 
-def check_autotp_layout(path: str | Path, autotp_target: int | None, key: str = "ckpt_path") -> None:
+def check_autotp_layout(
+    path: str | Path | CheckpointSource, autotp_target: int | None, key: str = "ckpt_path"
+) -> None:
     """CheckpointError unless a DeepSpeed AutoTP checkpoint resumes where DeepSpeed reads it as it is: a DeepSpeed
     strategy (`autotp_target`, its tensor-parallel size; None for any other strategy) of the same size."""
-    path = Path(path)
-    if checkpoint_format(path, key) != DEEPSPEED or (size := autotp_size(path)) == 1 or autotp_target == size:
+    source = CheckpointSource.of(path, key=key)
+    path = source.path
+    if source.format != DEEPSPEED or (size := autotp_size(path)) == 1 or autotp_target == size:
         return
     raise CheckpointError(autotp_refusal(path, size, key))
 

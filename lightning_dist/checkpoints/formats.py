@@ -84,10 +84,11 @@ def _starts_as_a_zip(path: Path) -> bool:
         return file.read(4) == b"PK\x03\x04"
 
 
-def check_complete(path: str | Path, key: str = "ckpt_path") -> None:
-    """CheckpointError unless `path` is a checkpoint whose save finished and was swapped into place."""
+def check_complete(path: str | Path, key: str = "ckpt_path", kind: str | None = None) -> None:
+    """CheckpointError unless `path` is a checkpoint (of format `kind`, worked out when not given) whose save
+    finished and was swapped into place."""
     path = Path(path)
-    checkpoint_format(path, key)
+    kind = kind or checkpoint_format(path, key)
     if path.is_file() and not _starts_as_a_zip(path):
         raise CheckpointError(
             f"{key}: {path} is not a checkpoint: torch.save writes a zip archive, and this file is not one; pass a "

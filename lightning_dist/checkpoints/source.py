@@ -1,6 +1,7 @@
 """One checkpoint being loaded: where it is, its format, and whether its pickles may be read (vetted, or trusted
-by the user). Built once per load and passed down, so that the format is worked out, and the checkpoint vetted,
-once however many steps the load takes (consolidation, resume, the DeepSpeed router)."""
+by the user). Built once, at the edge (run/compose.py), and passed down, so that the format is worked out, and the
+checkpoint vetted, once however many steps the load takes (the checks before launch, consolidation, resume, the
+DeepSpeed router). It is a path as well (`os.fspath`): it travels to the strategy as Lightning's `ckpt_path`."""
 
 from __future__ import annotations
 
@@ -20,10 +21,17 @@ class CheckpointSource:
 
     @classmethod
     def of(cls, path: str | Path | CheckpointSource, trusted: bool = False, key: str = "ckpt_path") -> CheckpointSource:
-        """`path`'s source (a CheckpointError names `key` when it is no checkpoint); a source is returned as it is."""
+        """`path`'s source (a CheckpointError names `key` when it is no checkpoint); a source is returned as it is:
+        its format is not worked out again."""
         if isinstance(path, CheckpointSource):
             return path
         return cls(Path(path), checkpoint_format(path, key), trusted)
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
 
     @property
     def readable(self) -> bool:

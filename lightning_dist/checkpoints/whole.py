@@ -24,6 +24,7 @@ from lightning_dist.checkpoints.formats import (
 from lightning_dist.checkpoints.manifest import has_manifest, manifest_problem, zip_problem
 from lightning_dist.checkpoints.safe_load import load_file
 from lightning_dist.checkpoints.save_id import mixed_save_problem
+from lightning_dist.checkpoints.source import CheckpointSource
 
 
 def first_problem(path: str | Path, trusted: bool = False) -> str | None:
@@ -46,10 +47,11 @@ def is_whole(path: str | Path) -> bool:
     return is_complete(path) and first_problem(path) is None
 
 
-def check_whole(path: str | Path, key: str = "ckpt_path", trusted: bool = False) -> None:
+def check_whole(path: str | Path | CheckpointSource, key: str = "ckpt_path", trusted: bool = False) -> None:
     """CheckpointError, one line naming the file, unless `path` is a finished checkpoint that is whole."""
-    check_complete(path, key)
-    if problem := first_problem(path, trusted):
+    source = CheckpointSource.of(path, trusted, key)
+    check_complete(source.path, key, source.format)
+    if problem := first_problem(source.path, source.trusted):
         raise CheckpointError(
             f"{key}: {path} is damaged: {problem}; pass another checkpoint, or resume=true to continue"
             " from the newest whole one"

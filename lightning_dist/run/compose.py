@@ -19,7 +19,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_dist.checkpoints.contents import check_autotp_layout, check_checkpoint_matches
 from lightning_dist.checkpoints.formats import CheckpointError
-from lightning_dist.checkpoints.safe_load import vet_checkpoint
+from lightning_dist.checkpoints.source import CheckpointSource
 from lightning_dist.checkpoints.whole import check_whole
 from lightning_dist.lifecycle.writable import unwritable_because
 from lightning_dist.memory import AutoFit, ModelFacts
@@ -93,8 +93,7 @@ def build(cfg: DictConfig, resuming: bool = False) -> dict[str, Any]:
         shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}  # meta tensors have them
         if resuming:
             cfg.ckpt_path = checkpoint_to_resume(cfg, shapes)
-        if cfg.get("ckpt_path"):
-            _check_checkpoint(cfg, shapes, strategy)
+        checkpoint = _checked_checkpoint(cfg, shapes, strategy) if cfg.get("ckpt_path") else None
         # `callbacks.<name>=null` switches one off.
         configs = {name: c for name, c in (cfg.get("callbacks") or {}).items() if c is not None}
         callbacks = [instantiate_node(c, f"callbacks.{name}") for name, c in configs.items()]
@@ -105,18 +104,18 @@ def build(cfg: DictConfig, resuming: bool = False) -> dict[str, Any]:
     except CONFIG_MISTAKES as error:
         raise config_error(error) from error
     return {"datamodule": composed.datamodule, "model": model, "trainer": trainer,
-            "strategy_name": composed.strategy_name}
+            "strategy_name": composed.strategy_name, "ckpt_path": checkpoint}
 
 
-def _check_checkpoint(cfg: DictConfig, shapes: dict[str, tuple[int, ...]], strategy: Any) -> None:
-    """The checkpoint to start from is whole, holds this model's weights, suits the strategy and (unless trusted) is
-    vetted: here, once, rather than on every rank after they started."""
-    trusted = cfg.get("trust_checkpoint", False)
-    check_whole(cfg.ckpt_path, trusted=trusted)
-    check_checkpoint_matches(cfg.ckpt_path, shapes, trusted=trusted)
-    check_autotp_layout(cfg.ckpt_path, getattr(strategy, "checkpoint_tensor_parallel", None))
-    if not trusted:
-        vet_checkpoint(cfg.ckpt_path)
+def _checked_checkpoint(cfg: DictConfig, shapes: dict[str, tuple[int, ...]], strategy: Any) -> CheckpointSource:
+    """The checkpoint to start from, its format worked out once: whole, holding this model's weights, suiting the
+    strategy and (unless trusted) vetted, here rather than on every rank after they started. The strategy loads it
+    as it is (it is Lightning's `ckpt_path`)."""
+    source = CheckpointSource.of(cfg.ckpt_path, trusted=cfg.get("trust_checkpoint", False))
+    check_whole(source)
+    check_checkpoint_matches(source, shapes)
+    check_autotp_layout(source, getattr(strategy, "checkpoint_tensor_parallel", None))
+    return source.vet()
 
 
 def _construction(strategy: Any) -> AbstractContextManager:

@@ -69,7 +69,8 @@ def _fit_and_test(cfg: DictConfig) -> dict[str, float]:
     try:
         # weights_only=None leaves the checkpoint to be vetted (safe_load.py); False is the user's opt-in.
         weights_only = False if cfg.get("trust_checkpoint") else None
-        trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=cfg.ckpt_path, weights_only=weights_only)
+        trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=parts["ckpt_path"],
+                    weights_only=weights_only)
     except RuntimeError as error:
         failure = explain_collective_failure(error, trainer)
         if failure is None:

@@ -152,3 +152,41 @@ def test_a_load_works_out_the_format_and_vets_once(tmp_path, monkeypatch):
     assert vetted.readable and calls == {"format": 1, "vet": 1}
     assert CheckpointSource.of(vetted) is vetted
     assert CheckpointSource.of(path, trusted=True).vet().readable and calls["vet"] == 1  # trusted: never vetted
+
+
+def test_the_edge_works_out_a_checkpoint_once_and_hands_the_strategy_that_source(tmp_path, monkeypatch):
+    """`ckpt_path=` is classified and vetted once, before launch: every check (whole, this model's, the layout) and
+    the strategy's load read the one CheckpointSource, which Lightning takes as the path it is."""
+    import os
+    import sys
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from lightning_dist.checkpoints import formats, safe_load
+    from lightning_dist.run.compose import _checked_checkpoint
+
+    path = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "global_step": 3}, path)
+    calls = {"format": 0, "vet": 0}
+    real_format, real_vet = formats.checkpoint_format, safe_load.vet_checkpoint
+
+    def counting(name, real):
+        def count(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return count
+
+    for module in [m for n, m in sys.modules.items() if n.startswith("lightning_dist.")]:  # wherever it was imported
+        for name, real in (("format", real_format), ("vet", real_vet)):
+            attribute = {"format": "checkpoint_format", "vet": "vet_checkpoint"}[name]
+            if getattr(module, attribute, None) is real:
+                monkeypatch.setattr(module, attribute, counting(name, real))
+    cfg = OmegaConf.create({"ckpt_path": str(path), "trust_checkpoint": False})
+    source = _checked_checkpoint(cfg, {"w": (2,)}, SimpleNamespace(checkpoint_tensor_parallel=None))
+    assert calls == {"format": 1, "vet": 1} and source.readable and os.fspath(source) == str(path)
+    # The strategy's side (checkpoints/resume.py, strategies/deepspeed/load.py) takes it as it is.
+    from lightning_dist.checkpoints.source import CheckpointSource
+
+    assert CheckpointSource.of(source) is source and calls["format"] == 1
+    assert torch.load(source, weights_only=True)["global_step"] == 3  # a path to torch, as to Lightning

@@ -105,15 +105,15 @@ def test_fsdp_builds_a_cuda_mesh_and_pins_offloaded_memory(name, rank_1_of_2, mo
 
 
 def test_hybrid_shard_mesh_replicates_across_nodes(rank_1_of_2, monkeypatch):
-    calls = []
-    monkeypatch.setattr(dims_module, "init_device_mesh", lambda *args, **kwargs: calls.append((args, kwargs)) or "mesh")
+    calls, mesh = [], type("Mesh", (), {})()  # a stand-in: the flattened meshes are kept with it
+    monkeypatch.setattr(dims_module, "init_device_mesh", lambda *args, **kwargs: calls.append((args, kwargs)) or mesh)
     monkeypatch.setattr(dims_module, "flatten_mesh_dims", lambda *args: calls.append(args))
     strategy = fsdp_module.FSDPStrategy(sharding_strategy="HYBRID_SHARD")
     strategy.parallel_devices, strategy.cluster_environment, strategy.num_nodes = CUDA_DEVICES, LightningEnvironment(), 3
     strategy.parallel_dims.build_mesh(strategy.root_device.type)
     assert calls == [
         (("cuda", (3, 2, 1)), {"mesh_dim_names": ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel")}),
-        ("mesh", ("data_parallel_replicate", "data_parallel_shard"), "data_parallel"),
+        (mesh, ("data_parallel_replicate", "data_parallel_shard"), "data_parallel"),
     ]
 
 

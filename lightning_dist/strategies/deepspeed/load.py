@@ -156,8 +156,8 @@ def load_deepspeed_checkpoint(strategy: DeepSpeedRanks, checkpoint_path: Any, we
     """The checkpoint loader of our DeepSpeed strategy: a DeepSpeed directory that the engine reads as it is goes to
     `load_natively` (Lightning's loader); one written by another number of ranks is converted to DeepSpeed's
     universal form first; anything else (DDP, FSDP, another ZeRO layout) is consolidated on rank 0 and partitioned."""
-    checkpoint_path = strategy.broadcast(checkpoint_path)
-    source = CheckpointSource.of(checkpoint_path, trusted=weights_only is False)
+    source = CheckpointSource.of(strategy.broadcast(checkpoint_path), trusted=weights_only is False)
+    checkpoint_path = str(source.path)  # what DeepSpeed and Lightning read
     native = source.format == DEEPSPEED
     if native:
         source = source.vet()  # DeepSpeed unpickles its shards with weights_only=False

@@ -24,12 +24,12 @@ from lightning_dist._compat.deepspeed import universal_checkpoint_loading
 from lightning_dist.checkpoints.formats import (
     DEEPSPEED,
     CheckpointError,
-    checkpoint_format,
     command_exit,
     deepspeed_tag_dir,
 )
 from lightning_dist.checkpoints.ranks import Ranks
 from lightning_dist.checkpoints.safe_load import load_file
+from lightning_dist.checkpoints.source import CheckpointSource
 
 LATEST_UNIVERSAL = "latest_universal"  # written last by ds_to_universal: its presence means a finished conversion
 
@@ -42,10 +42,11 @@ def saved_run(path: str | Path) -> tuple[int | None, dict[str, Any]]:
     return saved.get("dp_world_size"), saved.get("ds_config") or {}
 
 
-def ensure_universal(path: str | Path) -> Path:
+def ensure_universal(path: str | Path | CheckpointSource) -> Path:
     """The universal form of the DeepSpeed checkpoint at `path`, made now unless an earlier conversion finished."""
-    path = Path(path)
-    if checkpoint_format(path) != DEEPSPEED:
+    source = CheckpointSource.of(path)
+    path = source.path
+    if source.format != DEEPSPEED:
         raise CheckpointError(
             f"ckpt_path: {path} is not a DeepSpeed checkpoint directory; only those convert to universal"
         )
