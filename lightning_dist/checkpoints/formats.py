@@ -88,7 +88,8 @@ def check_complete(path: str | Path, key: str = "ckpt_path", kind: str | None = 
     """CheckpointError unless `path` is a checkpoint (of format `kind`, worked out when not given) whose save
     finished and was swapped into place."""
     path = Path(path)
-    kind = kind or checkpoint_format(path, key)
+    if kind is None:
+        checkpoint_format(path, key)  # a CheckpointError for what is no checkpoint
     if path.is_file() and not _starts_as_a_zip(path):
         raise CheckpointError(
             f"{key}: {path} is not a checkpoint: torch.save writes a zip archive, and this file is not one; pass a "

@@ -35,13 +35,3 @@ class Ranks(Protocol):
     def barrier(self, name: str | None = None) -> None: ...
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool: ...
-
-
-class DeepSpeedRanks(Ranks, Protocol):
-    """The DeepSpeed strategy's ranks: its engine and its resolved config as well."""
-
-    @property
-    def deepspeed_engine(self) -> Any: ...
-
-    @property
-    def config(self) -> Any: ...

@@ -9,7 +9,7 @@ than one full parameter beyond its partitions.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -18,13 +18,23 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_dist._compat.deepspeed import point_parameters_at_optimizer_state
 from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError
 from lightning_dist.checkpoints.gather import plain_name
-from lightning_dist.checkpoints.ranks import DeepSpeedRanks, Ranks
+from lightning_dist.checkpoints.ranks import Ranks
 from lightning_dist.checkpoints.resume import OPTIMIZER_KEYS, load_for_resume, optimizer_state_by_name
 from lightning_dist.checkpoints.source import CheckpointSource
 from lightning_dist.strategies.deepspeed.config.zero import ZeroSection
 from lightning_dist.strategies.deepspeed.universal import convert_on_rank_zero, loading_universal, saved_run
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class DeepSpeedRanks(Ranks, Protocol):
+    """The DeepSpeed strategy's ranks: its engine and its resolved config as well."""
+
+    @property
+    def deepspeed_engine(self) -> Any: ...
+
+    @property
+    def config(self) -> Any: ...
 
 
 def load_into_engine(strategy: DeepSpeedRanks, checkpoint: dict[str, Any], strict: bool) -> None:
