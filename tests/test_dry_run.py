@@ -147,7 +147,9 @@ def test_zero_3_on_fake_host_devices_partitions_every_weight_flat(monkeypatch):
     strategy = DeepSpeedStrategy(config={"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
     (view,) = dry_run_ranks(strategy, partial(GPTLanguageModel, vocab_size=256), batch, "32-true", devices=4,
                             num_nodes=2, ranks=(6,))
-    assert view.coordinate == {"data_parallel": 6, "tensor_parallel": 0} and view.engine == "deepspeed"
+    # ZeRO's own tracker categories (its engine's buffers, its step's temporaries) beside the plan's.
+    assert view.coordinate == {"data_parallel": 6, "tensor_parallel": 0}
+    assert view.planned_as["ENGINE_BUFFERS"] == "gradient_bucket"
     shards = {name: (whole, local) for name, whole, local, _ in view.shards}
     assert shards["model.blocks.0.mlp.0.weight"] == ((512, 128), (512 * 128 // 8,))
     parameters = 875_264  # fp32 under 32-true: an eighth of every weight, its gradient, master copy and moments

@@ -169,6 +169,21 @@ def test_the_planner_and_the_dry_run_ask_a_strategy_and_never_switch_on_its_type
     assert [line.split(":")[0] for line in type_switches(source)] == ["1", "2"]
 
 
+def engine_label_reads(source: str) -> list[str]:
+    """Each read of an `engine` attribute (a layout's or a view's label) in `source`."""
+    return [f"{node.lineno}: {ast.get_source_segment(source, node)}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr == "engine" and isinstance(node.ctx, ast.Load)]
+
+
+def test_the_planner_and_the_dry_run_read_what_an_engine_does_never_its_name():
+    """A layout says how its engine keeps state (fp32 master weights, bucket rebuilds, ...) and a rank view which
+    plan category each tracker category is: nothing below the strategies branches on which engine it is."""
+    reading = {str(path.relative_to(REPO)): found for folder in ASK_BY_PROTOCOL
+               for path in sorted((PACKAGE / folder).rglob("*.py")) if (found := engine_label_reads(path.read_text()))}
+    assert reading == {}
+    assert [line.split(":")[0] for line in engine_label_reads("if layout.engine == 'x': layout.engine = 'y'\n")] == ["1"]
+
+
 # The engines the strategies' slices hold. Below them, no module imports an engine or names an engine's type; DeepSpeed's
 # checkpoint files are read with `zero_to_fp32`, the converter DeepSpeed ships (and copies into every checkpoint) to
 # read them without an engine, or through the fence.

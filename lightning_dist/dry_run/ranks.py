@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -47,6 +47,13 @@ CATEGORIES = {
 Shard = tuple[str, tuple[int, ...], tuple[int, ...], str]  # name, global shape, local shape, placements
 
 
+# The plan's categories beside the memory tracker's that count the same bytes, as torch's trackers name them; an
+# engine whose replay names categories of its own gives its views its own map.
+PLANNED_AS = {"SHARDED_PARAM": "parameters", "SHARDED_GRAD": "gradients", "OPT": "optimizer_state",
+              "PARAM": "parameters", "OTH": "gradients", "REDUCE_SCATTER": "reduce_scatter_buffer",
+              "UNSHARDED_PARAM": "gathered_parameters", "BUFFER": "buffers", "ACT": "activations"}
+
+
 @dataclass(frozen=True)
 class RankView:
     """One rank of the dry run: where it sits in the mesh, what it holds of each parameter, its peak by category."""
@@ -56,7 +63,7 @@ class RankView:
     shards: list[Shard]
     peak: dict[str, int]  # bytes on the rank's device, by CATEGORIES' key, and "Total"
     host: int = 0  # bytes in host memory at its peak (offloaded state), where the device is not the host
-    engine: str = "torch"  # or "deepspeed": which of the plan's categories each of the tracker's counts
+    planned_as: dict[str, str] = field(default_factory=lambda: PLANNED_AS)  # the plan's category of each of peak's
 
 
 def dry_run_refusal(strategy: Any) -> str | None:
@@ -178,16 +185,6 @@ def shards_of(model: nn.Module, block_classes: tuple[type[nn.Module], ...],
 
 HEADROOM = AutoFit.headroom  # of a device's memory: what a plan or a dry run may fill
 
-# The plan's categories beside the tracker's that count the same bytes, for each engine.
-PLANNED_AS = {
-    "torch": {"SHARDED_PARAM": "parameters", "SHARDED_GRAD": "gradients", "OPT": "optimizer_state",
-              "PARAM": "parameters", "OTH": "gradients", "REDUCE_SCATTER": "reduce_scatter_buffer",
-              "UNSHARDED_PARAM": "gathered_parameters", "BUFFER": "buffers", "ACT": "activations"},
-    "deepspeed": {"SHARDED_PARAM": "parameters", "PARAM": "parameters", "SHARDED_GRAD": "gradients",
-                  "GRAD": "gradients", "OPT": "optimizer_state", "UNSHARDED_PARAM": "gathered_parameters",
-                  "ENGINE_BUFFERS": "gradient_bucket", "TEMP": "optimizer_step", "BUFFER": "buffers",
-                  "ACT": "activations"},
-}
 
 
 def table(views: list[RankView], name: str, precision: str, devices: int, num_nodes: int,
@@ -205,7 +202,7 @@ def table(views: list[RankView], name: str, precision: str, devices: int, num_no
     ranks = " | ".join(f"rank {view.rank} ({unit})" for view in views)
     lines += ["", f"| category | {ranks} | plan ({unit}) |", "|---|" + "---:|" * (len(views) + 1)]
     shown = set()
-    planned_as = PLANNED_AS[views[0].engine]
+    planned_as = views[0].planned_as
     for key, label in CATEGORIES.items():
         plan_key = planned_as.get(key, "")
         tracked = any(key in view.peak for view in views)  # FSDP's tracker and the module tracker differ

@@ -17,7 +17,7 @@ from lightning_dist.parallel.dims import ParallelDims
 @dataclass(frozen=True)
 class Layout:
     name: str
-    engine: str                        # "torch" (DDP, FSDP) or "deepspeed": they keep different copies
+    engine: str                        # the engine's name, as reports show it; the planner reads the fields below
     shard_parameters: bool = False
     shard_gradients: bool = False
     shard_optimizer: bool = False
@@ -41,6 +41,13 @@ class Layout:
     replicate_across_nodes: bool = False  # HSDP: sharded within a node, one copy of the shards per node
     tensor_parallel: int = 1           # ranks that split each planned layer (FSDP + TP, DeepSpeed AutoTP)
     data_parallel_replicate: int | None = None  # groups replicating the shards; unset: per node under HSDP
+    # How the engine keeps and moves its state, where engines differ (each slice's `memory_layout` says):
+    fp32_master_weights: bool = False  # 16-bit parameters and gradients beside fp32 master weights (ZeRO)
+    host_gradient_copies: bool = False  # an offloaded step keeps fp32 copies of the gradient partitions (ZeRO)
+    offload_staging_buffer: bool = False  # offloaded gradients pass through a buffer of the largest parameter
+    autocast_weight_copies: bool = False  # autocast keeps a 16-bit copy of each whole weight used (DDP)
+    bucket_rebuild: bool = False       # gradient buckets rebuilt at the second step, beside the old ones (DDP)
+    reduce_scatter_per_block: bool = False  # a block's whole gradients reduce-scattered from their own buffer (FSDP2)
 
     def parallel_dims(self, devices: int, num_nodes: int) -> ParallelDims:
         """How `devices` x `num_nodes` ranks hold this layout's state: replicated, sharded by all, HSDP's shards

@@ -30,7 +30,7 @@ class StateBytes(NamedTuple):
     moment: int       # per optimizer moment
 
 
-def state_bytes(engine: str, precision: str, optimizer: str = "adamw") -> tuple[StateBytes, int]:
+def state_bytes(fp32_master_weights: bool, precision: str, optimizer: str = "adamw") -> tuple[StateBytes, int]:
     """(bytes per parameter of each kind, number of optimizer moments)."""
     if optimizer not in OPTIMIZER_MOMENTS:
         raise ValueError(
@@ -38,7 +38,7 @@ def state_bytes(engine: str, precision: str, optimizer: str = "adamw") -> tuple[
         )
     moments = OPTIMIZER_MOMENTS[optimizer]
     half = precision in HALF_PRECISIONS
-    if engine == "deepspeed":
+    if fp32_master_weights:
         return (StateBytes(2, 2, 4, 4) if half else StateBytes(4, 4, 4, 4)), moments
     if precision.endswith("-true") and half:  # the module itself in 16-bit: no fp32 copy anywhere
         return StateBytes(2, 2, 0, 2), moments
@@ -107,7 +107,7 @@ def plan_memory(
     block's parameters are nearly all in them) and the activations it splits by the same rule as Megatron-LM's."""
     dims = dims or layout.parallel_dims(devices, num_nodes)
     world = dims.world_size
-    size, moments = state_bytes(layout.engine, precision, optimizer or facts.optimizer)
+    size, moments = state_bytes(layout.fp32_master_weights, precision, optimizer or facts.optimizer)
     split = facts.parameters if facts.tensor_parallel_parameters is None else facts.tensor_parallel_parameters
     n = facts.parameters - split + math.ceil(split / dims.tp)  # the layers tensor parallelism splits, and the rest
 
@@ -116,7 +116,7 @@ def plan_memory(
 
     gradients_offload = layout.offload_optimizer if layout.shard_gradients else None
     host_gradient = size.gradient
-    if layout.engine == "deepspeed" and gradients_offload:
+    if layout.host_gradient_copies and gradients_offload:
         # The host optimizer steps on fp32 copies of the gradient partitions, which stay in the gradient dtype
         # beside them (a dry run of every offload preset shows both).
         host_gradient = size.gradient + size.master
@@ -138,7 +138,7 @@ def plan_memory(
         else:
             (plan.host if offload == "cpu" else plan.nvme)[name] = value * devices
     plan.host.update(_swap_buffers(facts, layout, size, dims.dp_shard, devices))
-    if layout.engine == "deepspeed" and gradients_offload and not layout.shard_parameters:
+    if layout.offload_staging_buffer and gradients_offload:
         # ZeRO-1/2 move each gradient to the host through a buffer the size of the largest parameter, one on the
         # device and one pinned in host memory.
         staging = max(facts.parameter_sizes, default=0) * size.gradient
@@ -156,11 +156,11 @@ def plan_memory(
         # SHARD_GRAD_OP, which keeps them from forward to backward.
         gathered = n if layout.keep_gathered else 2 * (math.ceil(facts.largest_block / dims.tp) or n)
         plan.device["gathered_parameters"] = min(gathered, n) * compute_bytes
-    if layout.engine == "torch" and not layout.shard_parameters and precision in ("bf16-mixed", "16-mixed"):
+    if layout.autocast_weight_copies and precision in ("bf16-mixed", "16-mixed"):
         # Autocast casts each fp32 weight to 16 bits as forward uses it and keeps the copy: matrix products save
         # their inputs for backward. At backward's start every weight has its copy (the dry run shows them).
         plan.device["autocast_weight_copies"] = n * 2
-    if layout.engine == "torch" and not layout.shard_gradients:
+    if layout.bucket_rebuild:
         # DDP rebuilds its gradient buckets at the start of the second step, in the order gradients arrived: the
         # new buckets are allocated while the old ones (the gradients themselves, as bucket views) still exist.
         plan.device["bucket_rebuild"] = n * size.gradient
@@ -185,7 +185,7 @@ def plan_memory(
         activations = activations * (10 + 24 / dims.tp) / 34
     # Traced in fp32; a 16-bit run saves (about) half.
     plan.device["activations"] = (activations or 0) * compute_bytes / 4
-    if layout.engine == "torch" and layout.shard_gradients:
+    if layout.reduce_scatter_per_block:
         # FSDP2 reduce-scatters each block's whole gradients from a buffer of their own, while the next block
         # computes; its sharded gradients appear block by block as backward frees the activations.
         plan.device["reduce_scatter_buffer"] = (math.ceil(facts.largest_block / dims.tp) or n) * size.gradient

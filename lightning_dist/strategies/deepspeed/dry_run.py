@@ -66,6 +66,12 @@ FAKE_RUN_WARNINGS = (r"Accessing the data pointer of FakeTensor is deprecated",
                      r"`torch\.distributed\.\w+` is deprecated")
 
 
+# The plan's categories beside this replay's tracker categories (ZeRO's engine buffers and step temporaries too).
+ZERO_PLANNED_AS = {"SHARDED_PARAM": "parameters", "PARAM": "parameters", "SHARDED_GRAD": "gradients",
+                   "GRAD": "gradients", "OPT": "optimizer_state", "UNSHARDED_PARAM": "gathered_parameters",
+                   "ENGINE_BUFFERS": "gradient_bucket", "TEMP": "optimizer_step", "BUFFER": "buffers",
+                   "ACT": "activations"}
+
 def tracker_categories(parameters_sharded: bool) -> dict[str, str]:
     """The tracker's categories for a ZeRO engine: its own (values as torch's tracker names them), renamed where
     ZeRO means something else by them, and ZeRO-3's partitions, found where DeepSpeed keeps them."""
@@ -218,7 +224,7 @@ def rank_view(strategy: Any, build: Callable[[], nn.Module], batch: Any, precisi
     peak = next(categories for device, categories in by_device.items() if device.startswith(device_type))
     host = by_device.get("cpu", {}).get("Total", 0) if device_type != "cpu" else 0
     shards = shards_of(module, strategy.blocks.classes_in(module), _zero3_row)
-    return RankView(rank, coordinate, shards, peak, host, "deepspeed")
+    return RankView(rank, coordinate, shards, peak, host, ZERO_PLANNED_AS)
 
 
 def _zero3_row(name: str, parameter: torch.nn.Parameter) -> Shard | None:

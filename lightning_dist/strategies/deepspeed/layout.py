@@ -55,6 +55,9 @@ def zero_layout(strategy: Any, name: str) -> Layout:
         optimizer_swap_buffers=int(optimizer_swaps),
         tensor_parallel=strategy.tensor_parallel_size,  # AutoTP
         activation_checkpointing=strategy.activation_checkpointing,
+        fp32_master_weights=True,
+        host_gradient_copies=True,
+        offload_staging_buffer=stage < 3,  # ZeRO-1/2 move each gradient to the host; ZeRO-3's partitions go whole
     )
 
 

@@ -62,8 +62,9 @@ class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
         return super()._setup_model(model)
 
     def memory_layout(self, name: str) -> Layout:
-        # Everything replicated, nothing offloaded.
-        return Layout(name, "torch", activation_checkpointing=self.activation_checkpointing)
+        # Everything replicated, nothing offloaded; autocast's weight copies, and the buckets rebuilt at step 2.
+        return Layout(name, "torch", activation_checkpointing=self.activation_checkpointing,
+                      autocast_weight_copies=True, bucket_rebuild=True)
 
     @property
     def parallel_dims(self) -> ParallelDims:

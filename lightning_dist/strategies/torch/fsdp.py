@@ -141,6 +141,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
             keep_gathered=not self.reshard_after_forward, offload_optimizer=offload, offload_parameters=offload,
             activation_checkpointing=self.activation_checkpointing, replicate_across_nodes=self.hybrid,
             tensor_parallel=self.tensor_parallel_size, data_parallel_replicate=self.data_parallel_replicate_size,
+            reduce_scatter_per_block=True,
         )
 
     @property
