@@ -186,7 +186,6 @@ def shards_of(model: nn.Module, block_classes: tuple[type[nn.Module], ...],
 HEADROOM = AutoFit.headroom  # of a device's memory: what a plan or a dry run may fill
 
 
-
 def table(views: list[RankView], name: str, precision: str, devices: int, num_nodes: int,
           planned: dict[str, float], where: str = "on fake CPU devices", planned_host: float = 0.0,
           device_memory_gb: float = 80.0, planned_nvme: float = 0.0) -> str:

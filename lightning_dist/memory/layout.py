@@ -17,7 +17,7 @@ from lightning_dist.parallel.dims import ParallelDims
 @dataclass(frozen=True)
 class Layout:
     name: str
-    engine: str                        # the engine's name, as reports show it; the planner reads the fields below
+    engine: str                        # which engine's layout this is: a label, never read by the planner
     shard_parameters: bool = False
     shard_gradients: bool = False
     shard_optimizer: bool = False
