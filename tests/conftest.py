@@ -298,7 +298,10 @@ def nvme_ops(deepspeed_ops) -> None:
     assert missing is None, missing
 
 
-ACCEPTANCE_OVERRIDES = ("trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=20", *BATCH_PROBE)
+# Every acceptance run also counts its host reads per step (conf/callbacks/host_syncs.yaml: what a user adds to find
+# them), which tests/callbacks/test_host_syncs.py reads.
+ACCEPTANCE_OVERRIDES = ("trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=20", "callbacks=[default,host_syncs]",
+                        *BATCH_PROBE)
 
 
 @pytest.fixture(scope="session")

@@ -63,7 +63,49 @@ FENCED = [
     Fenced("deepspeed.runtime.zero.config", "ZeroStageEnum"),
     Fenced("deepspeed.utils.tensor_fragment", "fragment_address"),
     Fenced("deepspeed.runtime.zero.partition_parameters", "GatheredParameters"),
+    # The ZeRO optimizers' test of the gradient norm after every step, a read on the host (read_gradient_norm_on_host).
+    Fenced("deepspeed.runtime.utils", "is_invalid_grad_norm", ("norm",)),
+    Fenced("deepspeed.runtime.zero.stage_1_and_2", "is_invalid_grad_norm", ("norm",)),
+    Fenced("deepspeed.runtime.zero.stage3", "is_invalid_grad_norm", ("norm",)),
+    # ZeRO-1/2's own tests for non-finite gradients (overflow_tested_on_host): the first runs before each step where
+    # its `check_grad_overflow` is set.
+    Fenced("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.check_overflow", ("self",)),
+    Fenced("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.update_offload_overflow_tracker", ("self",)),
 ]
+
+_NORM_TESTERS = ("deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3")
+
+
+def read_gradient_norm_on_host(read: bool) -> None:
+    """Whether the ZeRO optimizers read the gradient norm on the host after every step to skip a step whose norm is
+    not finite (DeepSpeed's way; `bool(tensor)`, on a GPU a wait for the device every step), or take every step and
+    leave the norm, a tensor on the device, to be judged by whoever asks for it (the training monitor's non-finite
+    stop, within its `check_every_n_steps`). Not for fp16 training: its loss scaler learns from the skipped steps.
+    A norm that is not a tensor is still tested (it is on the host already)."""
+    import importlib
+
+    from deepspeed.runtime.utils import is_invalid_grad_norm
+
+    def judged_elsewhere(norm: Any) -> bool:
+        return False if torch.is_tensor(norm) else is_invalid_grad_norm(norm)
+
+    for name in _NORM_TESTERS:
+        importlib.import_module(name).is_invalid_grad_norm = is_invalid_grad_norm if read else judged_elsewhere
+
+
+def overflow_tested_on_host(optimizer: Any, tested: bool) -> None:
+    """Whether ZeRO-1/2's `optimizer` tests its gradients for non-finite values before every step, as DeepSpeed does
+    under bf16 (`bf16.check_grad_overflow`: a flag all-reduced and read on the host), and, with the optimizer
+    offloaded, tests each gradient as it leaves for the host (a read per parameter), or leaves that to the caller
+    (see read_gradient_norm_on_host). ZeRO-3 tests only under fp16; its optimizer has neither."""
+    if not hasattr(optimizer, "check_grad_overflow"):
+        return
+    kept = optimizer.__dict__.setdefault("_check_grad_overflow_as_configured", optimizer.check_grad_overflow)
+    optimizer.check_grad_overflow = kept if tested else False
+    if tested:
+        optimizer.__dict__.pop("update_offload_overflow_tracker", None)
+    else:
+        optimizer.update_offload_overflow_tracker = lambda grad: None
 
 
 def skip_shared_memory_comm_op() -> None:

@@ -11,6 +11,7 @@ import csv
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+from unittest import mock
 
 import torch
 from lightning.fabric.connector import _convert_precision_to_unified_args
@@ -27,6 +28,8 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
+from lightning.pytorch.trainer.connectors.logger_connector import result as logged_results
+from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 
 from lightning_dist._compat.fenced import Fenced
 
@@ -56,6 +59,9 @@ __all__ = [
     "logs_this_step",
     "move_optimizers_to_device",
     "module_optimizers",
+    "read_bar_values_at_refresh",
+    "step_in_progress",
+    "broadcast_sigterm_at_logging_steps",
     "remove_module_hooks",
     "set_threads_for_ranks",
     "train_data_source",
@@ -121,6 +127,13 @@ FENCED = [
     Fenced("lightning.fabric.loggers.csv_logs", "_ExperimentWriter._check_log_dir_exists", ("self",)),
     Fenced("lightning.fabric.loggers.csv_logs", "_ExperimentWriter._record_new_keys", ("self",)),
     Fenced("lightning.fabric.loggers.csv_logs", "_ExperimentWriter._rewrite_with_new_header", ("self", "fieldnames")),
+    # The progress bar's values, turned into Python numbers after every batch (read_bar_values_at_refresh).
+    Fenced("lightning.pytorch.trainer.connectors.logger_connector.logger_connector", "_LoggerConnector.metrics"),
+    Fenced("lightning.pytorch.trainer.connectors.logger_connector.logger_connector",
+           "_LoggerConnector.progress_bar_metrics"),
+    Fenced("lightning.pytorch.trainer.connectors.logger_connector.result", "convert_tensors_to_scalars", ("data",)),
+    # Every rank's SIGTERM flag, broadcast and read before every batch (broadcast_sigterm_at_logging_steps).
+    Fenced("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor", ("self",)),
 ]
 
 # Lightning's private hooks and attributes that our strategies (strategies/: the classes and their mixins) override,
@@ -228,9 +241,54 @@ def train_data_source(trainer: Any) -> Any:
     return trainer.fit_loop._data_source
 
 
+def step_in_progress(trainer: Any) -> int:
+    """The optimizer step the fit loop is running, from before it fetches the step's batch until it begins the next:
+    the count of steps it has finished (`trainer.global_step` moves on in the middle of the step)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
 def logs_this_step(trainer: Any) -> bool:
     """Whether the loggers write at this step (every `log_every_n_steps`, and at the last)."""
     return trainer._logger_connector.should_update_logs
+
+
+class _BarValuesReadAtRefresh(_LoggerConnector):
+    """Lightning's logger connector, except that the progress bar's values stay the tensors the module logged until
+    the bar reads them (`progress_bar_metrics`, at its refresh). Lightning's turns them into Python numbers after
+    every batch, whether or not the bar redraws: on a GPU, a wait for the device at every step."""
+
+    @property
+    def metrics(self) -> Any:
+        with mock.patch.object(logged_results, "convert_tensors_to_scalars", lambda values: values):
+            return super().metrics
+
+    @property
+    def progress_bar_metrics(self) -> Any:
+        return logged_results.convert_tensors_to_scalars(super().progress_bar_metrics)
+
+
+def read_bar_values_at_refresh(trainer: Any) -> None:
+    """Make `trainer` read its progress bar's values on the host only when the bar asks for them. The bar shows what
+    it showed before: the values as of its last refresh."""
+    connector = trainer._logger_connector
+    if type(connector) is _LoggerConnector:  # Lightning's own (a connector of the user's is left alone)
+        connector.__class__ = _BarValuesReadAtRefresh
+
+
+def broadcast_sigterm_at_logging_steps(trainer: Any) -> None:
+    """Make the ranks agree on a SIGTERM at the steps the loggers write rather than before every batch. Lightning's
+    agreement is a broadcast read on the host: on a GPU, a wait for the device at every step. A job told to stop
+    now stops within `log_every_n_steps` steps (at every step where that is 0)."""
+    loop = trainer.fit_loop.epoch_loop
+    if "_broadcast_sigterm_tensor" in vars(loop):  # done already, or replaced by someone else
+        return
+    broadcast = loop._broadcast_sigterm_tensor
+
+    def at_logging_steps() -> None:
+        if not trainer.log_every_n_steps or logs_this_step(trainer):
+            broadcast()
+
+    loop._broadcast_sigterm_tensor = at_logging_steps
 
 
 def label_logged_rows_by_global_step(trainer: Any) -> None:

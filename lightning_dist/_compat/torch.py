@@ -31,6 +31,7 @@ __all__ = [
     "cpu_supports_fp16",
     "default_process_group_store",
     "extension_build_lock",
+    "host_sync_kind",
     "flatten_mesh_dims",
     "forward_hook_tables",
     "fsdp_param_groups",
@@ -343,3 +344,30 @@ def attention_function_replaced(replacement: Callable[..., torch.Tensor]) -> Ite
         F.scaled_dot_product_attention = original
 
 
+
+
+_aten = torch.ops.aten
+# Ops whose output's size (or Python result) depends on the values: the host waits for the device to run them.
+_DATA_DEPENDENT = frozenset({
+    _aten.nonzero.default, _aten.masked_select.default, _aten._unique2.default, _aten.unique_dim.default,
+    _aten.unique_consecutive.default, _aten.equal.default, _aten.is_nonzero.default, _aten.bincount.default,
+    _aten.repeat_interleave.Tensor,
+})
+
+
+def host_sync_kind(func: Any, args: tuple, kwargs: dict) -> str | None:
+    """What a dispatched op makes the host wait for, or None: "read" (a value read on the host: `.item()`,
+    `float(t)`, `bool(t)`), "data-dependent" (an output sized by the values), "copy to host" (from a device)."""
+    if func is _aten._local_scalar_dense.default:
+        return "read"
+    if func in _DATA_DEPENDENT:
+        return "data-dependent"
+    if func is _aten._to_copy.default:
+        target = kwargs.get("device")
+        to_host = target is not None and torch.device(target).type == "cpu" and args[0].device.type != "cpu"
+        return "copy to host" if to_host else None
+    if func is _aten.copy_.default:
+        destination, source = args[0], args[1]
+        to_host = destination.device.type == "cpu" and isinstance(source, torch.Tensor) and source.device.type != "cpu"
+        return "copy to host" if to_host else None
+    return None

@@ -1,3 +1,4 @@
+from lightning_dist.callbacks.host_syncs import HostSyncs
 from lightning_dist.callbacks.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from lightning_dist.callbacks.progress import StepProgressBar
 from lightning_dist.callbacks.run_summary import RunSummary
@@ -5,6 +6,7 @@ from lightning_dist.callbacks.training_monitor import NonFiniteError, TrainingMo
 from lightning_dist.callbacks.validate_at_max_steps import ValidateAtMaxSteps
 
 __all__ = [
+    "HostSyncs",
     "NonFiniteError",
     "PREEMPTED_EXIT_CODE",
     "Preempted",

@@ -4,8 +4,10 @@ exit code that says "resume me".
 Schedulers warn before they kill: SLURM sends SIGTERM (or the signal of `--signal`, e.g. USR1 or submitit's USR2)
 some seconds before SIGKILL. Lightning's own handlers act inside the signal handler, at whatever point the rank
 happened to be, and each rank on its own: a collective there (its SIGTERM broadcast, its SLURM checkpoint) can pair
-with another rank's gradient all-reduce. Here the handler only notes the signal; at the end of the step, all ranks
-agree (one tiny all-reduce: any rank told means all stop), save together, and leave together.
+with another rank's gradient all-reduce. Here the handler only notes the signal; at the end of a step the loggers
+write (every `log_every_n_steps`, or `check_every_n_steps`), all ranks agree (one tiny all-reduce: any rank told
+means all stop), save together, and leave together. The agreement is read on the host, so it waits for the device:
+at a logging step it waits anyway; every step, it would keep a GPU's host from running ahead.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
+
+from lightning_dist._compat.lightning import broadcast_sigterm_at_logging_steps
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +48,20 @@ class Preempted(SIGTERMException):
 
 
 class Preemption(L.Callback):
-    """On any of `signals`, finish the step, save `last`, requeue under SLURM (`requeue`), exit with code 75."""
+    """On any of `signals`, finish the step, save `last`, requeue under SLURM (`requeue`), exit with code 75.
 
-    def __init__(self, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGUSR2"), requeue: bool = True) -> None:
+    check_every_n_steps: how often the ranks compare notes; default: the trainer's `log_every_n_steps`. The job
+        stops within that many steps of the notice: choose it so that they fit in the scheduler's warning.
+    """
+
+    def __init__(self, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGUSR2"), requeue: bool = True,
+                 check_every_n_steps: int | None = None) -> None:
+        if check_every_n_steps is not None and check_every_n_steps < 1:
+            raise ValueError(
+                f"callbacks.preemption.check_every_n_steps: {check_every_n_steps} is not a positive number of steps;"
+                " choose 1 or more, or null"
+            )
+        self.check_every_n_steps = check_every_n_steps
         unknown = [name for name in signals if not isinstance(getattr(signal, str(name), None), signal.Signals)]
         if unknown:
             raise ValueError(
@@ -67,6 +82,11 @@ class Preemption(L.Callback):
     def _install(self) -> None:
         for signum in self.signals:
             signal.signal(signum, self._note)
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Lightning's own SIGTERM agreement, a read every step on every rank, is needed only at the steps it can act.
+        broadcast_sigterm_at_logging_steps(trainer)
 
     # Lightning installs its own handlers after `on_fit_start`; these hooks come after that, and before any step.
     @override
@@ -97,6 +117,9 @@ class Preemption(L.Callback):
         told = self.received is not None
         if trainer.world_size == 1 or not dist.is_initialized():
             return told
+        every = self.check_every_n_steps or trainer.log_every_n_steps or 1  # type: ignore[attr-defined]
+        if trainer.global_step % every:  # the same steps on every rank: a collective all of them take part in
+            return False
         flag = torch.tensor([int(told)], device=trainer.strategy.root_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

@@ -12,6 +12,8 @@ import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
 
+from lightning_dist._compat.lightning import read_bar_values_at_refresh
+
 STEP_BAR_FORMAT = (
     "{desc}step {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}, {rate_noinv_fmt}{postfix}]"
 )
@@ -19,7 +21,13 @@ STEP_BAR_FORMAT = (
 
 class StepProgressBar(TQDMProgressBar):
     """Lightning's TQDM bar, over optimizer steps (`trainer.global_step`, so accumulation counts once per step and a
-    resumed run starts where it stopped) when the run is step-bounded; per epoch, as Lightning's, otherwise."""
+    resumed run starts where it stopped) when the run is step-bounded; per epoch, as Lightning's, otherwise. The
+    values it shows are read on the host when it redraws, not after every batch."""
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        read_bar_values_at_refresh(trainer)
 
     @override
     def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
@@ -63,3 +71,19 @@ class StepProgressBar(TQDMProgressBar):
 
 def _step_bounded(trainer: L.Trainer) -> bool:
     return trainer.max_steps is not None and trainer.max_steps > 0
+
+
+def refreshes_after(trainer: L.Trainer, batch_idx: int) -> bool:
+    """Whether the trainer's progress bar redraws its values after this training batch (and so reads them on the
+    host). Lightning's TQDM bars redraw every `refresh_rate` batches (this one: optimizer steps); its Rich bar after
+    every batch."""
+    bar = trainer.progress_bar_callback
+    if bar is None or not getattr(bar, "is_enabled", True):
+        return False
+    if isinstance(bar, StepProgressBar) and _step_bounded(trainer):
+        count, total = trainer.global_step + 1, trainer.max_steps
+    elif isinstance(bar, TQDMProgressBar):
+        count, total = batch_idx + 1, bar.train_progress_bar.total
+    else:
+        return True
+    return bool(bar.refresh_rate) and (count % bar.refresh_rate == 0 or count == total)

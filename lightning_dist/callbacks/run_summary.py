@@ -15,6 +15,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from lightning_dist._compat.lightning import logs_this_step
 from lightning_dist.memory.measure import model_state_bytes
 from lightning_dist.parallel.devices import gather_numbers, gather_objects
 from lightning_dist.parallel.dims import parallel_dims_of
@@ -24,12 +25,12 @@ from lightning_dist.reports.flops import Utilisation
 
 class RunSummary(L.Callback):
     """Records the strategy, world size, nodes (and each rank's node and host), steps, batches trained on each rank,
-    where each rank's parameters and optimizer state were after the first step (evidence of sharding and offload),
-    the model state each rank held at the third step (`memory/measure.py`: what the memory planner is checked
-    against), speed (median step time, samples and tokens per second over all ranks, and model FLOPs utilisation
-    when the training monitor knows the model's FLOPs and the device's peak), peak memory per rank, the
-    final metrics, and the curves of `curves` (per logging step and per validation, step labels as the loggers write
-    them), whichever loggers are on: the sweep report and the equivalence check read them from here."""
+    where each rank's parameters and optimizer state were at the first logged step (evidence of sharding and
+    offload), the model state each rank held at the first logged step from the third on (`memory/measure.py`: what
+    the memory planner is checked against), speed (median step time, samples and tokens per second over all ranks,
+    and model FLOPs utilisation when the training monitor knows the model's FLOPs and the device's peak), peak memory
+    per rank, the final metrics, and the curves of `curves` (per logging step and per validation, step labels as the
+    loggers write them), whichever loggers are on: the sweep report and the equivalence check read them from here."""
 
     def __init__(self, path: str | Path, curves: tuple[str, ...] = ("train_loss", "val_loss")) -> None:
         self.path = Path(path)
@@ -59,19 +60,25 @@ class RunSummary(L.Callback):
         if stepped and (logging_step or trainer.should_stop):  # the loggers' cadence, and the last step
             self._record(trainer, trainer.global_step - 1, validation=False)
         self._recorded_step = trainer.global_step
-        if self.batches_on_this_rank == 1:  # optimizer state exists from the first step on
-            report = placement_report(pl_module, trainer.optimizers)
-            # Ours read it back from their engine; Lightning's own strategies are not asked.
-            offload_targets = getattr(trainer.strategy, "offload_targets", None)
-            report["offload"] = offload_targets() if offload_targets else {"optimizer": None, "parameters": None}
-            self.summary["placement_per_rank"] = gather_objects(report)
+        if "placement_per_rank" not in self.summary and logging_step:
+            self._record_placement(trainer, pl_module)
+
+    def _record_placement(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A gather, read on the host: at a step the loggers write (or at the end), where the host waits anyway.
+        report = placement_report(pl_module, trainer.optimizers)
+        # Ours read it back from their engine; Lightning's own strategies are not asked.
+        offload_targets = getattr(trainer.strategy, "offload_targets", None)
+        report["offload"] = offload_targets() if offload_targets else {"optimizer": None, "parameters": None}
+        self.summary["placement_per_rank"] = gather_objects(report)
 
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         # Gradients and optimizer state are both alive from the second step on; by the third, ZeRO-3 has recorded
-        # its trace (after the sanity check's eval trace is dropped) and keeps its small parameters whole.
+        # its trace (after the sanity check's eval trace is dropped) and keeps its small parameters whole. Measured
+        # at the first step from there that the loggers write, or at the last (a gather is a wait on the host).
         self.optimizer_steps += 1
-        if self.optimizer_steps == 3:
+        due = logs_this_step(trainer) or 0 < trainer.max_steps <= trainer.global_step + 1  # a logged step, or the last
+        if self.optimizer_steps >= 3 and "model_state_bytes_per_rank" not in self.summary and due:
             self.summary["model_state_bytes_per_rank"] = gather_objects(
                 model_state_bytes(pl_module, trainer.optimizers)
             )
@@ -92,6 +99,8 @@ class RunSummary(L.Callback):
         finish_checkpoints = getattr(trainer.strategy, "finish_checkpoints", None)
         if finish_checkpoints is not None:  # background saves: one that failed ends the run here, on every rank
             finish_checkpoints()
+        if "placement_per_rank" not in self.summary:  # no step was logged
+            self._record_placement(trainer, pl_module)
         # Every rank must take part in the gather, so this runs before the rank-0-only write.
         mine = [self.batches_on_this_rank, torch.get_num_threads(), trainer.node_rank]
         per_rank = gather_numbers(mine, trainer.strategy.root_device, dtype=torch.int64)

@@ -76,15 +76,23 @@ class TrainingMonitor(L.Callback):
             f"{name or type(module).__name__} ({type(module).__name__})" for name, module in pl_module.named_modules()
         ]
         self._watch = FiniteWatch(trainer.strategy.root_device, every, module_names=names if self.locate_module else [])
+        _nonfinite_checked_on_device(trainer, True)
         if self.locate_module:
             for index, module in enumerate(pl_module.modules()):
                 self._hooks.append(module.register_forward_hook(self._output_check(trainer, index)))
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._watch is not None:
+            _nonfinite_checked_on_device(trainer, False)
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if self._watch is not None:
+            _nonfinite_checked_on_device(trainer, False)
 
     def _output_check(self, trainer: L.Trainer, index: int):
         watch = self._watch
@@ -177,6 +185,14 @@ class TrainingMonitor(L.Callback):
     def _check_if_due(self, step: int) -> None:
         if self._watch is not None and (step + 1) % self._watch.window == 0:
             self._watch.raise_if_nonfinite(step)
+
+
+def _nonfinite_checked_on_device(trainer: L.Trainer, checked: bool) -> None:
+    """Tell the strategy (ours; Lightning's are not asked) whether this monitor is stopping the run at non-finite
+    values, so that its engine need not test its gradient norm on the host every step."""
+    tell = getattr(trainer.strategy, "checks_nonfinite_on_device", None)
+    if tell is not None:
+        tell(checked)
 
 
 def _logs_this_step(trainer: L.Trainer) -> bool:

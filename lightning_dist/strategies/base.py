@@ -10,6 +10,8 @@ package (the planner, the dry run, the job) asks a strategy through the protocol
 - `initializes_shards`: the model is built without weights and each rank initialises its own shards;
 - `keeps_state_on_host`: offloaded state, whose collectives need gloo beside nccl;
 - `offload_targets()`: where the running engine keeps optimizer state and parameters, read back from it;
+- `checks_nonfinite_on_device(checked)`: the run stops on a non-finite loss or gradient norm by itself (the training
+  monitor), so the engine need not read its gradient norm on the host every step to skip such a step;
 - `dry_run_refusal`, `dry_run_rank(...)` and `dry_run_patches()`: whether the dry run knows it, one rank of it, and
   what its engine needs replaced on fake tensors (dry_run/);
 - `checkpoint_tensor_parallel`: the AutoTP size whose DeepSpeed checkpoints it reads as they are, or None.
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from typing_extensions import override
 
+from lightning_dist._compat.lightning import broadcast_sigterm_at_logging_steps, read_bar_values_at_refresh
 from lightning_dist.checkpoints.background import BackgroundSaves
 from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
 from lightning_dist.checkpoints.swap import SwappedSaves
@@ -103,6 +106,11 @@ class StrategyBase(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobal
         engine rather than from our options, so that it shows what the engine really does."""
         return {"optimizer": None, "parameters": None}
 
+    def checks_nonfinite_on_device(self, checked: bool) -> None:
+        """Told by the training monitor while it stops the run at a non-finite value (checked on the device, read at
+        its checks): an engine that skips such steps by reading its gradient norm on the host every step (ZeRO) may
+        leave that to it. Our other engines read nothing."""
+
     if TYPE_CHECKING:
         # Lightning types these as optional, for a strategy not yet connected; ours read them only once it is.
         @property
@@ -117,6 +125,13 @@ class StrategyBase(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobal
     @property
     def activation_checkpointing(self) -> CheckpointPlan | None:
         return self.blocks.checkpointing
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        # No host reads in a step that does not log: the bar's values (whichever bar), Lightning's SIGTERM agreement.
+        read_bar_values_at_refresh(trainer)
+        broadcast_sigterm_at_logging_steps(trainer)
+        super().setup(trainer)
 
     @override
     def _configure_launcher(self) -> None:

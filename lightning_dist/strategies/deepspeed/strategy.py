@@ -21,7 +21,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpee
 from torch import nn
 from typing_extensions import override
 
-from lightning_dist._compat.deepspeed import zero3_partitions
+from lightning_dist._compat.deepspeed import overflow_tested_on_host, read_gradient_norm_on_host, zero3_partitions
 from lightning_dist._compat.lightning import validate_cuda_device_indices
 from lightning_dist.checkpoints.resume import group_names
 from lightning_dist.memory.layout import Layout
@@ -148,6 +148,13 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         engine = self.deepspeed_engine
         return {"optimizer": offload_device(engine.zero_offload_optimizer()),
                 "parameters": offload_device(engine.zero_offload_param())}
+
+    @override
+    def checks_nonfinite_on_device(self, checked: bool) -> None:
+        # fp16's loss scaler learns from the steps DeepSpeed skips: there, it keeps testing every step.
+        tested = not checked or bool((self.config.get("fp16") or {}).get("enabled"))
+        read_gradient_norm_on_host(tested)
+        overflow_tested_on_host(self.deepspeed_engine.optimizer, tested)
 
     @property
     @override
