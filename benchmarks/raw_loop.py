@@ -10,6 +10,15 @@ with the very config our DeepSpeed strategy resolved (`--deepspeed-config`; with
 DeepSpeed's CPU Adam with the same hyper-parameters, as ours swaps in). `--model key=value ...` are the model's
 hyper-parameters and `--batch-size` the per-rank batch, as train.py's `model.*` and `data.batch_size`. Each
 iteration is timed from the start of one to the start of the next, data loading included, as the Lightning side is.
+
+`--compile` compiles each block as an expert would by hand, before the engine wraps the model (torchtitan's order):
+`block.compile()`, and under ZeRO-3 the block's forward alone with the block made a ZeRO-3 leaf module (DeepSpeed's
+hooks, which the compiler cannot trace, gather the block's parameters around the compiled code; `block.compile()`
+there splits each block at every submodule's hook). torch._dynamo's counters after each iteration are written too.
+
+On a GPU (`--device cuda`: nccl, each rank its own GPU; `--precision bf16-mixed`: autocast, as Lightning's; under
+DeepSpeed its config says) iterations are timed by CUDA events, so that the clock never waits for the device, and
+the CUDA peak (`max_memory_allocated`) is reported beside the peak resident set.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-from benchmarks.timing import PROFILED_STEPS, profiler_table
+from benchmarks.timing import PROFILED_STEPS, StepClock, profiler_table
 from lightning_dist.data.pydoc_text import PydocTextDataModule
 from lightning_dist.models.gpt import GPTLanguageModel
 from lightning_dist.optim.configured import DEFAULT_OPTIMIZER
@@ -44,11 +53,18 @@ def main() -> None:
     parser.add_argument("--tensor-parallel", type=int, default=1, help="ranks each block is split over (fsdp only)")
     parser.add_argument("--model", nargs="*", default=[], help="hyper-parameters, key=value (numbers)")
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--compile", action="store_true", help="compile each block (regional torch.compile)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--precision", choices=("32-true", "bf16-mixed"), default="32-true")
+    parser.add_argument("--block-size", type=int, default=128, help="tokens per sample, as train.py's data.block_size")
     parser.add_argument("--profile", type=Path, help="torch.profiler's operator table of rank 0's PROFILED_STEPS")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     # Ranks of one tensor-parallel group see the same batch: the sampler counts data-parallel ranks.
     data_ranks, data_rank = world // args.tensor_parallel, rank // args.tensor_parallel
@@ -57,16 +73,19 @@ def main() -> None:
                         for key, value in (item.split("=", 1) for item in args.model)}
     # `lr` is the optimizer's (train.py's model.optimizer.lr): the same fused AdamW our optimizer config builds.
     optimizer = partial(DEFAULT_OPTIMIZER, lr=hyper_parameters.pop("lr", DEFAULT_OPTIMIZER.keywords["lr"]))
-    module = GPTLanguageModel(**hyper_parameters, optimizer=optimizer)  # configure_optimizers: plain torch, same groups
-    data = PydocTextDataModule(batch_size=args.batch_size)
+    hyper_parameters["block_size"] = args.block_size
+    with torch.device(device):
+        module = GPTLanguageModel(**hyper_parameters, optimizer=optimizer)  # configure_optimizers: plain torch
+    data = PydocTextDataModule(block_size=args.block_size, batch_size=args.batch_size)
     data.setup("fit")
     sampler = DistributedSampler(data.train_set, num_replicas=data_ranks, rank=data_rank, shuffle=True, seed=42)
     loader = DataLoader(data.train_set, batch_size=args.batch_size, sampler=sampler)
     step = _engine(args, module)
+    clock = StepClock(device)
 
-    starts, profiler = [], None
+    profiler, dynamo = None, []
     for index, (inputs, targets) in enumerate(loader):
-        starts.append(time.perf_counter())
+        clock.tick()
         if args.profile and rank == 0 and index in (PROFILED_STEPS.start, PROFILED_STEPS.stop):
             if profiler is None:
                 profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
@@ -76,10 +95,15 @@ def main() -> None:
                 profiler_table(profiler, args.profile)
         if index == args.steps:
             break
-        step(inputs, targets)
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        with torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16-mixed" and args.strategy != "deepspeed"):
+            step(inputs, targets)
+        dynamo.append(dynamo_counters())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     gathered = [None] * world
-    dist.all_gather_object(gathered, {"iteration_s": [b - a for a, b in zip(starts, starts[1:])], "peak_rss": peak})
+    dist.all_gather_object(gathered, {"iteration_s": clock.intervals(), "peak_rss": peak, "cuda_peak": cuda_peak,
+                                      "dynamo": dynamo})
     if rank == 0:
         args.out.write_text(json.dumps(gathered))
     dist.barrier()  # leave together: a rank tearing gloo down while the other still writes can hang at exit
@@ -98,10 +122,18 @@ def _engine(args, module: GPTLanguageModel):
 
     if args.strategy == "deepspeed":
         import deepspeed
+        from deepspeed.utils import set_z3_leaf_modules
 
         from lightning_dist.strategies.deepspeed.offload import as_deepspeed_cpu_adam
 
         config = json.loads(args.deepspeed_config.read_text())
+        if args.compile and config["zero_optimization"].get("stage") == 3:
+            set_z3_leaf_modules(module.model, [type(module.model.blocks[0])])
+            for block in module.model.blocks:
+                block.forward = torch.compile(block.forward)
+        elif args.compile:
+            for block in module.model.blocks:
+                block.compile()
         optimizer = module.configure_optimizers()
         if (config["zero_optimization"].get("offload_optimizer") or {}).get("device") in ("cpu", "nvme"):
             optimizer = as_deepspeed_cpu_adam(optimizer)  # the swap our strategy makes, the same function
@@ -114,6 +146,9 @@ def _engine(args, module: GPTLanguageModel):
         return step
 
     if args.strategy == "ddp":
+        if args.compile:
+            for block in module.model.blocks:
+                block.compile()
         model = torch.nn.parallel.DistributedDataParallel(module.model, gradient_as_bucket_view=True)
     else:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -121,7 +156,7 @@ def _engine(args, module: GPTLanguageModel):
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         tp = args.tensor_parallel
-        meshes = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        meshes = init_device_mesh(next(module.parameters()).device.type, (dist.get_world_size() // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
         mesh = meshes["data_parallel"]
         offload = CPUOffloadPolicy(pin_memory=False) if args.cpu_offload else OffloadPolicy()
         blocks = module.model.blocks
@@ -130,6 +165,8 @@ def _engine(args, module: GPTLanguageModel):
                 _split(block, meshes["tensor_parallel"])
             if args.activation_checkpointing:
                 block = blocks[index] = checkpoint_wrapper(block)
+            if args.compile:
+                block.compile()
             fully_shard(block, mesh=mesh, offload_policy=offload)
         model = fully_shard(module.model, mesh=mesh, reshard_after_forward=False, offload_policy=offload)
     optimizer = module.configure_optimizers()
@@ -139,6 +176,14 @@ def _engine(args, module: GPTLanguageModel):
         loss_of(model, inputs, targets).backward()
         optimizer.step()
     return step
+
+
+def dynamo_counters() -> dict:
+    """torch._dynamo's counters so far in this process: graphs compiled, graph breaks, frames compiled."""
+    from torch._dynamo.utils import counters
+
+    return {"unique_graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
+            "frames_ok": counters["frames"]["ok"]}
 
 
 def _split(block: torch.nn.Module, mesh) -> None:

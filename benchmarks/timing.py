@@ -7,22 +7,67 @@ import time
 from pathlib import Path
 
 import lightning as L
+import torch
+
+
+class StepClock:
+    """Marks the start of each iteration: the host's clock on a CPU; on a GPU a CUDA event recorded on the current
+    stream, so that marking never waits for the device (a host clock there measures the host, which runs ahead until
+    something reads a value). `intervals()`, the seconds between consecutive marks, reads the events at the end."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.marks: list = []
+
+    def tick(self) -> None:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 class IterationTimer(L.Callback):
     """The start of one training batch to the start of the next, as `raw_loop.py` times (data loading, every hook
-    and callback included; what follows the last batch, validation and saving, is not)."""
+    and callback included; what follows the last batch, validation and saving, is not). On a GPU, by CUDA events."""
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
-        self.starts: list[float] = []
+        self.clock: StepClock | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.starts.append(time.perf_counter())
+        if self.clock is None:
+            self.clock = StepClock(trainer.strategy.root_device)
+        self.clock.tick()
 
     def on_train_end(self, trainer, pl_module) -> None:
-        iterations = [b - a for a, b in zip(self.starts, self.starts[1:])]
+        iterations = self.clock.intervals() if self.clock is not None else []
         self.path.with_name(f"{self.path.stem}_rank{trainer.global_rank}.json").write_text(json.dumps(iterations))
+
+
+class DynamoCounters(L.Callback):
+    """torch._dynamo's counters after each training step on rank 0 (graphs compiled, graph breaks, frames):
+    `path`, a JSON list, written when training ends (benchmarks/raw_loop.py writes the same for the raw loop)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.steps: list[dict] = []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        from benchmarks.raw_loop import dynamo_counters
+
+        self.steps.append(dynamo_counters())
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            self.path.write_text(json.dumps(self.steps))
 
 
 class Milestones(L.Callback):

@@ -285,3 +285,4 @@ class StopSwallowedThenFails(L.Callback):
         except BaseException:  # noqa: BLE001 (the catch-all this stands for)
             pass
         raise RecursionError("maximum recursion depth exceeded while calling a Python object")
+

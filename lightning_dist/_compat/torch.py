@@ -27,6 +27,8 @@ __all__ = [
     "checkpoint_wrapper",
     "CheckpointWrapper",
     "compilation_events",
+    "compile_forward",
+    "eager",
     "cpu_flash_attention",
     "cpu_supports_fp16",
     "default_process_group_store",
@@ -289,8 +291,21 @@ def read_entries(checkpoint_dir: str, prefix: str) -> dict[str, torch.Tensor]:
 
 
 def is_compiled(module: nn.Module) -> bool:
-    """Whether `module.compile()` has been called on `module` (it keeps the compiled call in `_compiled_call_impl`)."""
-    return getattr(module, "_compiled_call_impl", None) is not None
+    """Whether `module.compile()` has been called on `module` (it keeps the compiled call in `_compiled_call_impl`),
+    or its forward alone was compiled (`compile_forward`)."""
+    compiled_forward = hasattr(vars(module).get("forward"), "_torchdynamo_orig_callable")
+    return getattr(module, "_compiled_call_impl", None) is not None or compiled_forward
+
+
+def eager() -> Any:
+    """A context in which compiled code runs as the eager code it came from, compiling nothing."""
+    return torch.compiler.set_stance("force_eager")
+
+
+def compile_forward(module: nn.Module) -> None:
+    """Compile `module`'s forward alone, in place: the hooks around it (`module(...)` runs them) stay outside the
+    compiled code. `module.compile()` compiles the call with its hooks."""
+    module.forward = torch.compile(module.forward)
 
 
 def compilation_events(start: Callable[[], None], end: Callable[[], None]) -> None:

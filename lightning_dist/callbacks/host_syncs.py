@@ -87,10 +87,12 @@ class _UndispatchedReads(TorchFunctionMode):
 class HostSyncs(L.Callback):
     """Counts host synchronisations by training step while training runs; writes them to `path` (JSON; one file
     per rank, `_rank<N>` before the suffix on ranks other than 0) when training ends. `per_quiet_step()` is the
-    count for steps that neither log, refresh the bar, validate nor save: 0 is the goal."""
+    count for steps that neither log, refresh the bar, validate nor save: 0 is the goal. `from_step`: count from
+    that optimizer step on (counting slows every op: a benchmark times the steps before it)."""
 
-    def __init__(self, path: str | None = None) -> None:
+    def __init__(self, path: str | None = None, from_step: int = 0) -> None:
         self.path = Path(path) if path else None
+        self.from_step = from_step
         self.syncs: list[Sync] = []
         self.steps: dict[int, StepEvents] = {}
         self._trainer: L.Trainer | None = None
@@ -112,6 +114,10 @@ class HostSyncs(L.Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.from_step <= step_in_progress(trainer):
+            self._start(trainer)
+
+    def _start(self, trainer: L.Trainer) -> None:
         self._trainer = trainer
         self._modes = (_Counter(self), _UndispatchedReads(self))
         for mode in self._modes:
@@ -121,6 +127,10 @@ class HostSyncs(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self._modes is None and step_in_progress(trainer) >= self.from_step:
+            self._start(trainer)  # this step's fetch is not counted: a DataLoader's reads are not anyway
+        if self._modes is None:
+            return
         events = StepEvents(logs=logs_this_step(trainer), refreshes_bar=refreshes_after(trainer, batch_idx))
         self.steps[step_in_progress(trainer)] = events
 

@@ -4,6 +4,10 @@ torchtitan and Accelerate do it), so identical blocks share one compiled graph a
 Order (torchtitan's): activation checkpointing wraps a block, the wrapper is compiled, then FSDP or ZeRO wraps the
 model. `nn.Module.compile()` compiles in place, so parameter names and checkpoint keys stay those of the eager model
 (no `_orig_mod.`): a compiled run resumes an eager run's checkpoint and back.
+
+An engine whose hooks around a block the compiler cannot trace (ZeRO-3's parameter gathers, which DeepSpeed marks
+not to be compiled) has the block's forward alone compiled (`hooks_outside`): its hooks then run around the
+compiled code rather than splitting it into a graph per submodule.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from lightning_dist._compat.lightning import StrategyMixin
 from lightning_dist._compat.torch import (
     CheckpointWrapper,
     compilation_events,
+    compile_forward,
+    eager,
     inductor_cache_dir,
     is_compiled,
     wrapped_module,
@@ -27,13 +33,14 @@ from lightning_dist.parallel.classes import BlockClasses
 log = logging.getLogger(__name__)
 
 
-def compile_blocks(model: nn.Module, block_classes: BlockClasses) -> int:
+def compile_blocks(model: nn.Module, block_classes: BlockClasses, hooks_outside: bool = False) -> int:
     """Compile every block of `block_classes` in `model` (its activation-checkpoint wrapper if it has one), in
-    place; idempotent (Lightning sets a strategy up again for `test` after `fit`). Returns the number compiled."""
+    place; idempotent (Lightning sets a strategy up again for `test` after `fit`). `hooks_outside`: the block's
+    forward alone, for an engine's hooks the compiler cannot trace. Returns the number compiled."""
     blocks = block_runners(model, block_classes)
     for block in blocks:
         if not is_compiled(block):
-            block.compile()
+            compile_forward(block) if hooks_outside else block.compile()
     CLOCK.start_timing()
     names = ", ".join(sorted({cls.__name__ for cls in block_classes}))
     log.info("torch.compile: %d blocks (%s) compile on their first forward and backward, so the first step takes "
@@ -86,7 +93,17 @@ CLOCK = CompilationClock()
 
 class ReportsCompilation(StrategyMixin):
     """Strategy mixin: at the start of each training step, says what the steps and validation before it compiled
-    and how long that took (once after the first step, as a rule; again only if something compiled since)."""
+    and how long that took (once after the first step, as a rule; again only if something compiled since).
+
+    Lightning's sanity check (a few validation batches before training) runs eager: compiled, it would compile each
+    block's graph for no-grad first, and training's with gradients after it, as a recompilation (a second graph per
+    block, and a recompile the raw compiled loop never has)."""
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.lightning_module.trainer.sanity_checking:  # type: ignore[union-attr]  # set up: a module is there
+            with eager():
+                return super().validation_step(*args, **kwargs)
+        return super().validation_step(*args, **kwargs)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         CLOCK.report()

@@ -276,7 +276,12 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
             prepare_zero3_runtime(self.config)
         import_muon_with_deferred_compilation()
         self.check_options()
-        self.blocks.apply(self.model)  # in place; DeepSpeed's hooks then wrap the checkpointed, compiled blocks
+        self.blocks.apply(self.model, hooks_outside=self.zero_stage_3)  # in place; DeepSpeed's hooks wrap the blocks
+        if self.zero_stage_3 and self.blocks.compile:
+            from deepspeed.utils import set_z3_leaf_modules  # here: importing DeepSpeed takes seconds
+
+            # Each compiled block gathers its parameters at once, in its own hook: no hooks inside the compiled code.
+            set_z3_leaf_modules(self.model, list(self.blocks.classes_in(self.model)))
         super().init_deepspeed()
         move_module_state(self.lightning_module, self.root_device)  # ZeRO-3 placed the parameters only
         if self.tensor_parallel_size > 1:
