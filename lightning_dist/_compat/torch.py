@@ -359,8 +359,6 @@ def attention_function_replaced(replacement: Callable[..., torch.Tensor]) -> Ite
         F.scaled_dot_product_attention = original
 
 
-
-
 _aten = torch.ops.aten
 # Ops whose output's size (or Python result) depends on the values: the host waits for the device to run them.
 _DATA_DEPENDENT = frozenset({

@@ -99,8 +99,11 @@ class HostSyncs(L.Callback):
         self._modes: tuple[_Counter, _UndispatchedReads] | None = None
 
     def record(self, kind: str, func: Any) -> None:
-        asked_by = _asked_by(inspect.currentframe()) if self._trainer is not None else None
-        if self._trainer is not None and asked_by is not None:
+        """One host synchronisation by `func`, seen by one of the modes while training is counted."""
+        if self._trainer is None:
+            return
+        asked_by = _asked_by(inspect.currentframe())
+        if asked_by is not None:
             step = step_in_progress(self._trainer)
             self.syncs.append(Sync(step, kind, str(getattr(func, "__name__", func)), *asked_by))
 

@@ -38,13 +38,14 @@ class BlockOptions:
         model has none to infer."""
         return block_classes_for(model, self.block_classes, self.needed_by)
 
-    def apply(self, model: nn.Module, classes: BlockClasses | None = None, hooks_outside: bool = False) -> None:
-        """Checkpoint, then compile, the blocks of `model`, in place (each step idempotent); `hooks_outside`: see
-        regional_compile.py."""
+    def apply(self, model: nn.Module, classes: BlockClasses | None = None, hooks_outside: bool = False,
+              device_type: str | None = None) -> None:
+        """Checkpoint, then compile, the blocks of `model`, in place (each step idempotent); `hooks_outside` and
+        `device_type` (where the model will run): see regional_compile.py."""
         if not self.needed_by:
             return
         classes = classes if classes is not None else self.classes_in(model)
         if self.checkpointing is not None:
             apply_activation_checkpointing(model, classes, self.checkpointing)
         if self.compile:
-            compile_blocks(model, classes, hooks_outside)
+            compile_blocks(model, classes, hooks_outside, device_type)

@@ -33,10 +33,12 @@ from lightning_dist.parallel.classes import BlockClasses
 log = logging.getLogger(__name__)
 
 
-def compile_blocks(model: nn.Module, block_classes: BlockClasses, hooks_outside: bool = False) -> int:
+def compile_blocks(model: nn.Module, block_classes: BlockClasses, hooks_outside: bool = False,
+                   device_type: str | None = None) -> int:
     """Compile every block of `block_classes` in `model` (its activation-checkpoint wrapper if it has one), in
     place; idempotent (Lightning sets a strategy up again for `test` after `fit`). `hooks_outside`: the block's
-    forward alone, for an engine's hooks the compiler cannot trace. Returns the number compiled."""
+    forward alone, for an engine's hooks the compiler cannot trace. `device_type`: where they will run (a CPU gains
+    little, and is told so). Returns the number compiled."""
     blocks = block_runners(model, block_classes)
     for block in blocks:
         if not is_compiled(block):
@@ -45,6 +47,9 @@ def compile_blocks(model: nn.Module, block_classes: BlockClasses, hooks_outside:
     names = ", ".join(sorted({cls.__name__ for cls in block_classes}))
     log.info("torch.compile: %d blocks (%s) compile on their first forward and backward, so the first step takes "
              "longer; inductor's cache, which later runs reuse: %s", len(blocks), names, inductor_cache_dir())
+    if device_type == "cpu":
+        log.info("compile=true on a CPU: expect little or no gain; inductor fuses the element-wise ops around the "
+                 "matrix products, which take most of a CPU's step (BENCHMARKS.md, Regional compilation)")
     return len(blocks)
 
 

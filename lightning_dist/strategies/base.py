@@ -127,11 +127,12 @@ class StrategyBase(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobal
         return self.blocks.checkpointing
 
     @override
-    def setup(self, trainer: Any) -> None:
+    def on_train_start(self) -> None:
         # No host reads in a step that does not log: the bar's values (whichever bar), Lightning's SIGTERM agreement.
+        trainer = self.lightning_module.trainer
         read_bar_values_at_refresh(trainer)
         broadcast_sigterm_at_logging_steps(trainer)
-        super().setup(trainer)
+        super().on_train_start()
 
     @override
     def _configure_launcher(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
@@ -106,11 +107,13 @@ class ReadsEveryStep(L.Callback):
         float(outputs["loss"])
 
 
-def plain_lightning_run(tmp_path: Path, *callbacks: L.Callback) -> HostSyncs:
-    """Our callbacks on a plain Lightning Trainer (its own single-device strategy), 12 steps, logging every 5."""
+def plain_lightning_run(tmp_path: Path, *callbacks: L.Callback, strategy: Any = "auto") -> HostSyncs:
+    """Our callbacks on a plain Lightning Trainer (its own single-device strategy unless given), 12 steps, logging
+    every 5."""
     torch.manual_seed(0)
     counter = HostSyncs()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=12, log_every_n_steps=5, limit_val_batches=0,
+                        strategy=strategy,
                         logger=False, enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path,
                         callbacks=[*callbacks, counter])
     trainer.fit(GPTLanguageModel(), datamodule=PydocTextDataModule(batch_size=4))
@@ -125,6 +128,16 @@ def test_plain_lightning_with_our_callbacks_reads_nothing_in_quiet_steps(tmp_pat
     # The loss was read where the bar drew it: at its refreshes (every 5th step and the last), and as training ended.
     assert {sync.step for sync in counter.syncs if "convert_tensors_to_scalars" in sync.where} == {4, 9, 11, 12}
     assert len(counter.steps) == 12
+
+
+@pytest.mark.parametrize("strategy", ["ld_ddp", "ld_fsdp", "ld_deepspeed_stage_2"])
+def test_our_strategies_read_nothing_in_quiet_steps_under_lightnings_own_bar(tmp_path, strategy, deepspeed_ops):
+    """Plain Lightning, Lightning's bar (every 5 batches), our strategy: the strategy keeps the bar's values on the
+    device between refreshes (Lightning's logger connector read them after every batch). The training monitor is
+    there for ZeRO: without it, DeepSpeed's own test of the gradient norm reads it after every step, by design."""
+    counter = plain_lightning_run(tmp_path, TQDMProgressBar(refresh_rate=5), TrainingMonitor(), strategy=strategy)
+    quiet = counter.per_quiet_step()
+    assert len(quiet) == 9 and all(syncs == [] for syncs in quiet.values()), quiet
 
 
 def test_the_counter_names_each_read_and_its_source(tmp_path):

@@ -276,7 +276,8 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
             prepare_zero3_runtime(self.config)
         import_muon_with_deferred_compilation()
         self.check_options()
-        self.blocks.apply(self.model, hooks_outside=self.zero_stage_3)  # in place; DeepSpeed's hooks wrap the blocks
+        # In place; DeepSpeed's hooks then wrap the blocks.
+        self.blocks.apply(self.model, hooks_outside=self.zero_stage_3, device_type=self.root_device.type)
         if self.zero_stage_3 and self.blocks.compile:
             from deepspeed.utils import set_z3_leaf_modules  # here: importing DeepSpeed takes seconds
 

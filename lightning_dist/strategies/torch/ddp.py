@@ -58,7 +58,7 @@ class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
 
     @override
     def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
-        self.blocks.apply(model)  # in place, before DDP registers its gradient hooks
+        self.blocks.apply(model, device_type=self.root_device.type)  # in place, before DDP registers its hooks
         return super()._setup_model(model)
 
     def memory_layout(self, name: str) -> Layout:

@@ -224,7 +224,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         if self.parallel_dims.tp > 1 and not any(isinstance(p, DTensor) for p in model.parameters()):
             # Split first (a configure_model that split the model itself is left as it is), as torchtitan orders it.
             apply_tensor_parallel(model, self.device_mesh[TENSOR_PARALLEL], self.tensor_parallel_plan_of(model))
-        self.blocks.apply(model, block_classes)  # activation checkpointing, then compilation
+        self.blocks.apply(model, block_classes, device_type=self.root_device.type)  # checkpointing, then compilation
         apply_fully_shard(
             model,
             mesh=self.parallel_dims.sharding_mesh(self.device_mesh),
