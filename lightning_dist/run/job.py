@@ -25,7 +25,7 @@ from lightning_dist.reports.console import is_rank_zero, quiet_console
 from lightning_dist.run.config_check import ConfigError
 from lightning_dist.run.isolated_job import JobFailed, needs_isolation, run_isolated
 from lightning_dist.run.resume import NothingLeftToTrain
-from lightning_dist.run.run_dir import discard_refused_run, discard_this_run_of_the_job
+from lightning_dist.run.run_dir import discard_refused_run, discard_this_run_of_the_job, release_claim
 from lightning_dist.run.simulate import dry_run, plan
 from lightning_dist.run.train import train
 
@@ -56,6 +56,7 @@ def run_job(cfg: DictConfig) -> Any:
             return {}
         else:
             metrics = train(cfg)
+            release_claim()
     except (ConfigError, RefusedElsewhere, NonFiniteError, CollectiveFailure, JobFailed, SaveFailed) as error:
         if not multirun:
             if isinstance(error, (ConfigError, RefusedElsewhere)):

@@ -107,6 +107,19 @@ def claim_run_dir(directory: Path, continuing: bool, config_dir: str | None = ".
     return _claim
 
 
+def release_claim() -> None:
+    """A run that finished leaves no claim behind: its results (`metrics.json`, checkpoints) say that the directory
+    holds a run; the lock is let go and its file removed. A run that stopped before writing any keeps its claim file,
+    which says the same."""
+    global _claim
+    claim = _claim
+    if claim is None or not any(_holds(claim.directory / name) for name in (FINAL_METRICS, "checkpoints")):
+        return
+    claim.lock.close()
+    (claim.directory / CLAIM_FILE).unlink(missing_ok=True)
+    _claim = None
+
+
 def set_aside_earlier_attempt(paths: list[Path]) -> dict[Path, Path]:
     """Rename those of `paths` an earlier attempt left to the first number free for all of them (`.hydra.1`,
     `metrics.1.json`), so that the attempts' files pair up; returns where each went."""
@@ -154,9 +167,23 @@ def discard_refused_run(directory: Path, job_name: str) -> None:
         return
     if claim is None or claim.created:
         shutil.rmtree(directory)
+        _remove_empty_parents(directory)
         return
     for entry in directory.iterdir():
         _remove(entry)
+
+
+def _remove_empty_parents(directory: Path) -> None:
+    """The parents the run's directory left empty (`logs/train/runs/`), up to the working directory: a run that
+    leaves nothing leaves no empty folders either."""
+    working = Path.cwd().resolve()
+    for parent in directory.resolve().parents:
+        if parent == working or working not in parent.parents:
+            return
+        try:
+            parent.rmdir()  # only an empty one
+        except OSError:
+            return
 
 
 def _remove(path: Path) -> None:

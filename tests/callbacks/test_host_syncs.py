@@ -97,7 +97,7 @@ def test_no_host_reads_in_quiet_steps_of_the_other_presets(extra_runs, name):
 def test_every_preset_is_counted():
     assert set(STRATEGY_NAMES) | set(EXTRA_RUNS) >= {
         p.stem for p in (Path(__file__).parents[2] / "conf" / "strategy").glob("*.yaml")
-    } - {"deepspeed", "auto_fit", "deepspeed_stage_3_offload_nvme"}  # nvme: tests/strategies/test_nvme_offload.py
+    } - {"deepspeed", "auto_fit", "deepspeed_stage_3_offload_nvme"}  # NVMe's: tests/strategies/test_nvme_offload.py
 
 
 class ReadsEveryStep(L.Callback):

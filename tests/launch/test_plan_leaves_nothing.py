@@ -13,6 +13,28 @@ from tests.conftest import REPO, run_train
 SAID = {"plan=true": "Memory plan: ddp", "dry_run=true": "**peak**"}
 
 
+def test_what_users_type_leaves_only_the_runs_they_made(tmp_path):
+    """From an empty directory, as typed (no `hydra.run.dir`): a plan, a dry run and a refused run leave nothing, not
+    even the empty `logs/train/runs/` their run directory was made in; a finished run leaves its directory, without
+    its lock."""
+    def typed(*overrides: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(REPO / "train.py"), *overrides], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=600)
+
+    for option in SAID:
+        assert typed(option).returncode == 0
+        assert list(tmp_path.iterdir()) == [], option
+    refused = typed(f"ckpt_path={tmp_path / 'none.ckpt'}")
+    assert refused.returncode == 2 and refused.stderr.strip().startswith("error: ckpt_path: no checkpoint at")
+    assert list(tmp_path.iterdir()) == []
+    finished = typed("trainer.max_steps=2", "test=false")
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    (run_dir,) = (tmp_path / "logs" / "train" / "runs").iterdir()
+    assert [p.name for p in tmp_path.iterdir()] == ["logs"]
+    assert {"metrics.json", "checkpoints", "train.log", ".hydra", "csv"} <= {p.name for p in run_dir.iterdir()}
+    assert not (run_dir / ".run.lock").exists()
+
+
 @pytest.mark.parametrize("option", list(SAID))
 def test_a_plan_or_a_dry_run_leaves_nothing_in_its_run_directory(option, tmp_path):
     run_dir = tmp_path / "run"

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from tests.callbacks.test_host_syncs import host_syncs_per_rank, unexplained
 from tests.conftest import needs_libaio, run_train
 
 pytestmark = [pytest.mark.slow, needs_libaio]
@@ -22,7 +23,7 @@ def nvme_run(tmp_path_factory, nvme_ops):
         "+callbacks.nvme_probe.path=${paths.output_dir}/nvme_files.json",
         # `last` is saved twice: DeepSpeed's copy of the offloaded tensors refuses to write over a directory.
         "callbacks.model_checkpoint.every_n_train_steps=5", "callbacks.model_checkpoint.monitor=null",
-        "callbacks.model_checkpoint.save_top_k=-1",
+        "callbacks.model_checkpoint.save_top_k=-1", "callbacks=[default,host_syncs]",
     )
     return run
 
@@ -35,6 +36,14 @@ def test_trains_with_the_engine_offloading_to_nvme(nvme_run):
         assert rank["parameters_local"] * 2 == rank["parameters_total"]
     losses = nvme_run.val_losses()
     assert losses[max(losses)] < losses[0] - 0.3, losses
+
+
+def test_quiet_steps_read_only_what_zero3_offload_reads_by_design(nvme_run):
+    """tests/callbacks/test_host_syncs.py's check, for the one preset its runs leave out: swapping to NVMe adds no
+    read on the host to ZeRO-3 offload's (its optimizer's step, on the host, waits for the files anyway)."""
+    for report in host_syncs_per_rank(nvme_run.run_dir):
+        assert len(report["quiet_steps"]) == 8, report["steps"]  # 10 steps: the 5th and the 10th log and save
+        assert unexplained("deepspeed_stage_3_offload", report) == []
 
 
 def test_optimizer_state_is_in_files_in_the_directory_during_training(nvme_run):

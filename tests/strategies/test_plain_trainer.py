@@ -24,6 +24,8 @@ def run_script(*args: str, expect_returncode: int = 0) -> list[dict] | str:
             cwd=out_dir, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600,
         )
         assert process.returncode == expect_returncode, process.stderr[-4000:]
+        # The script asked for no directory (no logger, no checkpoints): nothing of ours is written where it runs.
+        assert not (Path(out_dir) / "deepspeed_config.effective.json").exists()
         if expect_returncode:
             return process.stderr
         # `import lightning_dist` silences the pinned libraries' warnings about their own code (ZeRO-3 printed 18

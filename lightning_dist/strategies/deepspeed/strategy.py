@@ -47,6 +47,17 @@ if TYPE_CHECKING:
     from lightning_dist.dry_run.ranks import RankView
 
 
+def run_directory(trainer: Any) -> Path | None:
+    """Where the run keeps its files: the Trainer's root directory (train.py's run directory), else its logger's
+    (a plain script's `lightning_logs/version_N`); None for a plain script without a logger, whose root is the working
+    directory Lightning defaulted to: nothing of ours is written into a directory the user did not choose."""
+    working = Path.cwd().resolve()
+    for directory in (trainer.default_root_dir, trainer.log_dir):
+        if directory and Path(directory).resolve() != working:
+            return Path(directory)
+    return None
+
+
 class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     """DeepSpeed ZeRO that also runs on CPU, and takes Hugging Face-style configs with "auto" values.
 
@@ -232,10 +243,11 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
             self.precision_plugin = DeepSpeedPrecision(resolution.trainer_settings["precision"])
         if "accumulate_grad_batches" in resolution.trainer_settings:
             module.trainer.accumulate_grad_batches = resolution.trainer_settings["accumulate_grad_batches"]
-        self.config = self.effective_config(resolution, module.trainer.default_root_dir)
+        self.config = self.effective_config(resolution, run_directory(module.trainer))
 
-    def effective_config(self, resolution: Resolution, root_dir: str | Path) -> dict[str, Any]:
-        """The config the engine runs, written to the run's directory by global rank 0 (config/for_run.py)."""
+    def effective_config(self, resolution: Resolution, root_dir: str | Path | None) -> dict[str, Any]:
+        """The config the engine runs, written to the run's directory (if it has one) by global rank 0
+        (config/for_run.py)."""
         return config_in_effect(resolution, root_dir, self.is_global_zero)
 
     @property

@@ -74,17 +74,17 @@ class RunConfig:
         return resolution
 
 
-def config_in_effect(resolution: Resolution, run_dir: str | Path, write: bool) -> dict[str, Any]:
-    """The resolved config as the engine gets it: output paths under the run's directory, its notes said, and
-    (`write`: on one rank) written beside the run."""
+def config_in_effect(resolution: Resolution, run_dir: str | Path | None, write: bool) -> dict[str, Any]:
+    """The resolved config as the engine gets it: output paths under the run's directory (the working directory for
+    a run without one), its notes said, and (`write`: on one rank) written beside the run."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
     for note in resolution.notes:
         rank_zero_info(note)
-    config = anchor_output_paths(resolution.config, run_dir)
+    config = anchor_output_paths(resolution.config, run_dir if run_dir is not None else Path.cwd())
     # Without an optimizer block the optimizer comes from configure_optimizers, and ZeRO refuses the ones it has not
     # tested; Lightning's test/predict path under ZeRO-3 reads this key whether or not there is a block.
     config.setdefault("zero_allow_untested_optimizer", True)
-    if write:
+    if write and run_dir is not None:
         rank_zero_info(f"DeepSpeed config in effect: {write_effective_config(config, run_dir)}")
     return config
