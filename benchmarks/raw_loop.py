@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-from benchmarks.timing import PROFILED_STEPS, StepClock, profiler_table
+from benchmarks.timing import PROFILED_STEPS, StepClock, dynamo_counters, profiler_table
 from lightning_dist.data.pydoc_text import PydocTextDataModule
 from lightning_dist.models.gpt import GPTLanguageModel
 from lightning_dist.optim.configured import DEFAULT_OPTIMIZER
@@ -176,14 +176,6 @@ def _engine(args, module: GPTLanguageModel):
         loss_of(model, inputs, targets).backward()
         optimizer.step()
     return step
-
-
-def dynamo_counters() -> dict:
-    """torch._dynamo's counters so far in this process: graphs compiled, graph breaks, frames compiled."""
-    from torch._dynamo.utils import counters
-
-    return {"unique_graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
-            "frames_ok": counters["frames"]["ok"]}
 
 
 def _split(block: torch.nn.Module, mesh) -> None:

@@ -52,6 +52,14 @@ class IterationTimer(L.Callback):
         self.path.with_name(f"{self.path.stem}_rank{trainer.global_rank}.json").write_text(json.dumps(iterations))
 
 
+def dynamo_counters() -> dict:
+    """torch._dynamo's counters so far in this process: graphs compiled, graph breaks, frames compiled."""
+    from torch._dynamo.utils import counters
+
+    return {"unique_graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
+            "frames_ok": counters["frames"]["ok"]}
+
+
 class DynamoCounters(L.Callback):
     """torch._dynamo's counters after each training step on rank 0 (graphs compiled, graph breaks, frames):
     `path`, a JSON list, written when training ends (benchmarks/raw_loop.py writes the same for the raw loop)."""
@@ -61,8 +69,6 @@ class DynamoCounters(L.Callback):
         self.steps: list[dict] = []
 
     def on_train_batch_end(self, trainer, *args) -> None:
-        from benchmarks.raw_loop import dynamo_counters
-
         self.steps.append(dynamo_counters())
 
     def on_train_end(self, trainer, pl_module) -> None:
