@@ -27,13 +27,16 @@ def test_unknown_strategy_lists_every_option():
 
 
 def test_unknown_option_inside_a_sweep():
-    assert error_of(["strategy=ddp,fdsp"]).startswith("strategy=fdsp: no such option; choose one of: auto_fit, ddp, deepspeed,")
+    assert error_of(["strategy=ddp,fdsp"]).startswith(
+        "strategy=fdsp: no such option; did you mean fsdp? choose one of: auto_fit, ddp, deepspeed,"
+    )
 
 
 def test_a_recipes_config_directory_adds_its_options():
     search = f"hydra.searchpath=[file://{REPO / 'recipes' / 'hf_causal_lm' / 'conf'}]"
     assert error_of([search, "model=hf_gpt3"]) == (
-        "model=hf_gpt3: no such option; choose one of: gpt_medium, gpt_small, gpt_tiny, hf_bart, hf_gpt2, hf_llama"
+        "model=hf_gpt3: no such option; did you mean hf_gpt2? choose one of: gpt_medium, gpt_small, gpt_tiny, hf_bart,"
+        " hf_gpt2, hf_llama"
     )
     assert error_of([search, "model=hf_bart", "model.confg.d_model=8"]).startswith(
         "model.confg: no such key; did you mean model.config? valid keys under model: optimizer, _target_, block_class, model_type,"
@@ -110,6 +113,14 @@ def write_inputs(directory: Path) -> None:
 SYS = "/sys/lightning_dist"  # not writable, even for root
 REFUSED = [
     (["strategy=nope"], "strategy=nope: no such option; choose one of:"),
+    (["strategy=deepspeed_stage3"], "strategy=deepspeed_stage3: no such option; did you mean deepspeed_stage_3? choose"
+     " one of: auto_fit, ddp,"),
+    (["trainer.devices=0"], 'trainer.devices=0: must be an integer >= 1 (devices per node), -1 (every one), "auto", or'
+     " device indices ([0, 1])"),
+    (["trainer.devices=-2"], "trainer.devices=-2: must be an integer >= 1 (devices per node)"),
+    # This machine has no GPU (CI's neither): said before Lightning's "No supported gpu backend found!".
+    (["trainer=gpu"], "trainer.accelerator=gpu: this machine has no NVIDIA GPU (no driver device in /dev); train on its"
+     " CPU with trainer=cpu, or check the GPU run without one with dry_run=true"),
     (["strategy=deepspeed_stage_2", "strategy.offload_parameters=cpu"],
      "strategy.offload_parameters: parameter offload needs ZeRO stage 3"),
     (["strategy=fsdp", "optimizer=adafactor"],
@@ -200,7 +211,8 @@ def test_a_bad_value_is_one_error_line_and_exit_2_before_any_rank_starts(argumen
 # Refusals the config alone decides: made before torch, Lightning or DeepSpeed load (seconds of imports), so that
 # the refusal is the only line printed, in well under 2 s.
 QUIET_REFUSALS = [arguments for arguments, _ in REFUSED if arguments[0] in (
-    "checkpoint.async=true", "strategy.activation_checkpointing=ops", "dry_run=true")] + [
+    "checkpoint.async=true", "strategy.activation_checkpointing=ops", "dry_run=true", "trainer.devices=0",
+    "strategy=deepspeed_stage3", "trainer=gpu")] + [
     ["strategy=fsdp_tp", "strategy.tensor_parallel_size=3", "trainer.devices=4"],
     ["strategy=hsdp_tp", "trainer.devices=4", "trainer.num_nodes=2", "strategy.data_parallel_replicate_size=3"]]
 

@@ -181,7 +181,9 @@ def _check_group_choice(group: str, values: list, conf_dirs: list[Path]) -> None
     flat = [choice for value in values for choice in (value if isinstance(value, list) else [value])]
     for choice in flat:
         if choice is not None and str(choice) not in choices:
-            raise ConfigError(f"{group}={choice}: no such option; choose one of: {', '.join(choices)}")
+            close = difflib.get_close_matches(str(choice), choices, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ConfigError(f"{group}={choice}: no such option; {hint}choose one of: {', '.join(choices)}")
         modules, install = OPTION_PACKAGES.get((group, str(choice)), ((), ""))
         missing = [module for module in modules if not _installed(module)]
         if missing:

@@ -8,8 +8,10 @@ such key: a user's own model or data module has its own arguments.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -49,6 +51,20 @@ def _interval(value: Any) -> bool:
     if isinstance(value, float):
         return 0 < value <= 1
     return value is None or isinstance(value, (str, dict, DictConfig)) or integer(1)(value)
+
+
+def _devices(value: Any) -> bool:
+    """Lightning's forms: "auto", -1 (every device), a count >= 1, indices as a list or a "0,1" string."""
+    if value == "auto" or value == -1 or integer(1)(value):
+        return True
+    if OmegaConf.is_list(value) or isinstance(value, (list, tuple)):
+        return len(value) > 0 and all(integer(0)(index) for index in value)
+    if isinstance(value, str) and "," in value:  # "0,1": indices
+        indices = [index.strip() for index in value.split(",") if index.strip()]
+        return len(indices) > 0 and all(index.isdigit() for index in indices)
+    if isinstance(value, str):  # "2": a count
+        return value.strip().isdigit() and int(value) >= 1
+    return False
 
 
 def _betas(value: Any) -> bool:
@@ -110,6 +126,8 @@ RULES = (
     Rule("trainer.log_every_n_steps", "an integer >= 0", integer(0)),
     Rule("trainer.num_sanity_val_steps", "an integer >= -1 (-1: every batch)", integer(-1)),
     Rule("trainer.num_nodes", "an integer >= 1", integer(1)),
+    Rule("trainer.devices", 'an integer >= 1 (devices per node), -1 (every one), "auto", or device indices ([0, 1])',
+         _devices),
     Rule("trainer.gradient_clip_val", "null or a number >= 0", optional(number(at_least=0))),
     Rule(
         "strategy.tensor_parallel_size",
@@ -158,6 +176,10 @@ def check_combinations(cfg: DictConfig) -> None:
         raise ConfigError(f"dry_run=true: {ranks} ranks (trainer.devices x trainer.num_nodes); the dry run steps its"
                           f" ranks in this process, up to {DRY_RUN_MAX_RANKS}. For a larger world, plan=true says"
                           " what each rank holds")
+    simulated = _value(cfg, "dry_run") is True or _value(cfg, "plan") is True  # a GPU run planned or checked here
+    if _value(cfg, "trainer.accelerator") in ("gpu", "cuda") and not simulated and not _has_nvidia_gpu():
+        raise ConfigError("trainer.accelerator=gpu: this machine has no NVIDIA GPU (no driver device in /dev); train on"
+                          " its CPU with trainer=cpu, or check the GPU run without one with dry_run=true")
     strategy = _value(cfg, "strategy")
     target = strategy.get("_target_") if isinstance(strategy, DictConfig) else None
     if target in (f"{_STRATEGIES}DeepSpeedStrategy", f"{_STRATEGIES}deepspeed.DeepSpeedStrategy"):
@@ -175,6 +197,14 @@ def check_combinations(cfg: DictConfig) -> None:
             check_sharding_sizes(devices, nodes, tp, replicate, hybrid)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+
+
+def _has_nvidia_gpu() -> bool:
+    """Whether a GPU's driver shows a device here, asked without torch (which takes seconds to load): NVIDIA's device
+    files, which every process that can use one sees (a container is given them with the GPU), or WSL2's. Not asked
+    on a Mac, whose `gpu` is Metal."""
+    return (sys.platform == "darwin" or Path("/dev/nvidiactl").exists() or Path("/dev/dxg").exists()
+            or any(Path("/dev").glob("nvidia[0-9]*")))
 
 
 def _device_count(devices: Any) -> int | None:
