@@ -52,7 +52,9 @@ def run_directory(trainer: Any) -> Path | None:
     (a plain script's `lightning_logs/version_N`); None for a plain script without a logger, whose root is the working
     directory Lightning defaulted to: nothing of ours is written into a directory the user did not choose."""
     working = Path.cwd().resolve()
-    for directory in (trainer.default_root_dir, trainer.log_dir):
+    # The logger's own directory, not `trainer.log_dir`: that broadcasts it, before DeepSpeed's group is ready.
+    logger_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
+    for directory in (trainer.default_root_dir, logger_dir):
         if directory and Path(directory).resolve() != working:
             return Path(directory)
     return None
