@@ -225,6 +225,17 @@ def environment_restored_per_module():
         yield
 
 
+# A plain Trainer with a distributed strategy in this process leaves its process group up (Lightning keeps it for a
+# `test` after `fit`); a later module's strategy would find it and skip its own set-up. Closed per module, not per
+# test: a module may share one group between its tests.
+@pytest.fixture(scope="module", autouse=True)
+def process_group_closed_per_module():
+    yield
+    from lightning_dist.lifecycle.process_exit import close_process_group
+
+    close_process_group()
+
+
 @pytest.fixture(autouse=True)
 def cold_interpreter(request):
     """A test marked `cold` starts fresh interpreters: what it checks is what a fresh process imports or does."""
