@@ -19,8 +19,9 @@ from tests.conftest import REPO, TRAIN_ENV, documented_lines
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "recipes").glob("*/README.md"))]
 MARKS = ("needs a GPU", "needs a cluster")
+REFUSED = "refused"  # a command shown for its one-line error: it must exit 2, saying it on its first line
 # Set-up lines: the install that .ci/run itself performs (the README's test command, extracted there).
-SET_UP = ("python -m venv ", "pip install ", "dpkg -s libaio-dev")
+SET_UP = ("python -m venv ", "python3 -m venv ", "pip install ", "dpkg -s libaio-dev")
 # Commands another test runs (from the README, `documented(...)`, or the recipe's steps with the same choices), and
 # what that test's file must hold for it.
 RUN_ELSEWHERE = {
@@ -129,9 +130,14 @@ def test_the_documented_commands_run_as_written(readme, tmp_path, deepspeed_ops)
     for shared in ("recipes", "tests"):  # what commands name relative to a clone's root
         (tmp_path / shared).symlink_to(REPO / shared)
     made: dict[str, Path | None] = {}  # command -> the run directory it made
+    refused = {command for command, comment in documented_lines(readme) if REFUSED in comment}
     for command in commands:
         before = set(tmp_path.glob(RUN_DIRS))
         process = _run(_as_run_here(command, commands, made), tmp_path)
+        if command in refused:
+            assert process.returncode == 2 and process.stderr.startswith("error: "), f"{command}\n{process.stderr}"
+            assert set(tmp_path.glob(RUN_DIRS)) == before
+            continue
         assert process.returncode == 0, f"{command}\n{process.stderr[-3000:]}"
         new = sorted(set(tmp_path.glob(RUN_DIRS)) - before, key=lambda p: p.name)
         made[command] = new[-1] if new else None
@@ -166,7 +172,12 @@ def _check(command: str, process: subprocess.CompletedProcess, run_dir: Path | N
     """What each kind of command must leave, beyond exiting 0."""
     output = process.stdout + process.stderr
     if "plan=true" in command:
-        assert "Memory plan: deepspeed_stage_3, bf16-mixed, 2 ranks" in process.stdout
+        strategy = re.search(r"strategy=(\w+)", command)
+        precision = re.search(r"trainer\.precision=([\w-]+)", command)
+        said = f"Memory plan: {strategy[1] if strategy else 'ddp'}, {precision[1] if precision else '32-true'}, 2 ranks"
+        assert said in process.stdout, process.stdout[-2000:]
+    elif "dry_run=true" in command:
+        assert "**peak**" in process.stdout and run_dir is None, process.stdout[-2000:]
     elif "show_auto" in command:
         assert "auto -> " in process.stdout
     elif "-m hydra/launcher=local" in command:

@@ -71,6 +71,8 @@ FENCED = [
     # its `check_grad_overflow` is set.
     Fenced("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.check_overflow", ("self",)),
     Fenced("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.update_offload_overflow_tracker", ("self",)),
+    # The groups DeepSpeed keeps after the process group is gone (forget_process_groups).
+    Fenced("deepspeed.utils.groups", "_release_process_group_references", ("group",)),
 ]
 
 _NORM_TESTERS = ("deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3")
@@ -106,6 +108,16 @@ def overflow_tested_on_host(optimizer: Any, tested: bool) -> None:
         optimizer.__dict__.pop("update_offload_overflow_tracker", None)
     else:
         optimizer.update_offload_overflow_tracker = lambda grad: None
+
+
+def forget_process_groups() -> None:
+    """Drop the process groups DeepSpeed cached (its world group's clone, the data-parallel group), once torch's are
+    destroyed: a later DeepSpeed run in this interpreter (a notebook's next cell, a sweep's next job) would otherwise
+    hand ZeRO a group of the closed world ("Group ... is not registered"). What `deepspeed.comm.destroy_process_group`
+    does after destroying, for a group closed through torch."""
+    import importlib
+
+    importlib.import_module("deepspeed.utils.groups")._release_process_group_references(group=None)
 
 
 def skip_shared_memory_comm_op() -> None:

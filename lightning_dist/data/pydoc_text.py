@@ -6,10 +6,11 @@ About 465 KB of English, present on every CPython install: the default run needs
 from __future__ import annotations
 
 import os
+import warnings
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from lightning_dist.data.sample_position import PositionedLoader, ResumableDistributedSampler
 from lightning_dist.parallel.dims import parallel_dims_of
@@ -113,10 +114,24 @@ class PydocTextDataModule(L.LightningDataModule):
         self._resume = {"epoch": state_dict["epoch"], "samples_done": state_dict["samples_done"]}
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        return self._loader(self.evaluated_once(self.val_set), shuffle=False)
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, shuffle=False)
+        return self._loader(self.evaluated_once(self.test_set), shuffle=False)
+
+    def evaluated_once(self, dataset: Dataset) -> Dataset:
+        """The held-out windows cut to a multiple of the ranks: the `DistributedSampler` Lightning gives each rank
+        then repeats none to even out their shares, every window is evaluated exactly once, and Lightning's warning
+        that some might not be does not apply to these loaders."""
+        ranks = self.trainer.world_size if self.trainer is not None else 1
+        if ranks == 1:
+            return dataset
+        warnings.filterwarnings("ignore", message=_REPEATS_SAMPLES_WARNING)
+        length = len(dataset)  # type: ignore[arg-type]
+        return Subset(dataset, range(length - length % ranks))
+
+
+_REPEATS_SAMPLES_WARNING = r"Using `DistributedSampler` with the dataloaders\. During `trainer\.test\(\)`"
 
 
 def _data_parallel_size(trainer: L.Trainer | None) -> int:

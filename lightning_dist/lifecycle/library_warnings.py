@@ -1,9 +1,11 @@
-"""Warnings the libraries we pin raise about their own code, silenced as soon as `lightning_dist` is imported: a
-plain `L.Trainer` script is as quiet as `train.py`. Nothing a user of this package can act on; the user's own
-warnings, and every other library warning, still show. Standard library only: `import lightning_dist` stays light."""
+"""Warnings the libraries we pin raise about their own code, and their adverts, silenced as soon as `lightning_dist`
+is imported: a plain `L.Trainer` script is as quiet as `train.py`. Nothing a user of this package can act on; the
+user's own warnings, and every other library warning, still show. Standard library only: `import lightning_dist`
+stays light."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 # (message, the module that raises it: the pinned library's own code)
@@ -17,7 +19,21 @@ LIBRARY_WARNINGS = (
 )
 
 
+# Lines Lightning logs that advertise a product rather than describe the run (litlogger's "Tip", at every Trainer).
+ADVERTS = ("💡 Tip:",)
+ADVERTISING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+
+
 def quiet_library_warnings() -> None:
-    """Idempotent (`warnings` drops a filter it already has)."""
+    """Idempotent (`warnings` drops a filter it already has; a logger keeps one advert filter)."""
     for message, module in LIBRARY_WARNINGS:
         warnings.filterwarnings("ignore", message=message, module=module)
+    for name in ADVERTISING_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropAdverts) for f in logger.filters):
+            logger.addFilter(_DropAdverts())
+
+
+class _DropAdverts(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(ADVERTS)

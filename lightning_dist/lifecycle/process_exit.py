@@ -16,6 +16,7 @@ import atexit
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -32,10 +33,23 @@ def close_process_group_at_exit() -> None:
     atexit.register(close_process_group)
 
 
+# What an engine keeps of the process groups, dropped when they close (an engine registers its own).
+_FORGET_WITH_PROCESS_GROUP: list[Callable[[], None]] = []
+
+
+def forget_with_process_group(forget: Callable[[], None]) -> None:
+    """`forget` runs each time the process group closes (close_process_group): an engine that cached its groups
+    drops them, so the next run in this interpreter builds its own."""
+    if forget not in _FORGET_WITH_PROCESS_GROUP:
+        _FORGET_WITH_PROCESS_GROUP.append(forget)
+
+
 def close_process_group() -> None:
     """Destroy the process groups, if any, then give their threads the GIL until they have all gone quiet."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        for forget in _FORGET_WITH_PROCESS_GROUP:
+            forget()
         wait_for_other_threads_to_settle()
 
 

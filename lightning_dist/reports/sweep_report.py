@@ -90,6 +90,12 @@ def _fmt(value: float | None, spec: str) -> str:
     return "" if value is None else format(value, spec)
 
 
+def steps_done(losses: dict[int, float]) -> dict[int, float]:
+    """A curve on the axis of optimizer steps done. Loggers label a value with the steps before the one that made it
+    (the loss of a 50-step run's last step is at 49); the validation before training, at 0, stays there."""
+    return {step + 1 if step else 0: value for step, value in losses.items()}
+
+
 def plot(jobs: list[Job], path: Path) -> None:
     import matplotlib
 
@@ -103,9 +109,13 @@ def plot(jobs: list[Job], path: Path) -> None:
         style = {"linestyle": ("-", "--", ":", "-.")[index % 4], "marker": "osd^v<>"[index % 7], "markersize": 4}
         for ax, losses in ((axes[0][0], job.val_loss), (axes[0][1], job.train_loss)):
             if losses:
-                ax.plot(list(losses), list(losses.values()), label=name, color=f"C{index}", **style)
+                done = steps_done(losses)
+                ax.plot(list(done), list(done.values()), label=name, color=f"C{index}", **style)
+    last_step = max((job.summary.get("global_step") or 0 for job in jobs), default=0)
     for ax, title, ylabel in ((axes[0][0], "Validation loss", "val_loss"), (axes[0][1], "Training loss", "train_loss")):
-        ax.set(title=title, xlabel="optimizer step", ylabel=ylabel)
+        ax.set(title=title, xlabel="optimizer steps done", ylabel=ylabel)
+        if last_step:
+            ax.set_xlim(0, last_step)  # every step of the longest job, its last included
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     bars = (

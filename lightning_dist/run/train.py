@@ -22,7 +22,6 @@ from lightning_dist.lifecycle.collective_timeout import explain_collective_failu
 from lightning_dist.lifecycle.exits import exit_code
 from lightning_dist.lifecycle.peer_exits import say_leaving
 from lightning_dist.lifecycle.process_exit import close_process_group
-from lightning_dist.reports.console import is_rank_zero
 from lightning_dist.run.compose import build, choices
 from lightning_dist.run.config_check import ConfigError
 from lightning_dist.run.resume import RESUME_ENV
@@ -57,7 +56,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 
 def _fit_and_test(cfg: DictConfig) -> dict[str, float]:
-    L.seed_everything(cfg.seed, workers=True, verbose=is_rank_zero())
+    L.seed_everything(cfg.seed, workers=True, verbose=False)  # our line before the bar names the seed
     parts = build(cfg, resuming=True)
     trainer: L.Trainer = parts["trainer"]
     try:
@@ -96,8 +95,8 @@ def _describe(cfg: DictConfig, model: Any, trainer: L.Trainer, strategy_name: st
     count = trainer.num_devices * trainer.num_nodes
     ranks = f"{count} {cfg.trainer.accelerator} rank{'s' if count > 1 else ''}"
     return (f"Training {chosen.get('model') or type(model).__name__} ({parameters / 1e6:.2f}M parameters) on "
-            f"{chosen.get('data') or 'data'} with {strategy_name}, {ranks}, {cfg.trainer.precision}; outputs in "
-            f"{cfg.paths.output_dir}")
+            f"{chosen.get('data') or 'data'} with {strategy_name}, {ranks}, {cfg.trainer.precision}, seed {cfg.seed}; "
+            f"outputs in {cfg.paths.output_dir}")
 
 
 def _metrics(trainer: L.Trainer) -> dict[str, float]:

@@ -62,6 +62,10 @@ def test_the_readme_sweep_runs_as_written_into_logs_train_multiruns(sweep):
         assert yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())[0] == f"strategy={strategy}"
         # Rank 1 ran in the job's own directory, from the job's own command line (Lightning names its log so).
         assert (job / "train_ddp_process_1.log").exists()
+    # Its last words: where it went, and the report's command for it (the README's second line, with the date).
+    where = dates[0].relative_to(cwd)
+    assert process.stdout.rstrip().splitlines()[-2:] == [
+        f"Sweep: {where}", f"Compare its jobs: python -m lightning_dist.sweep_report {where}"]
 
 
 def test_the_readme_sweep_report_command_writes_a_table_and_a_readable_plot(sweep):
@@ -88,6 +92,9 @@ def test_plot_has_labelled_axes_and_one_series_per_job(sweep, monkeypatch):
     axes = figures[0].axes
     assert all(ax.get_xlabel() and ax.get_ylabel() and ax.get_title() for ax in axes)
     assert [len(ax.get_lines()) for ax in axes[:2]] == [2, 2]  # a loss curve per job
+    # The axis of steps done covers the run (trainer.max_steps=50 in the README's sweep): its last step's loss is at 50.
+    assert [ax.get_xlim() for ax in axes[:2]] == [(0, 50), (0, 50)]
+    assert max(axes[1].get_lines()[0].get_xdata()) == 50 and min(axes[0].get_lines()[0].get_xdata()) == 0
     assert [len(ax.patches) for ax in axes[2:]] == [2, 2]  # a bar per job
     assert [t.get_text() for t in axes[0].get_legend().get_texts()] == ["strategy=ddp", "strategy=fsdp"]
     # The curves come from metrics.json, whichever loggers ran: they are the CSV logger's values.

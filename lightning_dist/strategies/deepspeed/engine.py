@@ -21,6 +21,14 @@ from lightning_dist.strategies.deepspeed.config.zero import ZeroSection
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 
 
+def say_the_host_where_there_is_no_cuda() -> None:
+    """DeepSpeed picks its accelerator when first used and, where it finds none, warns on every rank that it chose
+    the CPU. Without CUDA the host is the one device our strategy runs it on: said before DeepSpeed asks, so it need
+    not guess. A DS_ACCELERATOR the user set stays."""
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def use_deepspeed_accelerator(device: torch.device) -> str:
     """Point DeepSpeed at the accelerator matching Lightning's device; returns its name.
 

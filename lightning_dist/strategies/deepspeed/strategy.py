@@ -21,9 +21,15 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpee
 from torch import nn
 from typing_extensions import override
 
-from lightning_dist._compat.deepspeed import overflow_tested_on_host, read_gradient_norm_on_host, zero3_partitions
+from lightning_dist._compat.deepspeed import (
+    forget_process_groups,
+    overflow_tested_on_host,
+    read_gradient_norm_on_host,
+    zero3_partitions,
+)
 from lightning_dist._compat.lightning import validate_cuda_device_indices
 from lightning_dist.checkpoints.resume import group_names
+from lightning_dist.lifecycle.process_exit import forget_with_process_group
 from lightning_dist.memory.layout import Layout
 from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.module_state import move_module_state
@@ -35,7 +41,11 @@ from lightning_dist.strategies.deepspeed.config.for_run import Resolution, RunCo
 from lightning_dist.strategies.deepspeed.config.preflight import check_before_launch
 from lightning_dist.strategies.deepspeed.config.zero import OPTIMIZER_TILE, ZeroSection
 from lightning_dist.strategies.deepspeed.deferred_compile import import_muon_with_deferred_compilation
-from lightning_dist.strategies.deepspeed.engine import initialize_deferred_parameters, use_deepspeed_accelerator
+from lightning_dist.strategies.deepspeed.engine import (
+    initialize_deferred_parameters,
+    say_the_host_where_there_is_no_cuda,
+    use_deepspeed_accelerator,
+)
 from lightning_dist.strategies.deepspeed.layout import zero_layout
 from lightning_dist.strategies.deepspeed.load import load_deepspeed_checkpoint
 from lightning_dist.strategies.deepspeed.offload import offload_device, optimizer_for_offload
@@ -72,6 +82,9 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         config: a DeepSpeed config (dict or JSON path) to start from: its "auto" values are filled from the Trainer,
             the module and the data, contradictions (with them or the options above) reported before any rank starts,
             and the resolved config written to the run's directory.
+        process_group_backend: "gloo", "nccl" or per device type ("cpu:gloo,cuda:nccl"); unset: chosen from the
+            accelerator and where the state lives.
+        timeout: how long a collective waits for the other ranks (seconds or a timedelta) before the run fails.
         tensor_parallel_size: DeepSpeed AutoTP: ranks that split each linear layer of a `transformers` model (the
             config's `tensor_parallel.autotp_size`); ZeRO partitions over the data-parallel ranks that are left.
             Unset: the config file's size, else 1.
@@ -104,6 +117,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         block_class: str | type[nn.Module] | Sequence[str | type[nn.Module]] | None = None,
         async_checkpoint: bool = False,
     ) -> None:
+        say_the_host_where_there_is_no_cuda()  # before Lightning's constructor has DeepSpeed look for a device
         self.run_config = RunConfig.of(
             stage, offload_optimizer, offload_parameters, nvme_path, config, tensor_parallel_size
         )
@@ -213,6 +227,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
             torch.distributed.is_initialized() and deepspeed.comm.is_initialized()
         ):  # `test` after `fit`: up already
             self._init_deepspeed_distributed()
+        forget_with_process_group(forget_process_groups)  # the groups DeepSpeed caches die with the process group
 
     @override
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:

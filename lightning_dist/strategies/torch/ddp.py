@@ -27,12 +27,17 @@ class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
     at any world size.
 
     Args:
+        *args: Lightning's `DDPStrategy` arguments (`accelerator`, `parallel_devices`, ...), as Lightning passes them.
+        gradient_as_bucket_view: gradients as views of DDP's all-reduce buckets (one copy per gradient, not two).
+        timeout: how long a collective waits for the other ranks (seconds or a timedelta) before the run fails.
         activation_checkpointing: recompute activations in backward: true (every block), "ops" (every block,
             keeping the outputs of its matrix products and attention), or an integer k (every k-th block).
         compile: compile each block with torch.compile (regional compilation) before DDP wraps the model.
         block_class: the repeated layer (class or dotted path, or a list) that the two options above act on; unset:
             the classes of the model's layer stacks.
         async_checkpoint: write checkpoints in the background: the step waits only while rank 0 copies the state.
+        **kwargs: the rest of Lightning's `DDPStrategy` arguments (`process_group_backend`, `find_unused_parameters`,
+            ...; extra keywords go to `DistributedDataParallel`).
     """
 
     strategy_name = "ld_ddp"

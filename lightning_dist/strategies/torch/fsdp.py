@@ -75,6 +75,9 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
             before sharding.
         async_checkpoint: write checkpoints in the background: the step waits only while each rank copies its
             shards to host memory.
+        process_group_backend: "gloo", "nccl" or per device type ("cpu:gloo,cuda:nccl"); unset: chosen from the
+            accelerator and where the state lives.
+        timeout: how long a collective waits for the other ranks (seconds or a timedelta) before the run fails.
     """
 
     strategy_name = "ld_fsdp"
