@@ -91,6 +91,9 @@ FENCED = [
     ),
     Fenced("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed", ("num_processes",)),
     Fenced("lightning.pytorch.strategies.ddp", "DDPStrategy._setup_model", ("self", "model")),
+    # The rich bar's epoch label (epoch_label_without_a_negative_total).
+    Fenced("lightning.pytorch.callbacks.progress.rich_progress", "RichProgressBar._get_train_description",
+           ("self", "current_epoch")),
     Fenced(
         "lightning.pytorch.trainer.connectors.checkpoint_connector",
         "_CheckpointConnector.dump_checkpoint",
@@ -273,6 +276,20 @@ def read_bar_values_at_refresh(trainer: Any) -> None:
     connector = trainer._logger_connector
     if type(connector) is _LoggerConnector:  # Lightning's own (a connector of the user's is left alone)
         connector.__class__ = _BarValuesReadAtRefresh
+
+
+def epoch_label_without_a_negative_total(trainer: Any) -> None:
+    """Lightning's rich bar (its default where `rich` is installed) labels an epoch "Epoch 0/<max_epochs - 1>": in a
+    run bounded by `max_steps`, where Lightning sets `max_epochs` to -1, that read "Epoch 0/-2". There it says
+    "Epoch 0"."""
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    bar = trainer.progress_bar_callback
+    if not isinstance(bar, RichProgressBar) or (trainer.max_epochs or 0) >= 0 or "_get_train_description" in vars(bar):
+        return
+    describe = bar._get_train_description
+    total = f"/{trainer.max_epochs - 1}"
+    bar._get_train_description = lambda epoch: describe(epoch).replace(total, "", 1)  # type: ignore[method-assign]
 
 
 def broadcast_sigterm_at_logging_steps(trainer: Any) -> None:

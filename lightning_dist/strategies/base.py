@@ -27,7 +27,11 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from typing_extensions import override
 
-from lightning_dist._compat.lightning import broadcast_sigterm_at_logging_steps, read_bar_values_at_refresh
+from lightning_dist._compat.lightning import (
+    broadcast_sigterm_at_logging_steps,
+    epoch_label_without_a_negative_total,
+    read_bar_values_at_refresh,
+)
 from lightning_dist.checkpoints.background import BackgroundSaves
 from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
 from lightning_dist.checkpoints.swap import SwappedSaves
@@ -132,6 +136,7 @@ class StrategyBase(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobal
         trainer = self.lightning_module.trainer
         read_bar_values_at_refresh(trainer)
         broadcast_sigterm_at_logging_steps(trainer)
+        epoch_label_without_a_negative_total(trainer)
         super().on_train_start()
 
     @override
