@@ -4,6 +4,7 @@ heading, that exists."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -54,9 +55,12 @@ def broken_links(page: Path) -> list[str]:
     return broken
 
 
-def mkdocs_build(config_dir: Path, site: Path) -> subprocess.CompletedProcess:
+def mkdocs_build(config_dir: Path, site: Path, repo_url: str | None = None) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k != "LIGHTNING_DIST_REPO_URL"}
+    if repo_url:
+        environment["LIGHTNING_DIST_REPO_URL"] = repo_url
     return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-                          cwd=config_dir, capture_output=True, text=True, timeout=120)
+                          cwd=config_dir, capture_output=True, text=True, timeout=120, env=environment)
 
 
 def test_the_readme_is_an_entry_point_that_links_every_page():
@@ -100,8 +104,13 @@ def test_the_site_builds_in_strict_mode_with_every_page(tmp_path):
     assert "WARNING" not in built.stderr
     pages = sorted(p.stem for p in DOCS.glob("*.md"))
     assert [name for name in pages if not (tmp_path / "site" / ("" if name == "index" else name) / "index.html").exists()] == []
-    # A link into the repository outside docs/ becomes its path in the site (on GitHub it stays a link).
+    # A link into the repository outside docs/ becomes its path in the site (on GitHub it stays a link)...
     assert "README (<code>README.md</code>)" in (tmp_path / "site" / "index.html").read_text()
+    # ... and a link into the repository's web view where the publisher says where that is.
+    published = mkdocs_build(REPO, tmp_path / "published", repo_url="https://example.org/owner/lightning-dist")
+    assert published.returncode == 0, published.stderr
+    assert '<a href="https://example.org/owner/lightning-dist/blob/main/README.md">README</a>' in (
+        tmp_path / "published" / "index.html").read_text()
 
 
 def test_the_api_reference_has_a_page_per_strategy_with_every_argument(tmp_path):
