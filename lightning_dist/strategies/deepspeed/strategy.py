@@ -6,6 +6,7 @@ loading in `load.py`, the offloaded optimizer in `offload.py` (this slice, strat
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
@@ -261,6 +262,14 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         if "accumulate_grad_batches" in resolution.trainer_settings:
             module.trainer.accumulate_grad_batches = resolution.trainer_settings["accumulate_grad_batches"]
         self.config = self.effective_config(resolution, run_directory(module.trainer))
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
+        # Lightning warns, at ZeRO-3's first save, that the checkpoint is a directory and points at its conversion
+        # to one file: here any strategy loads the directory as it is (lightning_dist.load_from_checkpoint).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="When saving the DeepSpeed Stage 3 checkpoint")
+            super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def effective_config(self, resolution: Resolution, root_dir: str | Path | None) -> dict[str, Any]:
         """The config the engine runs, written to the run's directory (if it has one) by global rank 0
