@@ -289,7 +289,7 @@ def epoch_label_without_a_negative_total(trainer: Any) -> None:
         return
     describe = bar._get_train_description
     total = f"/{trainer.max_epochs - 1}"
-    bar._get_train_description = lambda epoch: describe(epoch).replace(total, "", 1)  # type: ignore[method-assign]
+    bar._get_train_description = lambda epoch: describe(epoch).replace(total, "", 1)
 
 
 def broadcast_sigterm_at_logging_steps(trainer: Any) -> None:
