@@ -42,11 +42,8 @@ def run_job(cfg: DictConfig) -> Any:
     multirun = hydra_config.mode == RunMode.MULTIRUN
     undo_on_refusal(discard_this_run_of_the_job)  # another rank refused the run while its process group formed
     try:
-        if needs_isolation(hydra_config, cfg.trainer):
-            # A sweep job with ranks: run it as a single run in a process of its own
-            # (lightning_dist/run/isolated_job.py).
-            metrics = run_isolated(hydra_config)
-        elif cfg.get("plan"):
+        # A plan and a dry run start no rank (a dry run plays its ranks in this process): in a sweep, each job is one.
+        if cfg.get("plan"):
             plan(cfg)
             _leave_nothing(hydra_config, multirun)
             return {}
@@ -54,6 +51,10 @@ def run_job(cfg: DictConfig) -> Any:
             dry_run(cfg)
             _leave_nothing(hydra_config, multirun)
             return {}
+        elif needs_isolation(hydra_config, cfg.trainer):
+            # A sweep job with ranks: run it as a single run in a process of its own
+            # (lightning_dist/run/isolated_job.py).
+            metrics = run_isolated(hydra_config)
         else:
             metrics = train(cfg)
             release_claim()

@@ -35,6 +35,19 @@ def test_what_users_type_leaves_only_the_runs_they_made(tmp_path):
     assert not (run_dir / ".run.lock").exists()
 
 
+def test_a_swept_plan_keeps_its_record_and_releases_its_claims(tmp_path):
+    """A sweep's job directories are its record (Hydra's `.hydra/`, what each job said), but no job holds its claim
+    after it ended: a stale `.run.lock` would say a run is still in there."""
+    swept = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "plan=true", "strategy=ddp,fsdp"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert swept.returncode == 0, swept.stderr[-3000:]
+    assert swept.stdout.count("Memory plan: ") == 2
+    (sweep,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
+    assert sorted(str(p.relative_to(sweep)) for p in sweep.rglob(".run.lock")) == []
+    assert "Sweep: " not in swept.stdout  # nothing trained: no sweep report to point at
+
+
 @pytest.mark.parametrize("option", list(SAID))
 def test_a_plan_or_a_dry_run_leaves_nothing_in_its_run_directory(option, tmp_path):
     run_dir = tmp_path / "run"
