@@ -41,6 +41,9 @@ __all__ = [
     "is_compiled",
     "local_shard_region",
     "own_parameters",
+    "pipeline_schedule",
+    "forward_only_order",
+    "running_order",
     "parameter_registration",
     "read_entries",
     "reopen_fsdp_forward",
@@ -104,6 +107,14 @@ FENCED = [
     Fenced("torch.utils.cpp_extension", "_jit_compile"),
     Fenced("torch.utils._python_dispatch", "TorchDispatchMode"),  # the base of every dispatch mode; torch has no other
     Fenced("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu"),
+    Fenced("torch.distributed.pipelining.schedules", "get_schedule_class", ("schedule_name",)),
+    Fenced("torch.distributed.pipelining.schedules", "PipelineScheduleMulti._load_csv", ("self", "filename")),
+    Fenced("torch.distributed.pipelining.schedules", "_add_unshard_reshard", ("compute_actions",)),
+    Fenced("torch.distributed.pipelining.schedules", "_add_send_recv",
+           ("compute_actions", "stage_to_rank", "num_stages")),
+    Fenced("torch.distributed.pipelining.schedules", "_Action",
+           ("stage_index", "computation_type", "microbatch_index")),
+    Fenced("torch.distributed.pipelining.schedules", "_ComputationType.FORWARD"),
 ]
 
 
@@ -384,3 +395,48 @@ def host_sync_kind(func: Any, args: tuple, kwargs: dict) -> str | None:
         to_host = destination.device.type == "cpu" and isinstance(source, torch.Tensor) and source.device.type != "cpu"
         return "copy to host" if to_host else None
     return None
+
+
+def pipeline_schedule(name: str, stages: list[Any], microbatches: int, loss_fn: Callable[..., torch.Tensor],
+                      multi_stage: bool) -> Any:
+    """torch's schedule `name` over this rank's `stages` (one, for a single-stage schedule), or the one a CSV file
+    writes out (`PipelineScheduleMulti._load_csv`, private in every release). Gradients are not scaled by the
+    schedule: the loss function divides by the microbatches, so that gradients accumulated over several batches
+    (Lightning's `accumulate_grad_batches`) are not divided again at each."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+
+    if name.endswith(".csv"):
+        schedule = PipelineScheduleMulti(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+        schedule._load_csv(name)
+        return schedule
+    schedule_class = get_schedule_class(name)
+    return schedule_class(stages if multi_stage else stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def forward_only_order(stage_to_rank: Callable[[int], int], stages: int, microbatches: int, ranks: int) -> Any:
+    """A multi-stage schedule's actions for a forward-only pass, lowered with its FSDP gathers and its sends and
+    receives, as `_PipelineScheduleRuntime._prepare_schedule_with_comms` lowers a schedule (whose validation
+    refuses one without backward): each rank runs its stages' forwards microbatch by microbatch, in stage order.
+    torch's `eval()` runs a multi-stage schedule's own actions, backward ones included, and fails on a V schedule's
+    adjacent stages (ZBVZeroBubble, DualPipeV: "can't steal_bwd_input if this stage doesn't have backward")."""
+    from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _add_unshard_reshard, _ComputationType
+
+    actions = {
+        rank: _add_unshard_reshard([
+            _Action(stage, _ComputationType.FORWARD, microbatch) for microbatch in range(microbatches)
+            for stage in range(stages) if stage_to_rank(stage) == rank
+        ])
+        for rank in range(ranks)
+    }
+    return _add_send_recv(actions, stage_to_rank=stage_to_rank, num_stages=stages)
+
+
+@contextmanager
+def running_order(schedule: Any, order: Any) -> Iterator[None]:
+    """`schedule` running the lowered actions `order` (`forward_only_order`) instead of its own."""
+    own = schedule.pipeline_order_with_comms
+    schedule.pipeline_order_with_comms = order
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = own

@@ -92,10 +92,18 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
+        return self.head(x)
+
+    # The way into the blocks and out of them: pipeline parallelism runs `embed` on its first stage and `head` on its
+    # last (lightning_dist/parallel/pipeline_split.py).
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.token_embedding(tokens) + self.position_embedding(positions)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_out(x))
 
 

@@ -60,6 +60,16 @@ PRESETS: dict[str, Preset] = {
         {"sharding_strategy": "HYBRID_SHARD", "tensor_parallel_size": 2},
         "HSDP (replicated across nodes, sharded within) with each layer split over 2 ranks: a 3-D mesh",
     ),
+    "fsdp_pp": Preset(
+        FSDP,
+        {"sharding_strategy": "FULL_SHARD", "pipeline_parallel_size": 2},
+        "Pipeline parallelism over 2 stages outermost, FSDP2 inside each stage: a 2-D mesh",
+    ),
+    "fsdp_tp_pp": Preset(
+        FSDP,
+        {"sharding_strategy": "FULL_SHARD", "pipeline_parallel_size": 2, "tensor_parallel_size": 2},
+        "2 pipeline stages, FSDP2 over the data-parallel ranks, each layer split over 2 ranks: a 3-D mesh",
+    ),
     "fsdp_cpu_offload": Preset(
         FSDP, {"sharding_strategy": "FULL_SHARD", "cpu_offload": True}, "FSDP2 with shards kept in host memory"
     ),

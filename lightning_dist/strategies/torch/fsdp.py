@@ -30,6 +30,7 @@ from lightning_dist.parallel.classes import BlockClasses
 from lightning_dist.parallel.dims import TENSOR_PARALLEL, ParallelDims, check_sharding_sizes, sharding_layout
 from lightning_dist.parallel.grad_norm import clip_grad_norm_
 from lightning_dist.parallel.module_state import move_module_state
+from lightning_dist.parallel.pipeline_split import PipelineSplit
 from lightning_dist.parallel.precision import PrecisionSupport
 from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
 from lightning_dist.parallel.tensor_parallel import (
@@ -46,6 +47,7 @@ from lightning_dist.strategies.torch.fully_shard import (
     offload_policy,
     shard_device,
 )
+from lightning_dist.strategies.torch.pipeline import PipelineOptions, PipelineSteps
 from lightning_dist.strategies.torch.replay import ReplayedOnTorch
 
 # LightningModule methods that run the model without going through `forward`.
@@ -78,6 +80,12 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         process_group_backend: "gloo", "nccl" or per device type ("cpu:gloo,cuda:nccl"); unset: chosen from the
             accelerator and where the state lives.
         timeout: how long a collective waits for the other ranks (seconds or a timedelta) before the run fails.
+        pipeline_parallel_size: pipeline stages the model's blocks are split into, on ranks outermost in the mesh
+            (each rank builds only its stage's weights); FSDP and tensor parallelism run inside each stage. 1: none.
+        pipeline_schedule: torch's schedule by name (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
+            ZBVZeroBubble, DualPipeV) or a schedule's .csv file.
+        microbatches: how many parts each rank's batch is split into for the schedule; unset: one per stage.
+        stages_per_rank: stages each pipeline rank holds (virtual stages, for interleaved and V schedules).
     """
 
     strategy_name = "ld_fsdp"
@@ -96,6 +104,10 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         async_checkpoint: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: str = "1F1B",
+        microbatches: int | None = None,
+        stages_per_rank: int = 1,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
@@ -109,6 +121,8 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         self.data_parallel_replicate_size = data_parallel_replicate_size
         self.tensor_parallel_plan = None if tensor_parallel_plan is None else check_plan(
             dict(tensor_parallel_plan), "strategy.tensor_parallel_plan")
+        self.pipeline = PipelineOptions.of(pipeline_parallel_size, pipeline_schedule, microbatches, stages_per_rank)
+        self._pipeline_steps: PipelineSteps | None = None
 
     @override
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
@@ -118,14 +132,16 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         model = fit_arguments.get("model")
         require_shardable_optimizer(model, "fsdp")
         if isinstance(model, nn.Module) and next(model.parameters(), None) is not None:
-            self.block_classes_of(model)
+            block_classes = self.block_classes_of(model)
+            if self.pipeline.size > 1:
+                self.pipeline.split(model, block_classes, pp_rank=0)
             if self.tensor_parallel_size != 1 and not is_overridden("configure_model", model, pl.LightningModule):
                 self.tensor_parallel_plan_of(model)  # a configure_model may split the model itself
 
     def check_parallel_sizes(self) -> None:
         """The sizes fit the ranks (trainer.devices x trainer.num_nodes), and a tensor-parallel group fits a node."""
         check_sharding_sizes(self.num_processes, self.num_nodes, self.tensor_parallel_size,
-                             self.data_parallel_replicate_size, self.hybrid)
+                             self.data_parallel_replicate_size, self.hybrid, self.pipeline.size)
 
     def tensor_parallel_plan_of(self, model: nn.Module) -> TensorParallelPlan:
         """The configured plan, or the model's own, checked against `model`."""
@@ -152,7 +168,8 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         """Every rank shards, or the ranks left by tensor parallelism; HYBRID_SHARD shards within a node and
         replicates across nodes."""
         return ParallelDims.of_sharding(self.num_nodes * self.num_processes, self.num_nodes,
-                                        self.tensor_parallel_size, self.data_parallel_replicate_size, self.hybrid)
+                                        self.tensor_parallel_size, self.data_parallel_replicate_size, self.hybrid,
+                                        self.pipeline.size)
 
     @property
     @override
@@ -204,13 +221,15 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         if has_meta_parameters(self.model):
             # The order torchtitan uses: shard the model while it has no memory, then initialise the shards.
-            self.parallelize(self.model)
+            roots = self.parallelize(self.model)
             device = shard_device(self.cpu_offload, self.root_device)
-            materialize_shards(self.model, device, seed=self.broadcast(torch.initial_seed()))
+            materialize_shards(self.model, device, seed=self.broadcast(torch.initial_seed()), roots=roots)
             self.model_to_device()  # the buffers
         else:
             self.model_to_device()
-            self.parallelize(self.model)
+            roots = self.parallelize(self.model)
+        if self._pipeline_split is not None:
+            self._pipeline_steps = self.pipeline.steps(self, self._pipeline_split, roots)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -220,26 +239,76 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             move_optimizers_to_device(self.optimizers, self.root_device)
 
-    def parallelize(self, model: nn.Module) -> None:
-        """Tensor parallelism first, then activation checkpointing, then compilation, then sharding: FSDP shards the
-        checkpoint wrapper of each block, so the block's parameters are gathered before backward recomputes it."""
+    _pipeline_split: PipelineSplit | None = None
+
+    def parallelize(self, model: nn.Module) -> list[nn.Module]:
+        """Pipeline stages outermost (each rank keeps its stages' part of the model), then tensor parallelism, then
+        activation checkpointing, then compilation, then sharding: FSDP shards the checkpoint wrapper of each
+        block, so the block's parameters are gathered before backward recomputes it. Returns FSDP's roots: the
+        model, or this rank's pipeline stages."""
         block_classes = self.block_classes_of(model)
+        if self.parallel_dims.pp > 1 and self._pipeline_split is None:
+            pp_rank = self.parallel_dims.coordinates(self.global_rank)["pp"]
+            self._pipeline_split = self.pipeline.split(model, block_classes, pp_rank)
+            self._pipeline_split.prune(model)
         if self.parallel_dims.tp > 1 and not any(isinstance(p, DTensor) for p in model.parameters()):
             # Split first (a configure_model that split the model itself is left as it is), as torchtitan orders it.
             apply_tensor_parallel(model, self.device_mesh[TENSOR_PARALLEL], self.tensor_parallel_plan_of(model))
         self.blocks.apply(model, block_classes, device_type=self.root_device.type)  # checkpointing, then compilation
-        apply_fully_shard(
-            model,
-            mesh=self.parallel_dims.sharding_mesh(self.device_mesh),
-            block_classes=block_classes,
-            reshard_after_forward=self.reshard_after_forward,
-            offload=offload_policy(self.cpu_offload, self.root_device),
-            mixed_precision=mixed_precision_policy(self.precision_plugin.precision),
-            forward_methods=[m for m in _STEP_METHODS if hasattr(model, m)],
-        )
+        roots: list[nn.Module] = [model] if self._pipeline_split is None else list(self._pipeline_split.views(model))
+        for root in roots:
+            apply_fully_shard(
+                root,
+                mesh=self.parallel_dims.sharding_mesh(self.device_mesh),
+                block_classes=self.pipeline.sharded_block_classes(block_classes),
+                reshard_after_forward=self.reshard_after_forward,
+                offload=offload_policy(self.cpu_offload, self.root_device),
+                mixed_precision=mixed_precision_policy(self.precision_plugin.precision),
+                forward_methods=[m for m in _STEP_METHODS if hasattr(root, m)],
+            )
+        return roots
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline_steps is None:
+            return super().training_step(*args, **kwargs)
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        with self.precision_plugin.train_step_context():
+            return self._pipeline_steps.run("training_step", *args, train=True, accumulate=accumulate, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline_steps is None:
+            return super().validation_step(*args, **kwargs)
+        with self.precision_plugin.val_step_context():
+            return self._pipeline_steps.run("validation_step", *args, train=False, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline_steps is None:
+            return super().test_step(*args, **kwargs)
+        with self.precision_plugin.test_step_context():
+            return self._pipeline_steps.run("test_step", *args, train=False, **kwargs)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._pipeline_steps is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The schedule ran backward, microbatch by microbatch, in `training_step`; the hooks around it still run.
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._pipeline_steps.add_step_gradients()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val)
+        params = self.precision_plugin.main_params(optimizer)
+        if self._pipeline_steps is None:
+            clip_grad_norm_(params, clip_val)
+            return
+        duplicates = self._pipeline_steps.tied.duplicates()
+        clip_grad_norm_(params, clip_val, across=self._pipeline_steps.pp_group, skip=duplicates)
 
     @override
     def save_checkpoint(

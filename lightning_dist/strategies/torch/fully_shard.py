@@ -108,14 +108,16 @@ def shard_device(cpu_offload: bool, device: torch.device) -> torch.device:
     return torch.device("cpu") if cpu_offload else device
 
 
-def materialize_shards(model: nn.Module, device: torch.device, seed: int) -> int:
+def materialize_shards(model: nn.Module, device: torch.device, seed: int, roots: Iterable[nn.Module] = ()) -> int:
     """After `fully_shard` on a model built on the meta device: allocate each rank's shards on `device` and
-    initialise them (sharded_init.py), one module's full weights at a time. Returns the parameters initialised."""
+    initialise them (sharded_init.py), one module's full weights at a time. Returns the parameters initialised.
+    `roots`: FSDP's roots where they are not `model` (pipeline stages), whose sharded storage is re-pointed too."""
     from torch.distributed.tensor import DTensor
 
     meta = [p for p in model.parameters() if p.is_meta]
-    # Through the root, so that FSDP re-points its padded shard storage at the new tensors; real tensors stay.
-    apply_to_tensors(model, lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    # Through each FSDP root, so that FSDP re-points its padded shard storage at the new tensors; real tensors stay.
+    for root in [*roots, model]:
+        apply_to_tensors(root, lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
 
     def keep_local_shard(param: nn.Parameter, full: torch.Tensor) -> None:
         if not isinstance(param, DTensor):  # a parameter outside every FSDP unit

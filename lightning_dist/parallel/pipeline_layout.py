@@ -1,0 +1,135 @@
+"""The layout of a pipeline-parallel axis, as data (no torch): which stages each pipeline rank holds, which blocks
+each stage runs, and what a schedule asks of its microbatches. The command line refuses an impossible layout with
+this before anything loads torch; the strategy builds its stages from it.
+
+A schedule places its stages on the ranks in one of two styles (torch's `generate_stage_to_rank_mapping`): "loop"
+deals stages out round-robin (rank r holds r, r + pp, ...), "v" folds them back (rank r holds r and 2 pp - 1 - r), so
+that the first and the last stage share a rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What lightning_dist needs to know of one of torch's schedules."""
+
+    multi_stage: bool  # takes a list of stages per rank (PipelineScheduleMulti) rather than one
+    style: str = "loop"  # how stages are placed on ranks: "loop" or "v"
+    stages_per_rank: int | None = None  # the number it requires, or None: any (1 for a single-stage schedule)
+    microbatches_at_least_stages: bool = False  # it refuses fewer microbatches than stages
+    microbatches_in_rounds: bool = False  # interleaved: the microbatches divide into rounds of pp
+    zero_bubble: bool = False  # splits backward into input and weight gradients, filling the bubble with the latter
+
+
+# Every schedule torch ships (`torch.distributed.pipelining.schedules.get_schedule_class`), by its name there.
+SCHEDULES: dict[str, Schedule] = {
+    "GPipe": Schedule(multi_stage=False, stages_per_rank=1),
+    "1F1B": Schedule(multi_stage=False, stages_per_rank=1, microbatches_at_least_stages=True),
+    "Interleaved1F1B": Schedule(multi_stage=True, microbatches_in_rounds=True),
+    "LoopedBFS": Schedule(multi_stage=True),
+    "InterleavedZeroBubble": Schedule(multi_stage=True, microbatches_in_rounds=True, zero_bubble=True),
+    "ZBVZeroBubble": Schedule(multi_stage=True, style="v", stages_per_rank=2, zero_bubble=True),
+    "DualPipeV": Schedule(multi_stage=True, style="v", stages_per_rank=2, microbatches_at_least_stages=True,
+                          zero_bubble=True),
+}
+# A schedule written as a CSV file (torch's `PipelineScheduleMulti._load_csv`): one row of actions per rank.
+CSV_SCHEDULE = Schedule(multi_stage=True)
+
+
+def schedule_named(name: str) -> Schedule:
+    """The schedule called `name` (any case), a CSV file's, or ValueError naming the choices."""
+    if str(name).endswith(".csv"):
+        return CSV_SCHEDULE
+    by_lower = {known.lower(): schedule for known, schedule in SCHEDULES.items()}
+    if str(name).lower() not in by_lower:
+        raise ValueError(f"strategy.pipeline_schedule={name!r}: choose one of {', '.join(SCHEDULES)},"
+                         " or a schedule's .csv file")
+    return by_lower[str(name).lower()]
+
+
+def canonical_schedule_name(name: str) -> str:
+    """`name` as torch spells it (a CSV file's path as it is)."""
+    return next((known for known in SCHEDULES if known.lower() == str(name).lower()), str(name))
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """`pp` ranks holding `stages_per_rank` stages each of a model with `blocks` blocks, run by `schedule`."""
+
+    pp: int
+    stages_per_rank: int
+    blocks: int
+    schedule: str = "1F1B"
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    @property
+    def style(self) -> str:
+        return schedule_named(self.schedule).style
+
+    def stages_of_rank(self, pp_rank: int) -> list[int]:
+        """The stage indices pipeline rank `pp_rank` holds, in order."""
+        if self.style == "v":
+            return sorted({pp_rank, 2 * self.pp - 1 - pp_rank}) if self.stages_per_rank == 2 else [pp_rank]
+        return [pp_rank + k * self.pp for k in range(self.stages_per_rank)]
+
+    def rank_of_stage(self, stage: int) -> int:
+        return next(rank for rank in range(self.pp) if stage in self.stages_of_rank(rank))
+
+    def blocks_of_stage(self, stage: int) -> range:
+        """The contiguous blocks stage `stage` runs: an equal share of them."""
+        per_stage = self.blocks // self.stages
+        return range(stage * per_stage, (stage + 1) * per_stage)
+
+    def bubble_fraction(self, microbatches: int) -> float:
+        """The share of a step a rank idles in the schedule's fill and drain, as the schedules' papers state it:
+        (pp - 1) / (m + pp - 1) for GPipe and 1F1B, divided by the stages per rank for interleaved ones; a
+        zero-bubble schedule fills it with weight gradients (its ideal is 0)."""
+        schedule = schedule_named(self.schedule)
+        if schedule.zero_bubble:
+            return 0.0
+        idle = (self.pp - 1) / self.stages_per_rank
+        return idle / (microbatches + idle)
+
+    def in_flight(self, microbatches: int, stage: int) -> int:
+        """Microbatches whose activations a stage holds at once: GPipe keeps all of them until backward, 1F1B and
+        its kin at most as many as the stages after it, counting itself."""
+        if self.schedule.lower() in ("gpipe", "loopedbfs"):
+            return microbatches
+        return min(microbatches, self.stages - stage)
+
+
+def check_pipeline(pp: int, stages_per_rank: int, schedule: str, microbatches: int, blocks: int | None,
+                   batch_size: int | None) -> PipelineLayout:
+    """The layout, or ValueError in one line naming the key and what it must be: the blocks divide into stages, the
+    schedule's stage count and microbatch count suit it, and the batch divides into microbatches."""
+    kind = schedule_named(schedule)
+    for key, value in (("strategy.pipeline_parallel_size", pp), ("strategy.stages_per_rank", stages_per_rank),
+                       ("strategy.microbatches", microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key}={value!r}: must be an integer >= 1")
+    name = canonical_schedule_name(schedule)
+    if kind.stages_per_rank is not None and stages_per_rank != kind.stages_per_rank:
+        hint = "" if kind.multi_stage else "; Interleaved1F1B, LoopedBFS or ZBVZeroBubble run several"
+        raise ValueError(f"strategy.stages_per_rank={stages_per_rank}: {name} runs exactly {kind.stages_per_rank}"
+                         f" stage(s) per rank{hint}")
+    layout = PipelineLayout(pp, stages_per_rank, blocks or 0, name)
+    if kind.microbatches_at_least_stages and microbatches < layout.stages:
+        raise ValueError(f"strategy.microbatches={microbatches}: {name} needs at least one per stage, here"
+                         f" {layout.stages} (pipeline_parallel_size x stages_per_rank)")
+    rounds = max(1, microbatches // pp)
+    if kind.microbatches_in_rounds and microbatches % rounds:
+        raise ValueError(f"strategy.microbatches={microbatches}: {name} runs them in rounds of"
+                         f" pipeline_parallel_size={pp}; choose a multiple of {pp}, or fewer than {pp}")
+    if blocks is not None and blocks % layout.stages:
+        raise ValueError(f"strategy.pipeline_parallel_size={pp}: the model's {blocks} blocks do not divide into"
+                         f" {layout.stages} stages (pipeline_parallel_size x stages_per_rank={stages_per_rank})")
+    if batch_size is not None and batch_size % microbatches:
+        raise ValueError(f"strategy.microbatches={microbatches}: data.batch_size={batch_size} (per data-parallel rank)"
+                         " does not divide into them; choose a divisor of the batch")
+    return layout

@@ -1,0 +1,257 @@
+"""A model split into pipeline stages without user code: the blocks the strategy already knows (`block_class`),
+and the model's own way in and out of them.
+
+The module that holds the block stack (the trunk: our GPT, a Hugging Face decoder) says how its input enters the
+blocks and how their output leaves: `embed(*inputs) -> hidden` and `head(hidden) -> outputs`, so that its forward is
+`head(block_n(... block_1(embed(inputs))))`. Each rank keeps only what its stages run, pruned from the model while
+it is still on the meta device: its blocks (keeping their place in the stack, so every name is the whole model's:
+`blocks.5.attn.q.weight` stays that), the trunk's modules before the stack on the first stage (embeddings), those
+after it on the last (final norm, head). Modules without parameters (rotary tables) stay everywhere.
+
+A stage is a `StageView`: the modules of one stage, registered there so that the stage owns exactly its parameters
+(the schedule scales and FSDP shards by the stage's own), running the trunk's `embed`, its blocks and `head`.
+
+A parameter the model shares between its first and last stage (GPT-2's output head tied to the token embedding)
+is held by each as a copy: `TiedCopies` starts them equal and sums their gradients, as Megatron-LM does with its
+embedding group, so that every copy takes the same step as the shared parameter would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_dist.optim.parameter_groups import decays_as_embedding
+from lightning_dist.parallel.pipeline_layout import PipelineLayout
+
+_NEEDS = "embed(*inputs) -> hidden and head(hidden) -> outputs"
+
+
+@dataclass(frozen=True)
+class Trunk:
+    """Where a model's block stack is: the trunk module's name in the model ("" for the model itself) and the
+    stack's attribute in it."""
+
+    name: str
+    stack: str
+
+    def of(self, model: nn.Module) -> nn.Module:
+        return model.get_submodule(self.name)
+
+
+def find_trunk(model: nn.Module, block_classes: tuple[type[nn.Module], ...], key: str) -> Trunk:
+    """The one `nn.ModuleList` of blocks in `model` and its parent, which must say how to enter and leave the
+    blocks; else ValueError in one line saying what the model needs."""
+    stacks = [
+        name for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) and all(isinstance(m, block_classes) for m in module)
+    ]
+    names = ", ".join(cls.__qualname__ for cls in block_classes)
+    if len(stacks) != 1:
+        found = "none" if not stacks else f"{len(stacks)} ({', '.join(stacks)})"
+        raise ValueError(f"{key}: pipeline stages split one nn.ModuleList of the model's blocks ({names});"
+                         f" found {found}")
+    trunk_name, _, stack = stacks[0].rpartition(".")
+    trunk = model.get_submodule(trunk_name)
+    missing = [method for method in ("embed", "head") if not callable(getattr(trunk, method, None))]
+    if missing:
+        raise ValueError(f"{key}: {type(trunk).__qualname__} (the module holding {stacks[0]}) must define {_NEEDS},"
+                         f" so that each stage can run its part; it lacks {' and '.join(missing)}")
+    return Trunk(trunk_name, stack)
+
+
+def tied_parameters(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter that `model` holds under more than one name, first as `named_parameters` lists it."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def prune_to_stages(model: nn.Module, trunk: Trunk, layout: PipelineLayout, stages: Iterable[int]) -> None:
+    """Remove from `model` what none of `stages` runs. The blocks that stay keep their indices as names."""
+    stages = list(stages)
+    owner = trunk.of(model)
+    stack = getattr(owner, trunk.stack)
+    kept = {block for stage in stages for block in layout.blocks_of_stage(stage)}
+    for index, key in enumerate(list(stack._modules)):
+        if index not in kept:
+            del stack._modules[key]
+    children = list(owner._modules)
+    at = children.index(trunk.stack)
+    first, last = 0 in stages, layout.stages - 1 in stages
+    for position, name in enumerate(children):
+        child = owner._modules[name]
+        if position == at or child is None or not _has_parameters(child):
+            continue
+        if (position < at and not first) or (position > at and not last):
+            del owner._modules[name]
+
+
+def untie_across_stages(model: nn.Module, tied: list[list[str]]) -> None:
+    """Give every name of a tied parameter that this rank still holds its own parameter (the copies that
+    `TiedCopies` keeps equal): two stages on one rank must not share one, which each stage's FSDP would claim."""
+    held = dict(model.named_parameters(remove_duplicate=False))
+    for group in tied:
+        present = [name for name in group if name in held]
+        for name in present[1:]:
+            module_name, _, attr = name.rpartition(".")
+            param = held[name]
+            copy = nn.Parameter(torch.empty_like(param), requires_grad=param.requires_grad)
+            setattr(model.get_submodule(module_name), attr, copy)
+
+
+class StageView(nn.Module):
+    """One pipeline stage of a pruned model: its blocks (by their index in the whole stack) and, on the first and
+    last stage, the trunk's modules before and after the stack, registered here so that the stage owns exactly its
+    parameters. Its forward is the trunk's: `embed` on the first stage, the blocks, `head` on the last."""
+
+    def __init__(self, model: nn.Module, trunk: Trunk, layout: PipelineLayout, stage: int) -> None:
+        super().__init__()
+        owner = trunk.of(model)
+        stack = getattr(owner, trunk.stack)
+        self.blocks = nn.ModuleDict({str(i): stack._modules[str(i)] for i in layout.blocks_of_stage(stage)})
+        self.is_first, self.is_last = stage == 0, stage == layout.stages - 1
+        children = list(owner._modules)
+        at = children.index(trunk.stack)
+        ends = {name: child for position, (name, child) in enumerate(owner._modules.items())
+                if child is not None and _has_parameters(child)
+                and ((position < at and self.is_first) or (position > at and self.is_last))}
+        self.ends = nn.ModuleDict(ends)
+        self.trunk: Any
+        object.__setattr__(self, "trunk", owner)  # not a submodule: its other parameters belong to other stages
+        self.stage = stage
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        hidden = self.trunk.embed(*inputs, **kwargs) if self.is_first else inputs[0]
+        for block in self.blocks.values():
+            hidden = block(hidden)
+        return self.trunk.head(hidden) if self.is_last else hidden
+
+
+class TiedCopies:
+    """The copies of tied parameters held by different stages, kept equal: at the start each takes the value of
+    the first name's copy, and after each backward every copy's gradient becomes their sum.
+
+    The copies of one parameter lie on the pipeline ranks of one coordinate of the other axes; each such set of
+    ranks has its process group (made by every rank, in one order, as torch requires)."""
+
+    def __init__(self, model: nn.Module, tied: list[list[str]], holders: list[list[int]], pp_ranks: list[int],
+                 groups_by_rank: dict[frozenset[int], Any]) -> None:
+        """`holders`: the pipeline positions holding each name; `pp_ranks`: the global ranks of this rank's
+        pipeline, by position."""
+        held = dict(model.named_parameters(remove_duplicate=False))
+        self.entries: list[tuple[list[nn.Parameter], bool, Any]] = []
+        for names, positions in zip(tied, holders):
+            present = [held[name] for name in names if name in held]
+            if present:
+                ranks = frozenset(pp_ranks[position] for position in positions)
+                self.entries.append((present, names[0] in held, groups_by_rank.get(ranks) if len(ranks) > 1 else None))
+
+    @staticmethod
+    def groups(pp_ranks_by_coordinate: list[list[int]], holders: list[list[int]]) -> dict[frozenset[int], Any]:
+        """Every process group any rank's copies reduce over: for each set of pipeline positions holding copies,
+        one group per coordinate of the other axes. Called by every rank in the same order."""
+        made: dict[frozenset[int], Any] = {}
+        positions = sorted({tuple(sorted(set(ranks))) for ranks in holders if len(set(ranks)) > 1})
+        for pp_ranks in pp_ranks_by_coordinate:
+            for position in positions:
+                ranks = sorted(pp_ranks[p] for p in position)
+                made[frozenset(ranks)] = dist.new_group(ranks)
+        return made
+
+    @torch.no_grad()
+    def start_equal(self) -> None:
+        for params, has_first, group in self.entries:
+            value = _local(params[0]).clone() if has_first else torch.zeros_like(_local(params[0]))
+            if group is not None:
+                dist.all_reduce(value, group=group)
+            for param in params:
+                _local(param).copy_(value)
+
+    @torch.no_grad()
+    def sum_gradients(self) -> None:
+        for params, _, group in self.entries:
+            grads = [param.grad for param in params if param.grad is not None]
+            if len(grads) < len(params):
+                continue
+            total = _local(grads[0]).clone()
+            for grad in grads[1:]:
+                total += _local(grad)
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for grad in grads:
+                _local(grad).copy_(total)
+
+    def duplicates(self) -> set[int]:
+        """The ids of the copies beyond each parameter's first: a norm over the model counts each parameter once."""
+        return {id(param) for params, has_first, _ in self.entries for param in params[1 if has_first else 0:]}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (its copies on other stages are sharded alike), or the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """A model's split: where its blocks are, the layout, the stages this rank holds, and its tied parameters with
+    the pipeline ranks holding each name."""
+
+    trunk: Trunk
+    layout: PipelineLayout
+    stages: tuple[int, ...]
+    tied: tuple[tuple[str, ...], ...]
+    holders: tuple[tuple[int, ...], ...]
+    embeddings: tuple[bool, ...]  # whether each tied parameter is an embedding's weight
+
+    @classmethod
+    def of(cls, model: nn.Module, trunk: Trunk, layout: PipelineLayout, pp_rank: int) -> PipelineSplit:
+        tied = tuple(tuple(group) for group in tied_parameters(model))
+        split = cls(trunk, layout, tuple(layout.stages_of_rank(pp_rank)), tied, (), ())
+        holders = tuple(tuple(layout.rank_of_stage(split.stage_of(model, name)) for name in group) for group in tied)
+        embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        held = dict(model.named_parameters(remove_duplicate=False))
+        embeddings = tuple(id(held[group[0]]) in embedding_weights for group in tied)
+        return cls(trunk, layout, split.stages, tied, holders, embeddings)
+
+    def stage_of(self, model: nn.Module, name: str) -> int:
+        """The stage that runs parameter `name`: its block's, or the first or last for the trunk's other modules
+        (and the first for anything outside the trunk)."""
+        prefix = f"{self.trunk.name}." if self.trunk.name else ""
+        if not name.startswith(prefix):
+            return 0
+        child = name[len(prefix):].split(".")
+        if child[0] == self.trunk.stack:
+            return int(child[1]) * self.layout.stages // self.layout.blocks
+        children = list(self.trunk.of(model)._modules)
+        return 0 if children.index(child[0]) < children.index(self.trunk.stack) else self.layout.stages - 1
+
+    def prune(self, model: nn.Module) -> None:
+        """Remove what this rank's stages do not run; give each stage its own copy of a tied parameter."""
+        prune_to_stages(model, self.trunk, self.layout, self.stages)
+        untie_across_stages(model, [list(group) for group in self.tied])
+
+    def views(self, model: nn.Module) -> list[StageView]:
+        return [StageView(model, self.trunk, self.layout, stage) for stage in self.stages]
+
+    def tied_copies(self, model: nn.Module, pp_ranks_by_coordinate: list[list[int]], rank: int) -> TiedCopies:
+        holders = [list(h) for h in self.holders]
+        groups = TiedCopies.groups(pp_ranks_by_coordinate, holders)
+        pp_ranks = next(ranks for ranks in pp_ranks_by_coordinate if rank in ranks)
+        copies = TiedCopies(model, [list(g) for g in self.tied], holders, pp_ranks, groups)
+        held = dict(model.named_parameters(remove_duplicate=False))
+        for group, embedding in zip(self.tied, self.embeddings):
+            for name in group:
+                if embedding and name in held:
+                    decays_as_embedding(held[name])  # as the shared weight is grouped where it is whole
+        return copies

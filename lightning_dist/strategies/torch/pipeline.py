@@ -1,0 +1,278 @@
+"""A LightningModule's own steps, run by a pipeline schedule.
+
+The schedule runs forward and backward microbatch by microbatch, stage by stage; the user's `training_step` still
+says what the loss is and what is logged. Each step is run in three parts:
+
+1. Where the batch enters the model: the user's step runs until it calls the trunk (the module holding the
+   blocks), which stops it there and hands over its arguments. The first stage feeds them to the schedule.
+2. The loss: on the last stage the schedule's loss function is the user's step on one microbatch, its call of the
+   trunk answered with that microbatch's output. What it logs is recorded, not logged.
+3. What every rank logs: the last stage averages each logged value over the microbatches and sends them to the
+   other stages, and every rank logs the same values; a logged torchmetrics object is logged by its name in the
+   module on every rank (only the last stage updated it: its sync across ranks adds the others' empty states).
+
+Validation and test run the forward-only schedule (`eval`) the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchmetrics import Metric
+
+from lightning_dist._compat.torch import forward_only_order, pipeline_schedule, running_order, tree_map
+from lightning_dist.parallel.dims import PIPELINE_PARALLEL
+from lightning_dist.parallel.pipeline_layout import PipelineLayout, check_pipeline, schedule_named
+from lightning_dist.parallel.pipeline_split import PipelineSplit, StageView, TiedCopies, find_trunk
+
+_KEY = "strategy.pipeline_parallel_size"
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """The strategy's pipeline settings, checked when it is built (each error names its `strategy.` key)."""
+
+    size: int
+    schedule: str
+    microbatches: int | None
+    stages_per_rank: int
+
+    @classmethod
+    def of(cls, size: int, schedule: str, microbatches: int | None, stages_per_rank: int) -> PipelineOptions:
+        options = cls(size, str(schedule), microbatches, stages_per_rank)
+        if size != 1:
+            options.layout(blocks=None)
+        return options
+
+    def layout(self, blocks: int | None, batch_size: int | None = None) -> PipelineLayout:
+        microbatches = self.microbatches or self.size * self.stages_per_rank
+        return check_pipeline(self.size, self.stages_per_rank, self.schedule, microbatches, blocks, batch_size)
+
+    def sharded_block_classes(self, block_classes: tuple[type[nn.Module], ...]) -> tuple[type[nn.Module], ...]:
+        """The classes FSDP makes units of: each block, except under a zero-bubble schedule, whose stages are one
+        unit each. FSDP's post-backward hook of a block unit fires in the input-gradient pass, before the weight
+        gradients it should reduce exist (the weight pass computes them later): measured here, the blocks of a
+        ZBVZeroBubble stage then got none or part of their gradients. A stage's root unit is reduced by the
+        schedule itself, after every weight pass."""
+        if self.size > 1 and schedule_named(self.schedule).zero_bubble:
+            return ()
+        return block_classes
+
+    @property
+    def microbatch_count(self) -> int:
+        return self.microbatches or self.size * self.stages_per_rank
+
+    def split(self, model: nn.Module, block_classes: tuple[type[nn.Module], ...], pp_rank: int) -> PipelineSplit:
+        """How `model` splits into this layout's stages, or ValueError in one line saying what it lacks."""
+        trunk = find_trunk(model, block_classes, _KEY)
+        blocks = len(getattr(trunk.of(model), trunk.stack))
+        return PipelineSplit.of(model, trunk, self.layout(blocks), pp_rank)
+
+    def steps(self, strategy: Any, split: PipelineSplit, views: list[Any]) -> PipelineSteps:
+        """This rank's stages, scheduled, with their tied copies made equal (after their weights are real)."""
+        dims = strategy.parallel_dims
+        inner = dims.world_size // dims.pp
+        by_coordinate = [[position * inner + rest for position in range(dims.pp)] for rest in range(inner)]
+        tied = split.tied_copies(strategy.lightning_module, by_coordinate, strategy.global_rank)
+        tied.start_equal()
+        pp_group = strategy.device_mesh[PIPELINE_PARALLEL].get_group()
+        return PipelineSteps(strategy.lightning_module, split.trunk.of(strategy.lightning_module), views,
+                             split.layout, self.microbatch_count, strategy.root_device, pp_group, tied)
+
+
+class _TrunkCalled(Exception):
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__()
+        self.args, self.kwargs = args, kwargs
+
+
+@contextmanager
+def _forward_replaced(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    module.forward = forward  # an instance attribute: nn.Module.__call__ finds it
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+def _batch_size(args: tuple, kwargs: dict) -> int:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim():
+            return value.shape[0]
+    raise ValueError("pipeline parallelism: the model is called with no tensor to split into microbatches")
+
+
+def tree_sum(output: Any) -> torch.Tensor:
+    """The sum of every floating tensor in `output`."""
+    leaves: list[torch.Tensor] = []
+    tree_map(lambda t: leaves.append(t.float().sum()) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+             output)
+    return torch.stack(leaves).sum()
+
+
+def _microbatch(batch: Any, size: int, start: int, stop: int) -> Any:
+    """Rows `start:stop` of every tensor in `batch` whose first dimension is the batch's."""
+    return tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size else t,
+                    batch)
+
+
+class PipelineSteps:
+    """This rank's stages of a pipelined LightningModule, and its steps run through their schedule."""
+
+    def __init__(self, module: nn.Module, trunk: nn.Module, views: list[StageView], layout: PipelineLayout,
+                 microbatches: int, device: torch.device, pp_group: Any, tied: TiedCopies) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        self.module, self.trunk, self.layout, self.microbatches, self.tied = module, trunk, layout, microbatches, tied
+        self.holds_first = any(view.is_first for view in views)
+        self.holds_last = any(view.is_last for view in views)
+        self.pp_group = pp_group
+        self.last_rank = dist.get_global_rank(pp_group, layout.rank_of_stage(layout.stages - 1))
+        stages = [PipelineStage(view, view.stage, layout.stages, device, group=pp_group) for view in views]
+        self._chunks_started = False
+        self._step_gradients: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for stage in stages:
+            stage.forward_one_chunk = self._marking_chunks(stage.forward_one_chunk)  # type: ignore[method-assign]
+        multi_stage = schedule_named(layout.schedule).multi_stage
+        self.schedule = pipeline_schedule(layout.schedule, stages, microbatches, self._loss, multi_stage)
+        # Validation and test: one forward per stage and microbatch (a multi-stage schedule's own `eval` runs its
+        # backward actions too); a single-stage schedule's `eval` is forward-only already.
+        self.forward_only = forward_only_order(layout.rank_of_stage, layout.stages, microbatches,
+                                               layout.pp) if multi_stage else None
+        self.device = device
+        self.loss_divisor = 1
+        self._step: Callable[..., Any] | None = None
+        self._batch: Any = None
+        self._batch_idx: Any = None
+        self._size = 0
+        self._records: list[tuple[torch.Tensor | None, list[tuple[str, Any, dict]]]] = []
+
+    def run(self, step_name: str, batch: Any, *rest: Any, train: bool, accumulate: int = 1) -> Any:
+        """The user's step `step_name` on `batch` through the schedule; what it returns, averaged over the
+        microbatches, on every rank (detached: backward has run)."""
+        step = getattr(self.module, step_name)
+        args, kwargs = self._trunk_inputs(step, batch, *rest)
+        self._step, self._batch, self._rest, self._records = step, batch, rest, []
+        self._chunks_started = False
+        self._size = _batch_size(args, kwargs)
+        if self._size % self.microbatches:
+            raise ValueError(f"strategy.microbatches={self.microbatches}: this batch of {self._size} samples does not"
+                             " divide into them; choose a divisor of the batch size")
+        self.loss_divisor = self.microbatches * accumulate if train else 1
+        inputs = args if self.holds_first else ()
+        given = kwargs if self.holds_first else {}
+        target = torch.arange(self._size) if self.holds_last else None  # the microbatch's rows, on the host
+        if train:
+            # Lightning zeroes gradients after `training_step` and before `backward` (at the first batch of each
+            # accumulation): the step's gradients are set aside and added in `backward` (`add_step_gradients`),
+            # so that each batch's gradients land where Lightning's own backward would have put them.
+            params = [param for param in self.module.parameters() if param.requires_grad]
+            before = [param.grad for param in params]
+            for param in params:
+                param.grad = None
+            self.schedule.step(*inputs, target=target, **given)
+            self.tied.sum_gradients()
+            self._step_gradients = [(param, param.grad) for param in params]
+            for param, grad in zip(params, before):
+                param.grad = grad
+        else:
+            order = running_order(self.schedule, self.forward_only) if self.forward_only else nullcontext()
+            with torch.no_grad(), order:
+                self.schedule.eval(*inputs, target=target, **given)
+        return self._replay_logs()
+
+    @torch.no_grad()
+    def add_step_gradients(self) -> None:
+        """The last training step's gradients, added where Lightning's backward would have accumulated them."""
+        for param, grad in self._step_gradients:
+            if grad is not None:
+                param.grad = grad if param.grad is None else param.grad.add_(grad)
+        self._step_gradients = []
+
+    def _marking_chunks(self, forward_one_chunk: Callable[..., Any]) -> Callable[..., Any]:
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            self._chunks_started = True
+            return forward_one_chunk(*args, **kwargs)
+
+        return marked
+
+    def _trunk_inputs(self, step: Callable[..., Any], batch: Any, *rest: Any) -> tuple[tuple, dict]:
+        """What the user's step passes to the trunk: the step runs until that call (logging nothing)."""
+        def stop(*args: Any, **kwargs: Any) -> Any:
+            raise _TrunkCalled(args, kwargs)
+
+        with _forward_replaced(self.trunk, stop), self._logs_recorded():
+            try:
+                step(batch, *rest)
+            except _TrunkCalled as called:
+                return called.args, called.kwargs
+        raise ValueError(f"pipeline parallelism: {type(self.module).__name__}.{step.__name__} never calls"
+                         f" {type(self.trunk).__name__}, the module whose blocks the stages run")
+
+    @contextmanager
+    def _logs_recorded(self) -> Iterator[list[tuple[str, Any, dict]]]:
+        records: list[tuple[str, Any, dict]] = []
+        self.module.log = lambda name, value, **kwargs: records.append((name, value, kwargs))  # type: ignore
+        try:
+            yield records
+        finally:
+            del self.module.log
+
+    def _loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function on the last stage: the user's step on microbatch `rows`, its trunk call
+        answered with `output`."""
+        assert self._step is not None
+        if not self._chunks_started:
+            # The schedule's first step infers the shapes of gradients from one loss, on a forward of its own
+            # before any microbatch: any loss of the output's shape does, and the user's step (its metrics'
+            # updates, its logs) must see only the microbatches.
+            return tree_sum(output) * 0.0
+        start, stop = int(rows[0]), int(rows[-1]) + 1
+        microbatch = _microbatch(self._batch, self._size, start, stop)
+        with _forward_replaced(self.trunk, lambda *args, **kwargs: output), self._logs_recorded() as logs:
+            result = self._step(microbatch, *self._rest)
+        loss = result.get("loss") if isinstance(result, Mapping) else result
+        self._records.append((loss.detach() if isinstance(loss, torch.Tensor) else None, logs))
+        if not isinstance(loss, torch.Tensor):
+            return torch.zeros((), device=self.device)
+        return loss / self.loss_divisor
+
+    def _replay_logs(self) -> Any:
+        """The last stage's mean loss and logged values, sent to every stage of the pipeline and logged there."""
+        signature: list[Any] = [None]
+        values = torch.empty(0)
+        if self.holds_last:
+            signature[0], values = self._averaged()
+        dist.broadcast_object_list(signature, src=self.last_rank, group=self.pp_group)
+        names, has_loss = signature[0]
+        values = values.to(self.device) if self.holds_last else torch.empty(len(names) + has_loss, device=self.device)
+        dist.broadcast(values, src=self.last_rank, group=self.pp_group)
+        for position, (name, metric, kwargs) in enumerate(names):
+            value = self.module.get_submodule(metric) if metric is not None else values[has_loss + position]
+            self.module.log(name, value, **kwargs)  # type: ignore[operator]
+        return values[0] if has_loss else None
+
+    def _averaged(self) -> tuple[tuple[list[tuple[str, str | None, dict]], bool], torch.Tensor]:
+        losses = [loss for loss, _ in self._records if loss is not None]
+        by_name: dict[str, list[Any]] = {}
+        kwargs_of: dict[str, dict] = {}
+        for _, logs in self._records:
+            for name, value, kwargs in logs:
+                by_name.setdefault(name, []).append(value)
+                kwargs_of[name] = kwargs
+        metric_names = {id(m): n for n, m in self.module.named_modules() if isinstance(m, Metric)}
+        names, values = [], [torch.stack(losses).float().mean()] if losses else []
+        for name, logged in by_name.items():
+            if isinstance(logged[0], Metric):
+                names.append((name, metric_names[id(logged[0])], kwargs_of[name]))
+                continue
+            names.append((name, None, kwargs_of[name]))
+            values.append(torch.stack([torch.as_tensor(v, dtype=torch.float32).to(self.device) for v in logged]).mean())
+        stacked = torch.stack(values) if values else torch.empty(0, device=self.device)
+        return (names, bool(losses)), stacked
