@@ -156,6 +156,27 @@ REFUSED = [
      " strategy.tensor_parallel_plan"),
     (["strategy=fsdp_tp", "strategy.tensor_parallel_plan={blocks.*.attn.q:diagonal}"],
      "strategy.tensor_parallel_plan.blocks.*.attn.q=diagonal: no such style; choose one of: colwise, rowwise"),
+    # Pipeline parallelism: a schedule torch does not ship, blocks that do not divide into stages, a stage count or a
+    # microbatch count the schedule refuses, a batch that does not divide into microbatches, sizes the ranks refuse.
+    (["strategy=fsdp_pp", "trainer.devices=4", "strategy.pipeline_schedule=ZBV"], "strategy.pipeline_schedule='ZBV':"
+     " choose one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, or a"
+     " schedule's .csv file"),
+    (["strategy=fsdp_pp", "trainer.devices=3", "strategy.pipeline_parallel_size=3"], "strategy.pipeline_parallel_size=3:"
+     " the model's 4 blocks do not divide into 3 stages (pipeline_parallel_size x stages_per_rank=1)"),
+    (["strategy=fsdp_pp", "trainer.devices=4", "strategy.pipeline_schedule=ZBVZeroBubble"],
+     "strategy.stages_per_rank=1: ZBVZeroBubble runs exactly 2 stage(s) per rank"),
+    (["strategy=fsdp_pp", "trainer.devices=4", "strategy.microbatches=1"], "strategy.microbatches=1: 1F1B needs at"
+     " least one per stage, here 2 (pipeline_parallel_size x stages_per_rank)"),
+    (["strategy=fsdp_pp", "trainer.devices=4", "strategy.pipeline_schedule=Interleaved1F1B", "strategy.stages_per_rank=2",
+      "strategy.microbatches=5", "model.n_layer=8"], "strategy.microbatches=5: Interleaved1F1B runs them in rounds of"
+     " about pipeline_parallel_size=2 and needs whole rounds; choose one of 1, 2, 3, 4, 6, 8, ..."),
+    (["strategy=fsdp_pp", "trainer.devices=4", "strategy.microbatches=3"], "strategy.microbatches=3: data.batch_size=16"
+     " (per data-parallel rank) does not divide into them; choose a divisor of the batch"),
+    (["strategy=fsdp_pp", "trainer.devices=3"], "strategy.pipeline_parallel_size=2, strategy.tensor_parallel_size=1:"
+     " the run's 3 ranks (trainer.devices x trainer.num_nodes) do not divide into groups of these sizes"),
+    (["strategy=fsdp_tp_pp", "trainer.devices=4", "strategy.pipeline_parallel_size=4"],
+     "strategy.pipeline_parallel_size=4, strategy.tensor_parallel_size=2: the run's 4 ranks (trainer.devices x"
+     " trainer.num_nodes) do not divide into groups of these sizes"),
     # What a strategy cannot combine, refused from the config before torch loads (QUIET_REFUSALS below).
     (["checkpoint.async=true", "strategy=deepspeed_stage_2"], "checkpoint.async=true: DeepSpeed's engine writes its"
      " checkpoints itself, synchronously, and has no hook to stage them;"),
@@ -214,6 +235,7 @@ QUIET_REFUSALS = [arguments for arguments, _ in REFUSED if arguments[0] in (
     "checkpoint.async=true", "strategy.activation_checkpointing=ops", "dry_run=true", "trainer.devices=0",
     "strategy=deepspeed_stage3", "trainer=gpu")] + [
     ["strategy=fsdp_tp", "strategy.tensor_parallel_size=3", "trainer.devices=4"],
+    *(arguments for arguments, _ in REFUSED if arguments[0] in ("strategy=fsdp_pp", "strategy=fsdp_tp_pp")),
     ["strategy=hsdp_tp", "trainer.devices=4", "trainer.num_nodes=2", "strategy.data_parallel_replicate_size=3"]]
 
 

@@ -122,7 +122,7 @@ class TrainingMonitor(L.Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if self._watch is None and not _logs_this_step(trainer):
             return
-        norm = _gradient_norm(pl_module)
+        norm = _gradient_norm(pl_module, trainer.strategy)
         if norm is not None:
             self._record_gradient_norm(trainer, pl_module, norm, step=trainer.global_step)
 
@@ -202,11 +202,13 @@ def _logs_this_step(trainer: L.Trainer) -> bool:
     return logs_this_step(trainer)
 
 
-def _gradient_norm(module: nn.Module) -> torch.Tensor | None:
+def _gradient_norm(module: nn.Module, strategy: Any) -> torch.Tensor | None:
     """The L2 norm of all gradients (on the device, unread), or None where the engine keeps them (DeepSpeed).
     FSDP2's are sharded (over one mesh, or two with tensor parallelism): the norm of the shards is reduced across
-    ranks."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    ranks; pipeline stages each hold part of the model, whose norms are combined (`gradient_norm_scope`)."""
+    scope = getattr(strategy, "gradient_norm_scope", None)
+    across, counted_elsewhere = scope() if callable(scope) else (None, set())
+    grads = [p.grad for p in module.parameters() if p.grad is not None and id(p) not in counted_elsewhere]
     if not grads:
         return None
-    return total_norm(grads)
+    return total_norm(grads, across=across)

@@ -122,10 +122,10 @@ def check_pipeline(pp: int, stages_per_rank: int, schedule: str, microbatches: i
     if kind.microbatches_at_least_stages and microbatches < layout.stages:
         raise ValueError(f"strategy.microbatches={microbatches}: {name} needs at least one per stage, here"
                          f" {layout.stages} (pipeline_parallel_size x stages_per_rank)")
-    rounds = max(1, microbatches // pp)
-    if kind.microbatches_in_rounds and microbatches % rounds:
-        raise ValueError(f"strategy.microbatches={microbatches}: {name} runs them in rounds of"
-                         f" pipeline_parallel_size={pp}; choose a multiple of {pp}, or fewer than {pp}")
+    if kind.microbatches_in_rounds and not _whole_rounds(microbatches, pp):
+        choices = ", ".join(str(n) for n in range(1, 4 * pp + 1) if _whole_rounds(n, pp))
+        raise ValueError(f"strategy.microbatches={microbatches}: {name} runs them in rounds of about"
+                         f" pipeline_parallel_size={pp} and needs whole rounds; choose one of {choices}, ...")
     if blocks is not None and blocks % layout.stages:
         raise ValueError(f"strategy.pipeline_parallel_size={pp}: the model's {blocks} blocks do not divide into"
                          f" {layout.stages} stages (pipeline_parallel_size x stages_per_rank={stages_per_rank})")
@@ -133,3 +133,8 @@ def check_pipeline(pp: int, stages_per_rank: int, schedule: str, microbatches: i
         raise ValueError(f"strategy.microbatches={microbatches}: data.batch_size={batch_size} (per data-parallel rank)"
                          " does not divide into them; choose a divisor of the batch")
     return layout
+
+
+def _whole_rounds(microbatches: int, pp: int) -> bool:
+    """torch's condition for an interleaved schedule: the microbatches split into max(1, m // pp) equal rounds."""
+    return microbatches % max(1, microbatches // pp) == 0

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_dist.parallel.dims import check_sharding_sizes, sharding_layout
+from lightning_dist.parallel.pipeline_layout import check_pipeline
 from lightning_dist.run.config_check import ConfigError
 from lightning_dist.strategies.refusals import deepspeed_refusal
 
@@ -194,9 +195,24 @@ def check_combinations(cfg: DictConfig) -> None:
         try:
             hybrid = sharding_layout(strategy.get("sharding_strategy", "FULL_SHARD"))[1]
             tp, replicate = strategy.get("tensor_parallel_size", 1), strategy.get("data_parallel_replicate_size")
-            check_sharding_sizes(devices, nodes, tp, replicate, hybrid)
+            pp = strategy.get("pipeline_parallel_size", 1)
+            if pp != 1:
+                _check_pipeline(cfg, strategy)
+            check_sharding_sizes(devices, nodes, tp, replicate, hybrid, pp)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+
+
+def _check_pipeline(cfg: DictConfig, strategy: DictConfig) -> None:
+    """The pipeline's settings against the model's blocks (`model.n_layer`, where the model config has it) and the
+    batch (`data.batch_size`): ValueError in one line naming the key."""
+    blocks, batch_size = _value(cfg, "model.n_layer"), _value(cfg, "data.batch_size")
+    stages_per_rank, microbatches = strategy.get("stages_per_rank", 1), strategy.get("microbatches")
+    pp = strategy.get("pipeline_parallel_size")
+    if microbatches is None:  # the strategy's default: one per stage
+        microbatches = pp * stages_per_rank if _is_integer(pp) and _is_integer(stages_per_rank) else 1
+    check_pipeline(pp, stages_per_rank, strategy.get("pipeline_schedule", "1F1B"), microbatches,
+                   blocks if _is_integer(blocks) else None, batch_size if _is_integer(batch_size) else None)
 
 
 def _has_nvidia_gpu() -> bool:

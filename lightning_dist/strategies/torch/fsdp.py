@@ -228,7 +228,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         else:
             self.model_to_device()
             roots = self.parallelize(self.model)
-        if self._pipeline_split is not None:
+        if self._pipeline_split is not None and self._pipeline_steps is None:
             self._pipeline_steps = self.pipeline.steps(self, self._pipeline_split, roots)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -240,6 +240,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
             move_optimizers_to_device(self.optimizers, self.root_device)
 
     _pipeline_split: PipelineSplit | None = None
+    _pipeline_views: list[nn.Module] = []
 
     def parallelize(self, model: nn.Module) -> list[nn.Module]:
         """Pipeline stages outermost (each rank keeps its stages' part of the model), then tensor parallelism, then
@@ -255,7 +256,9 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
             # Split first (a configure_model that split the model itself is left as it is), as torchtitan orders it.
             apply_tensor_parallel(model, self.device_mesh[TENSOR_PARALLEL], self.tensor_parallel_plan_of(model))
         self.blocks.apply(model, block_classes, device_type=self.root_device.type)  # checkpointing, then compilation
-        roots: list[nn.Module] = [model] if self._pipeline_split is None else list(self._pipeline_split.views(model))
+        if self._pipeline_split is not None and not self._pipeline_views:  # fit, then test: the same stages
+            self._pipeline_views = list(self._pipeline_split.views(model))
+        roots: list[nn.Module] = [model] if self._pipeline_split is None else list(self._pipeline_views)
         for root in roots:
             apply_fully_shard(
                 root,
@@ -302,13 +305,15 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
-    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        params = self.precision_plugin.main_params(optimizer)
+    @override
+    def gradient_norm_scope(self) -> tuple[Any, set[int]]:
         if self._pipeline_steps is None:
-            clip_grad_norm_(params, clip_val)
-            return
-        duplicates = self._pipeline_steps.tied.duplicates()
-        clip_grad_norm_(params, clip_val, across=self._pipeline_steps.pp_group, skip=duplicates)
+            return None, set()
+        return self._pipeline_steps.pp_group, self._pipeline_steps.tied.duplicates()
+
+    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        across, counted_elsewhere = self.gradient_norm_scope()
+        clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val, across=across, skip=counted_elsewhere)
 
     @override
     def save_checkpoint(

@@ -16,6 +16,7 @@ Validation and test run the forward-only schedule (`eval`) the same way.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -127,24 +128,19 @@ class PipelineSteps:
 
     def __init__(self, module: nn.Module, trunk: nn.Module, views: list[StageView], layout: PipelineLayout,
                  microbatches: int, device: torch.device, pp_group: Any, tied: TiedCopies) -> None:
-        from torch.distributed.pipelining import PipelineStage
-
         self.module, self.trunk, self.layout, self.microbatches, self.tied = module, trunk, layout, microbatches, tied
+        self.views = views
         self.holds_first = any(view.is_first for view in views)
         self.holds_last = any(view.is_last for view in views)
         self.pp_group = pp_group
         self.last_rank = dist.get_global_rank(pp_group, layout.rank_of_stage(layout.stages - 1))
-        stages = [PipelineStage(view, view.stage, layout.stages, device, group=pp_group) for view in views]
         self._chunks_started = False
         self._step_gradients: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        for stage in stages:
-            stage.forward_one_chunk = self._marking_chunks(stage.forward_one_chunk)  # type: ignore[method-assign]
-        multi_stage = schedule_named(layout.schedule).multi_stage
-        self.schedule = pipeline_schedule(layout.schedule, stages, microbatches, self._loss, multi_stage)
-        # Validation and test: one forward per stage and microbatch (a multi-stage schedule's own `eval` runs its
-        # backward actions too); a single-stage schedule's `eval` is forward-only already.
-        self.forward_only = forward_only_order(layout.rank_of_stage, layout.stages, microbatches,
-                                               layout.pp) if multi_stage else None
+        self._schedules: dict[int, tuple[Any, Any]] = {}
+        if not self.holds_last:
+            # The logged metrics of the user's steps are updated on the last stage only; here they take part in
+            # their sync with empty states, which torchmetrics would warn of at every epoch's end.
+            warnings.filterwarnings("ignore", message=r"The ``compute`` method of metric \w+ was called before")
         self.device = device
         self.loss_divisor = 1
         self._step: Callable[..., Any] | None = None
@@ -152,6 +148,26 @@ class PipelineSteps:
         self._batch_idx: Any = None
         self._size = 0
         self._records: list[tuple[torch.Tensor | None, list[tuple[str, Any, dict]]]] = []
+
+    def _schedule_for(self, batch_size: int) -> tuple[Any, Any]:
+        """The schedule over stages set up for batches of `batch_size` rows (torch's stages keep the shapes of the
+        first batch they ran: a smaller last batch of the held-out set needs its own), and its forward-only order
+        (validation and test), None where the schedule's own `eval` is forward-only (a single-stage schedule)."""
+        if batch_size not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage
+
+            layout = self.layout
+            stages = [PipelineStage(view, view.stage, layout.stages, self.device, group=self.pp_group)
+                      for view in self.views]
+            for stage in stages:
+                stage.forward_one_chunk = self._marking_chunks(stage.forward_one_chunk)  # type: ignore[method-assign]
+            multi_stage = schedule_named(layout.schedule).multi_stage
+            schedule = pipeline_schedule(layout.schedule, stages, self.microbatches, self._loss, multi_stage)
+            # A multi-stage schedule's own `eval` runs its backward actions too (forward_only_order).
+            forward_only = forward_only_order(layout.rank_of_stage, layout.stages, self.microbatches,
+                                              layout.pp) if multi_stage else None
+            self._schedules[batch_size] = schedule, forward_only
+        return self._schedules[batch_size]
 
     def run(self, step_name: str, batch: Any, *rest: Any, train: bool, accumulate: int = 1) -> Any:
         """The user's step `step_name` on `batch` through the schedule; what it returns, averaged over the
@@ -165,6 +181,7 @@ class PipelineSteps:
             raise ValueError(f"strategy.microbatches={self.microbatches}: this batch of {self._size} samples does not"
                              " divide into them; choose a divisor of the batch size")
         self.loss_divisor = self.microbatches * accumulate if train else 1
+        schedule, forward_only = self._schedule_for(self._size)
         inputs = args if self.holds_first else ()
         given = kwargs if self.holds_first else {}
         target = torch.arange(self._size) if self.holds_last else None  # the microbatch's rows, on the host
@@ -176,15 +193,15 @@ class PipelineSteps:
             before = [param.grad for param in params]
             for param in params:
                 param.grad = None
-            self.schedule.step(*inputs, target=target, **given)
+            schedule.step(*inputs, target=target, **given)
             self.tied.sum_gradients()
             self._step_gradients = [(param, param.grad) for param in params]
             for param, grad in zip(params, before):
                 param.grad = grad
         else:
-            order = running_order(self.schedule, self.forward_only) if self.forward_only else nullcontext()
+            order = running_order(schedule, forward_only) if forward_only else nullcontext()
             with torch.no_grad(), order:
-                self.schedule.eval(*inputs, target=target, **given)
+                schedule.eval(*inputs, target=target, **given)
         return self._replay_logs()
 
     @torch.no_grad()

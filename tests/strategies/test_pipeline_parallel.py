@@ -1,0 +1,107 @@
+"""Pipeline parallelism on 4 CPU ranks: `fsdp_pp` (2 stages x 2 data-parallel ranks sharding each stage) trains the
+default GPT under torch's schedules with ddp's per-step fp32 losses on the 2 data-parallel ranks (the same global
+batch), over 20 steps; its validation (the forward-only pass) gives ddp's loss and perplexity. The GPT's output head
+is tied to its token embedding, which the first and last stage each hold a copy of: a missing gradient sum, a copy
+decayed as a matrix, or a copy initialised apart moves the losses past 1e-5 within these steps (each was seen).
+A pipelined checkpoint, in the model's own names, resumes under ddp with the uninterrupted run's losses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_dist.reports.equivalence import read_train_losses
+from tests.conftest import in_the_suite, run_train
+
+pytestmark = pytest.mark.slow
+
+STEPS = 20
+COMMON = (f"trainer.max_steps={STEPS}", "test=false", "trainer.log_every_n_steps=1",
+          "callbacks.model_checkpoint.every_n_train_steps=10", "callbacks.model_checkpoint.save_top_k=-1",
+          "callbacks.model_checkpoint.monitor=null")
+SCHEDULES = {
+    "GPipe": ("strategy.pipeline_schedule=GPipe",),
+    "1F1B": (),  # the preset's own
+    # 2 stages per rank: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3 (interleaved).
+    "Interleaved1F1B": ("strategy.pipeline_schedule=Interleaved1F1B", "strategy.stages_per_rank=2"),
+    # V-shaped: rank 0 runs the first and the last stage, so both copies of the tied head are on one rank; backward
+    # is split into input and weight gradients.
+    "ZBVZeroBubble": ("strategy.pipeline_schedule=ZBVZeroBubble", "strategy.stages_per_rank=2"),
+    "DualPipeV": ("strategy.pipeline_schedule=DualPipeV", "strategy.stages_per_rank=2", "strategy.microbatches=4"),
+    "LoopedBFS": ("strategy.pipeline_schedule=LoopedBFS", "strategy.stages_per_rank=2"),
+}
+
+
+@pytest.fixture(scope="module")
+def pp_runs(tmp_path_factory):
+    runs = {}
+
+    def get(name: str, *extra: str):
+        if name not in runs:
+            overrides = ("strategy=ddp", "trainer.devices=2") if name == "ddp" else (
+                "strategy=fsdp_pp", "trainer.devices=4", *SCHEDULES[name])
+            runs[name] = run_train(tmp_path_factory.mktemp("pp"), *overrides, *COMMON, *extra)
+            assert runs[name].process.returncode == 0, runs[name].output[-3000:]
+        return runs[name]
+
+    return get
+
+
+def final_metrics(run) -> dict:
+    return json.loads((run.run_dir / "metrics.json").read_text())
+
+
+@pytest.mark.parametrize("schedule", in_the_suite(list(SCHEDULES), ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"]))
+def test_each_schedule_trains_ddps_losses_and_validates_as_ddp(schedule, pp_runs):
+    reference, run = pp_runs("ddp"), pp_runs(schedule)
+    expected, losses = read_train_losses(reference.run_dir), read_train_losses(run.run_dir)
+    assert sorted(losses) == sorted(expected) == list(range(STEPS))
+    for step, loss in expected.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5), step
+    assert losses[STEPS - 1] < losses[0] - 1.5  # it learned (5.4 to 3.2)
+    summary, reference_summary = final_metrics(run), final_metrics(reference)
+    assert summary["world_size"] == 4
+    # The forward-only schedule, its metrics synced from the last stage; the gradient norm over every stage.
+    for key, tolerance in (("val_loss", 1e-5), ("val_ppl", 1e-5), ("monitor/grad_norm", 1e-4)):
+        assert summary["metrics"][key] == pytest.approx(reference_summary["metrics"][key], rel=tolerance), key
+    # No rank-0 warning that the metrics were computed before an update (the first stage updates none).
+    assert "was called before the ``update``" not in run.output
+
+
+def test_each_rank_keeps_only_its_stage_with_the_whole_models_names(pp_runs, tmp_path):
+    """The 1F1B run's last checkpoint: rank 0 wrote the first stage's shards (embeddings, blocks 0-1), rank 2 the
+    last's (blocks 2-3, final norm, head), each under the name it has in the whole model; ddp's names, all of them,
+    are there."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lightning_dist.checkpoints.consolidate import load_consolidated
+
+    checkpoint = pp_runs("1F1B").run_dir / "checkpoints" / "last.ckpt"
+    written = FileSystemReader(str(checkpoint)).read_metadata().storage_data
+    files = {}
+    for index, storage in written.items():
+        files.setdefault(storage.relative_path, set()).add(index.fqn)
+    rank0 = {name for name in files["__0_0.distcp"] if name.startswith("state_dict.")}
+    rank2 = {name for name in files["__2_0.distcp"] if name.startswith("state_dict.")}
+    assert "state_dict.model.token_embedding.weight" in rank0 and "state_dict.model.blocks.1.mlp.0.weight" in rank0
+    assert not any(".blocks.2." in name or ".blocks.3." in name or "lm_head" in name for name in rank0)
+    assert "state_dict.model.lm_head.weight" in rank2 and "state_dict.model.blocks.3.attn.q.weight" in rank2
+    assert not any(".blocks.0." in name or "embedding" in name for name in rank2)
+    whole = load_consolidated(checkpoint)["state_dict"]
+    reference = load_consolidated(pp_runs("ddp").run_dir / "checkpoints" / "last.ckpt")["state_dict"]
+    assert set(whole) == set(reference)
+    assert torch.equal(whole["model.lm_head.weight"], whole["model.token_embedding.weight"])  # the copies agree
+    for name, tensor in reference.items():
+        torch.testing.assert_close(whole[name], tensor, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_a_pipelined_checkpoint_resumes_under_ddp_with_the_uninterrupted_losses(pp_runs, tmp_path):
+    checkpoint = pp_runs("1F1B").run_dir / "checkpoints" / "step000010.ckpt"
+    resumed = run_train(tmp_path / "ddp", "strategy=ddp", "trainer.devices=2", *COMMON, f"ckpt_path={checkpoint}")
+    assert resumed.process.returncode == 0, resumed.output[-3000:]
+    uninterrupted, losses = read_train_losses(pp_runs("ddp").run_dir), read_train_losses(resumed.run_dir)
+    assert sorted(losses) == list(range(10, STEPS))
+    for step, loss in losses.items():
+        assert loss == pytest.approx(uninterrupted[step], rel=1e-5), step
