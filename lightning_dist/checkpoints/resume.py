@@ -7,6 +7,7 @@ copy on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from lightning_dist.checkpoints.source import CheckpointSource
 OPTIMIZER_KEYS = ("optimizer_state_by_name", "optimizer_states")
 _TENSOR_KEYS = ("state_dict", *OPTIMIZER_KEYS)
 _FROM_RANK_ZERO = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+_WHOLE_ON_EVERY_RANK = StateDictOptions(full_state_dict=True)
 
 
 def load_for_resume(
@@ -55,10 +57,23 @@ def load_for_resume(
     return checkpoint if strategy.is_global_zero else shared
 
 
-def load_weights_from_rank_zero(module: torch.nn.Module, checkpoint: dict[str, Any], strict: bool) -> None:
-    """Rank 0's full `state_dict` into `module` on every rank, tensor by tensor (FSDP shards keep their part)."""
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
-    set_model_state_dict(module, checkpoint.pop("state_dict", None) or {}, options=options)
+def load_weights_from_rank_zero(module: torch.nn.Module, checkpoint: dict[str, Any], strict: bool,
+                                partial: Ranks | None = None) -> None:
+    """Rank 0's full `state_dict` into `module` on every rank, tensor by tensor (FSDP shards keep their part).
+    `partial`: each rank holds part of the model (pipeline stages), rank 0's not the whole: each rank takes the
+    names it holds, and under `strict` every one of them must be in the checkpoint."""
+    state_dict = checkpoint.pop("state_dict", None) or {}
+    if partial is not None:
+        names: list[str] | None = sorted(state_dict) if partial.is_global_zero else None
+        saved = set(partial.broadcast(names) or ())
+        missing = sorted(set(module.state_dict()) - saved)
+        everyones: list[Any] = [None] * partial.world_size
+        torch.distributed.all_gather_object(everyones, missing)
+        missing = [name for names in everyones for name in names]
+        if strict and missing:
+            raise CheckpointError(f"ckpt_path: the checkpoint has no {', '.join(sorted(set(missing))[:3])}")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict and partial is None)
+    set_model_state_dict(module, state_dict, options=options)
 
 
 def group_names(module: torch.nn.Module, param_groups: list[dict[str, Any]]) -> list[list[str]]:
@@ -88,14 +103,24 @@ def optimizer_state_by_name(checkpoint: dict[str, Any], groups: list[list[str]])
 
 
 def restore_optimizer_by_name(
-    strategy: Ranks, module: torch.nn.Module, optimizers: list, checkpoint: dict[str, Any]
+    strategy: Ranks, module: torch.nn.Module, optimizers: list, checkpoint: dict[str, Any],
+    whole_model_groups: Callable[[list[list[str]]], list[list[str]]] | None = None,
+    aliases: dict[str, str] | None = None,
 ) -> None:
     """Load rank 0's per-parameter-name optimizer state (from `load_for_resume`) into the live optimizer on every
     rank, whatever its parameter groups or sharding: torch's state-dict API maps names onto plain and FSDP2
-    parameters alike, and broadcasts one tensor at a time."""
+    parameters alike, and broadcasts one tensor at a time. Where each rank holds part of the model (pipeline
+    stages), `whole_model_groups` turns this rank's group names into the whole model's (a collective), and
+    `aliases` names the copies of a tied parameter, which take the state of the name it has in the whole model."""
     optimizer = unwrapped_optimizer(optimizers[0]) if len(optimizers) == 1 else None
     names = group_names(module, optimizer.param_groups) if optimizer is not None else []
+    if whole_model_groups is not None:
+        names = whole_model_groups(names)
     state_by_name = optimizer_state_by_name(checkpoint, names) if strategy.is_global_zero and optimizer else None
+    if state_by_name and aliases:
+        state_by_name = {**state_by_name, **{alias: state_by_name[name] for alias, name in aliases.items()
+                                             if name in state_by_name and alias not in state_by_name}}
+        names = [group + [alias for alias, name in aliases.items() if name in group] for group in names]
     for key in OPTIMIZER_KEYS:
         checkpoint.pop(key, None)
     if not strategy.broadcast(bool(state_by_name)):
@@ -117,4 +142,23 @@ def restore_optimizer_by_name(
             "state": {name: state_by_name[name] for group in groups for name in group["params"]},
             "param_groups": groups,
         }
-    set_optimizer_state_dict(module, optimizer, optim_state_dict=full, options=_FROM_RANK_ZERO)
+    if whole_model_groups is not None:
+        full = _own_part(strategy, module, optimizer, full)
+    set_optimizer_state_dict(module, optimizer, optim_state_dict=full,
+                             options=_FROM_RANK_ZERO if whole_model_groups is None else _WHOLE_ON_EVERY_RANK)
+
+
+def _own_part(strategy: Ranks, module: torch.nn.Module, optimizer: Any, full: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's whole-model optimizer state, sent parameter by parameter; each rank keeps the parameters it holds,
+    under its own groups. (torch's broadcast from rank 0 would give every rank rank 0's groups, which are the
+    whole model's, and map them onto a stage's parameters by position.)"""
+    own = group_names(module, optimizer.param_groups)
+    held = {name for group in own for name in group}
+    state: dict[str, Any] = {}
+    for name in strategy.broadcast(list(full["state"]) if strategy.is_global_zero else None) or []:
+        value = strategy.broadcast(full["state"][name] if strategy.is_global_zero else None)
+        if name in held:
+            state[name] = value
+    settings = strategy.broadcast([{key: value for key, value in group.items() if key != "params"}
+                                   for group in full["param_groups"]] if strategy.is_global_zero else None) or []
+    return {"state": state, "param_groups": [{**group, "params": names} for group, names in zip(settings, own)]}

@@ -150,6 +150,7 @@ class TiedCopies:
         """`holders`: the pipeline positions holding each name; `pp_ranks`: the global ranks of this rank's
         pipeline, by position."""
         held = dict(model.named_parameters(remove_duplicate=False))
+        self.names = [list(group) for group in tied]
         self.entries: list[tuple[list[nn.Parameter], bool, Any]] = []
         for names, positions in zip(tied, holders):
             present = [held[name] for name in names if name in held]

@@ -338,14 +338,30 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         # Sharded directories (at any world size) load through Lightning, each rank reading its part; a full file
         # or a DeepSpeed directory is read by rank 0, and its weights are broadcast into the shards.
+        # Pipeline stages read every checkpoint that way, their own too: each stage takes its part by name, at
+        # any pipeline or data-parallel size, and the copies of a tied weight take the weight's state.
         checkpoint_path = self.broadcast(checkpoint_path)
-        foreign = load_for_resume(self, checkpoint_path, {DISTRIBUTED}, weights_only)
+        pipeline = self._pipeline_steps
+        foreign = load_for_resume(self, checkpoint_path, {DISTRIBUTED} if pipeline is None else set(), weights_only)
         if foreign is None:
             return super().load_checkpoint(checkpoint_path, weights_only)
-        load_weights_from_rank_zero(self.model, foreign, strict=self.lightning_module.strict_loading)
+        load_weights_from_rank_zero(self.model, foreign, strict=self.lightning_module.strict_loading,
+                                    partial=None if pipeline is None else self)
         if self.optimizers:  # fitting: restore Adam's moments into the shards too
-            restore_optimizer_by_name(self, self.model, self.optimizers, foreign)
+            restore_optimizer_by_name(self, self.model, self.optimizers, foreign,
+                                      whole_model_groups=None if pipeline is None else pipeline.whole_model_groups,
+                                      aliases=None if pipeline is None else pipeline.tied_aliases())
         return foreign
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        state = super().optimizer_state(optimizer)
+        if self._pipeline_steps is not None and "param_groups" in state:
+            # The whole model's groups, as an unpipelined run saves them: a stage lists only its own names, and
+            # which stage's list a checkpoint keeps is up to the writer.
+            names = self._pipeline_steps.whole_model_groups([list(group["params"]) for group in state["param_groups"]])
+            state["param_groups"] = [{**group, "params": params} for group, params in zip(state["param_groups"], names)]
+        return state
 
     @override
     def model_to_device(self) -> None:

@@ -204,6 +204,19 @@ class PipelineSteps:
                 schedule.eval(*inputs, target=target, **given)
         return self._replay_logs()
 
+    def whole_model_groups(self, names: list[list[str]]) -> list[list[str]]:
+        """Each optimizer group's parameter names across every stage, in stage order, as the whole model lists
+        them (a tied weight once, by its first name). A collective over the pipeline's ranks."""
+        everyones: list[Any] = [None] * dist.get_world_size(self.pp_group)
+        dist.all_gather_object(everyones, names, group=self.pp_group)
+        aliases = self.tied_aliases()
+        return [list(dict.fromkeys(name for rank_names in everyones for name in rank_names[index]
+                                   if name not in aliases)) for index in range(len(names))]
+
+    def tied_aliases(self) -> dict[str, str]:
+        """Each tied weight's other names, mapped to the name the whole model lists it by."""
+        return {alias: group[0] for group in self.tied.names for alias in group[1:]}
+
     @torch.no_grad()
     def add_step_gradients(self) -> None:
         """The last training step's gradients, added where Lightning's backward would have accumulated them."""
