@@ -117,6 +117,9 @@ class RunSummary(L.Callback):
             best_checkpoint=_checkpoint_path(trainer, "best_model_path"),
             last_checkpoint=_checkpoint_path(trainer, "last_model_path"),
             data_parallel_size=parallel_dims_of(trainer.strategy).dp_size,
+            # Each rank's place on every parallel axis (pp, dp_replicate, dp_shard, cp, tp), as the rank has it.
+            parallel_sizes=parallel_dims_of(trainer.strategy).sizes,
+            coordinates_per_rank=gather_objects(parallel_dims_of(trainer.strategy).coordinates(trainer.global_rank)),
             **self._speed(parallel_dims_of(trainer.strategy).dp_size, trainer),
             peak_memory_per_rank=gather_objects(peak_memory(trainer.strategy.root_device)),
             curves=self._curves_on_host(),

@@ -3,7 +3,8 @@ default GPT under torch's schedules with ddp's per-step fp32 losses on the 2 dat
 batch), over 20 steps; its validation (the forward-only pass) gives ddp's loss and perplexity. The GPT's output head
 is tied to its token embedding, which the first and last stage each hold a copy of: a missing gradient sum, a copy
 decayed as a matrix, or a copy initialised apart moves the losses past 1e-5 within these steps (each was seen).
-A pipelined checkpoint, in the model's own names, resumes under ddp with the uninterrupted run's losses."""
+A pipelined checkpoint, in the model's own names, resumes under ddp, fsdp and another pipeline size, and ddp's
+under fsdp_pp, with the uninterrupted run's losses; fsdp_tp_pp (8 ranks) trains ddp's losses too."""
 
 from __future__ import annotations
 
@@ -97,11 +98,37 @@ def test_each_rank_keeps_only_its_stage_with_the_whole_models_names(pp_runs, tmp
         torch.testing.assert_close(whole[name], tensor, rtol=1e-3, atol=1e-5, msg=name)
 
 
-def test_a_pipelined_checkpoint_resumes_under_ddp_with_the_uninterrupted_losses(pp_runs, tmp_path):
-    checkpoint = pp_runs("1F1B").run_dir / "checkpoints" / "step000010.ckpt"
-    resumed = run_train(tmp_path / "ddp", "strategy=ddp", "trainer.devices=2", *COMMON, f"ckpt_path={checkpoint}")
+RESUMES = {
+    # (the run whose step-10 checkpoint is read, what resumes it, ranks)
+    "fsdp_pp -> ddp": ("1F1B", ("strategy=ddp",), 2),  # rank 0 gathers the stages' shards into a whole model
+    "fsdp_pp -> fsdp": ("1F1B", ("strategy=fsdp",), 2),  # torch's own loader: the whole model's optimizer groups
+    "ddp -> fsdp_pp": ("ddp", ("strategy=fsdp_pp",), 4),  # each stage takes its names; the head copy the tied state
+    "fsdp_pp -> fsdp_pp at pipeline size 4": ("1F1B", ("strategy=fsdp_pp", "strategy.pipeline_parallel_size=4"), 8),
+}
+
+
+@pytest.mark.parametrize("resume", in_the_suite(list(RESUMES), list(RESUMES)))
+def test_a_checkpoint_moves_between_pipelined_and_unpipelined_layouts_with_the_uninterrupted_losses(
+        resume, pp_runs, tmp_path):
+    source, target, ranks = RESUMES[resume]
+    checkpoint = pp_runs(source).run_dir / "checkpoints" / "step000010.ckpt"
+    resumed = run_train(tmp_path / "resumed", *target, f"trainer.devices={ranks}", *COMMON, f"ckpt_path={checkpoint}")
     assert resumed.process.returncode == 0, resumed.output[-3000:]
     uninterrupted, losses = read_train_losses(pp_runs("ddp").run_dir), read_train_losses(resumed.run_dir)
     assert sorted(losses) == list(range(10, STEPS))
-    for step, loss in losses.items():
+    for step, loss in losses.items():  # Adam's moments and step count came too: the next steps are the same
         assert loss == pytest.approx(uninterrupted[step], rel=1e-5), step
+
+
+def test_fsdp_tp_pp_on_8_ranks_trains_ddps_losses_and_says_where_each_rank_is(pp_runs, tmp_path):
+    """2 stages x 2 data-parallel ranks x 2 tensor-parallel ranks: pipeline outermost, tensor parallel innermost."""
+    run = run_train(tmp_path, "strategy=fsdp_tp_pp", "trainer.devices=8", *COMMON)
+    assert run.process.returncode == 0, run.output[-3000:]
+    expected, losses = read_train_losses(pp_runs("ddp").run_dir), read_train_losses(run.run_dir)
+    for step, loss in expected.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5), step
+    summary = final_metrics(run)
+    assert summary["parallel_sizes"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert [(c["pp"], c["dp_shard"], c["tp"]) for c in summary["coordinates_per_rank"]] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert summary["data_parallel_size"] == 2
