@@ -48,6 +48,10 @@ class Layout:
     autocast_weight_copies: bool = False  # autocast keeps a 16-bit copy of each whole weight used (DDP)
     bucket_rebuild: bool = False       # gradient buckets rebuilt at the second step, beside the old ones (DDP)
     reduce_scatter_per_block: bool = False  # a block's whole gradients reduce-scattered from their own buffer (FSDP2)
+    pipeline_parallel: int = 1         # pipeline stages, each on its own ranks, each holding its share of the blocks
+    # The share of a batch's activations the busiest stage holds at once: the microbatches in flight there (GPipe
+    # all of them, 1F1B at most one per stage) over the microbatches.
+    pipeline_in_flight: float = 1.0
 
     def parallel_dims(self, devices: int, num_nodes: int) -> ParallelDims:
         """How `devices` x `num_nodes` ranks hold this layout's state: replicated, sharded by all, HSDP's shards
@@ -56,7 +60,7 @@ class Layout:
         if not (self.shard_parameters or self.shard_gradients or self.shard_optimizer):
             return ParallelDims(dp_replicate=world)
         return ParallelDims.of_sharding(world, num_nodes, self.tensor_parallel, self.data_parallel_replicate,
-                                        self.replicate_across_nodes)
+                                        self.replicate_across_nodes, self.pipeline_parallel)
 
 
 def layout_of(strategy: Any, name: str | None = None) -> Layout:

@@ -35,6 +35,7 @@ class BlockActivations:
 class ModelFacts:
     parameters: int                            # trainable elements, shared (tied) parameters once
     largest_block: int = 0                     # elements of the largest repeated block: the unit gathered at once
+    blocks: int = 0                            # how many blocks: pipeline stages divide them
     buffer_bytes: int = 0
     activation_bytes: int | None = None        # saved for backward by one micro-batch, fp32
     checkpointed_activation_bytes: int | None = None  # the same with each block recomputed in backward
@@ -73,6 +74,7 @@ class ModelFacts:
         return cls(
             parameters=sum(p.numel() for p in params),
             largest_block=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
+            blocks=len(blocks),
             buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
             activation_bytes=traced[0] if traced else None,
             checkpointed_activation_bytes=traced[1] if traced else None,

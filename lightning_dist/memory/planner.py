@@ -114,6 +114,11 @@ def plan_memory(
     size, moments = state_bytes(layout.fp32_master_weights, precision, optimizer or facts.optimizer)
     split = facts.parameters if facts.tensor_parallel_parameters is None else facts.tensor_parallel_parameters
     n = facts.parameters - split + math.ceil(split / dims.tp)  # the layers tensor parallelism splits, and the rest
+    if dims.pp > 1:
+        # A stage holds its share of the blocks and, the first or the last, what lies outside them: the embedding,
+        # or the final norm and the head (a tied head is a copy of the embedding there).
+        outside = min(max(facts.parameters - facts.largest_block * facts.blocks, 0), n)
+        n = math.ceil((n - outside) / dims.pp) + outside
 
     def shard(count: float, sharded: bool) -> float:
         return math.ceil(count / dims.dp_shard) if sharded else count
@@ -187,6 +192,9 @@ def plan_memory(
         # 10 + 24/t of a transformer block's 34 units (Korthikanti et al. 2022, "Reducing Activation Recomputation
         # in Large Transformer Models", without sequence parallelism). A checkpointed block saves only its input.
         activations = activations * (10 + 24 / dims.tp) / 34
+    if activations and dims.pp > 1:
+        # A stage saves its share of the layers' activations, for the microbatches in flight through it.
+        activations = activations / dims.pp * layout.pipeline_in_flight
     # Traced in fp32; a 16-bit run saves (about) half.
     plan.device["activations"] = (activations or 0) * compute_bytes / 4
     if layout.reduce_scatter_per_block:

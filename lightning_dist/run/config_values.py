@@ -198,6 +198,9 @@ def check_combinations(cfg: DictConfig) -> None:
             pp = strategy.get("pipeline_parallel_size", 1)
             if pp != 1:
                 _check_pipeline(cfg, strategy)
+                if _value(cfg, "dry_run") is True:
+                    raise ValueError(f"dry_run=true: strategy.pipeline_parallel_size={pp}: pipeline stages are not"
+                                     " dry-run yet; plan=true plans them")
             check_sharding_sizes(devices, nodes, tp, replicate, hybrid, pp)
         except ValueError as error:
             raise ConfigError(str(error)) from None

@@ -47,7 +47,7 @@ from lightning_dist.strategies.torch.fully_shard import (
     offload_policy,
     shard_device,
 )
-from lightning_dist.strategies.torch.pipeline import PipelineOptions, PipelineSteps
+from lightning_dist.strategies.torch.pipeline import PIPELINE_NOT_DRY_RUN, PipelineOptions, PipelineSteps
 from lightning_dist.strategies.torch.replay import ReplayedOnTorch
 
 # LightningModule methods that run the model without going through `forward`.
@@ -153,6 +153,13 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
 
     precision_support = PrecisionSupport(fp16_loss_scaling=False)  # FSDP2 has no gradient scaler for fp16
 
+    @property
+    @override
+    def dry_run_refusal(self) -> str | None:  # type: ignore[override]
+        if self.pipeline.size > 1:
+            return PIPELINE_NOT_DRY_RUN
+        return None
+
     def memory_layout(self, name: str) -> Layout:
         offload = "cpu" if self.cpu_offload else None
         return Layout(
@@ -160,7 +167,8 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
             keep_gathered=not self.reshard_after_forward, offload_optimizer=offload, offload_parameters=offload,
             activation_checkpointing=self.activation_checkpointing, replicate_across_nodes=self.hybrid,
             tensor_parallel=self.tensor_parallel_size, data_parallel_replicate=self.data_parallel_replicate_size,
-            reduce_scatter_per_block=True,
+            reduce_scatter_per_block=True, pipeline_parallel=self.pipeline.size,
+            pipeline_in_flight=self.pipeline.in_flight_share(),
         )
 
     @property

@@ -33,6 +33,7 @@ from lightning_dist.parallel.pipeline_layout import PipelineLayout, check_pipeli
 from lightning_dist.parallel.pipeline_split import PipelineSplit, StageView, TiedCopies, find_trunk
 
 _KEY = "strategy.pipeline_parallel_size"
+PIPELINE_NOT_DRY_RUN = "pipeline stages are not dry-run yet (plan=true plans them)"
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,13 @@ class PipelineOptions:
         if self.size > 1 and schedule_named(self.schedule).zero_bubble:
             return ()
         return block_classes
+
+    def in_flight_share(self) -> float:
+        """The share of a batch whose activations the busiest stage (the first) holds at once (the planner's)."""
+        if self.size == 1:
+            return 1.0
+        layout = self.layout(blocks=None)
+        return layout.in_flight(self.microbatch_count, 0) / self.microbatch_count
 
     @property
     def microbatch_count(self) -> int:
