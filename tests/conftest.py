@@ -30,8 +30,11 @@ PRESET_NAMES = sorted(p.stem for p in (CONF_DIR / "strategy").glob("*.yaml") if 
 # Tensor parallelism composes with data parallelism from 4 ranks on, and its data-parallel size is not ddp's on the
 # same ranks: its presets have their own tests (tests/strategies/test_tensor_parallel.py).
 TENSOR_PARALLEL_NAMES = ["fsdp_tp", "hsdp_tp"]
+# Pipeline stages likewise (tests/strategies/test_pipeline_parallel.py): fsdp_tp_pp needs 8 ranks.
+PIPELINE_PARALLEL_NAMES = ["fsdp_pp", "fsdp_tp_pp"]
 # The NVMe preset needs a directory on a drive; it has its own tests (tests/strategies/test_nvme_offload.py).
-STRATEGY_NAMES = [name for name in PRESET_NAMES if not name.endswith("_nvme") and name not in TENSOR_PARALLEL_NAMES]
+STRATEGY_NAMES = [name for name in PRESET_NAMES if not name.endswith("_nvme")
+                  and name not in TENSOR_PARALLEL_NAMES + PIPELINE_PARALLEL_NAMES]
 
 
 def in_the_suite(cases: list, kept: list | tuple, unpack: bool = False) -> list:

@@ -41,6 +41,17 @@ RUN_ELSEWHERE = {
         "tests/strategies/test_tensor_parallel.py", '"strategy.data_parallel_replicate_size=2"'),
     "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_llama strategy=deepspeed_stage_2 strategy.tensor_parallel_size=2 trainer.devices=4": (
         "tests/strategies/test_tensor_parallel.py", '"strategy.tensor_parallel_size=2"'),
+    # pipeline stages on 4 and 8 ranks: the same overrides, 20 steps, losses compared with ddp's
+    "python train.py strategy=fsdp_pp trainer.devices=4": (
+        "tests/strategies/test_pipeline_parallel.py", '"strategy=fsdp_pp", "trainer.devices=4"'),
+    "python train.py strategy=fsdp_pp trainer.devices=4 strategy.pipeline_schedule=GPipe": (
+        "tests/strategies/test_pipeline_parallel.py", '"strategy.pipeline_schedule=GPipe"'),
+    "python train.py strategy=fsdp_pp trainer.devices=4 strategy.pipeline_schedule=Interleaved1F1B strategy.stages_per_rank=2": (
+        "tests/strategies/test_pipeline_parallel.py", '"strategy.pipeline_schedule=Interleaved1F1B", "strategy.stages_per_rank=2"'),
+    "python train.py strategy=fsdp_pp trainer.devices=4 strategy.pipeline_schedule=ZBVZeroBubble strategy.stages_per_rank=2": (
+        "tests/strategies/test_pipeline_parallel.py", '"strategy.pipeline_schedule=ZBVZeroBubble", "strategy.stages_per_rank=2"'),
+    "python train.py strategy=fsdp_tp_pp trainer.devices=8": (
+        "tests/strategies/test_pipeline_parallel.py", '"strategy=fsdp_tp_pp", "trainer.devices=8"'),
     "python train.py -m strategy=ddp,fsdp trainer.max_steps=50": ("tests/launch/test_multirun.py", "python train.py -m strategy="),
     "python -m lightning_dist.sweep_report logs/train/multiruns/<date>": ("tests/launch/test_multirun.py", "python -m lightning_dist.sweep_report"),
     "python train.py -m hparams_search=optuna": ("tests/launch/test_hparams_search.py", "python train.py -m hparams_search=optuna"),

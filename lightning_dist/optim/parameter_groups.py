@@ -11,7 +11,7 @@ from torch import nn
 # pipeline's last stage holds the output head tied to the first stage's token embedding (parallel/pipeline_split.py).
 # An attribute, not a weak reference: `torch.utils.swap_tensors` (a module's `.to()`) refuses tensors with weakrefs
 # and carries attributes over.
-_EMBEDDING_COPY = "_lightning_dist_embedding_copy"
+_EMBEDDING_COPY = "lightning_dist_embedding_copy"
 
 
 def decays_as_embedding(parameter: nn.Parameter) -> None:

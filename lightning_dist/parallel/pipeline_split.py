@@ -83,18 +83,18 @@ def prune_to_stages(model: nn.Module, trunk: Trunk, layout: PipelineLayout, stag
     owner = trunk.of(model)
     stack = getattr(owner, trunk.stack)
     kept = {block for stage in stages for block in layout.blocks_of_stage(stage)}
-    for index, key in enumerate(list(stack._modules)):
+    for index, (key, _) in enumerate(list(stack.named_children())):
         if index not in kept:
-            del stack._modules[key]
-    children = list(owner._modules)
+            delattr(stack, key)  # not `del stack[index]`, which renumbers the blocks after it
+    children = [name for name, _ in owner.named_children()]
     at = children.index(trunk.stack)
     first, last = 0 in stages, layout.stages - 1 in stages
     for position, name in enumerate(children):
-        child = owner._modules[name]
-        if position == at or child is None or not _has_parameters(child):
+        child = owner.get_submodule(name)
+        if position == at or not _has_parameters(child):
             continue
         if (position < at and not first) or (position > at and not last):
-            del owner._modules[name]
+            delattr(owner, name)
 
 
 def untie_across_stages(model: nn.Module, tied: list[list[str]]) -> None:
@@ -119,12 +119,11 @@ class StageView(nn.Module):
         super().__init__()
         owner = trunk.of(model)
         stack = getattr(owner, trunk.stack)
-        self.blocks = nn.ModuleDict({str(i): stack._modules[str(i)] for i in layout.blocks_of_stage(stage)})
+        self.blocks = nn.ModuleDict({str(i): stack.get_submodule(str(i)) for i in layout.blocks_of_stage(stage)})
         self.is_first, self.is_last = stage == 0, stage == layout.stages - 1
-        children = list(owner._modules)
-        at = children.index(trunk.stack)
-        ends = {name: child for position, (name, child) in enumerate(owner._modules.items())
-                if child is not None and _has_parameters(child)
+        children = list(owner.named_children())
+        at = [name for name, _ in children].index(trunk.stack)
+        ends = {name: child for position, (name, child) in enumerate(children) if _has_parameters(child)
                 and ((position < at and self.is_first) or (position > at and self.is_last))}
         self.ends = nn.ModuleDict(ends)
         self.trunk: Any
@@ -234,7 +233,7 @@ class PipelineSplit:
         child = name[len(prefix):].split(".")
         if child[0] == self.trunk.stack:
             return int(child[1]) * self.layout.stages // self.layout.blocks
-        children = list(self.trunk.of(model)._modules)
+        children = [name for name, _ in self.trunk.of(model).named_children()]
         return 0 if children.index(child[0]) < children.index(self.trunk.stack) else self.layout.stages - 1
 
     def prune(self, model: nn.Module) -> None:

@@ -64,7 +64,7 @@ def test_picks_nccl_with_gloo_for_host_state_and_the_local_ranks_gpu(name, rank_
     assert strategy._get_process_group_backend() == expected_backend(name)
 
 
-@pytest.mark.parametrize("name", PRESET_NAMES)
+@pytest.mark.parametrize("name", [name for name in PRESET_NAMES if name != "fsdp_tp_pp"])  # it needs 4 ranks or more
 def test_every_preset_binds_the_local_ranks_gpu_before_the_process_group_starts(name, each_rank_of_2, restore_deepspeed_accelerator, monkeypatch):
     """Our own code calls torch.cuda.set_device(local rank), then Lightning's device set-up runs (recorded here:
     its CUDA checks need a GPU), and both come before the process group (NCCL binds a device when it starts)."""
@@ -102,6 +102,14 @@ def test_fsdp_builds_a_cuda_mesh_and_pins_offloaded_memory(name, rank_1_of_2, mo
     # Lightning's axes, as its ModelParallelStrategy names them: a configure_model written for it works here.
     assert calls == [(("cuda", (2, 1)), {"mesh_dim_names": ("data_parallel", "tensor_parallel")})]
     assert fsdp_module.offload_policy(strategy.cpu_offload, strategy.root_device).__dict__.get("pin_memory", False) is strategy.cpu_offload
+
+
+def test_fsdp_pp_puts_the_pipeline_axis_outermost(rank_1_of_2, monkeypatch):
+    calls = []
+    monkeypatch.setattr(dims_module, "init_device_mesh", lambda *args, **kwargs: calls.append((args, kwargs)))
+    strategy = cuda_strategy("fsdp_pp")
+    strategy.parallel_dims.build_mesh(strategy.root_device.type)
+    assert calls == [(("cuda", (2, 1, 1)), {"mesh_dim_names": ("pipeline_parallel", "data_parallel", "tensor_parallel")})]
 
 
 def test_hybrid_shard_mesh_replicates_across_nodes(rank_1_of_2, monkeypatch):
