@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lightning_dist.dry_run import dry_run_devices
-from tests.conftest import PRESET_NAMES, REPO, in_the_suite
+from tests.conftest import PIPELINE_PARALLEL_NAMES, PRESET_NAMES, REPO, in_the_suite
 from tests.fake_loop_runs import loops_each
 
 CONF = REPO / "lightning_dist" / "conf"
@@ -53,7 +53,10 @@ def run_loops(names: list[str], directory, undone: str | None = None) -> dict:
 # and the NVMe preset, which trains there only here (its I/O op is not built for the tier's torch).
 TIER_PRESETS = ["ddp", "deepspeed_stage_2_offload", "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", "fsdp",
                 "fsdp_cpu_offload", "fsdp_tp"]
-LOOPED = TIER_PRESETS if os.environ.get("LD_COMPAT_TIER") == "1" else PRESET_NAMES
+# Pipeline stages are not replayed on fake devices yet (the dry run refuses them in one line); they train for real in
+# tests/strategies/test_pipeline_parallel.py and on the tier's torch in tests/compat/test_runs_on_this_torch.py.
+LOOPED = TIER_PRESETS if os.environ.get("LD_COMPAT_TIER") == "1" else [
+    name for name in PRESET_NAMES if name not in PIPELINE_PARALLEL_NAMES]
 
 
 @pytest.fixture(scope="module")

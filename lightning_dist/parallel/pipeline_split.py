@@ -60,7 +60,7 @@ def find_trunk(model: nn.Module, block_classes: tuple[type[nn.Module], ...], key
     trunk = model.get_submodule(trunk_name)
     missing = [method for method in ("embed", "head") if not callable(getattr(trunk, method, None))]
     if missing:
-        raise ValueError(f"{key}: {type(trunk).__qualname__} (the module holding {stacks[0]}) must define {_NEEDS},"
+        raise ValueError(f"{key}: {type(trunk).__name__} (the module holding {stacks[0]}) must define {_NEEDS},"
                          f" so that each stage can run its part; it lacks {' and '.join(missing)}")
     return Trunk(trunk_name, stack)
 

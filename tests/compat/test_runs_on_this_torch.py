@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.compat, pytest.mark.slow]
 # The acceptance command, as typed (tensor parallelism splits each layer over 2 of 4 ranks).
 COMMAND = "python train.py strategy={name} trainer.max_steps=6 trainer.val_check_interval=3"
 # hsdp_tp replicated twice: its data-parallel axis is the flattened replicate x shard (torch deprecates slicing it).
-WIDER = {"fsdp_tp": "trainer.devices=4", "hsdp_tp": "trainer.devices=4 strategy.data_parallel_replicate_size=2"}
+WIDER = {"fsdp_tp": "trainer.devices=4", "hsdp_tp": "trainer.devices=4 strategy.data_parallel_replicate_size=2",
+         "fsdp_tp_pp": "trainer.devices=4"}  # 2 pipeline stages x 2 tensor-parallel ranks
 
 
 def typed(command: str, cwd, *more: str) -> subprocess.CompletedProcess:
