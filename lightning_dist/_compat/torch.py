@@ -42,6 +42,7 @@ __all__ = [
     "local_shard_region",
     "own_parameters",
     "pipeline_schedule",
+    "runs_v_schedules",
     "forward_only_order",
     "running_order",
     "parameter_registration",
@@ -432,11 +433,22 @@ def forward_only_order(stage_to_rank: Callable[[int], int], stages: int, microba
 
 
 @contextmanager
-def running_order(schedule: Any, order: Any) -> Iterator[None]:
-    """`schedule` running the lowered actions `order` (`forward_only_order`) instead of its own."""
-    own = schedule.pipeline_order_with_comms
-    schedule.pipeline_order_with_comms = order
+def running_order(schedule: Any, order: Any, microbatches: int) -> Iterator[None]:
+    """`schedule` running the lowered actions `order` (`forward_only_order`) over `microbatches` instead of its
+    own actions and count (`_n_microbatches`, which splits the batch; private in every release)."""
+    own = schedule.pipeline_order_with_comms, schedule._n_microbatches
+    schedule.pipeline_order_with_comms, schedule._n_microbatches = order, microbatches
     try:
         yield
     finally:
-        schedule.pipeline_order_with_comms = own
+        schedule.pipeline_order_with_comms, schedule._n_microbatches = own
+
+
+def runs_v_schedules() -> bool:
+    """Whether this torch's pipeline stages can hold two adjacent stages on one rank (the V schedules,
+    ZBVZeroBubble and DualPipeV). Up to 2.12 a stage's warm-up sends a message to each neighbouring stage's rank,
+    its own included, which gloo refuses ("Pair is not connected", measured on 2.11.0); 2.13 agrees on the links
+    by a vote between stages (`_warmup_forward_vote`), which passes a same-rank neighbour in memory."""
+    from torch.distributed.pipelining import PipelineStage
+
+    return hasattr(PipelineStage, "_warmup_forward_vote")

@@ -79,3 +79,22 @@ def test_the_dry_run_sets_up_and_steps_at_8_ranks_with_cuda_faked(name, tmp_path
     assert run.returncode == 0, run.stderr[-4000:]
     assert "ranks (8 per node) on fake CUDA devices (this machine has none)" in run.stdout
     assert "**peak**" in run.stdout
+
+
+def test_a_v_schedule_trains_or_is_refused_in_one_line_on_this_torch(tmp_path):
+    """ZBVZeroBubble holds the first and the last stage on one rank: torch 2.13 on runs it (the suite compares its
+    losses with ddp's), torch 2.11 sends its warm-up from the rank to itself, which gloo refuses, so it is refused
+    before launch, saying what does run."""
+    from lightning_dist._compat.torch import runs_v_schedules
+
+    run = typed("python train.py strategy=fsdp_pp trainer.devices=4 strategy.pipeline_schedule=ZBVZeroBubble"
+                " strategy.stages_per_rank=2 trainer.max_steps=4 trainer.val_check_interval=2", tmp_path)
+    if runs_v_schedules():
+        assert run.returncode == 0, run.stderr[-4000:]
+        summary = json.loads((only_run(tmp_path) / "metrics.json").read_text())
+        assert summary["global_step"] == 4 and summary["metrics"]["test_loss"] > 0
+    else:
+        assert run.returncode == 2
+        assert run.stderr.strip().splitlines()[-1].startswith(
+            "error: strategy.pipeline_schedule=ZBVZeroBubble: torch 2.11.0")
+        assert not (tmp_path / "logs").exists() or not list((tmp_path / "logs").rglob("metrics.json"))

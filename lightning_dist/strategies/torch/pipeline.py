@@ -27,7 +27,13 @@ import torch.distributed as dist
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_dist._compat.torch import forward_only_order, pipeline_schedule, running_order, tree_map
+from lightning_dist._compat.torch import (
+    forward_only_order,
+    pipeline_schedule,
+    running_order,
+    runs_v_schedules,
+    tree_map,
+)
 from lightning_dist.parallel.dims import PIPELINE_PARALLEL
 from lightning_dist.parallel.pipeline_layout import PipelineLayout, check_pipeline, schedule_named
 from lightning_dist.parallel.pipeline_split import PipelineSplit, StageView, TiedCopies, find_trunk
@@ -49,7 +55,11 @@ class PipelineOptions:
     def of(cls, size: int, schedule: str, microbatches: int | None, stages_per_rank: int) -> PipelineOptions:
         options = cls(size, str(schedule), microbatches, stages_per_rank)
         if size != 1:
-            options.layout(blocks=None)
+            layout = options.layout(blocks=None)
+            if layout.style == "v" and not runs_v_schedules():
+                raise ValueError(f"strategy.pipeline_schedule={layout.schedule}: torch {torch.__version__} cannot"
+                                 " hold two adjacent stages on one rank (its warm-up sends to the rank itself);"
+                                 " torch 2.13 or later runs it, or choose Interleaved1F1B")
         return options
 
     def layout(self, blocks: int | None, batch_size: int | None = None) -> PipelineLayout:
@@ -144,7 +154,7 @@ class PipelineSteps:
         self.last_rank = dist.get_global_rank(pp_group, layout.rank_of_stage(layout.stages - 1))
         self._chunks_started = False
         self._step_gradients: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self._schedules: dict[int, tuple[Any, Any]] = {}
+        self._schedules: dict[tuple[int, bool], tuple[Any, Any, int]] = {}
         if not self.holds_last:
             # The logged metrics of the user's steps are updated on the last stage only; here they take part in
             # their sync with empty states, which torchmetrics would warn of at every epoch's end.
@@ -157,11 +167,17 @@ class PipelineSteps:
         self._size = 0
         self._records: list[tuple[torch.Tensor | None, list[tuple[str, Any, dict]]]] = []
 
-    def _schedule_for(self, batch_size: int) -> tuple[Any, Any]:
-        """The schedule over stages set up for batches of `batch_size` rows (torch's stages keep the shapes of the
-        first batch they ran: a smaller last batch of the held-out set needs its own), and its forward-only order
-        (validation and test), None where the schedule's own `eval` is forward-only (a single-stage schedule)."""
-        if batch_size not in self._schedules:
+    def _schedule_for(self, batch_size: int, train: bool) -> tuple[Any, Any, int]:
+        """The schedule over stages set up for training or for held-out passes on batches of `batch_size` rows; for
+        a held-out pass on a multi-stage schedule, its forward-only order (a multi-stage schedule's own `eval` runs
+        its backward actions too: forward_only_order), else None; and the microbatches it splits a batch into.
+
+        Stages keep what their first step set up: the shapes (a smaller last batch of the held-out set needs its
+        own stages), and whether received activations require gradients (torch 2.11's do not learn otherwise after
+        a validation ran first: "chunk 0 has gradients None"). A held-out batch that the microbatches do not divide
+        (the last one) runs in as many as do: GPipe's forward for a single-stage schedule, which takes any number."""
+        key = (batch_size, train)
+        if key not in self._schedules:
             from torch.distributed.pipelining import PipelineStage
 
             layout = self.layout
@@ -170,12 +186,17 @@ class PipelineSteps:
             for stage in stages:
                 stage.forward_one_chunk = self._marking_chunks(stage.forward_one_chunk)  # type: ignore[method-assign]
             multi_stage = schedule_named(layout.schedule).multi_stage
-            schedule = pipeline_schedule(layout.schedule, stages, self.microbatches, self._loss, multi_stage)
-            # A multi-stage schedule's own `eval` runs its backward actions too (forward_only_order).
-            forward_only = forward_only_order(layout.rank_of_stage, layout.stages, self.microbatches,
-                                              layout.pp) if multi_stage else None
-            self._schedules[batch_size] = schedule, forward_only
-        return self._schedules[batch_size]
+            microbatches = self.microbatches if train else max(
+                count for count in range(1, self.microbatches + 1) if batch_size % count == 0)
+            if train or multi_stage:
+                schedule = pipeline_schedule(layout.schedule, stages, self.microbatches, self._loss, multi_stage)
+            else:
+                schedule = pipeline_schedule("GPipe", stages, microbatches, self._loss, multi_stage=False)
+            forward_only = None
+            if multi_stage and not train:
+                forward_only = forward_only_order(layout.rank_of_stage, layout.stages, microbatches, layout.pp)
+            self._schedules[key] = schedule, forward_only, microbatches
+        return self._schedules[key]
 
     def run(self, step_name: str, batch: Any, *rest: Any, train: bool, accumulate: int = 1) -> Any:
         """The user's step `step_name` on `batch` through the schedule; what it returns, averaged over the
@@ -185,11 +206,11 @@ class PipelineSteps:
         self._step, self._batch, self._rest, self._records = step, batch, rest, []
         self._chunks_started = False
         self._size = _batch_size(args, kwargs)
-        if self._size % self.microbatches:
+        if train and self._size % self.microbatches:
             raise ValueError(f"strategy.microbatches={self.microbatches}: this batch of {self._size} samples does not"
                              " divide into them; choose a divisor of the batch size")
         self.loss_divisor = self.microbatches * accumulate if train else 1
-        schedule, forward_only = self._schedule_for(self._size)
+        schedule, forward_only, microbatches = self._schedule_for(self._size, train)
         inputs = args if self.holds_first else ()
         given = kwargs if self.holds_first else {}
         target = torch.arange(self._size) if self.holds_last else None  # the microbatch's rows, on the host
@@ -207,7 +228,7 @@ class PipelineSteps:
             for param, grad in zip(params, before):
                 param.grad = grad
         else:
-            order = running_order(schedule, forward_only) if forward_only else nullcontext()
+            order = running_order(schedule, forward_only, microbatches) if forward_only else nullcontext()
             with torch.no_grad(), order:
                 schedule.eval(*inputs, target=target, **given)
         return self._replay_logs()
