@@ -110,9 +110,10 @@ FENCED = [
     Fenced("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu"),
     Fenced("torch.distributed.pipelining.schedules", "get_schedule_class", ("schedule_name",)),
     Fenced("torch.distributed.pipelining.schedules", "PipelineScheduleMulti._load_csv", ("self", "filename")),
-    Fenced("torch.distributed.pipelining.schedules", "_add_unshard_reshard", ("compute_actions",)),
-    Fenced("torch.distributed.pipelining.schedules", "_add_send_recv",
-           ("compute_actions", "stage_to_rank", "num_stages")),
+    Fenced("torch.distributed.pipelining.schedules", "_PipelineScheduleRuntime._prepare_schedule_with_comms",
+           ("self", "actions")),
+    Fenced("torch.distributed.pipelining.schedules", "_validate_schedule",
+           ("actions", "pp_group_size", "num_stages", "num_microbatches")),
     Fenced("torch.distributed.pipelining.schedules", "_Action",
            ("stage_index", "computation_type", "microbatch_index")),
     Fenced("torch.distributed.pipelining.schedules", "_ComputationType.FORWARD"),
@@ -414,22 +415,34 @@ def pipeline_schedule(name: str, stages: list[Any], microbatches: int, loss_fn: 
     return schedule_class(stages if multi_stage else stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-def forward_only_order(stage_to_rank: Callable[[int], int], stages: int, microbatches: int, ranks: int) -> Any:
-    """A multi-stage schedule's actions for a forward-only pass, lowered with its FSDP gathers and its sends and
-    receives, as `_PipelineScheduleRuntime._prepare_schedule_with_comms` lowers a schedule (whose validation
-    refuses one without backward): each rank runs its stages' forwards microbatch by microbatch, in stage order.
-    torch's `eval()` runs a multi-stage schedule's own actions, backward ones included, and fails on a V schedule's
-    adjacent stages (ZBVZeroBubble, DualPipeV: "can't steal_bwd_input if this stage doesn't have backward")."""
-    from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _add_unshard_reshard, _ComputationType
+def forward_only_order(schedule: Any, stage_to_rank: Callable[[int], int], stages: int, microbatches: int,
+                       ranks: int) -> Any:
+    """A multi-stage `schedule`'s actions for a forward-only pass over `microbatches`, lowered by the schedule itself
+    (`_prepare_schedule_with_comms`: FSDP's gathers, the sends and receives, and from 2.15 the waits on sends):
+    each rank runs its stages' forwards microbatch by microbatch, in stage order. torch's `eval()` runs a
+    multi-stage schedule's own actions, backward ones included, and fails on a V schedule's adjacent stages
+    (ZBVZeroBubble, DualPipeV: "can't steal_bwd_input if this stage doesn't have backward"). The schedule's check
+    of an order (`_validate_schedule`) refuses one without backward; it is passed over here, keeping the schedule's
+    placement of stages. The schedule's own order and count are left as they were."""
+    from torch.distributed.pipelining import schedules
 
+    forward = schedules._ComputationType.FORWARD
     actions = {
-        rank: _add_unshard_reshard([
-            _Action(stage, _ComputationType.FORWARD, microbatch) for microbatch in range(microbatches)
-            for stage in range(stages) if stage_to_rank(stage) == rank
-        ])
+        rank: [schedules._Action(stage, forward, microbatch) for microbatch in range(microbatches)
+               for stage in range(stages) if stage_to_rank(stage) == rank]
         for rank in range(ranks)
     }
-    return _add_send_recv(actions, stage_to_rank=stage_to_rank, num_stages=stages)
+    own = schedule.pipeline_order_with_comms, schedule._n_microbatches
+    check = schedules._validate_schedule
+    placement = dict(schedule.stage_index_to_group_rank)
+    schedules._validate_schedule = lambda *args, **kwargs: placement
+    try:
+        schedule._n_microbatches = microbatches
+        schedule._prepare_schedule_with_comms(actions)
+        return schedule.pipeline_order_with_comms
+    finally:
+        schedules._validate_schedule = check
+        schedule.pipeline_order_with_comms, schedule._n_microbatches = own
 
 
 @contextmanager
@@ -446,9 +459,9 @@ def running_order(schedule: Any, order: Any, microbatches: int) -> Iterator[None
 
 def runs_v_schedules() -> bool:
     """Whether this torch's pipeline stages can hold two adjacent stages on one rank (the V schedules,
-    ZBVZeroBubble and DualPipeV). Up to 2.12 a stage's warm-up sends a message to each neighbouring stage's rank,
-    its own included, which gloo refuses ("Pair is not connected", measured on 2.11.0); 2.13 agrees on the links
-    by a vote between stages (`_warmup_forward_vote`), which passes a same-rank neighbour in memory."""
+    ZBVZeroBubble and DualPipeV). 2.11's stage warm-up sends a message to each neighbouring stage's rank, its own
+    included, which gloo refuses ("Pair is not connected"); 2.13 and 2.15 pass a same-rank neighbour's messages in
+    memory, which their stages know to do (`_is_same_rank`, absent from 2.11's). Checked on 2.11.0, 2.13.0, 2.15.0."""
     from torch.distributed.pipelining import PipelineStage
 
-    return hasattr(PipelineStage, "_warmup_forward_vote")
+    return hasattr(PipelineStage, "_is_same_rank")

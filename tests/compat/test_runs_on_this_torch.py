@@ -82,9 +82,9 @@ def test_the_dry_run_sets_up_and_steps_at_8_ranks_with_cuda_faked(name, tmp_path
 
 
 def test_a_v_schedule_trains_or_is_refused_in_one_line_on_this_torch(tmp_path):
-    """ZBVZeroBubble holds the first and the last stage on one rank: torch 2.13 on runs it (the suite compares its
-    losses with ddp's), torch 2.11 sends its warm-up from the rank to itself, which gloo refuses, so it is refused
-    before launch, saying what does run."""
+    """ZBVZeroBubble holds the first and the last stage on one rank: torch 2.13 and 2.15 run it (the suite compares
+    its losses with ddp's), torch 2.11 sends its warm-up from the rank to itself, which gloo refuses, so there it is
+    refused before launch, saying what does run."""
     from lightning_dist._compat.torch import runs_v_schedules
 
     run = typed("python train.py strategy=fsdp_pp trainer.devices=4 strategy.pipeline_schedule=ZBVZeroBubble"

@@ -194,7 +194,8 @@ class PipelineSteps:
                 schedule = pipeline_schedule("GPipe", stages, microbatches, self._loss, multi_stage=False)
             forward_only = None
             if multi_stage and not train:
-                forward_only = forward_only_order(layout.rank_of_stage, layout.stages, microbatches, layout.pp)
+                forward_only = forward_only_order(schedule, layout.rank_of_stage, layout.stages, microbatches,
+                                                  layout.pp)
             self._schedules[key] = schedule, forward_only, microbatches
         return self._schedules[key]
 
