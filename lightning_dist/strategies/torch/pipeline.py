@@ -232,6 +232,13 @@ class PipelineSteps:
             order = running_order(schedule, forward_only, microbatches) if forward_only else nullcontext()
             with torch.no_grad(), order:
                 schedule.eval(*inputs, target=target, **given)
+            # A stage's root unit keeps its gathered parameters after forward (backward would free them): without a
+            # backward, free them here. On torch 2.15 a training step after a held-out pass that left them gathered
+            # gave the root's parameters (embeddings, head) no gradients.
+            for view in self.views:
+                reshard = getattr(view, "reshard", None)
+                if callable(reshard):
+                    reshard()
         return self._replay_logs()
 
     def whole_model_groups(self, names: list[list[str]]) -> list[list[str]]:
