@@ -25,7 +25,8 @@ __all__ = ["NonFiniteError", "TrainingMonitor"]
 
 class TrainingMonitor(L.Callback):
     """Logs `monitor/step_time_s`, `monitor/samples_per_s`, `monitor/tokens_per_s`, `monitor/mfu`,
-    `monitor/peak_memory_gb` and `monitor/grad_norm` at the steps the loggers write (every `log_every_n_steps`).
+    `monitor/peak_memory_gb` and `monitor/grad_norm` at the steps the loggers write (every `log_every_n_steps`), and
+    under pipeline stages `monitor/pipeline_bubble`, the idle share of a step the schedule implies.
 
     check_finite: stop at the first non-finite loss or gradient norm. Values are checked on the device as they
         come (no host synchronisation); the ranks compare notes every `check_every_n_steps` steps and before every
@@ -151,6 +152,9 @@ class TrainingMonitor(L.Callback):
             metrics.update({f"monitor/{name}": value for name, value in speed.items()})
             if self.utilisation is not None:
                 metrics["monitor/mfu"] = self.utilisation.mfu(speed["tokens_per_s"], trainer.world_size)
+        bubble = getattr(trainer.strategy, "pipeline_bubble", None)
+        if bubble is not None:  # the share of a step the schedule leaves each pipeline stage idle, as it implies
+            metrics["monitor/pipeline_bubble"] = bubble
         # Measured on the host, logged from the host: Lightning would copy a plain float to the device (a blocking
         # copy each, every step) and read it back when writing the logs.
         host_values = {name: torch.tensor(value, dtype=torch.float64, device="cpu") for name, value in metrics.items()}

@@ -35,6 +35,13 @@ SCHEDULES = {
 }
 
 
+# The idle share of a step each schedule implies, as the training monitor logs it: (p - 1) / (m + p - 1) with p = 2
+# stages and m = 2 microbatches (one per stage, the default), the idle time divided by the stages per rank for the
+# interleaved ones (m = 4), and none for the zero-bubble ones.
+BUBBLE = {"GPipe": 1 / 3, "1F1B": 1 / 3, "Interleaved1F1B": 0.5 / 4.5, "LoopedBFS": 0.5 / 4.5, "ZBVZeroBubble": 0.0,
+          "DualPipeV": 0.0}
+
+
 @pytest.fixture(scope="module")
 def pp_runs(tmp_path_factory):
     runs = {}
@@ -67,6 +74,7 @@ def test_each_schedule_trains_ddps_losses_and_validates_as_ddp(schedule, pp_runs
     # The forward-only schedule, its metrics synced from the last stage; the gradient norm over every stage.
     for key, tolerance in (("val_loss", 1e-5), ("val_ppl", 1e-5), ("monitor/grad_norm", 1e-4)):
         assert summary["metrics"][key] == pytest.approx(reference_summary["metrics"][key], rel=tolerance), key
+    assert summary["metrics"]["monitor/pipeline_bubble"] == pytest.approx(BUBBLE[schedule])
     # No rank-0 warning that the metrics were computed before an update (the first stage updates none).
     assert "was called before the ``update``" not in run.output
 

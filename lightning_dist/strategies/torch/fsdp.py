@@ -313,6 +313,12 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
+    @property
+    def pipeline_bubble(self) -> float | None:  # type: ignore[override]
+        if self.pipeline.size == 1:
+            return None
+        return self.pipeline.layout(blocks=None).bubble_fraction(self.pipeline.microbatch_count)
+
     @override
     def gradient_norm_scope(self) -> tuple[Any, set[int]]:
         if self._pipeline_steps is None:

@@ -163,7 +163,6 @@ class PipelineSteps:
         self.loss_divisor = 1
         self._step: Callable[..., Any] | None = None
         self._batch: Any = None
-        self._batch_idx: Any = None
         self._size = 0
         self._records: list[tuple[torch.Tensor | None, list[tuple[str, Any, dict]]]] = []
 
