@@ -152,7 +152,7 @@ class PipelineSteps:
         self.holds_last = any(view.is_last for view in views)
         self.pp_group = pp_group
         self.last_rank = dist.get_global_rank(pp_group, layout.rank_of_stage(layout.stages - 1))
-        self._chunks_started = False
+        self._chunks_started, self._next_row = False, 0
         self._step_gradients: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._schedules: dict[tuple[int, bool], tuple[Any, Any, int]] = {}
         if not self.holds_last:
@@ -204,7 +204,7 @@ class PipelineSteps:
         step = getattr(self.module, step_name)
         args, kwargs = self._trunk_inputs(step, batch, *rest)
         self._step, self._batch, self._rest, self._records = step, batch, rest, []
-        self._chunks_started = False
+        self._chunks_started, self._next_row = False, 0
         self._size = _batch_size(args, kwargs)
         if train and self._size % self.microbatches:
             raise ValueError(f"strategy.microbatches={self.microbatches}: this batch of {self._size} samples does not"
@@ -299,7 +299,10 @@ class PipelineSteps:
             # before any microbatch: any loss of the output's shape does, and the user's step (its metrics'
             # updates, its logs) must see only the microbatches.
             return tree_sum(output) * 0.0
-        start, stop = int(rows[0]), int(rows[-1]) + 1
+        # The last stage runs its microbatches in order (every schedule does): the rows follow the previous ones,
+        # counted here rather than read from the tensor (a host read on a GPU).
+        start = self._next_row
+        stop = self._next_row = start + rows.shape[0]
         microbatch = _microbatch(self._batch, self._size, start, stop)
         with _forward_replaced(self.trunk, lambda *args, **kwargs: output), self._logs_recorded() as logs:
             result = self._step(microbatch, *self._rest)
