@@ -52,6 +52,8 @@ RUN_ELSEWHERE = {
         "tests/strategies/test_pipeline_parallel.py", '"strategy.pipeline_schedule=ZBVZeroBubble", "strategy.stages_per_rank=2"'),
     "python train.py strategy=fsdp_tp_pp trainer.devices=8": (
         "tests/strategies/test_pipeline_parallel.py", '"strategy=fsdp_tp_pp", "trainer.devices=8"'),
+    "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_llama strategy=fsdp_pp trainer.devices=4 strategy.pipeline_schedule=Interleaved1F1B strategy.stages_per_rank=2": (
+        "tests/strategies/test_pipeline_parallel.py", 'pp_runs(f"{HF_LLAMA} Interleaved1F1B")'),
     "python train.py -m strategy=ddp,fsdp trainer.max_steps=50": ("tests/launch/test_multirun.py", "python train.py -m strategy="),
     "python -m lightning_dist.sweep_report logs/train/multiruns/<date>": ("tests/launch/test_multirun.py", "python -m lightning_dist.sweep_report"),
     "python train.py -m hparams_search=optuna": ("tests/launch/test_hparams_search.py", "python train.py -m hparams_search=optuna"),

@@ -18,7 +18,7 @@ embedding group, so that every copy takes the same step as the shared parameter 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,19 +34,43 @@ _NEEDS = "embed(*inputs) -> hidden and head(hidden) -> outputs"
 
 @dataclass(frozen=True)
 class Trunk:
-    """Where a model's block stack is: the trunk module's name in the model ("" for the model itself) and the
-    stack's attribute in it."""
+    """Where a model's block stack is: the trunk (the module the model's step calls, which holds the stack) by its
+    name in the model ("" for the model itself), and the stack's path in the trunk: `blocks` for our GPT,
+    `model.layers` for a transformers `LlamaForCausalLM`. `kind` says how a stage runs through the trunk: "own"
+    (its `embed` and `head`) or "transformers" (the base model's forward, pipeline_transformers)."""
 
     name: str
     stack: str
+    kind: str = "own"
 
     def of(self, model: nn.Module) -> nn.Module:
         return model.get_submodule(self.name)
 
+    def stack_of(self, model: nn.Module) -> nn.Module:
+        return self.of(model).get_submodule(self.stack)
+
+    def ends(self, model: nn.Module) -> tuple[dict[str, nn.Module], dict[str, nn.Module]]:
+        """The modules with parameters that run before the blocks (the first stage's) and after them (the last
+        stage's), by their path in the trunk: at each module on the way down to the stack, its children before the
+        way and after it. Modules without parameters (rotary tables) are in neither: every stage keeps them."""
+        before: dict[str, nn.Module] = {}
+        after: dict[str, nn.Module] = {}
+        module, prefix = self.of(model), ""
+        for step in self.stack.split("."):
+            names = [name for name, _ in module.named_children()]
+            at = names.index(step)
+            for position, name in enumerate(names):
+                child = module.get_submodule(name)
+                if position != at and _has_parameters(child):
+                    (before if position < at else after)[prefix + name] = child
+            module, prefix = module.get_submodule(step), f"{prefix}{step}."
+        return before, after
+
 
 def find_trunk(model: nn.Module, block_classes: tuple[type[nn.Module], ...], key: str) -> Trunk:
-    """The one `nn.ModuleList` of blocks in `model` and its parent, which must say how to enter and leave the
-    blocks; else ValueError in one line saying what the model needs."""
+    """The one `nn.ModuleList` of blocks in `model` and the trunk holding it: its parent if that says how to enter
+    and leave the blocks, else the outermost transformers model around it with a pipeline plan; else ValueError in
+    one line saying what the model needs."""
     stacks = [
         name for name, module in model.named_modules()
         if isinstance(module, nn.ModuleList) and len(module) and all(isinstance(m, block_classes) for m in module)
@@ -56,13 +80,24 @@ def find_trunk(model: nn.Module, block_classes: tuple[type[nn.Module], ...], key
         found = "none" if not stacks else f"{len(stacks)} ({', '.join(stacks)})"
         raise ValueError(f"{key}: pipeline stages split one nn.ModuleList of the model's blocks ({names});"
                          f" found {found}")
-    trunk_name, _, stack = stacks[0].rpartition(".")
-    trunk = model.get_submodule(trunk_name)
-    missing = [method for method in ("embed", "head") if not callable(getattr(trunk, method, None))]
-    if missing:
-        raise ValueError(f"{key}: {type(trunk).__name__} (the module holding {stacks[0]}) must define {_NEEDS},"
-                         f" so that each stage can run its part; it lacks {' and '.join(missing)}")
-    return Trunk(trunk_name, stack)
+    parent_name, _, stack = stacks[0].rpartition(".")
+    parent = model.get_submodule(parent_name)
+    missing = [method for method in ("embed", "head") if not callable(getattr(parent, method, None))]
+    if not missing:
+        return Trunk(parent_name, stack)
+    path = stacks[0].split(".")
+    for depth in range(len(path) - 1):  # outermost first: the model the step calls
+        name = ".".join(path[:depth])
+        if has_pipeline_plan(model.get_submodule(name)):
+            return Trunk(name, ".".join(path[depth:]), "transformers")
+    raise ValueError(f"{key}: {type(parent).__name__} (the module holding {stacks[0]}) must define {_NEEDS},"
+                     f" so that each stage can run its part (or be a transformers model with a pipeline plan);"
+                     f" it lacks {' and '.join(missing)}")
+
+
+def has_pipeline_plan(module: nn.Module) -> bool:
+    """Whether `module` is a transformers model whose config says how its base model splits into stages."""
+    return bool(getattr(getattr(module, "config", None), "base_model_pp_plan", None)) and hasattr(module, "base_model")
 
 
 def tied_parameters(model: nn.Module) -> list[list[str]]:
@@ -78,23 +113,20 @@ def _has_parameters(module: nn.Module) -> bool:
 
 
 def prune_to_stages(model: nn.Module, trunk: Trunk, layout: PipelineLayout, stages: Iterable[int]) -> None:
-    """Remove from `model` what none of `stages` runs. The blocks that stay keep their indices as names."""
+    """Remove from `model` what none of `stages` runs. The blocks that stay keep their indices as names; a module
+    before or after the blocks becomes an `nn.Identity` (the trunk's forward may still pass through it)."""
     stages = list(stages)
-    owner = trunk.of(model)
-    stack = getattr(owner, trunk.stack)
+    stack = trunk.stack_of(model)
     kept = {block for stage in stages for block in layout.blocks_of_stage(stage)}
     for index, (key, _) in enumerate(list(stack.named_children())):
         if index not in kept:
             delattr(stack, key)  # not `del stack[index]`, which renumbers the blocks after it
-    children = [name for name, _ in owner.named_children()]
-    at = children.index(trunk.stack)
-    first, last = 0 in stages, layout.stages - 1 in stages
-    for position, name in enumerate(children):
-        child = owner.get_submodule(name)
-        if position == at or not _has_parameters(child):
-            continue
-        if (position < at and not first) or (position > at and not last):
-            delattr(owner, name)
+    before, after = trunk.ends(model)
+    owner = trunk.of(model)
+    dropped = ([] if 0 in stages else list(before)) + ([] if layout.stages - 1 in stages else list(after))
+    for path in dropped:
+        parent, _, name = path.rpartition(".")
+        setattr(owner.get_submodule(parent), name, nn.Identity())
 
 
 def untie_across_stages(model: nn.Module, tied: list[list[str]]) -> None:
@@ -113,28 +145,40 @@ def untie_across_stages(model: nn.Module, tied: list[list[str]]) -> None:
 class StageView(nn.Module):
     """One pipeline stage of a pruned model: its blocks (by their index in the whole stack) and, on the first and
     last stage, the trunk's modules before and after the stack, registered here so that the stage owns exactly its
-    parameters. Its forward is the trunk's: `embed` on the first stage, the blocks, `head` on the last."""
+    parameters. Its forward is the trunk's: `embed` on the first stage, the blocks, `head` on the last (or the
+    transformers model's own forward over the stage's layers: pipeline_transformers)."""
 
     def __init__(self, model: nn.Module, trunk: Trunk, layout: PipelineLayout, stage: int) -> None:
         super().__init__()
-        owner = trunk.of(model)
-        stack = getattr(owner, trunk.stack)
+        stack = trunk.stack_of(model)
         self.blocks = nn.ModuleDict({str(i): stack.get_submodule(str(i)) for i in layout.blocks_of_stage(stage)})
         self.is_first, self.is_last = stage == 0, stage == layout.stages - 1
-        children = list(owner.named_children())
-        at = [name for name, _ in children].index(trunk.stack)
-        ends = {name: child for position, (name, child) in enumerate(children) if _has_parameters(child)
-                and ((position < at and self.is_first) or (position > at and self.is_last))}
-        self.ends = nn.ModuleDict(ends)
+        before, after = trunk.ends(model)
+        ends = {**(before if self.is_first else {}), **(after if self.is_last else {})}
+        self.ends = nn.ModuleDict({path.replace(".", "_"): module for path, module in ends.items()})
         self.trunk: Any
-        object.__setattr__(self, "trunk", owner)  # not a submodule: its other parameters belong to other stages
+        object.__setattr__(self, "trunk", trunk.of(model))  # not a submodule: its other parameters are other stages'
         self.stage = stage
+        self.runs: Callable[[StageView, tuple, dict], Any] = _runs_own_trunk
+        if trunk.kind == "transformers":
+            from lightning_dist.parallel.pipeline_transformers import TransformersStage
+
+            self.runs = TransformersStage(trunk, after)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        hidden = self.trunk.embed(*inputs, **kwargs) if self.is_first else inputs[0]
-        for block in self.blocks.values():
-            hidden = block(hidden)
-        return self.trunk.head(hidden) if self.is_last else hidden
+        return self.runs(self, inputs, kwargs)
+
+    def answer(self, output: Any, args: tuple, kwargs: dict) -> Any:
+        """What the step's call of the trunk with `args` and `kwargs` returns, this last stage's `output` given."""
+        answers = getattr(self.runs, "answer", None)
+        return output if answers is None else answers(self.trunk, output, args, kwargs)
+
+
+def _runs_own_trunk(view: StageView, inputs: tuple, kwargs: dict) -> Any:
+    hidden = view.trunk.embed(*inputs, **kwargs) if view.is_first else inputs[0]
+    for block in view.blocks.values():
+        hidden = block(hidden)
+    return view.trunk.head(hidden) if view.is_last else hidden
 
 
 class TiedCopies:
@@ -230,11 +274,12 @@ class PipelineSplit:
         prefix = f"{self.trunk.name}." if self.trunk.name else ""
         if not name.startswith(prefix):
             return 0
-        child = name[len(prefix):].split(".")
-        if child[0] == self.trunk.stack:
-            return int(child[1]) * self.layout.stages // self.layout.blocks
-        children = [name for name, _ in self.trunk.of(model).named_children()]
-        return 0 if children.index(child[0]) < children.index(self.trunk.stack) else self.layout.stages - 1
+        inner = name[len(prefix):]
+        stack = f"{self.trunk.stack}."
+        if inner.startswith(stack):
+            return int(inner[len(stack):].split(".")[0]) * self.layout.stages // self.layout.blocks
+        _, after = self.trunk.ends(model)
+        return self.layout.stages - 1 if any(inner.startswith(f"{path}.") for path in after) else 0
 
     def prune(self, model: nn.Module) -> None:
         """Remove what this rank's stages do not run; give each stage its own copy of a tied parameter."""

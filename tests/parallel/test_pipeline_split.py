@@ -69,7 +69,8 @@ def test_a_model_that_does_not_say_how_to_enter_its_blocks_is_told_what_it_needs
         find_trunk(Stack(), (TransformerBlock,), KEY)
     assert str(error.value) == (
         f"{KEY}: Stack (the module holding layers) must define embed(*inputs) -> hidden and head(hidden) -> outputs,"
-        " so that each stage can run its part; it lacks embed and head")
+        " so that each stage can run its part (or be a transformers model with a pipeline plan); it lacks embed and"
+        " head")
     with pytest.raises(ValueError, match=rf"^{KEY}: pipeline stages split one nn.ModuleList of the model's blocks"
                                          r" \(Linear\); found none$"):
         find_trunk(nn.Sequential(nn.Linear(2, 2)), (nn.Linear,), KEY)
@@ -113,3 +114,56 @@ def test_the_stages_in_a_row_compute_the_models_forward():
     split = PipelineSplit.of(model, trunk, layout, pp_rank=0)
     assert split.tied == (("model.token_embedding.weight", "model.lm_head.weight"),)
     assert split.holders == ((0, 1),) and split.embeddings == (True,)  # stage 3 is rank 1's under interleaving
+
+
+def llama():
+    """A config-built transformers Llama (grouped-query attention, rotary positions), as the recipe builds it."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])  # the causal mask made by each stage, or SDPA's own
+def test_a_transformers_llamas_stages_in_a_row_compute_its_logits_and_loss(attention):
+    holder = nn.Module()
+    holder.model = llama().eval()  # as a LightningModule holds it
+    holder.model.config._attn_implementation = attention
+    blocks = (type(holder.model.model.layers[0]),)
+    tokens = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(1))
+    layout = PipelineLayout(pp=2, stages_per_rank=2, blocks=4, schedule="Interleaved1F1B")
+    trunk = find_trunk(holder, blocks, KEY)
+    assert (trunk.name, trunk.stack, trunk.kind) == ("model", "model.layers", "transformers")
+    views = [StageView(holder, trunk, layout, stage) for stage in range(4)]
+    assert [sorted(view.ends) for view in views] == [["model_embed_tokens"], [], [], ["lm_head", "model_norm"]]
+    hidden = views[0](input_ids=tokens)
+    for view in views[1:]:
+        hidden = view(hidden)
+    with torch.no_grad():
+        whole = holder.model(input_ids=tokens, labels=tokens)
+    torch.testing.assert_close(hidden, whole.logits, rtol=1e-6, atol=1e-6)
+    answered = views[-1].answer(hidden, (), {"input_ids": tokens, "labels": tokens})
+    torch.testing.assert_close(answered.loss, whole.loss, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"^pipeline parallelism: LlamaForCausalLM is called with attention_mask,"):
+        views[0](input_ids=tokens, attention_mask=torch.ones_like(tokens))
+
+
+def test_a_transformers_llama_pruned_to_its_last_stage_keeps_the_norm_and_head_by_their_names():
+    holder = nn.Module()
+    holder.model = llama()
+    blocks = (type(holder.model.model.layers[0]),)
+    layout = PipelineLayout(pp=2, stages_per_rank=1, blocks=4)
+    trunk = find_trunk(holder, blocks, KEY)
+    first, last = copy.deepcopy(holder), copy.deepcopy(holder)
+    prune_to_stages(first, trunk, layout, [0])
+    prune_to_stages(last, trunk, layout, [1])
+    assert sorted({name.rsplit(".", 1)[0] for name in first.state_dict() if "layers" not in name}) == [
+        "model.model.embed_tokens"]
+    assert sorted({name.rsplit(".", 1)[0] for name in last.state_dict() if "layers" not in name}) == [
+        "model.lm_head", "model.model.norm"]
+    assert {name.split(".")[3] for name in last.state_dict() if ".layers." in name} == {"2", "3"}
+    split = PipelineSplit.of(holder, trunk, layout, pp_rank=1)
+    names = ("model.model.embed_tokens.weight", "model.model.norm.weight", "model.lm_head.weight",
+             "model.model.layers.2.mlp.up_proj.weight", "model.model.layers.1.mlp.up_proj.weight")
+    assert [split.stage_of(holder, name) for name in names] == [0, 1, 1, 1, 0]

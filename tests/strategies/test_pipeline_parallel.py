@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_dist.reports.equivalence import read_train_losses
-from tests.conftest import in_the_suite, run_train
+from tests.conftest import REPO, in_the_suite, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +34,9 @@ SCHEDULES = {
     "LoopedBFS": ("strategy.pipeline_schedule=LoopedBFS", "strategy.stages_per_rank=2"),
 }
 
+HF_LLAMA = "hf_llama"
+LLAMA = (f"hydra.searchpath=[file://{REPO / 'recipes' / 'hf_causal_lm' / 'conf'}]", "model=hf_llama")
+
 
 # The idle share of a step each schedule implies, as the training monitor logs it: (p - 1) / (m + p - 1) with p = 2
 # stages and m = 2 microbatches (one per stage, the default), the idle time divided by the stages per rank for the
@@ -47,10 +50,13 @@ def pp_runs(tmp_path_factory):
     runs = {}
 
     def get(name: str, *extra: str):
+        """`name`: "ddp" or a schedule, of the bundled GPT, or of the transformers Llama ("hf_llama ddp")."""
         if name not in runs:
-            overrides = ("strategy=ddp", "trainer.devices=2") if name == "ddp" else (
-                "strategy=fsdp_pp", "trainer.devices=4", *SCHEDULES[name])
-            runs[name] = run_train(tmp_path_factory.mktemp("pp"), *overrides, *COMMON, *extra)
+            layout = name.removeprefix(f"{HF_LLAMA} ")
+            overrides = ("strategy=ddp", "trainer.devices=2") if layout == "ddp" else (
+                "strategy=fsdp_pp", "trainer.devices=4", *SCHEDULES[layout])
+            model = LLAMA if name.startswith(HF_LLAMA) else ()
+            runs[name] = run_train(tmp_path_factory.mktemp("pp"), *model, *overrides, *COMMON, *extra)
             assert runs[name].process.returncode == 0, runs[name].output[-3000:]
         return runs[name]
 
@@ -77,6 +83,34 @@ def test_each_schedule_trains_ddps_losses_and_validates_as_ddp(schedule, pp_runs
     assert summary["metrics"]["monitor/pipeline_bubble"] == pytest.approx(BUBBLE[schedule])
     # No rank-0 warning that the metrics were computed before an update (the first stage updates none).
     assert "was called before the ``update``" not in run.output
+
+
+def test_a_transformers_llama_splits_by_its_own_plan_trains_ddps_losses_and_exports_from_its_stages(pp_runs, tmp_path):
+    """A config-built transformers Llama (rotary positions, grouped-query attention, untied head) split by its
+    `base_model_pp_plan` into 4 stages, 2 per rank (Interleaved1F1B: rank 1 holds the final norm but runs it only
+    in the last stage): ddp's losses, and its checkpoint, written by the stages, exports as a save_pretrained folder
+    with ddp's names and logits."""
+    import transformers
+
+    from recipes.hf_causal_lm.export import main as export
+
+    reference, run = pp_runs(f"{HF_LLAMA} ddp"), pp_runs(f"{HF_LLAMA} Interleaved1F1B")
+    expected, losses = read_train_losses(reference.run_dir), read_train_losses(run.run_dir)
+    assert sorted(losses) == sorted(expected) == list(range(STEPS))
+    for step, loss in expected.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5), step
+    assert losses[STEPS - 1] < losses[0] - 2.0  # it learned (5.6 to 3.3)
+    assert final_metrics(run)["metrics"]["val_loss"] == pytest.approx(final_metrics(reference)["metrics"]["val_loss"],
+                                                                       rel=1e-5)
+    exported = {}
+    for name, source in (("pp", run), ("ddp", reference)):
+        assert export([str(source.run_dir / "checkpoints" / "last.ckpt"), str(tmp_path / name)]) == 0
+        exported[name] = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
+    assert exported["pp"].state_dict().keys() == exported["ddp"].state_dict().keys()
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = {name: model(input_ids=tokens).logits for name, model in exported.items()}
+    assert (logits["pp"] - logits["ddp"]).abs().max().item() <= 1e-4  # 20 steps' fp32 rounding apart (7e-6)
 
 
 def test_each_rank_keeps_only_its_stage_with_the_whole_models_names(pp_runs, tmp_path):

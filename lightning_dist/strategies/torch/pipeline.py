@@ -90,7 +90,7 @@ class PipelineOptions:
     def split(self, model: nn.Module, block_classes: tuple[type[nn.Module], ...], pp_rank: int) -> PipelineSplit:
         """How `model` splits into this layout's stages, or ValueError in one line saying what it lacks."""
         trunk = find_trunk(model, block_classes, _KEY)
-        blocks = len(getattr(trunk.of(model), trunk.stack))
+        blocks = len(trunk.stack_of(model))
         return PipelineSplit.of(model, trunk, self.layout(blocks), pp_rank)
 
     def steps(self, strategy: Any, split: PipelineSplit, views: list[Any]) -> PipelineSteps:
@@ -304,7 +304,9 @@ class PipelineSteps:
         start = self._next_row
         stop = self._next_row = start + rows.shape[0]
         microbatch = _microbatch(self._batch, self._size, start, stop)
-        with _forward_replaced(self.trunk, lambda *args, **kwargs: output), self._logs_recorded() as logs:
+        last = next(view for view in self.views if view.is_last)
+        answered = _forward_replaced(self.trunk, lambda *args, **kwargs: last.answer(output, args, kwargs))
+        with answered, self._logs_recorded() as logs:
             result = self._step(microbatch, *self._rest)
         loss = result.get("loss") if isinstance(result, Mapping) else result
         self._records.append((loss.detach() if isinstance(loss, torch.Tensor) else None, logs))
