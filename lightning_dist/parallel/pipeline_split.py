@@ -46,8 +46,10 @@ class Trunk:
     def of(self, model: nn.Module) -> nn.Module:
         return model.get_submodule(self.name)
 
-    def stack_of(self, model: nn.Module) -> nn.Module:
-        return self.of(model).get_submodule(self.stack)
+    def stack_of(self, model: nn.Module) -> nn.ModuleList:
+        stack = self.of(model).get_submodule(self.stack)
+        assert isinstance(stack, nn.ModuleList)
+        return stack
 
     def ends(self, model: nn.Module) -> tuple[dict[str, nn.Module], dict[str, nn.Module]]:
         """The modules with parameters that run before the blocks (the first stage's) and after them (the last

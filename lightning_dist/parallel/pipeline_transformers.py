@@ -61,11 +61,11 @@ class TransformersStage:
         return hidden
 
     @staticmethod
-    def answer(trunk: nn.Module, output: Any, args: tuple, kwargs: dict) -> Any:
+    def answer(trunk: Any, output: Any, args: tuple, kwargs: dict) -> Any:
         return answer(trunk, output, args, kwargs)
 
 
-def answer(trunk: nn.Module, output: Any, args: tuple, kwargs: dict) -> Any:
+def answer(trunk: Any, output: Any, args: tuple, kwargs: dict) -> Any:
     """What `trunk(*args, **kwargs)` returns, given the last stage's `output`: a causal LM's logits (and loss,
     when called with `labels`), or a base model's last hidden states."""
     from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
