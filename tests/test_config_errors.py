@@ -177,8 +177,10 @@ REFUSED = [
     (["strategy=fsdp_tp_pp", "trainer.devices=4", "strategy.pipeline_parallel_size=4"],
      "strategy.pipeline_parallel_size=4, strategy.tensor_parallel_size=2: the run's 4 ranks (trainer.devices x"
      " trainer.num_nodes) do not divide into groups of these sizes"),
-    (["strategy=fsdp_pp", "trainer.devices=4", "dry_run=true"], "dry_run=true: strategy.pipeline_parallel_size=2:"
-     " pipeline stages are not dry-run yet; plan=true plans them"),
+    (["strategy=fsdp_pp", "trainer.devices=4", "dry_run=true", "strategy.pipeline_schedule=ZBVZeroBubble",
+      "strategy.stages_per_rank=2"], "dry_run=true: strategy.pipeline_schedule=ZBVZeroBubble is not dry-run"
+     " (zero-bubble and file schedules split backward in passes the dry run does not replay); GPipe, 1F1B,"
+     " Interleaved1F1B, LoopedBFS are"),
     # What a strategy cannot combine, refused from the config before torch loads (QUIET_REFUSALS below).
     (["checkpoint.async=true", "strategy=deepspeed_stage_2"], "checkpoint.async=true: DeepSpeed's engine writes its"
      " checkpoints itself, synchronously, and has no hook to stage them;"),

@@ -54,6 +54,13 @@ RUN_ELSEWHERE = {
         "tests/strategies/test_pipeline_parallel.py", '"strategy=fsdp_tp_pp", "trainer.devices=8"'),
     "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_llama strategy=fsdp_pp trainer.devices=4 strategy.pipeline_schedule=Interleaved1F1B strategy.stages_per_rank=2": (
         "tests/strategies/test_pipeline_parallel.py", 'pp_runs(f"{HF_LLAMA} Interleaved1F1B")'),
+    # the pipelined 70B dry runs: the same commands, typed in full (TARGET_70B + SCHEDULES)
+    "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_70b dry_run=true trainer=gpu trainer.devices=8 trainer.num_nodes=8 strategy=fsdp_pp strategy.pipeline_parallel_size=8": (
+        "tests/strategies/test_pipeline_dry_run.py", "dry_run(8, schedule)"),
+    "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_70b dry_run=true trainer=gpu trainer.devices=8 trainer.num_nodes=8 strategy=fsdp_pp strategy.pipeline_parallel_size=8 strategy.pipeline_schedule=Interleaved1F1B strategy.stages_per_rank=2": (
+        "tests/strategies/test_pipeline_dry_run.py", '"Interleaved1F1B": " strategy.pipeline_schedule=Interleaved1F1B strategy.stages_per_rank=2"'),
+    "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_70b dry_run=true trainer=gpu trainer.devices=8 trainer.num_nodes=128 strategy=fsdp_pp strategy.pipeline_parallel_size=8": (
+        "tests/strategies/test_pipeline_dry_run.py", 'dry_run(128, "1F1B")'),
     "python train.py -m strategy=ddp,fsdp trainer.max_steps=50": ("tests/launch/test_multirun.py", "python train.py -m strategy="),
     "python -m lightning_dist.sweep_report logs/train/multiruns/<date>": ("tests/launch/test_multirun.py", "python -m lightning_dist.sweep_report"),
     "python train.py -m hparams_search=optuna": ("tests/launch/test_hparams_search.py", "python train.py -m hparams_search=optuna"),

@@ -282,6 +282,23 @@ def module_memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer) ->
     return tracker
 
 
+def pipeline_memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """torch's module memory tracker for pipeline stages, which run once per microbatch: each call of a module is
+    followed as its first (torch's tracker refuses a module called again in one step: "does not support memory
+    tracking for multiple iterative calls"); the rank's peak is what it reports."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class Tracker(_rank_peak_only(MemTracker)):
+        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+    tracker = Tracker()
+    tracker.track_external(model, optimizer)
+    return tracker
+
+
 @functools.cache
 def _rank_peak_only(tracker_class: type) -> type:
     """`tracker_class` keeping the rank's peak only. torch's trackers also keep each module's own peak, walking

@@ -117,6 +117,11 @@ FENCED = [
     Fenced("torch.distributed.pipelining.schedules", "_Action",
            ("stage_index", "computation_type", "microbatch_index")),
     Fenced("torch.distributed.pipelining.schedules", "_ComputationType.FORWARD"),
+    Fenced("torch.distributed.pipelining.schedules", "_ComputationType.FULL_BACKWARD"),
+    Fenced("torch.distributed.pipelining.stage", "_PipelineStageBase.backward_maybe_with_nosync",
+           ("self", "backward_type", "bwd_kwargs", "last_backward")),
+    Fenced("torch.distributed.pipelining.stage", "_PipelineStageBase.perform_reduce_grad",
+           ("self", "grad_scale_factor")),
 ]
 
 
@@ -455,6 +460,29 @@ def running_order(schedule: Any, order: Any, microbatches: int) -> Iterator[None
         yield
     finally:
         schedule.pipeline_order_with_comms, schedule._n_microbatches = own
+
+
+def rank_actions(schedule: Any, rank: int) -> list[tuple[int, str, int]]:
+    """A multi-stage `schedule`'s own actions for pipeline rank `rank`, as (stage, "F" or "B" or another of torch's
+    computation types, microbatch), idle slots left out (`pipeline_order`, before sends and receives are added)."""
+    from torch.distributed.pipelining import schedules
+
+    names = {schedules._ComputationType.FORWARD: "F", schedules._ComputationType.FULL_BACKWARD: "B"}
+    return [(action.stage_index, names.get(action.computation_type, str(action.computation_type)),
+             action.microbatch_index) for action in schedule.pipeline_order[rank] if action is not None]
+
+
+def stage_backward(stage: Any, output: Any, output_grads: Any, inputs: tuple) -> None:
+    """`stage`'s backward of one microbatch as its schedule runs it: under FSDP, without reducing gradients or
+    resharding the stage (it stays gathered until `stage_reduce_gradients`)."""
+    stage.backward_maybe_with_nosync("full", {"stage_output": output, "output_grads": output_grads,
+                                              "input_values": inputs}, last_backward=False)
+
+
+def stage_reduce_gradients(stage: Any) -> None:
+    """What `stage`'s schedule runs after its last backward of a step: FSDP's reduction of the gradients, and the
+    stage resharded (gradients unscaled: the loss function divides them)."""
+    stage.perform_reduce_grad(1)
 
 
 def runs_v_schedules() -> bool:

@@ -44,6 +44,11 @@ CATEGORIES = {
 }
 
 
+# Where a replay's own map puts a tracker category beside a plan category of its own, the row says what it holds.
+PLAN_LABELS = {"pipeline_buffers": "pipeline receive buffers",
+               "accumulated_gradients": "temporaries (gradients accumulated whole)"}
+
+
 Shard = tuple[str, tuple[int, ...], tuple[int, ...], str]  # name, global shape, local shape, placements
 
 
@@ -204,6 +209,7 @@ def table(views: list[RankView], name: str, precision: str, devices: int, num_no
     planned_as = views[0].planned_as
     for key, label in CATEGORIES.items():
         plan_key = planned_as.get(key, "")
+        label = PLAN_LABELS.get(plan_key, label)
         tracked = any(key in view.peak for view in views)  # FSDP's tracker and the module tracker differ
         if not tracked or (not any(view.peak.get(key) for view in views) and not planned.get(plan_key, 0)):
             continue

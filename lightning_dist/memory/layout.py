@@ -52,6 +52,9 @@ class Layout:
     # The share of a batch's activations the busiest stage holds at once: the microbatches in flight there (GPipe
     # all of them, 1F1B at most one per stage) over the microbatches.
     pipeline_in_flight: float = 1.0
+    # The buffers, each a batch's activations at a stage boundary, that the busiest rank's stages keep between steps:
+    # one per microbatch for what a stage receives from the one before, one for the gradients from the one after.
+    pipeline_receive_buffers: int = 0
 
     def parallel_dims(self, devices: int, num_nodes: int) -> ParallelDims:
         """How `devices` x `num_nodes` ranks hold this layout's state: replicated, sharded by all, HSDP's shards

@@ -202,10 +202,26 @@ def plan_memory(
         # computes; its sharded gradients appear block by block as backward frees the activations.
         plan.device["reduce_scatter_buffer"] = (math.ceil(facts.largest_block / dims.tp) or n) * size.gradient
         _never_together(plan, ("activations",), ("gradients",))
+    if dims.pp > 1:
+        _pipeline_stage_state(plan, facts, layout, n, size.gradient, compute_bytes)
     if "bucket_rebuild" in plan.device:
         # DDP rebuilds its buckets as the second step starts, before forward has saved anything.
         _never_together(plan, ("activations", "autocast_weight_copies"), ("bucket_rebuild",))
     return plan
+
+
+def _pipeline_stage_state(plan: MemoryPlan, facts: ModelFacts, layout: Layout, n: int, gradient_bytes: int,
+                          compute_bytes: int) -> None:
+    """What torch's pipeline stages hold beyond a step's usual state. Under FSDP a stage is not resharded between
+    its microbatches' backward passes and its gradients are not reduced until the last (torch's schedules reduce
+    them once, at the step's end): from its first backward the stage holds every parameter gathered and every
+    gradient unsharded, accumulated in the gradients' dtype (a dry run shows both, a stage's whole). And each stage
+    keeps a receive buffer per microbatch for what crosses its boundaries."""
+    if layout.reduce_scatter_per_block:
+        plan.device["gathered_parameters"] = n * compute_bytes
+        plan.device["accumulated_gradients"] = n * gradient_bytes
+    boundary = facts.block_activations[0].inputs if facts.block_activations else 0
+    plan.device["pipeline_buffers"] = layout.pipeline_receive_buffers * boundary * compute_bytes / 4
 
 
 def _never_together(plan: MemoryPlan, first: tuple[str, ...], second: tuple[str, ...]) -> None:

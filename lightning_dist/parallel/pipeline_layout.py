@@ -138,3 +138,14 @@ def check_pipeline(pp: int, stages_per_rank: int, schedule: str, microbatches: i
 def _whole_rounds(microbatches: int, pp: int) -> bool:
     """torch's condition for an interleaved schedule: the microbatches split into max(1, m // pp) equal rounds."""
     return microbatches % max(1, microbatches // pp) == 0
+
+
+DRY_RUN_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+
+
+def dry_run_refusal(schedule: str) -> str | None:
+    """Why the dry run cannot replay `schedule` (strategies/torch/pipeline_replay.py), or None."""
+    if schedule in DRY_RUN_SCHEDULES:
+        return None
+    return (f"strategy.pipeline_schedule={schedule} is not dry-run (zero-bubble and file schedules split backward"
+            f" in passes the dry run does not replay); {', '.join(DRY_RUN_SCHEDULES)} are")

@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lightning_dist.parallel.dims import check_sharding_sizes, sharding_layout
 from lightning_dist.parallel.pipeline_layout import check_pipeline
+from lightning_dist.parallel.pipeline_layout import dry_run_refusal as pipeline_dry_run_refusal
 from lightning_dist.run.config_check import ConfigError
 from lightning_dist.strategies.refusals import deepspeed_refusal
 
@@ -198,9 +199,9 @@ def check_combinations(cfg: DictConfig) -> None:
             pp = strategy.get("pipeline_parallel_size", 1)
             if pp != 1:
                 _check_pipeline(cfg, strategy)
-                if _value(cfg, "dry_run") is True:
-                    raise ValueError(f"dry_run=true: strategy.pipeline_parallel_size={pp}: pipeline stages are not"
-                                     " dry-run yet; plan=true plans them")
+                refusal = pipeline_dry_run_refusal(strategy.get("pipeline_schedule", "1F1B"))
+                if _value(cfg, "dry_run") is True and refusal:
+                    raise ValueError(f"dry_run=true: {refusal}")
             check_sharding_sizes(devices, nodes, tp, replicate, hybrid, pp)
         except ValueError as error:
             raise ConfigError(str(error)) from None

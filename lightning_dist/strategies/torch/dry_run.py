@@ -22,6 +22,7 @@ from lightning_dist._compat.fake_tensors import (
     memory_categories,
     meshes_built_outside_fake_tensors,
     module_memory_tracker,
+    pipeline_memory_tracker,
 )
 from lightning_dist._compat.lightning import training_step_in_wrapper, wrapped_by_strategy
 from lightning_dist._compat.torch import tree_map
@@ -32,20 +33,26 @@ from lightning_dist.parallel.device_check import OneDevicePerRank, collective_de
 from lightning_dist.parallel.devices import process_group_backend
 from lightning_dist.parallel.sharded_init import parameters_on_meta
 from lightning_dist.strategies.torch.fully_shard import shard_device
+from lightning_dist.strategies.torch.pipeline_replay import PipelineReplay, stage_boundary
 
 
 def rank_view(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int,
-               num_nodes: int, rank: int, device_type: str, sharded: bool) -> RankView:
-    """One rank of DDP (`sharded=False`: the whole model on each rank, wrapped) or FSDP (`sharded`)."""
+              num_nodes: int, rank: int, device_type: str, sharded: bool) -> RankView:
+    """One rank of DDP (`sharded=False`: the whole model on each rank, wrapped) or FSDP (`sharded`), with its
+    pipeline stages if it has them (their schedule's order of actions: pipeline_replay.py)."""
     as_rank(strategy, rank, devices, num_nodes, device_type)
     strategy.precision_plugin = _precision_plugin(sharded, precision, device_type)
     root = strategy.root_device
+    pipelined = sharded and strategy.parallel_dims.pp > 1
+    if pipelined:
+        strategy.forget_pipeline_stages()  # another rank's
     with fake_process_group(rank, devices * num_nodes):
         if device_type == "cuda":
             torch.cuda.set_device(root)  # as Lightning's CUDA accelerator does before anything is built
         mesh = strategy.build_device_mesh(device_type) if sharded else strategy.parallel_dims.build_mesh(device_type)
         with parameters_on_meta():
             module = build()
+            boundary = _stage_boundary(strategy, build, batch, precision) if pipelined else None
         host_state = strategy.keeps_state_on_host
         with ExitStack() as stack:
             stack.enter_context(fake_tensors())
@@ -58,12 +65,21 @@ def rank_view(strategy: Any, build: Callable[[], nn.Module], batch: Any, precisi
             stack.enter_context(mock.patch.object(type(module), "log", lambda *a, **k: None, create=True))
             batch = tree_map(lambda t: torch.empty_like(t, device=root) if isinstance(t, torch.Tensor) else t, batch)
             optimizer = configured_optimizer(module)
-            step = partial(_step, strategy, model, module, optimizer, batch)
+            if pipelined:
+                assert boundary is not None
+                replay = PipelineReplay(strategy, module, strategy.pipeline_views, batch, *boundary)
+                step = partial(replay.step, optimizer)
+            else:
+                step = partial(_step, strategy, model, module, optimizer, batch)
             step()  # creates the optimizer state; its DTensor temporaries have global size
-            tracker = (fsdp_memory_tracker if sharded else module_memory_tracker)(model, optimizer)
-            if sharded:
+            if pipelined:  # torch's FSDP tracker follows one root, called once a step: stages are several, called often
+                tracker = pipeline_memory_tracker(module, optimizer)
+                tracker.track_external(*replay.buffers())
+            elif sharded:
+                tracker = fsdp_memory_tracker(model, optimizer)
                 tracker.track_inputs((batch,))
             else:  # DDP's gradient buckets, made before the tracker: the gradients are views of them
+                tracker = module_memory_tracker(model, optimizer)
                 tracker.track_external(*(p.grad for p in module.parameters() if p.grad is not None))
             with tracker:
                 step()
@@ -72,7 +88,26 @@ def rank_view(strategy: Any, build: Callable[[], nn.Module], batch: Any, precisi
     host = by_device.get("cpu", {}).get("Total", 0) if root.type != "cpu" else 0
     coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
     blocks = strategy.block_classes_of(module) if sharded else strategy.blocks.classes_in(module)
+    if pipelined:
+        return RankView(rank, coordinate, shards_of(module, blocks), peak, host, PIPELINE_PLANNED_AS)
     return RankView(rank, coordinate, shards_of(module, blocks), peak, host)
+
+
+# A pipelined rank's categories (torch's general tracker): its receive buffers are the external tensors it is given.
+# Gathered parameters are made in forward (ACT) or for backward (TEMP), the gradients accumulated unsharded in
+# backward (TEMP).
+PIPELINE_PLANNED_AS = {"PARAM": "parameters", "GRAD": "gradients", "OPT": "optimizer_state", "BUFFER": "buffers",
+                       "ACT": "activations", "TEMP": "accumulated_gradients", "OTH": "pipeline_buffers"}
+
+
+def _stage_boundary(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision: str
+                    ) -> tuple[torch.Size, torch.dtype]:
+    """The shape of what a pipeline stage sends the next (a model built on meta runs its first stage) and the
+    dtype it computes in."""
+    whole = build()
+    split = strategy.pipeline.split(whole, strategy.block_classes_of(whole), pp_rank=0)
+    dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(precision.split("-")[0], torch.float32)
+    return stage_boundary(whole, split.trunk, split.layout, batch), dtype
 
 
 def _set_up(strategy: Any, sharded: bool, module: nn.Module, device: torch.device, stack: ExitStack) -> nn.Module:

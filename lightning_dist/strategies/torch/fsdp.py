@@ -30,6 +30,7 @@ from lightning_dist.parallel.classes import BlockClasses
 from lightning_dist.parallel.dims import TENSOR_PARALLEL, ParallelDims, check_sharding_sizes, sharding_layout
 from lightning_dist.parallel.grad_norm import clip_grad_norm_
 from lightning_dist.parallel.module_state import move_module_state
+from lightning_dist.parallel.pipeline_layout import dry_run_refusal as pipeline_dry_run_refusal
 from lightning_dist.parallel.pipeline_split import PipelineSplit
 from lightning_dist.parallel.precision import PrecisionSupport
 from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
@@ -47,7 +48,7 @@ from lightning_dist.strategies.torch.fully_shard import (
     offload_policy,
     shard_device,
 )
-from lightning_dist.strategies.torch.pipeline import PIPELINE_NOT_DRY_RUN, PipelineOptions, PipelineSteps
+from lightning_dist.strategies.torch.pipeline import PipelineOptions, PipelineSteps
 from lightning_dist.strategies.torch.replay import ReplayedOnTorch
 
 # LightningModule methods that run the model without going through `forward`.
@@ -156,9 +157,22 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
     @property
     @override
     def dry_run_refusal(self) -> str | None:  # type: ignore[override]
-        if self.pipeline.size > 1:
-            return PIPELINE_NOT_DRY_RUN
-        return None
+        return pipeline_dry_run_refusal(self.pipeline.schedule) if self.pipeline.size > 1 else None
+
+    @property
+    def pipeline_split(self) -> PipelineSplit | None:
+        """How the model is split into pipeline stages, once `parallelize` split it; None without stages."""
+        return self._pipeline_split
+
+    @property
+    def pipeline_views(self) -> list[nn.Module]:
+        """This rank's pipeline stages, once `parallelize` made them."""
+        return self._pipeline_views
+
+    def forget_pipeline_stages(self) -> None:
+        """Let the next `parallelize` split its model afresh: the dry run sets up one rank after another with one
+        strategy (a run keeps its stages from fit to test)."""
+        self._pipeline_split, self._pipeline_views, self._pipeline_steps = None, [], None
 
     def memory_layout(self, name: str) -> Layout:
         offload = "cpu" if self.cpu_offload else None
@@ -169,6 +183,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
             tensor_parallel=self.tensor_parallel_size, data_parallel_replicate=self.data_parallel_replicate_size,
             reduce_scatter_per_block=True, pipeline_parallel=self.pipeline.size,
             pipeline_in_flight=self.pipeline.in_flight_share(),
+            pipeline_receive_buffers=self.pipeline.receive_buffers(),
         )
 
     @property

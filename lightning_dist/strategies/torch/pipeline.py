@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,6 @@ from lightning_dist.parallel.pipeline_layout import PipelineLayout, check_pipeli
 from lightning_dist.parallel.pipeline_split import PipelineSplit, StageView, TiedCopies, find_trunk
 
 _KEY = "strategy.pipeline_parallel_size"
-PIPELINE_NOT_DRY_RUN = "pipeline stages are not dry-run yet (plan=true plans them)"
 
 
 @dataclass(frozen=True)
@@ -83,6 +82,14 @@ class PipelineOptions:
         layout = self.layout(blocks=None)
         return layout.in_flight(self.microbatch_count, 0) / self.microbatch_count
 
+    def receive_buffers(self) -> int:
+        """The batch-sized receive buffers the first rank's stages keep (the planner's): each stage but the first
+        receives activations, each but the last gradients."""
+        if self.size == 1:
+            return 0
+        layout = self.layout(blocks=None)
+        return sum((stage != 0) + (stage != layout.stages - 1) for stage in layout.stages_of_rank(0))
+
     @property
     def microbatch_count(self) -> int:
         return self.microbatches or self.size * self.stages_per_rank
@@ -120,7 +127,7 @@ def _forward_replaced(module: nn.Module, forward: Callable[..., Any]) -> Iterato
         del module.forward
 
 
-def _batch_size(args: tuple, kwargs: dict) -> int:
+def batch_rows(args: tuple, kwargs: dict) -> int:
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor) and value.dim():
             return value.shape[0]
@@ -135,10 +142,41 @@ def tree_sum(output: Any) -> torch.Tensor:
     return torch.stack(leaves).sum()
 
 
-def _microbatch(batch: Any, size: int, start: int, stop: int) -> Any:
+def microbatch(batch: Any, size: int, start: int, stop: int) -> Any:
     """Rows `start:stop` of every tensor in `batch` whose first dimension is the batch's."""
     return tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size else t,
                     batch)
+
+
+def trunk_call(module: nn.Module, trunk: nn.Module, step: Callable[..., Any], batch: Any, *rest: Any
+               ) -> tuple[tuple, dict]:
+    """What the user's `step` passes to the trunk: the step runs until that call."""
+    def stop(*args: Any, **kwargs: Any) -> Any:
+        raise _TrunkCalled(args, kwargs)
+
+    with _forward_replaced(trunk, stop):
+        try:
+            step(batch, *rest)
+        except _TrunkCalled as called:
+            return called.args, called.kwargs
+    raise ValueError(f"pipeline parallelism: {type(module).__name__}.{step.__name__} never calls"
+                     f" {type(trunk).__name__}, the module whose blocks the stages run")
+
+
+@contextmanager
+def logs_recorded(module: nn.Module) -> Iterator[list[tuple[str, Any, dict]]]:
+    """`module.log` recording what it is given (name, value, options) instead of logging it."""
+    records: list[tuple[str, Any, dict]] = []
+    module.log = lambda name, value, **kwargs: records.append((name, value, kwargs))  # type: ignore
+    try:
+        yield records
+    finally:
+        del module.log
+
+
+def answered_by(trunk: nn.Module, last: StageView, output: Any) -> AbstractContextManager:
+    """The trunk's call answered with the last stage's `output`, as the trunk answers it."""
+    return _forward_replaced(trunk, lambda *args, **kwargs: last.answer(output, args, kwargs))
 
 
 class PipelineSteps:
@@ -205,7 +243,7 @@ class PipelineSteps:
         args, kwargs = self._trunk_inputs(step, batch, *rest)
         self._step, self._batch, self._rest, self._records = step, batch, rest, []
         self._chunks_started, self._next_row = False, 0
-        self._size = _batch_size(args, kwargs)
+        self._size = batch_rows(args, kwargs)
         if train and self._size % self.microbatches:
             raise ValueError(f"strategy.microbatches={self.microbatches}: this batch of {self._size} samples does not"
                              " divide into them; choose a divisor of the batch size")
@@ -269,26 +307,8 @@ class PipelineSteps:
         return marked
 
     def _trunk_inputs(self, step: Callable[..., Any], batch: Any, *rest: Any) -> tuple[tuple, dict]:
-        """What the user's step passes to the trunk: the step runs until that call (logging nothing)."""
-        def stop(*args: Any, **kwargs: Any) -> Any:
-            raise _TrunkCalled(args, kwargs)
-
-        with _forward_replaced(self.trunk, stop), self._logs_recorded():
-            try:
-                step(batch, *rest)
-            except _TrunkCalled as called:
-                return called.args, called.kwargs
-        raise ValueError(f"pipeline parallelism: {type(self.module).__name__}.{step.__name__} never calls"
-                         f" {type(self.trunk).__name__}, the module whose blocks the stages run")
-
-    @contextmanager
-    def _logs_recorded(self) -> Iterator[list[tuple[str, Any, dict]]]:
-        records: list[tuple[str, Any, dict]] = []
-        self.module.log = lambda name, value, **kwargs: records.append((name, value, kwargs))  # type: ignore
-        try:
-            yield records
-        finally:
-            del self.module.log
+        with logs_recorded(self.module):
+            return trunk_call(self.module, self.trunk, step, batch, *rest)
 
     def _loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function on the last stage: the user's step on microbatch `rows`, its trunk call
@@ -303,11 +323,10 @@ class PipelineSteps:
         # counted here rather than read from the tensor (a host read on a GPU).
         start = self._next_row
         stop = self._next_row = start + rows.shape[0]
-        microbatch = _microbatch(self._batch, self._size, start, stop)
+        rows_of_batch = microbatch(self._batch, self._size, start, stop)
         last = next(view for view in self.views if view.is_last)
-        answered = _forward_replaced(self.trunk, lambda *args, **kwargs: last.answer(output, args, kwargs))
-        with answered, self._logs_recorded() as logs:
-            result = self._step(microbatch, *self._rest)
+        with answered_by(self.trunk, last, output), logs_recorded(self.module) as logs:
+            result = self._step(rows_of_batch, *self._rest)
         loss = result.get("loss") if isinstance(result, Mapping) else result
         self._records.append((loss.detach() if isinstance(loss, torch.Tensor) else None, logs))
         if not isinstance(loss, torch.Tensor):
