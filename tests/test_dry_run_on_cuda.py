@@ -76,13 +76,17 @@ def test_every_preset_runs_on_its_rank_s_own_device(every_preset_on_rank_7):
     runs, views = every_preset_on_rank_7
     assert sorted(views) == ["ddp", "deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload",
                              "deepspeed_stage_3", "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme",
-                             "fsdp", "fsdp_activation_checkpointing", "fsdp_cpu_offload", "fsdp_shard_grad_op",
-                             "fsdp_tp", "hsdp_tp"]
+                             "fsdp", "fsdp_activation_checkpointing", "fsdp_cpu_offload", "fsdp_pp",
+                             "fsdp_shard_grad_op", "fsdp_tp", "fsdp_tp_pp", "hsdp_tp"]
     for name, (view,) in views.items():
         assert view.rank == 7 and view.peak["Total"] > 0, name
     assert views["ddp"][0].coordinate["data_parallel_replicate"] == 7
     assert views["fsdp"][0].coordinate == {"data_parallel": 7, "tensor_parallel": 0}
     assert views["fsdp_tp"][0].coordinate == {"data_parallel": 3, "tensor_parallel": 1}
+    # Rank 7 runs the last pipeline stage: its blocks, the final norm and the head, each op on its own device.
+    assert views["fsdp_pp"][0].coordinate == {"pipeline_parallel": 1, "data_parallel": 3, "tensor_parallel": 0}
+    assert views["fsdp_tp_pp"][0].coordinate == {"pipeline_parallel": 1, "data_parallel": 1, "tensor_parallel": 1}
+    assert {name.split(".")[1] for name, *_ in views["fsdp_pp"][0].shards} == {"blocks", "ln_out", "lm_head"}
 
 
 def test_offloaded_state_is_on_the_host_and_the_rest_on_the_device(every_preset_on_rank_7):

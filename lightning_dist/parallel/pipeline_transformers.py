@@ -2,12 +2,12 @@
 
 A transformers decoder (`LlamaModel`, `Qwen2Model`, ...) declares how it splits in its config's
 `base_model_pp_plan`: the embedding, then the layers, then the final norm; the causal LM around it adds its head
-(`_pp_plan`: `lm_head`). Its layers need more than the hidden states (rotary `position_embeddings`, the causal mask,
-positions), which the model's forward makes from the sequence: so each stage runs that forward itself, over its own
-layers only, entering with `input_ids` on the first stage and with the received hidden states as `inputs_embeds`
-after it. The norm runs on the last stage only, and the head after it. Positions and the causal mask are made again
-on every stage from the sequence's length, as the whole model makes them, so a stage needs no more than the hidden
-states from the one before.
+(its pipeline plan: `lm_head`; _compat/transformers.py). Its layers need more than the hidden states (rotary
+`position_embeddings`, the causal mask, positions), which the model's forward makes from the sequence: so each stage
+runs that forward itself, over its own layers only, entering with `input_ids` on the first stage and with the
+received hidden states as `inputs_embeds` after it. The norm runs on the last stage only, and the head after it.
+Positions and the causal mask are made again on every stage from the sequence's length, as the whole model makes
+them, so a stage needs no more than the hidden states from the one before.
 
 On the last stage the step's call of the model is answered as the model answers it: its logits in a
 `CausalLMOutputWithPast`, and its loss when the step passes `labels` (the model's own `loss_function`).
@@ -18,12 +18,11 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
-if TYPE_CHECKING:
-    from lightning_dist.parallel.pipeline_split import StageView, Trunk
+from lightning_dist._compat.transformers import head_plan
 
 # What a stage after the first cannot receive: it gets the hidden states only.
 _FIRST_STAGE_ONLY = ("attention_mask", "position_ids")
@@ -32,7 +31,8 @@ _FIRST_STAGE_ONLY = ("attention_mask", "position_ids")
 class TransformersStage:
     """Runs one stage of a transformers model (the trunk), as `StageView.forward`."""
 
-    def __init__(self, trunk: Trunk, after: dict[str, nn.Module]) -> None:
+    def __init__(self, trunk: Any, after: dict[str, nn.Module]) -> None:
+        """`trunk`: pipeline_split's Trunk (where the stack is); `after`: the modules after the blocks, by path."""
         self.base, _, self.stack = trunk.stack.rpartition(".")
         inner = f"{self.base}." if self.base else ""
         # After the blocks: the base model's own modules (its norm), skipped by stages before the last; and the
@@ -42,7 +42,8 @@ class TransformersStage:
         self.outer_after = [path for path in after if not path.startswith(inner)]
         self._layers: dict[int, nn.ModuleList] = {}
 
-    def __call__(self, view: StageView, inputs: tuple, kwargs: dict) -> Any:
+    def __call__(self, view: Any, inputs: tuple, kwargs: dict) -> Any:
+        """Stage `view`'s forward (a pipeline_split.StageView)."""
         trunk = view.trunk
         base = trunk.get_submodule(self.base)
         layers = self._layers.setdefault(view.stage, nn.ModuleList(view.blocks.values()))
@@ -70,7 +71,7 @@ def answer(trunk: Any, output: Any, args: tuple, kwargs: dict) -> Any:
     when called with `labels`), or a base model's last hidden states."""
     from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-    if not getattr(trunk, "_pp_plan", None):
+    if not head_plan(trunk):
         return BaseModelOutputWithPast(last_hidden_state=output)
     labels = _arguments(trunk, args, kwargs).get("labels")
     loss = None
@@ -96,15 +97,17 @@ def _arguments(trunk: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 def _head_order(trunk: nn.Module, paths: list[str]) -> list[str]:
     """The modules around the base model in the order the model's `_pp_plan` runs them."""
-    plan = list(getattr(trunk, "_pp_plan", None) or {})
+    plan = head_plan(trunk)
     return sorted(paths, key=lambda path: plan.index(path) if path in plan else len(plan))
 
 
 @contextmanager
 def _children_swapped(module: nn.Module, children: dict[str, nn.Module]) -> Iterator[None]:
-    saved = {name: module._modules[name] for name in children}
-    module._modules.update(children)
+    saved = {name: module.get_submodule(name) for name in children}
+    for name, child in children.items():
+        setattr(module, name, child)
     try:
         yield
     finally:
-        module._modules.update(saved)
+        for name, child in saved.items():
+            setattr(module, name, child)
