@@ -286,3 +286,29 @@ class StopSwallowedThenFails(L.Callback):
             pass
         raise RecursionError("maximum recursion depth exceeded while calling a Python object")
 
+
+
+class TensorPeak(L.Callback):
+    """Each rank's peak of live tensors over the training step `step` (the second: the optimizer state exists), by
+    category, as torch's memory tracker follows a real step (the tracker the dry run replays pipeline stages
+    under): `<directory>/tensor_peak_rank<N>.json`. Tensors made before the step and held by neither the model nor
+    the optimizer are not seen."""
+
+    def __init__(self, directory: str, step: int = 1) -> None:
+        self.directory, self.step, self.tracker = directory, step, None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        if trainer.global_step == self.step:
+            from lightning_dist._compat.fake_tensors import pipeline_memory_tracker
+
+            self.tracker = pipeline_memory_tracker(pl_module, trainer.optimizers[0])
+            self.tracker.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        if self.tracker is not None:
+            from lightning_dist._compat.fake_tensors import memory_categories
+
+            self.tracker.__exit__(None, None, None)
+            peak = memory_categories(self.tracker)
+            Path(self.directory, f"tensor_peak_rank{trainer.global_rank}.json").write_text(json.dumps(peak))
+            self.tracker = None

@@ -24,7 +24,8 @@ COMMON = (f"trainer.max_steps={STEPS}", "test=false", "trainer.log_every_n_steps
           "callbacks.model_checkpoint.monitor=null")
 SCHEDULES = {
     "GPipe": ("strategy.pipeline_schedule=GPipe",),
-    "1F1B": (),  # the preset's own
+    # The preset's own; a probe follows its second step's tensors (the measured peak the plan is checked against).
+    "1F1B": ("+callbacks.peak._target_=tests.probes.TensorPeak", "+callbacks.peak.directory=${paths.output_dir}"),
     # 2 stages per rank: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3 (interleaved).
     "Interleaved1F1B": ("strategy.pipeline_schedule=Interleaved1F1B", "strategy.stages_per_rank=2"),
     # V-shaped: rank 0 runs the first and the last stage, so both copies of the tied head are on one rank; backward
@@ -111,6 +112,27 @@ def test_a_transformers_llama_splits_by_its_own_plan_trains_ddps_losses_and_expo
     with torch.no_grad():
         logits = {name: model(input_ids=tokens).logits for name, model in exported.items()}
     assert (logits["pp"] - logits["ddp"]).abs().max().item() <= 1e-4  # 20 steps' fp32 rounding apart (7e-6)
+
+
+def test_the_plan_of_fsdp_pp_is_within_15_percent_of_the_first_stages_measured_peak(pp_runs):
+    """The plan is the busiest stage's: the first, which holds the embeddings and, under 1F1B, as many microbatches'
+    activations as there are stages (2 here). Measured: every live tensor at the peak of each rank's second step
+    (torch's memory tracker on the real step, sends and receives included)."""
+    from lightning_dist.memory import ModelFacts, layout_of, plan_memory
+    from lightning_dist.models.gpt import GPTLanguageModel, TransformerBlock
+    from lightning_dist.strategies.presets import PRESETS
+
+    run = pp_runs("1F1B")
+    batch = (torch.zeros(16, 128, dtype=torch.long),) * 2  # data.batch_size x data.block_size, per rank
+    facts = ModelFacts.of(GPTLanguageModel, batch, (TransformerBlock,))
+    strategy = PRESETS["fsdp_pp"].strategy(**PRESETS["fsdp_pp"].kwargs)
+    planned = plan_memory(facts, layout_of(strategy, "fsdp_pp"), "32-true", devices=4).device_total
+    peaks = [json.loads((run.run_dir / f"tensor_peak_rank{rank}.json").read_text())["cpu"]["Total"] for rank in range(4)]
+    print(f"fsdp_pp 1F1B: planned {planned / 1e6:.2f} MB, measured {[f'{p / 1e6:.2f}' for p in peaks]} MB")
+    for first_stage in peaks[:2]:  # ranks 0 and 1 (pp coordinate 0): measured 43.0 MB, planned 43.9 MB
+        assert abs(first_stage - planned) / first_stage < 0.15
+    for last_stage in peaks[2:]:  # one microbatch in flight at a time: below the busiest stage's plan (29.8 MB)
+        assert 0.5 * planned < last_stage < planned
 
 
 def test_each_rank_keeps_only_its_stage_with_the_whole_models_names(pp_runs, tmp_path):
