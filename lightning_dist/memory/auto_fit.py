@@ -2,7 +2,9 @@
 
 Less sharding means less communication, so the ladder is climbed from the bottom: DDP, then sharded gradients
 (ZeRO-2 / FSDP SHARD_GRAD_OP), then everything sharded (ZeRO-3 / FSDP FULL_SHARD), then (FSDP) each layer split
-over 2 ranks as well, for a model whose gathered layers do not fit, then CPU offload, then NVMe.
+over 2 ranks as well, for a model whose gathered layers do not fit, then (FSDP) its blocks in 2 pipeline stages,
+which divides the activations a rank holds (a stage keeps its blocks' activations only) at the cost of holding its
+stage gathered through backward, then CPU offload, then NVMe.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ LADDERS = {
         "deepspeed_stage_3_offload",
         "deepspeed_stage_3_offload_nvme",
     ),
-    "fsdp": ("ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_tp", "fsdp_cpu_offload", "deepspeed_stage_3_offload_nvme"),
+    "fsdp": ("ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_tp", "fsdp_pp", "fsdp_cpu_offload",
+             "deepspeed_stage_3_offload_nvme"),
 }
 
 
@@ -88,6 +91,10 @@ class AutoFit:
             layout = layout_of(strategy, name)
             if layout.tensor_parallel > 1 and facts.tensor_parallel_parameters == 0:
                 rejected.append((name, "the model has no tensor-parallel plan (a `tp_plan` attribute)"))
+                continue
+            stages = layout.pipeline_parallel  # the ladder's fsdp_pp: one stage per rank
+            if stages > 1 and (not facts.blocks or facts.blocks % stages):
+                rejected.append((name, f"the model's {facts.blocks} blocks do not divide into {stages} pipeline stages"))
                 continue
             try:
                 plan = plan_memory(facts, layout, precision, devices=devices, num_nodes=num_nodes)

@@ -17,6 +17,9 @@ SEVEN_B = ModelFacts(parameters=7_000_000_000, largest_block=200_000_000, activa
 # The same with a tensor-parallel plan that splits 6.4B of the 7B (its blocks' linear layers), at twice the batch.
 SEVEN_B_PLANNED = ModelFacts(parameters=7_000_000_000, largest_block=200_000_000, activation_bytes=16_000_000_000,
                              checkpointed_activation_bytes=2_000_000_000, tensor_parallel_parameters=6_400_000_000)
+# 1B parameters in 32 blocks, without a tensor-parallel plan, at a context whose activations are 60 GB in fp32.
+LONG_CONTEXT_1B = ModelFacts(parameters=1_000_000_000, largest_block=31_000_000, blocks=32, activation_bytes=60_000_000_000,
+                             checkpointed_activation_bytes=4_000_000_000, tensor_parallel_parameters=0)
 TINY = ModelFacts(parameters=842_496, largest_block=198_272, activation_bytes=88_261_636)
 
 
@@ -37,7 +40,12 @@ TINY = ModelFacts(parameters=842_496, largest_block=198_272, activation_bytes=88
     (SEVEN_B_PLANNED, AutoFit(device_memory_gb=21.7, host_memory_gb=512, family="fsdp"), "fsdp_tp",
      ["ddp", "fsdp_shard_grad_op", "fsdp"]),
     (dataclasses.replace(SEVEN_B_PLANNED, tensor_parallel_parameters=0), AutoFit(device_memory_gb=21.7, host_memory_gb=512, family="fsdp"),
-     "fsdp_cpu_offload", ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_tp"]),
+     "fsdp_cpu_offload", ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_tp", "fsdp_pp"]),
+    # Long sequences: activations outweigh the model. FSDP on 8 devices holds all 30 GB of one micro-batch's bf16
+    # activations; 2 pipeline stages hold half each (1F1B: 2 micro-batches of half the batch in flight), beside
+    # their stage's 0.5B parameters gathered (1 GB) and its gradients accumulated in fp32 (2 GB): 19.7 of 20.4 GB.
+    (LONG_CONTEXT_1B, AutoFit(device_memory_gb=24, host_memory_gb=512, family="fsdp"), "fsdp_pp",
+     ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_tp"]),
 ])
 def test_auto_fit_picks_the_least_sharded_strategy_that_fits(facts, fit, chosen, rejected, caplog):
     devices = 2 if facts is TINY else 4 if facts is SEVEN_B else 8
