@@ -166,6 +166,7 @@ RESUMES = {
     # (the run whose step-10 checkpoint is read, what resumes it, ranks)
     "fsdp_pp -> ddp": ("1F1B", ("strategy=ddp",), 2),  # rank 0 gathers the stages' shards into a whole model
     "fsdp_pp -> fsdp": ("1F1B", ("strategy=fsdp",), 2),  # torch's own loader: the whole model's optimizer groups
+    "fsdp_pp -> fsdp_tp": ("1F1B", ("strategy=fsdp_tp",), 4),  # each layer then split over 2 of the 4 ranks
     "ddp -> fsdp_pp": ("ddp", ("strategy=fsdp_pp",), 4),  # each stage takes its names; the head copy the tied state
     "fsdp_pp -> fsdp_pp at pipeline size 4": ("1F1B", ("strategy=fsdp_pp", "strategy.pipeline_parallel_size=4"), 8),
 }
