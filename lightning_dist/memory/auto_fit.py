@@ -94,7 +94,8 @@ class AutoFit:
                 continue
             stages = layout.pipeline_parallel  # the ladder's fsdp_pp: one stage per rank
             if stages > 1 and (not facts.blocks or facts.blocks % stages):
-                rejected.append((name, f"the model's {facts.blocks} blocks do not divide into {stages} pipeline stages"))
+                undivided = f"the model's {facts.blocks} blocks do not divide into {stages} pipeline stages"
+                rejected.append((name, undivided))
                 continue
             try:
                 plan = plan_memory(facts, layout, precision, devices=devices, num_nodes=num_nodes)

@@ -55,6 +55,7 @@ class Layout:
     # The buffers, each a batch's activations at a stage boundary, that the busiest rank's stages keep between steps:
     # one per microbatch for what a stage receives from the one before, one for the gradients from the one after.
     pipeline_receive_buffers: int = 0
+    context_parallel: int = 1          # ranks that split each sequence: each holds its shard's activations
 
     def parallel_dims(self, devices: int, num_nodes: int) -> ParallelDims:
         """How `devices` x `num_nodes` ranks hold this layout's state: replicated, sharded by all, HSDP's shards
@@ -63,7 +64,7 @@ class Layout:
         if not (self.shard_parameters or self.shard_gradients or self.shard_optimizer):
             return ParallelDims(dp_replicate=world)
         return ParallelDims.of_sharding(world, num_nodes, self.tensor_parallel, self.data_parallel_replicate,
-                                        self.replicate_across_nodes, self.pipeline_parallel)
+                                        self.replicate_across_nodes, self.pipeline_parallel, self.context_parallel)
 
 
 def layout_of(strategy: Any, name: str | None = None) -> Layout:

@@ -192,6 +192,10 @@ def plan_memory(
         # 10 + 24/t of a transformer block's 34 units (Korthikanti et al. 2022, "Reducing Activation Recomputation
         # in Large Transformer Models", without sequence parallelism). A checkpointed block saves only its input.
         activations = activations * (10 + 24 / dims.tp) / 34
+    if activations and dims.cp > 1:
+        # Each rank of a context-parallel group holds its shard of every sequence: its share of the activations
+        # (attention's whole-sequence query, key and value for its heads are transient).
+        activations = activations / dims.cp
     if activations and dims.pp > 1:
         # A stage saves its share of the layers' activations, for the microbatches in flight through it.
         activations = activations / dims.pp * layout.pipeline_in_flight

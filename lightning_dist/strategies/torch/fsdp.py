@@ -27,7 +27,14 @@ from lightning_dist.checkpoints.swap import write_then_swap
 from lightning_dist.memory.layout import Layout
 from lightning_dist.optim import require_shardable_optimizer
 from lightning_dist.parallel.classes import BlockClasses
-from lightning_dist.parallel.dims import TENSOR_PARALLEL, ParallelDims, check_sharding_sizes, sharding_layout
+from lightning_dist.parallel.context_parallel import ContextParallel, check_context_parallel
+from lightning_dist.parallel.dims import (
+    CONTEXT_PARALLEL,
+    TENSOR_PARALLEL,
+    ParallelDims,
+    check_sharding_sizes,
+    sharding_layout,
+)
 from lightning_dist.parallel.grad_norm import clip_grad_norm_
 from lightning_dist.parallel.module_state import move_module_state
 from lightning_dist.parallel.pipeline_layout import dry_run_refusal as pipeline_dry_run_refusal
@@ -87,6 +94,10 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
             ZBVZeroBubble, DualPipeV) or a schedule's .csv file.
         microbatches: how many parts each rank's batch is split into for the schedule; unset: one per stage.
         stages_per_rank: stages each pipeline rank holds (virtual stages, for interleaved and V schedules).
+        context_parallel_size: ranks that split each sequence (each holds a contiguous shard, from the embedding to
+            the loss); FSDP shards over the data and context ranks together. 1: none.
+        context_parallel: how attention sees the whole sequence: "all_to_all" (Ulysses: heads exchanged for the
+            sequence around attention; the heads must divide by the size) or "ring" (not available yet).
     """
 
     strategy_name = "ld_fsdp"
@@ -109,6 +120,8 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         pipeline_schedule: str = "1F1B",
         microbatches: int | None = None,
         stages_per_rank: int = 1,
+        context_parallel_size: int = 1,
+        context_parallel: str = "all_to_all",
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
@@ -124,6 +137,12 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
             dict(tensor_parallel_plan), "strategy.tensor_parallel_plan")
         self.pipeline = PipelineOptions.of(pipeline_parallel_size, pipeline_schedule, microbatches, stages_per_rank)
         self._pipeline_steps: PipelineSteps | None = None
+        check_context_parallel(context_parallel_size, context_parallel)
+        if context_parallel_size > 1 and pipeline_parallel_size > 1:
+            raise ValueError(f"strategy.context_parallel_size={context_parallel_size}: context parallelism does not"
+                             " run beside pipeline stages yet; choose one of the two")
+        self.context_parallel_size, self.context_parallel = context_parallel_size, context_parallel
+        self._context: ContextParallel | None = None
 
     @override
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
@@ -142,7 +161,8 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
     def check_parallel_sizes(self) -> None:
         """The sizes fit the ranks (trainer.devices x trainer.num_nodes), and a tensor-parallel group fits a node."""
         check_sharding_sizes(self.num_processes, self.num_nodes, self.tensor_parallel_size,
-                             self.data_parallel_replicate_size, self.hybrid, self.pipeline.size)
+                             self.data_parallel_replicate_size, self.hybrid, self.pipeline.size,
+                             self.context_parallel_size)
 
     def tensor_parallel_plan_of(self, model: nn.Module) -> TensorParallelPlan:
         """The configured plan, or the model's own, checked against `model`."""
@@ -183,7 +203,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
             tensor_parallel=self.tensor_parallel_size, data_parallel_replicate=self.data_parallel_replicate_size,
             reduce_scatter_per_block=True, pipeline_parallel=self.pipeline.size,
             pipeline_in_flight=self.pipeline.in_flight_share(),
-            pipeline_receive_buffers=self.pipeline.receive_buffers(),
+            pipeline_receive_buffers=self.pipeline.receive_buffers(), context_parallel=self.context_parallel_size,
         )
 
     @property
@@ -192,7 +212,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         replicates across nodes."""
         return ParallelDims.of_sharding(self.num_nodes * self.num_processes, self.num_nodes,
                                         self.tensor_parallel_size, self.data_parallel_replicate_size, self.hybrid,
-                                        self.pipeline.size)
+                                        self.pipeline.size, self.context_parallel_size)
 
     @property
     @override
@@ -253,6 +273,10 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
             roots = self.parallelize(self.model)
         if self._pipeline_split is not None and self._pipeline_steps is None:
             self._pipeline_steps = self.pipeline.steps(self, self._pipeline_split, roots)
+        if self.parallel_dims.cp > 1:
+            cp_rank = self.parallel_dims.coordinates(self.global_rank)["cp"]
+            self._context = ContextParallel(self.device_mesh[CONTEXT_PARALLEL].get_group(), cp_rank,
+                                            self.parallel_dims.cp)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -296,6 +320,9 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._context is not None:
+            with self._context.step(self.lightning_module):
+                return super().training_step(self._context.shard(args[0]), *args[1:], **kwargs)
         if self._pipeline_steps is None:
             return super().training_step(*args, **kwargs)
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
@@ -304,6 +331,9 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._context is not None:
+            with self._context.step(self.lightning_module):
+                return super().validation_step(self._context.shard(args[0]), *args[1:], **kwargs)
         if self._pipeline_steps is None:
             return super().validation_step(*args, **kwargs)
         with self.precision_plugin.val_step_context():
@@ -311,6 +341,9 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._context is not None:
+            with self._context.step(self.lightning_module):
+                return super().test_step(self._context.shard(args[0]), *args[1:], **kwargs)
         if self._pipeline_steps is None:
             return super().test_step(*args, **kwargs)
         with self.precision_plugin.test_step_context():
@@ -318,6 +351,9 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._context is not None:
+            with self._context.attention():  # checkpointed blocks run their attention again in backward
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
         if self._pipeline_steps is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The schedule ran backward, microbatch by microbatch, in `training_step`; the hooks around it still run.

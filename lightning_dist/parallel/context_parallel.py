@@ -1,0 +1,199 @@
+"""Context parallelism: the ranks of a context-parallel group each hold a contiguous shard of every sequence, from
+the embedding to the loss, so that a sequence too long for one device's activations trains unchanged.
+
+Attention is the one place a token needs the others: `all_to_all` (DeepSpeed's Ulysses) exchanges the query, key
+and value of the shard for those of the whole sequence and a share of the heads (heads / cp per rank), runs the
+model's own attention (`F.scaled_dot_product_attention`, causal as the model asks) on them, and exchanges the output
+back. It needs only all-to-all, which every backend has (gloo too). torch's ring attention (`ring`) runs its SDPA
+kernels for CUDA only: `_scaled_dot_product_flash_attention_for_cpu` has no sharding rule in torch's context-parallel
+API (torch 2.13, checked), so it is refused on CPU.
+
+Without user code:
+- the strategy gives the step its shard of the batch: every tensor with the sequence's length in dimension 1
+  (tokens, targets, masks);
+- the model's positions follow the shard: its position embedding (an `nn.Embedding` named `position_embedding`,
+  `wpe` or `embed_positions`) or its rotary table (a `...RotaryEmbedding` module) is called with the shard's
+  positions, shifted by the tokens before it;
+- the attention call is exchanged around, whichever module makes it by the name `F.scaled_dot_product_attention`
+  (in forward, and in backward where checkpointed blocks run again);
+- what the step logs is averaged over the group: each rank's loss is its shard's mean, and the group's mean is the
+  whole sequence's (the shards hold equally many tokens).
+FSDP shards the weights over data x context ranks (`data_parallel_shard_cp`) and averages the gradients over them:
+the average over a sequence's shards of their losses' gradients is the whole sequence's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+STYLES = ("all_to_all", "ring")
+POSITION_EMBEDDINGS = ("position_embedding", "wpe", "embed_positions")
+
+
+def check_context_parallel(cp: int, style: str, heads: int | None = None, sequence: int | None = None,
+                           device_type: str | None = None) -> None:
+    """ValueError in one line naming the key, for a context-parallel layout that cannot run (no torch here)."""
+    if cp == 1:
+        return
+    if style not in STYLES:
+        raise ValueError(f"strategy.context_parallel={style!r}: choose one of {', '.join(STYLES)}")
+    if style == "ring":
+        where = "on CPU: torch's SDPA for CPU has no rule in its context-parallel API" if device_type == "cpu" \
+            else "yet"
+        raise ValueError(f"strategy.context_parallel=ring: not available {where}; choose all_to_all (Ulysses), which"
+                         " runs everywhere")
+    if heads is not None and heads % cp:
+        raise ValueError(f"strategy.context_parallel_size={cp}: all_to_all gives each rank {heads}/{cp} of the"
+                         f" model's {heads} attention heads (model.n_head); choose a size that divides {heads}")
+    if sequence is not None and sequence % (2 * cp):
+        raise ValueError(f"strategy.context_parallel_size={cp}: a sequence of {sequence} tokens (data.block_size)"
+                         f" does not split into 2 x {cp} equal chunks; choose a size or a length that does")
+
+
+def position_modules(model: Any) -> list[tuple[str, Any, str]]:
+    """The modules that give `model` its positions, as (name, module, kind): "embedding" (called with positions)
+    or "rotary" (called with hidden states and `position_ids`)."""
+    from torch import nn
+
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and name.rpartition(".")[2] in POSITION_EMBEDDINGS:
+            found.append((name, module, "embedding"))
+        elif type(module).__name__.endswith("RotaryEmbedding"):
+            found.append((name, module, "rotary"))
+    return found
+
+
+class ContextParallel:
+    """One rank's part of a context-parallel group (`group`, this rank's `rank` of `size`)."""
+
+    def __init__(self, group: Any, rank: int, size: int) -> None:
+        self.group, self.rank, self.size = group, rank, size
+
+    def shard(self, batch: Any) -> Any:
+        """This rank's contiguous shard of every sequence in `batch` (tensors of two or more dimensions, split
+        along dimension 1)."""
+        import torch
+
+        from lightning_dist._compat.torch import tree_map
+
+        def cut(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor) or value.dim() < 2:
+                return value
+            if value.shape[1] % self.size:
+                raise ValueError(f"strategy.context_parallel_size={self.size}: a batch of sequences of"
+                                 f" {value.shape[1]} tokens does not split into {self.size} equal shards")
+            return value.tensor_split(self.size, dim=1)[self.rank]
+
+        return tree_map(cut, batch)
+
+    @contextmanager
+    def step(self, module: Any) -> Iterator[None]:
+        """A step of `module` on this rank's shard: its positions shifted, its attention exchanged across the
+        group, what it logs averaged over the group."""
+        with ExitStack() as stack:
+            stack.enter_context(self.positions_shifted(module))
+            stack.enter_context(self.attention())
+            stack.enter_context(self.logs_averaged(module))
+            yield
+
+    @contextmanager
+    def attention(self) -> Iterator[None]:
+        """Every call of `F.scaled_dot_product_attention` (by that name: in forward and in the recomputation of
+        checkpointed blocks in backward) exchanged across the group (all_to_all)."""
+        from lightning_dist._compat.torch import attention_function_replaced
+
+        with attention_function_replaced(self._exchanged) as original:
+            self._original = original
+            yield
+
+    @contextmanager
+    def positions_shifted(self, module: Any) -> Iterator[None]:
+        """`module`'s position embedding or rotary table called with this shard's positions."""
+        found = position_modules(module)
+        if not found:
+            raise ValueError(f"strategy.context_parallel_size={self.size}: {type(module).__name__} has no position"
+                             f" embedding ({', '.join(POSITION_EMBEDDINGS)}) or rotary table to give each shard its"
+                             " positions")
+        handles = [positional.register_forward_pre_hook(self._shifted(kind), with_kwargs=True)
+                   for _, positional, kind in found]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @contextmanager
+    def logs_averaged(self, module: Any) -> Iterator[None]:
+        """Each tensor `module` logs, averaged over the group (a torchmetrics object is synced as usual)."""
+        import torch
+        import torch.distributed as dist
+
+        log = module.log
+
+        def averaged(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(value, (torch.Tensor, float, int)) and not isinstance(value, bool):
+                total = torch.as_tensor(value).detach().clone().float()
+                dist.all_reduce(total, group=self.group)  # gloo has no AVG
+                value = total / self.size
+            return log(name, value, *args, **kwargs)
+
+        module.log = averaged
+        try:
+            yield
+        finally:
+            del module.log
+
+    def _shifted(self, kind: str) -> Callable[..., Any]:
+        def shift(_: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if kind == "embedding":
+                positions = args[0]
+                return (positions + self.rank * positions.shape[-1], *args[1:]), kwargs
+            if "position_ids" in kwargs:
+                positions = kwargs["position_ids"]
+                return args, {**kwargs, "position_ids": positions + self.rank * positions.shape[-1]}
+            positions = args[1]
+            return (args[0], positions + self.rank * positions.shape[-1], *args[2:]), kwargs
+
+        return shift
+
+    def _exchanged(self, query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+                   is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
+        """The model's attention call on this shard: the whole sequence's for a share of the heads, and back."""
+        if attn_mask is not None:
+            raise ValueError(f"strategy.context_parallel_size={self.size}: attention with an explicit mask cannot be"
+                             " exchanged across shards; call the model without attention_mask (causal attention)")
+        heads = [query.shape[1], key.shape[1], value.shape[1]]
+        if any(count % self.size for count in heads):
+            raise ValueError(f"strategy.context_parallel_size={self.size}: all_to_all splits the attention heads"
+                             f" ({heads[0]} query, {heads[1]} key/value) over {self.size} ranks; choose a size that"
+                             " divides them")
+        whole = [self._heads_for_sequence(t) for t in (query, key, value)]
+        extra = {"enable_gqa": True} if enable_gqa else {}
+        output = self._original(*whole, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra)
+        return self._sequence_for_heads(output)
+
+    def _heads_for_sequence(self, x: Any) -> Any:
+        """(B, H, T/cp, D) of this shard -> (B, H/cp, T, D): the whole sequence for this rank's share of heads."""
+        batch, heads, length, dim = x.shape
+        chunks = x.reshape(batch, self.size, heads // self.size, length, dim).transpose(0, 1).contiguous()
+        received = _all_to_all(chunks, self.group)  # chunk i: sequence shard i, our heads
+        return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // self.size, self.size * length, dim)
+
+    def _sequence_for_heads(self, x: Any) -> Any:
+        """(B, H/cp, T, D) -> (B, H, T/cp, D): back to this shard, every head."""
+        batch, heads, length, dim = x.shape
+        local = length // self.size
+        chunks = x.reshape(batch, heads, self.size, local, dim).permute(2, 0, 1, 3, 4).contiguous()
+        received = _all_to_all(chunks, self.group)  # chunk i: head group i, our sequence shard
+        return received.transpose(0, 1).reshape(batch, heads * self.size, local, dim)
+
+
+def _all_to_all(chunks: Any, group: Any) -> Any:
+    """Chunk i of dimension 0 to rank i of `group`, and theirs back, with gradients (backward is the reverse)."""
+    import torch
+    from torch.distributed.nn.functional import all_to_all_single
+
+    return all_to_all_single(torch.empty_like(chunks), chunks, group=group)
