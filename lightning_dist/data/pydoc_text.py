@@ -88,8 +88,10 @@ class PydocTextDataModule(L.LightningDataModule):
             skip_epoch=self._resume["epoch"],
             skip=self._resume["samples_done"],
         )
+        sampler.set_epoch(self._resume["epoch"])  # as Lightning sets it when the epoch starts; its length asked before
         return PositionedLoader(
-            self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.hparams["num_workers"]
+            self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.hparams["num_workers"],
+            batches_before=self._counted_from[1],
         )
 
     def state_dict(self) -> dict[str, int]:
@@ -120,10 +122,12 @@ class PydocTextDataModule(L.LightningDataModule):
         return self._loader(self.evaluated_once(self.test_set), shuffle=False)
 
     def evaluated_once(self, dataset: Dataset) -> Dataset:
-        """The held-out windows cut to a multiple of the ranks: the `DistributedSampler` Lightning gives each rank
-        then repeats none to even out their shares, every window is evaluated exactly once, and Lightning's warning
-        that some might not be does not apply to these loaders."""
-        ranks = self.trainer.world_size if self.trainer is not None else 1
+        """The held-out windows cut to a multiple of the data-parallel ranks: the `DistributedSampler` Lightning gives
+        each then repeats none to even out their shares, every window is evaluated exactly once, and Lightning's
+        warning that some might not be does not apply to these loaders. (The data-parallel ranks, not the world: the
+        ranks of a tensor-, context- or pipeline-parallel group read the same windows, and a layout must evaluate
+        the windows another layout of the same data-parallel size does.)"""
+        ranks = _data_parallel_size(self.trainer)
         if ranks == 1:
             return dataset
         warnings.filterwarnings("ignore", message=_REPEATS_SAMPLES_WARNING)

@@ -8,7 +8,7 @@ before it deals the order out to ranks), makes the position mean the same thing 
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -32,21 +32,46 @@ class ResumableDistributedSampler(DistributedSampler):
     def _skipped(self) -> int:
         return self.skip if self.epoch == self.skip_epoch else 0
 
+    @property
+    def resuming(self) -> bool:
+        """Whether the epoch set is the one a resume starts within (samples skipped)."""
+        return self._skipped() > 0
+
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self._samples(), generator=generator)[self._skipped():].tolist()
-        order += order[: -len(order) % self.num_replicas]  # every rank the same number of samples, as torch pads
+        order = torch.randperm(self._samples(), generator=generator).tolist()
+        # Every rank the same number of samples: the epoch's order padded with its own first samples, as torch pads
+        # it, before the skip (a resumed epoch's last batch repeats what the uninterrupted one's did); again after
+        # it, where the skip is not a whole number of rounds of these ranks (a resume at another world size).
+        order += order[: -len(order) % self.num_replicas]
+        order = order[self._skipped():]
+        order += order[: -len(order) % self.num_replicas]
         return iter(order[self.rank :: self.num_replicas])
 
     def __len__(self) -> int:
-        return math.ceil((self._samples() - self._skipped()) / self.num_replicas)
+        padded = self._samples() + -self._samples() % self.num_replicas
+        return math.ceil((padded - self._skipped()) / self.num_replicas)
 
 
 class PositionedLoader(DataLoader):
     """A DataLoader whose position a data module saves and restores (its `state_dict`, read by a
     ResumableDistributedSampler). Stateful to Lightning, so that a resume from the middle of an epoch is not
-    called unreliable: the loader itself has nothing to add, the data module's state says where it got to."""
+    called unreliable: the loader itself has nothing to add, the data module's state says where it got to.
+
+    Its length is the epoch's as Lightning counts it: within a resumed epoch, the `batches_before` the resume that
+    Lightning's restored progress counts as done, and the batches the sampler has left. Lightning ends an epoch
+    when its count reaches the loader's length: with the batches left alone, a resumed epoch ended early by as
+    many batches as ran before the resume, and its last samples were never read (seen at 2,048-token windows, an
+    epoch of 26 batches resumed at 10 ended at 16)."""
+
+    def __init__(self, *args: Any, batches_before: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches_before = batches_before
+
+    def __len__(self) -> int:
+        resuming = getattr(self.sampler, "resuming", False)
+        return (self.batches_before if resuming else 0) + super().__len__()
 
     def state_dict(self) -> dict:
         return {}

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lightning_dist.parallel.context_parallel import check_context_parallel
 from lightning_dist.parallel.dims import check_sharding_sizes, sharding_layout
 from lightning_dist.parallel.pipeline_layout import check_pipeline
 from lightning_dist.parallel.pipeline_layout import dry_run_refusal as pipeline_dry_run_refusal
@@ -197,12 +198,16 @@ def check_combinations(cfg: DictConfig) -> None:
             hybrid = sharding_layout(strategy.get("sharding_strategy", "FULL_SHARD"))[1]
             tp, replicate = strategy.get("tensor_parallel_size", 1), strategy.get("data_parallel_replicate_size")
             pp = strategy.get("pipeline_parallel_size", 1)
+            cp = strategy.get("context_parallel_size", 1)
+            check_context_parallel(cp, strategy.get("context_parallel", "all_to_all"),
+                                   _integer_or_none(_value(cfg, "model.n_head")),
+                                   _integer_or_none(_value(cfg, "data.block_size")), _device_type(cfg))
             if pp != 1:
                 _check_pipeline(cfg, strategy)
                 refusal = pipeline_dry_run_refusal(strategy.get("pipeline_schedule", "1F1B"))
                 if _value(cfg, "dry_run") is True and refusal:
                     raise ValueError(f"dry_run=true: {refusal}")
-            check_sharding_sizes(devices, nodes, tp, replicate, hybrid, pp)
+            check_sharding_sizes(devices, nodes, tp, replicate, hybrid, pp, cp)
         except ValueError as error:
             raise ConfigError(str(error)) from None
 
@@ -217,6 +222,16 @@ def _check_pipeline(cfg: DictConfig, strategy: DictConfig) -> None:
         microbatches = pp * stages_per_rank if _is_integer(pp) and _is_integer(stages_per_rank) else 1
     check_pipeline(pp, stages_per_rank, strategy.get("pipeline_schedule", "1F1B"), microbatches,
                    blocks if _is_integer(blocks) else None, batch_size if _is_integer(batch_size) else None)
+
+
+def _integer_or_none(value: Any) -> int | None:
+    return value if _is_integer(value) else None
+
+
+def _device_type(cfg: DictConfig) -> str | None:
+    """"cpu" or "cuda" where the config says it (an accelerator of "auto" is decided by Lightning)."""
+    accelerator = _value(cfg, "trainer.accelerator")
+    return {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}.get(accelerator) if isinstance(accelerator, str) else None
 
 
 def _has_nvidia_gpu() -> bool:

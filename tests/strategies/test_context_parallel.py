@@ -1,0 +1,85 @@
+"""Context parallelism on 4 CPU ranks: `fsdp_cp` (2 context-parallel x 2 data-parallel ranks, all_to_all) trains the
+default GPT at 2,048 tokens a sequence, and a transformers Llama, with the per-step fp32 losses of the same runs
+without context parallelism on the 2 data-parallel ranks (the same global batch), over 20 steps; each rank holds
+half of every sequence. Activation checkpointing is on in the GPT's run: its blocks run their exchanged attention
+again in backward. A context-parallel checkpoint resumes without context parallelism, and the reverse, with the
+uninterrupted run's losses (context parallelism holds no weights of its own).
+
+torch's ring attention is not here: on CPU it has no kernel (`_scaled_dot_product_flash_attention_for_cpu` has no
+sharding rule in torch 2.13's context-parallel API), and it is refused in one line (tests/test_config_errors.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_dist.reports.equivalence import read_train_losses
+from tests.conftest import REPO, run_train
+
+pytestmark = pytest.mark.slow
+
+STEPS = 20
+COMMON = (f"trainer.max_steps={STEPS}", "test=false", "trainer.log_every_n_steps=1",
+          "callbacks.model_checkpoint.every_n_train_steps=10", "callbacks.model_checkpoint.save_top_k=-1",
+          "callbacks.model_checkpoint.monitor=null")
+LONG = ("data.block_size=2048", "data.batch_size=4")  # 4 sequences of 2,048 tokens per data-parallel rank
+LLAMA = (f"hydra.searchpath=[file://{REPO / 'recipes' / 'hf_causal_lm' / 'conf'}]", "model=hf_llama")
+RUNS = {
+    "gpt cp 2": (*LONG, "strategy=fsdp_cp", "trainer.devices=4", "strategy.activation_checkpointing=true"),
+    "gpt cp 1": (*LONG, "strategy=fsdp", "trainer.devices=2"),
+    "llama cp 2": (*LLAMA, "strategy=fsdp_cp", "trainer.devices=4"),
+    "llama cp 1": (*LLAMA, "strategy=fsdp", "trainer.devices=2"),
+}
+
+
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory):
+    runs = {}
+
+    def get(name: str):
+        if name not in runs:
+            runs[name] = run_train(tmp_path_factory.mktemp("cp"), *RUNS[name], *COMMON)
+            assert runs[name].process.returncode == 0, runs[name].output[-3000:]
+        return runs[name]
+
+    return get
+
+
+def metrics(run) -> dict:
+    return json.loads((run.run_dir / "metrics.json").read_text())
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_all_to_all_context_parallelism_trains_the_losses_of_whole_sequences(model, cp_runs):
+    split, whole = cp_runs(f"{model} cp 2"), cp_runs(f"{model} cp 1")
+    expected, losses = read_train_losses(whole.run_dir), read_train_losses(split.run_dir)
+    assert sorted(losses) == sorted(expected) == list(range(STEPS))
+    for step, loss in expected.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5), step
+    assert losses[STEPS - 1] < losses[0] - 1.5  # it learned
+    summary, reference = metrics(split), metrics(whole)
+    assert summary["parallel_sizes"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1}
+    assert [(c["dp_shard"], c["cp"]) for c in summary["coordinates_per_rank"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert summary["data_parallel_size"] == 2
+    assert summary["metrics"]["val_loss"] == pytest.approx(reference["metrics"]["val_loss"], rel=1e-5)
+
+
+RESUMES = {
+    # (the run whose step-10 checkpoint is read, what resumes it)
+    "cp 2 -> cp 1": ("gpt cp 2", (*LONG, "strategy=fsdp", "trainer.devices=2")),
+    "cp 1 -> cp 2": ("gpt cp 1", (*LONG, "strategy=fsdp_cp", "trainer.devices=4")),
+}
+
+
+@pytest.mark.parametrize("resume", list(RESUMES))
+def test_a_checkpoint_moves_in_and_out_of_context_parallelism_with_the_uninterrupted_losses(resume, cp_runs,
+                                                                                             tmp_path):
+    source, target = RESUMES[resume]
+    checkpoint = cp_runs(source).run_dir / "checkpoints" / "step000010.ckpt"
+    resumed = run_train(tmp_path / "resumed", *target, *COMMON, f"ckpt_path={checkpoint}")
+    assert resumed.process.returncode == 0, resumed.output[-3000:]
+    uninterrupted, losses = read_train_losses(cp_runs("gpt cp 1").run_dir), read_train_losses(resumed.run_dir)
+    assert sorted(losses) == list(range(10, STEPS))
+    for step, loss in losses.items():
+        assert loss == pytest.approx(uninterrupted[step], rel=1e-5), step
