@@ -177,6 +177,19 @@ REFUSED = [
     (["strategy=fsdp_tp_pp", "trainer.devices=4", "strategy.pipeline_parallel_size=4"],
      "strategy.pipeline_parallel_size=4, strategy.tensor_parallel_size=2: the run's 4 ranks (trainer.devices x"
      " trainer.num_nodes) do not divide into groups of these sizes"),
+    (["strategy=fsdp", "trainer.devices=6", "strategy.context_parallel_size=3"], "strategy.context_parallel_size=3:"
+     " all_to_all gives each rank 4/3 of the model's 4 attention heads (model.n_head); choose a size that divides 4"),
+    (["strategy=fsdp", "trainer.devices=4", "strategy.context_parallel_size=2", "data.block_size=130"],
+     "strategy.context_parallel_size=2: a sequence of 130 tokens (data.block_size) does not split into 2 x 2 equal"
+     " chunks; choose a size or a length that does"),
+    (["strategy=fsdp", "trainer.devices=4", "strategy.context_parallel_size=2", "strategy.context_parallel=ring"],
+     "strategy.context_parallel=ring: not available on CPU: torch's SDPA for CPU has no rule in its context-parallel"
+     " API; choose all_to_all (Ulysses), which runs everywhere"),
+    (["strategy=fsdp", "trainer.devices=4", "strategy.context_parallel_size=2", "strategy.context_parallel=ulysses"],
+     "strategy.context_parallel='ulysses': choose one of all_to_all, ring"),
+    (["strategy=fsdp", "trainer.devices=6", "strategy.context_parallel_size=4"], "strategy.context_parallel_size=4,"
+     " strategy.tensor_parallel_size=1: the run's 6 ranks (trainer.devices x trainer.num_nodes) do not divide into"
+     " groups of these sizes"),
     (["strategy=fsdp_pp", "trainer.devices=4", "dry_run=true", "strategy.pipeline_schedule=ZBVZeroBubble",
       "strategy.stages_per_rank=2"], "dry_run=true: strategy.pipeline_schedule=ZBVZeroBubble is not dry-run"
      " (zero-bubble and file schedules split backward in passes the dry run does not replay); GPipe, 1F1B,"

@@ -61,6 +61,13 @@ RUN_ELSEWHERE = {
         "tests/strategies/test_pipeline_dry_run.py", '"Interleaved1F1B": " strategy.pipeline_schedule=Interleaved1F1B strategy.stages_per_rank=2"'),
     "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_70b dry_run=true trainer=gpu trainer.devices=8 trainer.num_nodes=128 strategy=fsdp_pp strategy.pipeline_parallel_size=8": (
         "tests/strategies/test_pipeline_dry_run.py", 'dry_run(128, "1F1B")'),
+    # context parallelism on 4 ranks: the same overrides, 20 steps, losses compared with those without it
+    "python train.py strategy=fsdp strategy.context_parallel_size=2 trainer.devices=4 data.block_size=2048 data.batch_size=4": (
+        "tests/strategies/test_context_parallel.py", 'LONG = ("data.block_size=2048", "data.batch_size=4")'),
+    "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_llama strategy=fsdp strategy.context_parallel_size=2 trainer.devices=4": (
+        "tests/strategies/test_context_parallel.py", '"llama cp 2": (*LLAMA, *CP_2)'),
+    "python train.py strategy=fsdp strategy.context_parallel_size=2 trainer.devices=4 dry_run=true": (
+        "tests/strategies/test_context_parallel.py", '" trainer.devices=4 dry_run=true")'),
     "python train.py -m strategy=ddp,fsdp trainer.max_steps=50": ("tests/launch/test_multirun.py", "python train.py -m strategy="),
     "python -m lightning_dist.sweep_report logs/train/multiruns/<date>": ("tests/launch/test_multirun.py", "python -m lightning_dist.sweep_report"),
     "python train.py -m hparams_search=optuna": ("tests/launch/test_hparams_search.py", "python train.py -m hparams_search=optuna"),

@@ -118,6 +118,9 @@ FENCED = [
            ("stage_index", "computation_type", "microbatch_index")),
     Fenced("torch.distributed.pipelining.schedules", "_ComputationType.FORWARD"),
     Fenced("torch.distributed.pipelining.schedules", "_ComputationType.FULL_BACKWARD"),
+    Fenced("torch.distributed._functional_collectives", "wait_tensor", ("tensor",)),
+    Fenced("torch.distributed._functional_collectives", "all_to_all_single_autograd",
+           ("self", "output_split_sizes", "input_split_sizes", "group")),
     Fenced("torch.distributed.pipelining.stage", "_PipelineStageBase.backward_maybe_with_nosync",
            ("self", "backward_type", "bwd_kwargs", "last_backward")),
     Fenced("torch.distributed.pipelining.stage", "_PipelineStageBase.perform_reduce_grad",
@@ -483,6 +486,15 @@ def stage_reduce_gradients(stage: Any) -> None:
     """What `stage`'s schedule runs after its last backward of a step: FSDP's reduction of the gradients, and the
     stage resharded (gradients unscaled: the loss function divides them)."""
     stage.perform_reduce_grad(1)
+
+
+def all_to_all_with_gradients(chunks: torch.Tensor, group: Any) -> torch.Tensor:
+    """Chunk i of `chunks`' first dimension to rank i of `group`, and theirs back, differentiable (backward sends
+    the gradients the reverse way): torch's functional collective (`torch.distributed.nn.functional`'s is
+    deprecated). Waited for here: the next op needs it."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    return wait_tensor(all_to_all_single_autograd(chunks, None, None, group))
 
 
 def runs_v_schedules() -> bool:

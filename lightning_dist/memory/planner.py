@@ -120,8 +120,12 @@ def plan_memory(
         outside = min(max(facts.parameters - facts.largest_block * facts.blocks, 0), n)
         n = math.ceil((n - outside) / dims.pp) + outside
 
+    # FSDP shards over the data-parallel ranks that shard and, under context parallelism, its ranks too (they hold
+    # no weights of their own: torchtitan's dp_shard_cp).
+    shards = dims.dp_shard * dims.cp
+
     def shard(count: float, sharded: bool) -> float:
-        return math.ceil(count / dims.dp_shard) if sharded else count
+        return math.ceil(count / shards) if sharded else count
 
     gradients_offload = layout.offload_optimizer if layout.shard_gradients else None
     host_gradient = size.gradient
@@ -146,7 +150,7 @@ def plan_memory(
             plan.device[name] = value
         else:
             (plan.host if offload == "cpu" else plan.nvme)[name] = value * devices
-    plan.host.update(_swap_buffers(facts, layout, size, dims.dp_shard, devices))
+    plan.host.update(_swap_buffers(facts, layout, size, shards, devices))
     if layout.offload_staging_buffer and gradients_offload:
         # ZeRO-1/2 move each gradient to the host through a buffer the size of the largest parameter, one on the
         # device and one pinned in host memory.
@@ -182,7 +186,7 @@ def plan_memory(
         # ZeRO-3 steps on one flat fp32 group at a time: a copy of its gradients, and torch Adam's temporaries
         # (sqrt of the second moment, divided), each the size of the group. (Offloaded, DeepSpeed's CPU Adam needs
         # no temporaries, and the copy is made in host memory.)
-        tile = min(layout.sub_group_size, math.ceil(n / dims.dp_shard))
+        tile = min(layout.sub_group_size, math.ceil(n / shards))
         plan.device["optimizer_step"] = tile * (size.master + 2 * size.moment)
     plan.device["buffers"] = facts.buffer_bytes
     activations: float | None = facts.activations_under(layout.activation_checkpointing)

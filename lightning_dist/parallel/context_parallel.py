@@ -193,7 +193,6 @@ class ContextParallel:
 
 def _all_to_all(chunks: Any, group: Any) -> Any:
     """Chunk i of dimension 0 to rank i of `group`, and theirs back, with gradients (backward is the reverse)."""
-    import torch
-    from torch.distributed.nn.functional import all_to_all_single
+    from lightning_dist._compat.torch import all_to_all_with_gradients
 
-    return all_to_all_single(torch.empty_like(chunks), chunks, group=group)
+    return all_to_all_with_gradients(chunks, group)

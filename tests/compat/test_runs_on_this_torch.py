@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from lightning_dist.reports.equivalence import read_train_losses
 from tests.conftest import PRESET_NAMES, REPO, TRAIN_ENV
 
 pytestmark = [pytest.mark.compat, pytest.mark.slow]
@@ -98,3 +99,18 @@ def test_a_v_schedule_trains_or_is_refused_in_one_line_on_this_torch(tmp_path):
         assert run.stderr.strip().splitlines()[-1].startswith(
             "error: strategy.pipeline_schedule=ZBVZeroBubble: torch 2.11.0")
         assert not (tmp_path / "logs").exists() or not list((tmp_path / "logs").rglob("metrics.json"))
+
+
+def test_context_parallelism_trains_the_losses_of_whole_sequences_on_this_torch(tmp_path):
+    """all_to_all's exchange (torch's differentiable functional all-to-all) on 2 x 2 ranks: the losses of the same
+    batches without context parallelism on the 2 data-parallel ranks."""
+    losses = {}
+    for name, layout in (("cp", "trainer.devices=4 strategy.context_parallel_size=2"), ("whole", "trainer.devices=2")):
+        (tmp_path / name).mkdir()
+        run = typed(f"python train.py strategy=fsdp {layout} trainer.max_steps=6 test=false trainer.log_every_n_steps=1",
+                    tmp_path / name)
+        assert run.returncode == 0, run.stderr[-4000:]
+        losses[name] = read_train_losses(only_run(tmp_path / name))
+    assert sorted(losses["cp"]) == sorted(losses["whole"]) == list(range(6))
+    for step, loss in losses["whole"].items():
+        assert losses["cp"][step] == pytest.approx(loss, rel=1e-5), step

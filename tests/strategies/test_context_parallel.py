@@ -1,9 +1,9 @@
-"""Context parallelism on 4 CPU ranks: `fsdp_cp` (2 context-parallel x 2 data-parallel ranks, all_to_all) trains the
-default GPT at 2,048 tokens a sequence, and a transformers Llama, with the per-step fp32 losses of the same runs
-without context parallelism on the 2 data-parallel ranks (the same global batch), over 20 steps; each rank holds
-half of every sequence. Activation checkpointing is on in the GPT's run: its blocks run their exchanged attention
-again in backward. A context-parallel checkpoint resumes without context parallelism, and the reverse, with the
-uninterrupted run's losses (context parallelism holds no weights of its own).
+"""Context parallelism on 4 CPU ranks: `strategy=fsdp strategy.context_parallel_size=2` (2 context-parallel x 2 data-
+parallel ranks, all_to_all) trains the default GPT at 2,048 tokens a sequence, and a transformers Llama, with the
+per-step fp32 losses of the same runs without context parallelism on the 2 data-parallel ranks (the same global
+batch), over 20 steps; each rank holds half of every sequence. Activation checkpointing is on in the GPT's run: its
+blocks run their exchanged attention again in backward. A context-parallel checkpoint resumes without context
+parallelism, and the reverse, with the uninterrupted run's losses (context parallelism holds no weights of its own).
 
 torch's ring attention is not here: on CPU it has no kernel (`_scaled_dot_product_flash_attention_for_cpu` has no
 sharding rule in torch 2.13's context-parallel API), and it is refused in one line (tests/test_config_errors.py)."""
@@ -25,10 +25,11 @@ COMMON = (f"trainer.max_steps={STEPS}", "test=false", "trainer.log_every_n_steps
           "callbacks.model_checkpoint.monitor=null")
 LONG = ("data.block_size=2048", "data.batch_size=4")  # 4 sequences of 2,048 tokens per data-parallel rank
 LLAMA = (f"hydra.searchpath=[file://{REPO / 'recipes' / 'hf_causal_lm' / 'conf'}]", "model=hf_llama")
+CP_2 = ("strategy=fsdp", "strategy.context_parallel_size=2", "trainer.devices=4")
 RUNS = {
-    "gpt cp 2": (*LONG, "strategy=fsdp_cp", "trainer.devices=4", "strategy.activation_checkpointing=true"),
+    "gpt cp 2": (*LONG, *CP_2, "strategy.activation_checkpointing=true"),
     "gpt cp 1": (*LONG, "strategy=fsdp", "trainer.devices=2"),
-    "llama cp 2": (*LLAMA, "strategy=fsdp_cp", "trainer.devices=4"),
+    "llama cp 2": (*LLAMA, *CP_2),
     "llama cp 1": (*LLAMA, "strategy=fsdp", "trainer.devices=2"),
 }
 
@@ -68,7 +69,7 @@ def test_all_to_all_context_parallelism_trains_the_losses_of_whole_sequences(mod
 RESUMES = {
     # (the run whose step-10 checkpoint is read, what resumes it)
     "cp 2 -> cp 1": ("gpt cp 2", (*LONG, "strategy=fsdp", "trainer.devices=2")),
-    "cp 1 -> cp 2": ("gpt cp 1", (*LONG, "strategy=fsdp_cp", "trainer.devices=4")),
+    "cp 1 -> cp 2": ("gpt cp 1", (*LONG, *CP_2)),
 }
 
 
@@ -83,3 +84,22 @@ def test_a_checkpoint_moves_in_and_out_of_context_parallelism_with_the_uninterru
     assert sorted(losses) == list(range(10, STEPS))
     for step, loss in losses.items():
         assert loss == pytest.approx(uninterrupted[step], rel=1e-5), step
+
+
+def test_the_dry_run_holds_each_ranks_shard_of_the_sequences_as_the_plan_says(tmp_path):
+    """The documented dry run: each rank's activations are its half of the sequences' (the plan's to 1%), the
+    weights sharded over the 4 data x context ranks."""
+    from tests.conftest import documented, run_documented
+    from tests.test_dry_run import rows
+
+    command = documented(REPO / "docs" / "strategies.md", "python train.py strategy=fsdp strategy.context_parallel_size=2"
+                         " trainer.devices=4 dry_run=true")
+    run = run_documented(command, tmp_path, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "rank 3: data_parallel_shard=1, context_parallel=1, tensor_parallel=0" in run.stdout
+    table = rows(run.stdout)
+    assert table["model.blocks.0.mlp.0.weight"][1] == "[128, 128]"  # 512 x 128, sharded 4 ways
+    measured, _, planned = (float(v) for v in table["activations"])
+    assert abs(measured - planned) <= 0.01 * planned  # 35.8 MB: half of what one rank holds without it
+    rank_0, rank_3, plan = (float(v) for v in table["peak"])
+    assert rank_0 == rank_3 and abs(rank_0 - plan) / plan < 0.15

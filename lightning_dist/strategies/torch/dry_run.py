@@ -29,8 +29,10 @@ from lightning_dist._compat.torch import tree_map
 from lightning_dist.dry_run.optimizer import configured_optimizer
 from lightning_dist.dry_run.ranks import RankView, as_rank, shards_of
 from lightning_dist.memory.attention_kernel import fused_attention
+from lightning_dist.parallel.context_parallel import ContextParallel
 from lightning_dist.parallel.device_check import OneDevicePerRank, collective_devices
 from lightning_dist.parallel.devices import process_group_backend
+from lightning_dist.parallel.dims import CONTEXT_PARALLEL
 from lightning_dist.parallel.sharded_init import parameters_on_meta
 from lightning_dist.strategies.torch.fully_shard import shard_device
 from lightning_dist.strategies.torch.pipeline_replay import PipelineReplay, stage_boundary
@@ -44,6 +46,7 @@ def rank_view(strategy: Any, build: Callable[[], nn.Module], batch: Any, precisi
     strategy.precision_plugin = _precision_plugin(sharded, precision, device_type)
     root = strategy.root_device
     pipelined = sharded and strategy.parallel_dims.pp > 1
+    coordinates = strategy.parallel_dims.coordinates(rank)
     if pipelined:
         strategy.forget_pipeline_stages()  # another rank's
     with fake_process_group(rank, devices * num_nodes):
@@ -69,6 +72,10 @@ def rank_view(strategy: Any, build: Callable[[], nn.Module], batch: Any, precisi
                 assert boundary is not None
                 replay = PipelineReplay(strategy, module, strategy.pipeline_views, batch, *boundary)
                 step = partial(replay.step, optimizer)
+            elif sharded and strategy.parallel_dims.cp > 1:  # this rank's shard of each sequence, as training runs it
+                context = ContextParallel(mesh[CONTEXT_PARALLEL].get_group(), coordinates["cp"],
+                                          strategy.parallel_dims.cp)
+                step = partial(_step_in_context, context, strategy, model, module, optimizer, context.shard(batch))
             else:
                 step = partial(_step, strategy, model, module, optimizer, batch)
             step()  # creates the optimizer state; its DTensor temporaries have global size
@@ -132,6 +139,14 @@ def _precision_plugin(sharded: bool, precision: str, device_type: str) -> Any:
     plugin = Precision()
     plugin.precision = precision  # type: ignore[assignment]  # one of Lightning's names, checked before the run
     return plugin
+
+
+def _step_in_context(context: ContextParallel, strategy: Any, model: nn.Module, module: nn.Module,
+                     optimizer: torch.optim.Optimizer, batch: Any) -> None:
+    """A training step on this rank's shard of every sequence (`batch` is it), attention exchanged across the
+    context-parallel ranks, as the strategy's step and backward run it."""
+    with context.step(module):
+        _step(strategy, model, module, optimizer, batch)
 
 
 def _step(strategy: Any, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> None:
