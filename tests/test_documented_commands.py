@@ -68,6 +68,13 @@ RUN_ELSEWHERE = {
         "tests/strategies/test_context_parallel.py", '"llama cp 2": (*LLAMA, *CP_2)'),
     "python train.py strategy=fsdp strategy.context_parallel_size=2 trainer.devices=4 dry_run=true": (
         "tests/strategies/test_context_parallel.py", '" trainer.devices=4 dry_run=true")'),
+    # recipes/long_context: its 8,192-token runs and its 7B dry run, read from the recipe by the tests that run them
+    "python train.py strategy=fsdp trainer.devices=2 data.block_size=8192 data.batch_size=1 trainer.max_steps=3": (
+        "tests/recipes/test_long_context.py", 'documented_commands(RECIPE) if "data.block_size=8192" in c'),
+    "python train.py strategy=fsdp strategy.context_parallel_size=2 trainer.devices=4 data.block_size=8192 data.batch_size=1 trainer.max_steps=3": (
+        "tests/recipes/test_long_context.py", 'documented_commands(RECIPE) if "data.block_size=8192" in c'),
+    "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_7b dry_run=true trainer=gpu trainer.devices=8 trainer.num_nodes=8 strategy=fsdp strategy.context_parallel_size=8 strategy.activation_checkpointing=true data.block_size=131072 data.batch_size=1 data.repeat=8": (
+        "tests/recipes/test_long_context.py", 'documented_commands(RECIPE) if "dry_run=true" in c'),
     "python train.py -m strategy=ddp,fsdp trainer.max_steps=50": ("tests/launch/test_multirun.py", "python train.py -m strategy="),
     "python -m lightning_dist.sweep_report logs/train/multiruns/<date>": ("tests/launch/test_multirun.py", "python -m lightning_dist.sweep_report"),
     "python train.py -m hparams_search=optuna": ("tests/launch/test_hparams_search.py", "python train.py -m hparams_search=optuna"),

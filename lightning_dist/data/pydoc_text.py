@@ -50,8 +50,11 @@ class PydocTextDataModule(L.LightningDataModule):
     """
 
     def __init__(self, block_size: int = 128, batch_size: int = 16, val_fraction: float = 0.05,
-                 test_fraction: float = 0.05, num_workers: int = 0) -> None:
+                 test_fraction: float = 0.05, num_workers: int = 0, repeat: int = 1) -> None:
         super().__init__()
+        if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+            raise ValueError(f"data.repeat={repeat!r}: how many times the text is read end to end; give a whole"
+                             " number, at least 1")
         if not 0 < val_fraction + test_fraction < 1:
             raise ValueError(
                 f"data.val_fraction + data.test_fraction must be in (0, 1), got {val_fraction + test_fraction}"
@@ -62,7 +65,8 @@ class PydocTextDataModule(L.LightningDataModule):
         self._counted_from = (0, 0)  # (epoch, batches processed) when this process's loader started counting
 
     def setup(self, stage: str | None = None) -> None:
-        tokens = load_pydoc_bytes()
+        # Repeated end to end: windows longer than the held-out tail of one copy (a long context's) can be cut.
+        tokens = load_pydoc_bytes().repeat(self.hparams.get("repeat", 1))
         n_val = int(len(tokens) * self.hparams["val_fraction"])
         n_test = int(len(tokens) * self.hparams["test_fraction"])
         n_train = len(tokens) - n_val - n_test

@@ -103,3 +103,4 @@ def test_the_dry_run_holds_each_ranks_shard_of_the_sequences_as_the_plan_says(tm
     assert abs(measured - planned) <= 0.01 * planned  # 35.8 MB: half of what one rank holds without it
     rank_0, rank_3, plan = (float(v) for v in table["peak"])
     assert rank_0 == rank_3 and abs(rank_0 - plan) / plan < 0.15
+
