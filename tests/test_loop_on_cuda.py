@@ -23,6 +23,8 @@ RANK = 1
 # Tensor parallelism splits each layer over 2 ranks of a node, beside 2-way data parallelism; HSDP replicates over
 # the nodes. Every other preset: 2 ranks on one node.
 WORLDS = {"fsdp_tp": (4, 1), "hsdp_tp": (2, 2)}
+# Layouts that are options rather than presets: their overrides and world (rank 1 is context-parallel rank 1).
+LAYOUTS = {"fsdp, context_parallel_size=2": (("strategy=fsdp", "strategy.context_parallel_size=2"), (4, 1))}
 # The run's own callbacks but for checkpoint files (the loop checks the checkpoint's contents instead) and the bar.
 NOT_IN_THE_LOOP = ("model_checkpoint", "progress_bar")
 
@@ -30,8 +32,8 @@ NOT_IN_THE_LOOP = ("model_checkpoint", "progress_bar")
 def loop_arguments(name: str, nvme: str) -> tuple:
     """`loop_on_fake_devices`' arguments for preset `name`, composed as `train.py strategy=NAME trainer=gpu` composes
     them (bf16-mixed), at the preset's world size."""
-    devices, num_nodes = WORLDS.get(name, (2, 1))
-    overrides = [f"strategy={name}", "trainer=gpu", f"trainer.devices={devices}", f"trainer.num_nodes={num_nodes}",
+    strategy, (devices, num_nodes) = LAYOUTS.get(name, ((f"strategy={name}",), WORLDS.get(name, (2, 1))))
+    overrides = [*strategy, "trainer=gpu", f"trainer.devices={devices}", f"trainer.num_nodes={num_nodes}",
                  f"paths.output_dir={nvme}", *([f"strategy.nvme_path={nvme}"] if name.endswith("_nvme") else [])]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
@@ -108,3 +110,15 @@ UNDONE = [
 def test_each_fix_undone_fails_naming_the_op_both_devices_and_the_metric(tmp_path, undone, preset, message):
     (report,) = run_loops([preset], tmp_path, undone).values()
     assert isinstance(report, str) and report.splitlines()[0] == message, report[-3000:]
+
+
+def test_context_parallelism_runs_lightning_s_whole_loop_on_its_rank_s_device(tmp_path):
+    """Each step on the rank's shard of the sequences, attention exchanged across the 2 context-parallel ranks and
+    what is logged averaged over them, every op and collective on the rank's own device."""
+    (name,) = LAYOUTS
+    (report,) = run_loops([name], tmp_path).values()
+    assert not isinstance(report, str), report[-3000:]
+    assert report.device == "cuda:1"
+    assert report.stages == ["sanity check", "train", "validation", "test", "train", "validation"]
+    assert {"train_loss", "val_loss", "val_ppl", "test_loss", "test_ppl"} <= set(report.logged)
+    assert report.misplaced == {}

@@ -67,10 +67,11 @@ def position_modules(model: Any) -> list[tuple[str, Any, str]]:
 
 
 class ContextParallel:
-    """One rank's part of a context-parallel group (`group`, this rank's `rank` of `size`)."""
+    """One rank's part of a context-parallel group (`group`, this rank's `rank` of `size`; `device`: where its
+    collectives' tensors are)."""
 
-    def __init__(self, group: Any, rank: int, size: int) -> None:
-        self.group, self.rank, self.size = group, rank, size
+    def __init__(self, group: Any, rank: int, size: int, device: Any = "cpu") -> None:
+        self.group, self.rank, self.size, self.device = group, rank, size, device
 
     def shard(self, batch: Any) -> Any:
         """This rank's contiguous shard of every sequence in `batch` (tensors of two or more dimensions, split
@@ -135,7 +136,7 @@ class ContextParallel:
 
         def averaged(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
             if isinstance(value, (torch.Tensor, float, int)) and not isinstance(value, bool):
-                total = torch.as_tensor(value).detach().clone().float()
+                total = torch.as_tensor(value, device=self.device).detach().clone().float()
                 dist.all_reduce(total, group=self.group)  # gloo has no AVG
                 value = total / self.size
             return log(name, value, *args, **kwargs)

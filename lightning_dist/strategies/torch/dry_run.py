@@ -74,7 +74,7 @@ def rank_view(strategy: Any, build: Callable[[], nn.Module], batch: Any, precisi
                 step = partial(replay.step, optimizer)
             elif sharded and strategy.parallel_dims.cp > 1:  # this rank's shard of each sequence, as training runs it
                 context = ContextParallel(mesh[CONTEXT_PARALLEL].get_group(), coordinates["cp"],
-                                          strategy.parallel_dims.cp)
+                                          strategy.parallel_dims.cp, root)
                 step = partial(_step_in_context, context, strategy, model, module, optimizer, context.shard(batch))
             else:
                 step = partial(_step, strategy, model, module, optimizer, batch)

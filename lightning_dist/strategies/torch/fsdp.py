@@ -276,7 +276,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         if self.parallel_dims.cp > 1:
             cp_rank = self.parallel_dims.coordinates(self.global_rank)["cp"]
             self._context = ContextParallel(self.device_mesh[CONTEXT_PARALLEL].get_group(), cp_rank,
-                                            self.parallel_dims.cp)
+                                            self.parallel_dims.cp, self.root_device)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
