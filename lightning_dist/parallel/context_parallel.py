@@ -33,8 +33,9 @@ POSITION_EMBEDDINGS = ("position_embedding", "wpe", "embed_positions")
 
 
 def check_context_parallel(cp: int, style: str, heads: int | None = None, sequence: int | None = None,
-                           device_type: str | None = None) -> None:
-    """ValueError in one line naming the key, for a context-parallel layout that cannot run (no torch here)."""
+                           device_type: str | None = None, tensor_parallel: int = 1) -> None:
+    """ValueError in one line naming the key, for a context-parallel layout that cannot run (no torch here). Under
+    tensor parallelism each rank holds heads / tp of them, which all_to_all splits again by cp."""
     if cp == 1:
         return
     if style not in STYLES:
@@ -44,9 +45,11 @@ def check_context_parallel(cp: int, style: str, heads: int | None = None, sequen
             else "yet"
         raise ValueError(f"strategy.context_parallel=ring: not available {where}; choose all_to_all (Ulysses), which"
                          " runs everywhere")
-    if heads is not None and heads % cp:
-        raise ValueError(f"strategy.context_parallel_size={cp}: all_to_all gives each rank {heads}/{cp} of the"
-                         f" model's {heads} attention heads (model.n_head); choose a size that divides {heads}")
+    if heads is not None and heads % (cp * tensor_parallel):
+        share, choice = (f"{heads}/{cp}", "a size that") if tensor_parallel == 1 else \
+            (f"{heads}/({tensor_parallel} x {cp})", "tensor- and context-parallel sizes whose product")
+        raise ValueError(f"strategy.context_parallel_size={cp}: all_to_all gives each rank {share} of the model's"
+                         f" {heads} attention heads (model.n_head); choose {choice} divides {heads}")
     if sequence is not None and sequence % (2 * cp):
         raise ValueError(f"strategy.context_parallel_size={cp}: a sequence of {sequence} tokens (data.block_size)"
                          f" does not split into 2 x {cp} equal chunks; choose a size or a length that does")

@@ -201,7 +201,8 @@ def check_combinations(cfg: DictConfig) -> None:
             cp = strategy.get("context_parallel_size", 1)
             check_context_parallel(cp, strategy.get("context_parallel", "all_to_all"),
                                    _integer_or_none(_value(cfg, "model.n_head")),
-                                   _integer_or_none(_value(cfg, "data.block_size")), _device_type(cfg))
+                                   _integer_or_none(_value(cfg, "data.block_size")), _device_type(cfg),
+                                   tp if _is_integer(tp) else 1)
             if pp != 1:
                 _check_pipeline(cfg, strategy)
                 refusal = pipeline_dry_run_refusal(strategy.get("pipeline_schedule", "1F1B"))

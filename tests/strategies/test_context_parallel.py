@@ -24,6 +24,7 @@ COMMON = (f"trainer.max_steps={STEPS}", "test=false", "trainer.log_every_n_steps
           "callbacks.model_checkpoint.every_n_train_steps=10", "callbacks.model_checkpoint.save_top_k=-1",
           "callbacks.model_checkpoint.monitor=null")
 LONG = ("data.block_size=2048", "data.batch_size=4")  # 4 sequences of 2,048 tokens per data-parallel rank
+SHORTER = ("data.block_size=512", "data.batch_size=4")
 LLAMA = (f"hydra.searchpath=[file://{REPO / 'recipes' / 'hf_causal_lm' / 'conf'}]", "model=hf_llama")
 CP_2 = ("strategy=fsdp", "strategy.context_parallel_size=2", "trainer.devices=4")
 RUNS = {
@@ -31,6 +32,11 @@ RUNS = {
     "gpt cp 1": (*LONG, "strategy=fsdp", "trainer.devices=2"),
     "llama cp 2": (*LLAMA, *CP_2),
     "llama cp 1": (*LLAMA, "strategy=fsdp", "trainer.devices=2"),
+    # Every dimension at once, in parallelize()'s one order: heads split by tp, then by cp's exchange; op-level
+    # checkpointing (its policy keeps attention's output); each block compiled with the exchange inside it.
+    "gpt cp 2 x tp 2, ops, compiled": (*SHORTER, *CP_2, "strategy.tensor_parallel_size=2",
+                                       "strategy.activation_checkpointing=ops", "strategy.compile=true"),
+    "gpt 1 rank": (*SHORTER, "strategy=fsdp", "trainer.devices=1"),
 }
 
 
@@ -64,6 +70,17 @@ def test_all_to_all_context_parallelism_trains_the_losses_of_whole_sequences(mod
     assert [(c["dp_shard"], c["cp"]) for c in summary["coordinates_per_rank"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert summary["data_parallel_size"] == 2
     assert summary["metrics"]["val_loss"] == pytest.approx(reference["metrics"]["val_loss"], rel=1e-5)
+
+
+def test_context_parallelism_composes_with_tensor_parallelism_op_level_checkpointing_and_compile(cp_runs):
+    composed, whole = cp_runs("gpt cp 2 x tp 2, ops, compiled"), cp_runs("gpt 1 rank")
+    expected, losses = read_train_losses(whole.run_dir), read_train_losses(composed.run_dir)
+    assert sorted(losses) == sorted(expected) == list(range(STEPS))
+    for step, loss in expected.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5), step
+    assert metrics(composed)["parallel_sizes"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 2}
+    assert "torch.compile: compiled" in composed.output
+    assert metrics(composed)["metrics"]["val_loss"] == pytest.approx(metrics(whole)["metrics"]["val_loss"], rel=1e-5)
 
 
 RESUMES = {
