@@ -182,6 +182,14 @@ REFUSED = [
     (["strategy=fsdp_tp", "trainer.devices=8", "strategy.context_parallel_size=4"], "strategy.context_parallel_size=4:"
      " all_to_all gives each rank 4/(2 x 4) of the model's 4 attention heads (model.n_head); choose tensor- and"
      " context-parallel sizes whose product divides 4"),
+    (["strategy=fsdp", "trainer.devices=4", "strategy.context_parallel_size=0"], "strategy.context_parallel_size=0: give"
+     " a whole number of ranks, at least 1"),
+    (["strategy=deepspeed_stage_2", "trainer.devices=6", "strategy.context_parallel_size=3"],
+     "strategy.context_parallel_size=3: all_to_all gives each rank 4/3 of the model's 4 attention heads (model.n_head);"
+     " choose a size that divides 4"),
+    (["strategy=deepspeed_stage_2", "trainer.devices=6", "strategy.context_parallel_size=4"], "strategy: 1 problem:"
+     " strategy.context_parallel_size=4: the 6 ranks do not divide into sequence-parallel groups of that size; choose"
+     " one of 1, 2, 3, 6"),
     (["strategy=fsdp", "trainer.devices=4", "strategy.context_parallel_size=2", "data.block_size=130"],
      "strategy.context_parallel_size=2: a sequence of 130 tokens (data.block_size) does not split into 2 x 2 equal"
      " chunks; choose a size or a length that does"),

@@ -107,14 +107,17 @@ def test_the_7b_target_under_zero_3_keeps_the_plans_partitions_and_peaks_within_
     assert rank_0 == rank_63 and abs(rank_0 - plan) / plan < 0.15, (rank_0, plan)
 
 
-def test_what_it_cannot_run_is_refused_in_one_line(tmp_path):
+@pytest.mark.parametrize(("option", "refusal"), [
+    ("strategy.tensor_parallel_size=2", "DeepSpeed's AutoTP (strategy.tensor_parallel_size > 1) is not dry-run yet"),
+    ("strategy.context_parallel_size=2", "DeepSpeed's sequence parallelism (strategy.context_parallel_size > 1) is not"
+     " dry-run yet, FSDP's is (strategy=fsdp)"),
+])
+def test_what_it_cannot_run_is_refused_in_one_line(option, refusal, tmp_path):
     process = subprocess.run([sys.executable, str(REPO / "train.py"), "dry_run=true", "strategy=deepspeed_stage_3",
-                              "strategy.tensor_parallel_size=2"], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=300)
+                              "trainer.devices=4", option], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert process.returncode == 2
     assert process.stderr.strip().splitlines()[-1] == (
-        "error: dry_run=true: strategy=deepspeed_stage_3 is not dry-run yet (every preset is; DeepSpeed's AutoTP,"
-        " strategy.tensor_parallel_size > 1, is not); plan=true gives its memory")
+        f"error: dry_run=true: strategy=deepspeed_stage_3: {refusal}; plan=true gives its memory")
 
 
 def test_hybrid_sharding_replicates_across_nodes_and_shards_within_one():

@@ -24,7 +24,11 @@ RANK = 1
 # the nodes. Every other preset: 2 ranks on one node.
 WORLDS = {"fsdp_tp": (4, 1), "hsdp_tp": (2, 2)}
 # Layouts that are options rather than presets: their overrides and world (rank 1 is context-parallel rank 1).
-LAYOUTS = {"fsdp, context_parallel_size=2": (("strategy=fsdp", "strategy.context_parallel_size=2"), (4, 1))}
+LAYOUTS = {
+    "fsdp, context_parallel_size=2": (("strategy=fsdp", "strategy.context_parallel_size=2"), (4, 1)),
+    "deepspeed_stage_3, context_parallel_size=2": (("strategy=deepspeed_stage_3", "strategy.context_parallel_size=2"),
+                                                   (4, 1)),
+}
 # The run's own callbacks but for checkpoint files (the loop checks the checkpoint's contents instead) and the bar.
 NOT_IN_THE_LOOP = ("model_checkpoint", "progress_bar")
 
@@ -112,10 +116,11 @@ def test_each_fix_undone_fails_naming_the_op_both_devices_and_the_metric(tmp_pat
     assert isinstance(report, str) and report.splitlines()[0] == message, report[-3000:]
 
 
-def test_context_parallelism_runs_lightning_s_whole_loop_on_its_rank_s_device(tmp_path):
-    """Each step on the rank's shard of the sequences, attention exchanged across the 2 context-parallel ranks and
-    what is logged averaged over them, every op and collective on the rank's own device."""
-    (name,) = LAYOUTS
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_context_parallelism_runs_lightning_s_whole_loop_on_its_rank_s_device(tmp_path, name):
+    """Each step on the rank's shard of the sequences, attention exchanged across the 2 context-parallel ranks (by
+    torch's all-to-all under FSDP, DeepSpeed's `DistributedAttention` under ZeRO) and what is logged averaged over
+    them, every op and collective on the rank's own device."""
     (report,) = run_loops([name], tmp_path).values()
     assert not isinstance(report, str), report[-3000:]
     assert report.device == "cuda:1"

@@ -7,6 +7,7 @@ rank on fake CUDA devices. The names load on first use: importing the package lo
 from typing import Any
 
 _FROM_RANKS = ("RankView", "can_dry_run", "dry_run", "dry_run_configured", "dry_run_devices", "dry_run_ranks",
+               "dry_run_refusal",
                "FakeRankEnvironment", "table")
 
 __all__ = list(_FROM_RANKS)

@@ -36,6 +36,8 @@ def check_context_parallel(cp: int, style: str, heads: int | None = None, sequen
                            device_type: str | None = None, tensor_parallel: int = 1) -> None:
     """ValueError in one line naming the key, for a context-parallel layout that cannot run (no torch here). Under
     tensor parallelism each rank holds heads / tp of them, which all_to_all splits again by cp."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"strategy.context_parallel_size={cp!r}: give a whole number of ranks, at least 1")
     if cp == 1:
         return
     if style not in STYLES:
@@ -69,12 +71,20 @@ def position_modules(model: Any) -> list[tuple[str, Any, str]]:
     return found
 
 
+# How the attention of a shard sees the whole sequence: (query, key, value, attend) -> output, each (B, H, T/cp, D);
+# `attend` is the model's own attention call on the exchanged tensors.
+Exchange = Callable[[Any, Any, Any, Callable[[Any, Any, Any], Any]], Any]
+
+
 class ContextParallel:
     """One rank's part of a context-parallel group (`group`, this rank's `rank` of `size`; `device`: where its
-    collectives' tensors are)."""
+    collectives' tensors are). `exchange`: how attention sees the whole sequence; unset, torch's all-to-all
+    (`all_to_all_attention`)."""
 
-    def __init__(self, group: Any, rank: int, size: int, device: Any = "cpu") -> None:
+    def __init__(self, group: Any, rank: int, size: int, device: Any = "cpu", exchange: Exchange | None = None) -> None:
         self.group, self.rank, self.size, self.device = group, rank, size, device
+        self.exchange: Exchange = exchange or (
+            lambda query, key, value, attend: all_to_all_attention(query, key, value, attend, group, size))
 
     def shard(self, batch: Any) -> Any:
         """This rank's contiguous shard of every sequence in `batch` (tensors of two or more dimensions, split
@@ -174,25 +184,37 @@ class ContextParallel:
             raise ValueError(f"strategy.context_parallel_size={self.size}: all_to_all splits the attention heads"
                              f" ({heads[0]} query, {heads[1]} key/value) over {self.size} ranks; choose a size that"
                              " divides them")
-        whole = [self._heads_for_sequence(t) for t in (query, key, value)]
         extra = {"enable_gqa": True} if enable_gqa else {}
-        output = self._original(*whole, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra)
-        return self._sequence_for_heads(output)
 
-    def _heads_for_sequence(self, x: Any) -> Any:
-        """(B, H, T/cp, D) of this shard -> (B, H/cp, T, D): the whole sequence for this rank's share of heads."""
-        batch, heads, length, dim = x.shape
-        chunks = x.reshape(batch, self.size, heads // self.size, length, dim).transpose(0, 1).contiguous()
-        received = _all_to_all(chunks, self.group)  # chunk i: sequence shard i, our heads
-        return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // self.size, self.size * length, dim)
+        def attend(q: Any, k: Any, v: Any) -> Any:
+            return self._original(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra)
 
-    def _sequence_for_heads(self, x: Any) -> Any:
-        """(B, H/cp, T, D) -> (B, H, T/cp, D): back to this shard, every head."""
-        batch, heads, length, dim = x.shape
-        local = length // self.size
-        chunks = x.reshape(batch, heads, self.size, local, dim).permute(2, 0, 1, 3, 4).contiguous()
-        received = _all_to_all(chunks, self.group)  # chunk i: head group i, our sequence shard
-        return received.transpose(0, 1).reshape(batch, heads * self.size, local, dim)
+        return self.exchange(query, key, value, attend)
+
+
+def all_to_all_attention(query: Any, key: Any, value: Any, attend: Callable[[Any, Any, Any], Any], group: Any,
+                         size: int) -> Any:
+    """Ulysses with torch's differentiable all-to-all over `group` (of `size` ranks): each (B, H, T/cp, D) shard's
+    heads exchanged for the whole sequence of H/cp of them, `attend` run on those, and the output exchanged back."""
+    whole = [_heads_for_sequence(t, group, size) for t in (query, key, value)]
+    return _sequence_for_heads(attend(*whole), group, size)
+
+
+def _heads_for_sequence(x: Any, group: Any, size: int) -> Any:
+    """(B, H, T/cp, D) of this shard -> (B, H/cp, T, D): the whole sequence for this rank's share of heads."""
+    batch, heads, length, dim = x.shape
+    chunks = x.reshape(batch, size, heads // size, length, dim).transpose(0, 1).contiguous()
+    received = _all_to_all(chunks, group)  # chunk i: sequence shard i, our heads
+    return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // size, size * length, dim)
+
+
+def _sequence_for_heads(x: Any, group: Any, size: int) -> Any:
+    """(B, H/cp, T, D) -> (B, H, T/cp, D): back to this shard, every head."""
+    batch, heads, length, dim = x.shape
+    local = length // size
+    chunks = x.reshape(batch, heads, size, local, dim).permute(2, 0, 1, 3, 4).contiguous()
+    received = _all_to_all(chunks, group)  # chunk i: head group i, our sequence shard
+    return received.transpose(0, 1).reshape(batch, heads * size, local, dim)
 
 
 def _all_to_all(chunks: Any, group: Any) -> Any:

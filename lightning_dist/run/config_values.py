@@ -193,6 +193,13 @@ def check_combinations(cfg: DictConfig) -> None:
                                     strategy.get("async_checkpoint") is True)
         if refusal:
             raise ConfigError(refusal)
+        cp = strategy.get("context_parallel_size")
+        if _is_integer(cp):  # DeepSpeed's Ulysses exchanges heads as all_to_all does
+            try:
+                check_context_parallel(cp, "all_to_all", _integer_or_none(_value(cfg, "model.n_head")),
+                                       _integer_or_none(_value(cfg, "data.block_size")), _device_type(cfg))
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
     elif target in (f"{_STRATEGIES}FSDPStrategy", f"{_STRATEGIES}fsdp.FSDPStrategy") and devices and ranks is not None:
         try:
             hybrid = sharding_layout(strategy.get("sharding_strategy", "FULL_SHARD"))[1]

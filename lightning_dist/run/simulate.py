@@ -8,7 +8,7 @@ import sys
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_dist._compat.fake_cuda import FakeCudaRunFailed
-from lightning_dist.dry_run import RankView, can_dry_run, dry_run_configured, dry_run_devices
+from lightning_dist.dry_run import RankView, dry_run_configured, dry_run_devices, dry_run_refusal
 from lightning_dist.dry_run import table as dry_run_table
 from lightning_dist.memory import MemoryPlan, layout_of, plan_memory
 from lightning_dist.parallel.device_check import DeviceMismatch
@@ -39,9 +39,9 @@ def dry_run(cfg: DictConfig) -> list[RankView]:
     try:
         composed = compose(cfg, choose=False)  # the strategy travels as its config (below): auto_fit's is not one
         name = composed.strategy_name
-        if not can_dry_run(composed.strategy):
-            raise ConfigError(f"dry_run=true: strategy={name} is not dry-run yet (every preset is; DeepSpeed's AutoTP,"
-                              " strategy.tensor_parallel_size > 1, is not); plan=true gives its memory")
+        refusal = dry_run_refusal(composed.strategy)
+        if refusal:
+            raise ConfigError(f"dry_run=true: strategy={name}: {refusal}; plan=true gives its memory")
         devices, num_nodes = device_count(cfg)
         world = devices * num_nodes
         ranks = tuple(cfg.get("dry_run_ranks") or (0, world - 1))

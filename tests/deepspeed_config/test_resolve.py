@@ -146,6 +146,10 @@ MISMATCHES = {
                                           ['zero_optimization.reduce_bucket_size="auto" cannot be filled: they follow the model\'s hidden size']),
     "a tensor-parallel size that does not divide": ({"tensor_parallel": {"autotp_size": 3}}, {}, ["tensor_parallel.autotp_size=3: the 2 ranks do not divide into tensor-parallel groups of that size; choose one of 1, 2"]),
     "tensor parallel vs strategy.tensor_parallel_size": ({"tensor_parallel": {"autotp_size": 2}}, {}, ["tensor_parallel.autotp_size=2 but strategy.tensor_parallel_size=1 (make them agree)"]),
+    "a sequence-parallel size that does not divide": ({"sequence_parallel_size": 3}, {"world_size": 4}, ["sequence_parallel_size=3: the 4 ranks do not divide into sequence-parallel groups of that size; choose one of 1, 2, 4"]),
+    "sequence parallel vs strategy.context_parallel_size": ({"sequence_parallel_size": 2}, {"world_size": 4}, ["sequence_parallel_size=2 but strategy.context_parallel_size=4 (make them agree)"]),
+    "sequence parallel beside AutoTP": ({"sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}}, {"world_size": 4}, ["sequence_parallel_size=2: DeepSpeed's AutoTP (tensor_parallel.autotp_size) does not run beside sequence parallelism here; choose one of the two"]),
+    "train_batch_size under sequence parallelism": ({"sequence_parallel_size": 2, "train_batch_size": 32}, {"world_size": 4}, ["train_batch_size=32 but micro batch x accumulation x (world size / sequence_parallel_size) = 8 x 1 x 2 = 16"]),
     "auto where we fill nothing": ({"steps_per_print": "auto"}, {}, ['steps_per_print="auto" is not a value we fill']),
     "stage vs strategy.stage": ({"zero_optimization": {"stage": 2}}, {}, ["zero_optimization.stage=2 but strategy.stage=3"]),
 }
@@ -155,7 +159,9 @@ MISMATCHES = {
 def test_each_mismatch_is_reported_by_key(case):
     change, fact_changes, expected = MISMATCHES[case]
     options = {"stage vs strategy.stage": ZeroOptions(stage=3),
-               "tensor parallel vs strategy.tensor_parallel_size": ZeroOptions(tensor_parallel_size=1)}.get(case, ZeroOptions())
+               "tensor parallel vs strategy.tensor_parallel_size": ZeroOptions(tensor_parallel_size=1),
+               "sequence parallel vs strategy.context_parallel_size": ZeroOptions(context_parallel_size=4),
+               }.get(case, ZeroOptions())
     problems = problems_of(change, facts(**fact_changes), options)
     for fragment in expected:
         assert any(fragment in problem for problem in problems), (fragment, problems)
@@ -252,6 +258,16 @@ def test_bad_config_files_get_one_line_errors(tmp_path, content, message):
     with pytest.raises((ValueError, TypeError), match="^strategy.config: ") as raised:
         load_user_config(path)
     assert message in str(raised.value)
+
+
+def test_ulysses_takes_the_strategys_size_or_the_files_and_counts_a_groups_ranks_once_in_the_batch():
+    four_ranks = facts(world_size=4)
+    resolved = resolve_config({"train_batch_size": "auto"}, four_ranks, ZeroOptions(context_parallel_size=2))
+    assert resolved["sequence_parallel_size"] == 2 and resolved["train_batch_size"] == 16  # 8 x 1 x (4 / 2)
+    from_file = resolve_config({"sequence_parallel_size": 2, "train_batch_size": "auto"}, four_ranks)
+    assert from_file["sequence_parallel_size"] == 2 and from_file["train_batch_size"] == 16
+    assert "sequence_parallel_size" not in resolve_config({}, four_ranks, ZeroOptions(context_parallel_size=1))
+    assert resolve_config({"train_batch_size": "auto"}, four_ranks)["train_batch_size"] == 32
 
 
 def test_deepspeed_autotp_takes_the_strategys_size_and_every_rank_when_it_is_minus_one():

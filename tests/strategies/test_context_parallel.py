@@ -25,6 +25,7 @@ COMMON = (f"trainer.max_steps={STEPS}", "test=false", "trainer.log_every_n_steps
           "callbacks.model_checkpoint.monitor=null")
 LONG = ("data.block_size=2048", "data.batch_size=4")  # 4 sequences of 2,048 tokens per data-parallel rank
 SHORTER = ("data.block_size=512", "data.batch_size=4")
+ULYSSES_CONFIG = REPO / "recipes" / "long_context" / "ds_config_ulysses_zero3.json"
 LLAMA = (f"hydra.searchpath=[file://{REPO / 'recipes' / 'hf_causal_lm' / 'conf'}]", "model=hf_llama")
 CP_2 = ("strategy=fsdp", "strategy.context_parallel_size=2", "trainer.devices=4")
 RUNS = {
@@ -37,6 +38,10 @@ RUNS = {
     "gpt cp 2 x tp 2, ops, compiled": (*SHORTER, *CP_2, "strategy.tensor_parallel_size=2",
                                        "strategy.activation_checkpointing=ops", "strategy.compile=true"),
     "gpt 1 rank": (*SHORTER, "strategy=fsdp", "trainer.devices=1"),
+    # DeepSpeed's own Ulysses: the strategy's option, and a Hugging Face-style ds_config's `sequence_parallel_size`.
+    "gpt zero-2 cp 2": (*SHORTER, "strategy=deepspeed_stage_2", "strategy.context_parallel_size=2", "trainer.devices=2"),
+    "llama zero-3 cp 2 from its file": (*LLAMA, "strategy=deepspeed", f"strategy.config={ULYSSES_CONFIG}",
+                                        "trainer.devices=4"),
 }
 
 
@@ -81,6 +86,23 @@ def test_context_parallelism_composes_with_tensor_parallelism_op_level_checkpoin
     assert metrics(composed)["parallel_sizes"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 2}
     assert "torch.compile: compiled" in composed.output
     assert metrics(composed)["metrics"]["val_loss"] == pytest.approx(metrics(whole)["metrics"]["val_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize(("run", "reference", "global_batch"), [
+    ("gpt zero-2 cp 2", "gpt 1 rank", None),
+    ("llama zero-3 cp 2 from its file", "llama cp 1", 32),  # 16 sequences on each of the 2 data-parallel ranks
+])
+def test_deepspeeds_ulysses_trains_the_losses_of_whole_sequences_under_zero(run, reference, global_batch, cp_runs):
+    split, whole = cp_runs(run), cp_runs(reference)
+    expected, losses = read_train_losses(whole.run_dir), read_train_losses(split.run_dir)
+    assert sorted(losses) == sorted(expected) == list(range(STEPS))
+    for step, loss in expected.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5), step
+    assert metrics(split)["parallel_sizes"]["cp"] == 2
+    assert metrics(split)["metrics"]["val_loss"] == pytest.approx(metrics(whole)["metrics"]["val_loss"], rel=1e-5)
+    config = json.loads((split.run_dir / "deepspeed_config.effective.json").read_text())
+    assert config["sequence_parallel_size"] == 2
+    assert config.get("train_batch_size") == global_batch  # counted over the data-parallel ranks, as DeepSpeed does
 
 
 RESUMES = {

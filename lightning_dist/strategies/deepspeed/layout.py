@@ -54,6 +54,7 @@ def zero_layout(strategy: Any, name: str) -> Layout:
         sub_group_size=int(zero.get("sub_group_size", _DEEPSPEED_SUB_GROUP_SIZE)) if stage >= 3 else 0,
         optimizer_swap_buffers=int(optimizer_swaps),
         tensor_parallel=strategy.tensor_parallel_size,  # AutoTP
+        context_parallel=strategy.context_parallel_size,  # Ulysses
         activation_checkpointing=strategy.activation_checkpointing,
         fp32_master_weights=True,
         host_gradient_copies=True,

@@ -51,8 +51,10 @@ from lightning_dist.strategies.deepspeed.layout import zero_layout
 from lightning_dist.strategies.deepspeed.load import load_deepspeed_checkpoint
 from lightning_dist.strategies.deepspeed.offload import offload_device, optimizer_for_offload
 from lightning_dist.strategies.deepspeed.outermost_forward import run_root_hooks_once_per_forward
+from lightning_dist.strategies.deepspeed.ulysses import deepspeed_ulysses, sequence_parallel_group
 from lightning_dist.strategies.deepspeed.zero3_runtime import prepare_zero3_runtime
 from lightning_dist.strategies.refusals import deepspeed_refusal
+from lightning_dist.strategies.sequence_shards import SplitsSequences
 
 if TYPE_CHECKING:
     from lightning_dist.dry_run.ranks import RankView
@@ -71,7 +73,7 @@ def run_directory(trainer: Any) -> Path | None:
     return None
 
 
-class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
+class DeepSpeedStrategy(StrategyBase, SplitsSequences, _LightningDeepSpeedStrategy):
     """DeepSpeed ZeRO that also runs on CPU, and takes Hugging Face-style configs with "auto" values.
 
     Args:
@@ -95,6 +97,10 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         block_class: the repeated layer (class or dotted path, or a list) that the two options above act on; unset:
             the classes of the model's layer stacks.
         async_checkpoint: refused before launch: DeepSpeed's engine writes its checkpoints itself.
+        context_parallel_size: DeepSpeed's Ulysses: ranks that split each sequence, each holding a contiguous shard
+            from the embedding to the loss, attention exchanged by DeepSpeed's `DistributedAttention` (the heads must
+            divide by the size); ZeRO partitions over every rank. The config's `sequence_parallel_size`. Unset: the
+            config file's size, else 1.
     """
 
     if TYPE_CHECKING:  # Lightning's types, for a strategy not yet set up; ours reads them once it is
@@ -102,6 +108,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         parallel_devices: list[torch.device]
 
     strategy_name = "ld_deepspeed"
+    _sequence_group: Any = None  # Ulysses' group, formed with the process group
 
     def __init__(
         self,
@@ -117,10 +124,12 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         compile: bool = False,
         block_class: str | type[nn.Module] | Sequence[str | type[nn.Module]] | None = None,
         async_checkpoint: bool = False,
+        context_parallel_size: int | None = None,
     ) -> None:
         say_the_host_where_there_is_no_cuda()  # before Lightning's constructor has DeepSpeed look for a device
         self.run_config = RunConfig.of(
-            stage, offload_optimizer, offload_parameters, nvme_path, config, tensor_parallel_size
+            stage, offload_optimizer, offload_parameters, nvme_path, config, tensor_parallel_size,
+            context_parallel_size,
         )
         super().__init__(
             stage=2 if stage is None else stage, config=self.run_config.user_config, sub_group_size=OPTIMIZER_TILE,
@@ -158,13 +167,22 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         return size or (in_file if isinstance(in_file, int) and in_file > 1 else 1)
 
     @property
+    def context_parallel_size(self) -> int:
+        """Ulysses' size: the option, else the file's `sequence_parallel_size` (the two agree, or the run was refused
+        before launch)."""
+        size = self.run_config.zero_options.context_parallel_size
+        in_file = self.base_config.get("sequence_parallel_size")
+        return size or (in_file if isinstance(in_file, int) and in_file > 1 else 1)
+
+    @property
     def parallel_dims(self) -> ParallelDims:
-        """ZeRO partitions over every data-parallel rank (DeepSpeed's hierarchical partitioning is not offered);
-        under AutoTP the ranks of one tensor-parallel group (neighbours, as DeepSpeed groups them) share a batch."""
-        tp = self.tensor_parallel_size
-        if tp == 1 or self.world_size % tp:  # a size that does not divide is refused before launch
+        """ZeRO partitions over every rank (DeepSpeed's hierarchical partitioning is not offered); under AutoTP the
+        ranks of one tensor-parallel group (neighbours, as DeepSpeed groups them) share a batch, under Ulysses those of
+        one sequence-parallel group (each holding a shard of its sequences)."""
+        tp, cp = self.tensor_parallel_size, self.context_parallel_size
+        if self.world_size % (tp * cp) or (tp > 1 and cp > 1):  # refused before launch
             return ParallelDims(dp_shard=self.world_size)
-        return ParallelDims(dp_shard=self.world_size // tp, tp=tp)
+        return ParallelDims(dp_shard=self.world_size // (tp * cp), cp=cp, tp=tp)
 
     @property
     @override
@@ -193,7 +211,10 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     @override
     def dry_run_refusal(self) -> str | None:  # type: ignore[override]
         if self.tensor_parallel_size > 1:  # AutoTP needs a Hugging Face model, which a dry run does not build
-            return "DeepSpeed's AutoTP is not dry-run yet"
+            return "DeepSpeed's AutoTP (strategy.tensor_parallel_size > 1) is not dry-run yet"
+        if self.context_parallel_size > 1:
+            return ("DeepSpeed's sequence parallelism (strategy.context_parallel_size > 1) is not dry-run yet, FSDP's"
+                    " is (strategy=fsdp)")
         return None
 
     @override
@@ -229,6 +250,8 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         ):  # `test` after `fit`: up already
             self._init_deepspeed_distributed()
         forget_with_process_group(forget_process_groups)  # the groups DeepSpeed caches die with the process group
+        if self.context_parallel_size > 1:  # as the process group forms (a dry run's fake tensors are not on yet)
+            self._sequence_group = sequence_parallel_group(self)
 
     @override
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
@@ -325,6 +348,8 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         move_module_state(self.lightning_module, self.root_device)  # ZeRO-3 placed the parameters only
         if self.tensor_parallel_size > 1:
             check_tensor_parallel_inputs(self.deepspeed_engine, self.root_device)
+        if self.context_parallel_size > 1 and self.context is None:  # fit, then test: the same group
+            self.context = deepspeed_ulysses(self, self._sequence_group)
         run_root_hooks_once_per_forward(self.deepspeed_engine)  # timers, profiler, ZeRO-3 trace: once per step
 
     @override

@@ -48,6 +48,7 @@ from lightning_dist.parallel.tensor_parallel import (
     resolve_plan,
 )
 from lightning_dist.strategies.base import StrategyBase
+from lightning_dist.strategies.sequence_shards import SplitsSequences
 from lightning_dist.strategies.torch.fully_shard import (
     apply_fully_shard,
     materialize_shards,
@@ -62,7 +63,7 @@ from lightning_dist.strategies.torch.replay import ReplayedOnTorch
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
+class FSDPStrategy(ReplayedOnTorch, StrategyBase, SplitsSequences, ModelParallelStrategy):
     """Fully Sharded Data Parallel (FSDP2) on CPU (gloo) or CUDA (nccl).
 
     Args:
@@ -142,7 +143,6 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
             raise ValueError(f"strategy.context_parallel_size={context_parallel_size}: context parallelism does not"
                              " run beside pipeline stages yet; choose one of the two")
         self.context_parallel_size, self.context_parallel = context_parallel_size, context_parallel
-        self._context: ContextParallel | None = None
 
     @override
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
@@ -275,7 +275,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
             self._pipeline_steps = self.pipeline.steps(self, self._pipeline_split, roots)
         if self.parallel_dims.cp > 1:
             cp_rank = self.parallel_dims.coordinates(self.global_rank)["cp"]
-            self._context = ContextParallel(self.device_mesh[CONTEXT_PARALLEL].get_group(), cp_rank,
+            self.context = ContextParallel(self.device_mesh[CONTEXT_PARALLEL].get_group(), cp_rank,
                                             self.parallel_dims.cp, self.root_device)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -320,9 +320,6 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._context is not None:
-            with self._context.step(self.lightning_module):
-                return super().training_step(self._context.shard(args[0]), *args[1:], **kwargs)
         if self._pipeline_steps is None:
             return super().training_step(*args, **kwargs)
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
@@ -331,9 +328,6 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._context is not None:
-            with self._context.step(self.lightning_module):
-                return super().validation_step(self._context.shard(args[0]), *args[1:], **kwargs)
         if self._pipeline_steps is None:
             return super().validation_step(*args, **kwargs)
         with self.precision_plugin.val_step_context():
@@ -341,9 +335,6 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._context is not None:
-            with self._context.step(self.lightning_module):
-                return super().test_step(self._context.shard(args[0]), *args[1:], **kwargs)
         if self._pipeline_steps is None:
             return super().test_step(*args, **kwargs)
         with self.precision_plugin.test_step_context():
@@ -351,9 +342,6 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self._context is not None:
-            with self._context.attention():  # checkpointed blocks run their attention again in backward
-                return super().backward(closure_loss, optimizer, *args, **kwargs)
         if self._pipeline_steps is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The schedule ran backward, microbatch by microbatch, in `training_step`; the hooks around it still run.

@@ -56,6 +56,7 @@ class ZeroOptions:
     offload_parameters: str | None = None
     nvme_path: str | None = None
     tensor_parallel_size: int | None = None  # DeepSpeed AutoTP: tensor_parallel.autotp_size
+    context_parallel_size: int | None = None  # Ulysses: sequence_parallel_size
 
 
 def buckets_sized_by_model(config: dict[str, Any]) -> dict[str, Any]:
@@ -116,6 +117,7 @@ def resolve(
     resolver.refuse_unknown_keys()
     resolver.merge_zero_options(options)
     resolver.check_tensor_parallel(options.tensor_parallel_size)
+    resolver.check_sequence_parallel(options.context_parallel_size)
     resolver.fill_precision()
     resolver.fill_batch_sizes()
     resolver.fill_clipping()
@@ -127,6 +129,10 @@ def resolve(
     if resolver.problems:
         raise DeepSpeedConfigError(source, resolver.problems)
     return Resolution(resolver.config, resolver.trainer_settings, resolver.notes)
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _show(value: Any) -> str:
@@ -294,9 +300,15 @@ class _Resolver:
             self.fill_match("train_batch_size", UNKNOWN, "")
             return
         # Over every rank, AutoTP's too: DeepSpeed 0.19.8 checks the batch sizes before it forms tensor-parallel groups.
-        total = micro * accumulate * facts.world_size
-        formula = f"micro batch x accumulation x world size = {micro} x {accumulate} x {facts.world_size} = {total}"
-        self.fill_match("train_batch_size", total, formula, fill_absent=False)
+        # The ranks of a sequence-parallel group share one batch, and DeepSpeed counts them once (config.py).
+        sequence_parallel = self.sequence_parallel_size
+        if sequence_parallel > 1:
+            ranks = facts.world_size // sequence_parallel
+            said = f"(world size / sequence_parallel_size) = {micro} x {accumulate} x {ranks}"
+        else:
+            ranks, said = facts.world_size, f"world size = {micro} x {accumulate} x {facts.world_size}"
+        total = micro * accumulate * ranks
+        self.fill_match("train_batch_size", total, f"micro batch x accumulation x {said} = {total}", fill_absent=False)
 
     def fill_clipping(self) -> None:
         clip_val, algorithm = self.facts.gradient_clip_val, self.facts.gradient_clip_algorithm
@@ -345,7 +357,8 @@ class _Resolver:
 
         from lightning_dist._compat.deepspeed import top_level_config_keys
 
-        known = sorted(top_level_config_keys())
+        # sequence_parallel_size: DeepSpeed reads it once a process group is up, which the recording parse has not.
+        known = sorted(top_level_config_keys() | {"sequence_parallel_size"})
         for key in sorted(set(self.config) - set(known), key=str):
             close = difflib.get_close_matches(str(key), known, n=1, cutoff=_MISSPELT)
             if close:
@@ -375,6 +388,32 @@ class _Resolver:
             said = f"strategy.tensor_parallel_size={option}" if option == size else f"{key}={_show(size)}"
             self.problems.append(f"{said}: the {world} ranks do not divide into tensor-parallel groups of that size;"
                                  f" choose one of {', '.join(map(str, divisors))}")
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        size = self.get("sequence_parallel_size", 1)
+        return size if _is_size(size) and self.facts.world_size % size == 0 else 1
+
+    def check_sequence_parallel(self, option: int | None) -> None:
+        """Ulysses: `strategy.context_parallel_size` and the file's `sequence_parallel_size` (the key DeepSpeed and
+        Hugging Face's sequence parallelism read) agree; the size divides the world into data-parallel ranks (each
+        group shares one batch); AutoTP is not beside it."""
+        key = "sequence_parallel_size"
+        if option is not None:
+            self.fill_match(key, option, f"strategy.context_parallel_size={option}", fill_absent=option > 1,
+                            fix="make them agree")
+        size = self.get(key, None)
+        if size in (None, 1):
+            return
+        said = f"strategy.context_parallel_size={option}" if option == size else f"{key}={_show(size)}"
+        world = self.facts.world_size
+        if not _is_size(size) or world % size:
+            divisors = [n for n in range(1, world + 1) if world % n == 0]
+            self.problems.append(f"{said}: the {world} ranks do not divide into sequence-parallel groups of that size;"
+                                 f" choose one of {', '.join(map(str, divisors))}")
+        elif self.get("tensor_parallel.autotp_size", 0) not in (0, 1):
+            self.problems.append(f"{said}: DeepSpeed's AutoTP (tensor_parallel.autotp_size) does not run beside"
+                                 " sequence parallelism here; choose one of the two")
 
     def report_unfillable_autos(self) -> None:
         for key in auto_keys(self.config):

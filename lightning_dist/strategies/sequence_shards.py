@@ -1,0 +1,38 @@
+"""Strategy mixin: under context parallelism each step runs on this rank's shard of every sequence, its attention
+exchanged across the group in forward and in backward (where checkpointed blocks run it again), and what it logs
+averaged over the group (parallel/context_parallel.py). Without a group (`context` unset) it adds nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_dist._compat.lightning import StrategyMixin
+from lightning_dist.parallel.context_parallel import ContextParallel
+
+
+class SplitsSequences(StrategyMixin):
+    context: ContextParallel | None = None  # set by the strategy's `setup` when it has a context-parallel axis
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.context is None:
+            return super().training_step(*args, **kwargs)
+        with self.context.step(self.lightning_module):
+            return super().training_step(self.context.shard(args[0]), *args[1:], **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.context is None:
+            return super().validation_step(*args, **kwargs)
+        with self.context.step(self.lightning_module):
+            return super().validation_step(self.context.shard(args[0]), *args[1:], **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.context is None:
+            return super().test_step(*args, **kwargs)
+        with self.context.step(self.lightning_module):
+            return super().test_step(self.context.shard(args[0]), *args[1:], **kwargs)
+
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.context is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        with self.context.attention():  # checkpointed blocks run their attention again in backward
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
