@@ -66,6 +66,12 @@ RUN_ELSEWHERE = {
         "tests/strategies/test_context_parallel.py", 'LONG = ("data.block_size=2048", "data.batch_size=4")'),
     "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_llama strategy=fsdp strategy.context_parallel_size=2 trainer.devices=4": (
         "tests/strategies/test_context_parallel.py", '"llama cp 2": (*LLAMA, *CP_2)'),
+    "python train.py strategy=fsdp strategy.context_parallel_size=2 strategy.tensor_parallel_size=2 trainer.devices=4 strategy.activation_checkpointing=ops strategy.compile=true data.block_size=512 data.batch_size=4": (
+        "tests/strategies/test_context_parallel.py", '"gpt cp 2 x tp 2, ops, compiled": (*SHORTER, *CP_2, "strategy.tensor_parallel_size=2",'),
+    "python train.py strategy=deepspeed_stage_2 strategy.context_parallel_size=2 trainer.devices=2 data.block_size=512 data.batch_size=4": (
+        "tests/strategies/test_context_parallel.py", '"gpt zero-2 cp 2": (*SHORTER, "strategy=deepspeed_stage_2", "strategy.context_parallel_size=2", "trainer.devices=2")'),
+    "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_llama strategy=deepspeed strategy.config=recipes/long_context/ds_config_ulysses_zero3.json trainer.devices=4": (
+        "tests/strategies/test_context_parallel.py", '"llama zero-3 cp 2 from its file": (*LLAMA, "strategy=deepspeed", f"strategy.config={ULYSSES_CONFIG}",'),
     "python train.py strategy=fsdp strategy.context_parallel_size=2 trainer.devices=4 dry_run=true": (
         "tests/strategies/test_context_parallel.py", '" trainer.devices=4 dry_run=true")'),
     # recipes/long_context: its 8,192-token runs and its 7B dry run, read from the recipe by the tests that run them

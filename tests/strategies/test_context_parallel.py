@@ -4,6 +4,8 @@ per-step fp32 losses of the same runs without context parallelism on the 2 data-
 batch), over 20 steps; each rank holds half of every sequence. Activation checkpointing is on in the GPT's run: its
 blocks run their exchanged attention again in backward. A context-parallel checkpoint resumes without context
 parallelism, and the reverse, with the uninterrupted run's losses (context parallelism holds no weights of its own).
+cp 2 x tp 2 with op-level checkpointing and compiled blocks trains one rank's losses. Under DeepSpeed (ZeRO-2 by the
+strategy's option, ZeRO-3 by a ds_config's `sequence_parallel_size`) DeepSpeed's own Ulysses trains them too.
 
 torch's ring attention is not here: on CPU it has no kernel (`_scaled_dot_product_flash_attention_for_cpu` has no
 sharding rule in torch 2.13's context-parallel API), and it is refused in one line (tests/test_config_errors.py)."""
