@@ -79,6 +79,8 @@ RUN_ELSEWHERE = {
         "tests/recipes/test_long_context.py", 'documented_commands(RECIPE) if "data.block_size=8192" in c'),
     "python train.py strategy=fsdp strategy.context_parallel_size=2 trainer.devices=4 data.block_size=8192 data.batch_size=1 trainer.max_steps=3": (
         "tests/recipes/test_long_context.py", 'documented_commands(RECIPE) if "data.block_size=8192" in c'),
+    "python train.py strategy=auto_fit strategy.family=fsdp strategy.device_memory_gb=0.22 trainer.devices=4 data.block_size=8192 data.batch_size=1 trainer.max_steps=3": (
+        "tests/recipes/test_long_context.py", 'documented_commands(RECIPE) if "auto_fit" in c'),
     "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_7b dry_run=true trainer=gpu trainer.devices=8 trainer.num_nodes=8 strategy=fsdp strategy.context_parallel_size=8 strategy.activation_checkpointing=true data.block_size=131072 data.batch_size=1 data.repeat=8": (
         "tests/recipes/test_long_context.py", 'documented_commands(RECIPE) if "dry_run=true" in c'),
     "python train.py -m strategy=ddp,fsdp trainer.max_steps=50": ("tests/launch/test_multirun.py", "python train.py -m strategy="),

@@ -19,10 +19,15 @@ from lightning_dist._compat.torch import attention_function_replaced, cpu_flash_
 
 class fused_attention(TorchFunctionMode):
     """Within: `F.scaled_dot_product_attention`, however it was imported, runs a fused kernel (in backward's
-    recomputation: called as `F.scaled_dot_product_attention`)."""
+    recomputation: called as `F.scaled_dot_product_attention`). `calls`, when given, gets each call's (query heads,
+    key/value heads, sequence length)."""
+
+    def __init__(self, calls: list[tuple[int, int, int]] | None = None) -> None:
+        super().__init__()
+        self.calls = calls
 
     def __enter__(self):
-        self._replaced = attention_function_replaced(_flash)
+        self._replaced = attention_function_replaced(self._fused)
         self._original = self._replaced.__enter__()
         return super().__enter__()
 
@@ -33,8 +38,13 @@ class fused_attention(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is self._original:
-            return _flash(*args, **kwargs)
+            return self._fused(*args, **kwargs)
         return func(*args, **kwargs)
+
+    def _fused(self, query, key, value, *args, **kwargs):
+        if self.calls is not None:  # (B, H, T, D)
+            self.calls.append((query.shape[-3], key.shape[-3], query.shape[-2]))
+        return _flash(query, key, value, *args, **kwargs)
 
 
 def _flash(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

@@ -2,9 +2,10 @@
 
 Less sharding means less communication, so the ladder is climbed from the bottom: DDP, then sharded gradients
 (ZeRO-2 / FSDP SHARD_GRAD_OP), then everything sharded (ZeRO-3 / FSDP FULL_SHARD), then (FSDP) each layer split
-over 2 ranks as well, for a model whose gathered layers do not fit, then (FSDP) its blocks in 2 pipeline stages,
-which divides the activations a rank holds (a stage keeps its blocks' activations only) at the cost of holding its
-stage gathered through backward, then CPU offload, then NVMe.
+over 2 ranks as well, for a model whose gathered layers do not fit, then (FSDP) each sequence split over 2 ranks
+(context parallelism: the activations halve, the weights stay sharded over every rank) where the context is what
+does not fit, then its blocks in 2 pipeline stages, which divides the activations a rank holds (a stage keeps its
+blocks' activations only) at the cost of holding its stage gathered through backward, then CPU offload, then NVMe.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ LADDERS = {
         "deepspeed_stage_3_offload",
         "deepspeed_stage_3_offload_nvme",
     ),
-    "fsdp": ("ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_tp", "fsdp_pp", "fsdp_cpu_offload",
+    "fsdp": ("ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_tp", "fsdp_cp", "fsdp_pp", "fsdp_cpu_offload",
              "deepspeed_stage_3_offload_nvme"),
 }
+# Rungs that are a preset with options rather than a preset of their own: (preset, its options).
+RUNGS: dict[str, tuple[str, dict[str, Any]]] = {"fsdp_cp": ("fsdp", {"context_parallel_size": 2})}
 
 
 class NothingFits(ValueError):
@@ -81,16 +84,20 @@ class AutoFit:
         host_budget = self.headroom * (self.host_memory_gb * GB if self.host_memory_gb else _host_memory())
         rejected: list[tuple[str, str]] = []
         for name in LADDERS[self.family]:
-            overrides: dict[str, Any] = {"compile": self.compile}
-            if "nvme_path" in registered_arguments(name):
+            preset, options = RUNGS.get(name, (name, {}))
+            overrides: dict[str, Any] = {"compile": self.compile, **options}
+            if "nvme_path" in registered_arguments(preset):
                 if not self.nvme_path:
                     rejected.append((name, "no strategy.nvme_path to offload to"))
                     continue
                 overrides["nvme_path"] = self.nvme_path
-            strategy = registered_strategy(name, **overrides)  # the preset, as `ld_<name>` names it
+            strategy = registered_strategy(preset, **overrides)  # the preset, as `ld_<name>` names it
             layout = layout_of(strategy, name)
             if layout.tensor_parallel > 1 and facts.tensor_parallel_parameters == 0:
                 rejected.append((name, "the model has no tensor-parallel plan (a `tp_plan` attribute)"))
+                continue
+            if layout.context_parallel > 1 and (unsplit := _sequences_unsplit(facts, layout.context_parallel)):
+                rejected.append((name, unsplit))
                 continue
             stages = layout.pipeline_parallel  # the ladder's fsdp_pp: one stage per rank
             if stages > 1 and (not facts.blocks or facts.blocks % stages):
@@ -113,6 +120,20 @@ class AutoFit:
                 return Choice(name, strategy, plan, rejected)
             rejected.append((name, why))
         raise NothingFits("strategy=auto_fit: nothing fits: " + " | ".join(f"{n}: {why}" for n, why in rejected))
+
+
+def _sequences_unsplit(facts: ModelFacts, cp: int) -> str | None:
+    """Why the model's sequences cannot be split over `cp` ranks (parallel/context_parallel.py), or None."""
+    if facts.attention is None:
+        return "the model makes no F.scaled_dot_product_attention call for context parallelism to exchange"
+    if not facts.positions:
+        return "the model has no position embedding or rotary table for a shard's positions"
+    queries, keys, tokens = facts.attention
+    if queries % cp or keys % cp:
+        return f"its attention's {queries} query and {keys} key/value heads do not divide by {cp}"
+    if tokens % (2 * cp):
+        return f"its {tokens}-token sequences do not split into {2 * cp} chunks"
+    return None
 
 
 def _shortfall(plan: MemoryPlan, device_budget: float, host_budget: float) -> str | None:

@@ -20,6 +20,7 @@ from lightning_dist.memory.attention_kernel import fused_attention
 from lightning_dist.memory.hidden_size import hidden_size_of
 from lightning_dist.parallel.activation_checkpoint import KEPT_OPS, CheckpointPlan
 from lightning_dist.parallel.classes import block_modules
+from lightning_dist.parallel.context_parallel import position_modules
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class ModelFacts:
     # as DeepSpeed's AutoTP splits them); None: unknown, every parameter counted as split.
     tensor_parallel_parameters: int | None = None
     block_activations: tuple[BlockActivations, ...] = ()  # per block, in model order: selective checkpointing's
+    # Context parallelism's terms, from the traced step: (query heads, key/value heads, sequence length) of its
+    # attention calls (the fewest heads; the shortest sequence), and whether the model's positions can follow a shard.
+    attention: tuple[int, int, int] | None = None
+    positions: bool = False
 
     def activations_under(self, plan: CheckpointPlan | None) -> int | None:
         """Bytes saved for backward by one micro-batch with `plan`'s blocks checkpointed (None: none are). Each
@@ -70,7 +75,8 @@ class ModelFacts:
             module = build()
         params = [p for p in _unique_parameters(module) if p.requires_grad]
         blocks = block_modules(module, block_classes)
-        traced = _trace_activations(module, batch, blocks) if batch is not None else None
+        attention: list[tuple[int, int, int]] = []
+        traced = _trace_activations(module, batch, blocks, attention) if batch is not None else None
         return cls(
             parameters=sum(p.numel() for p in params),
             largest_block=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
@@ -84,7 +90,15 @@ class ModelFacts:
             hidden_size=hidden_size_of(module),
             most_parameters_per_module=max(len(list(m.parameters(recurse=False))) for m in module.modules()),
             tensor_parallel_parameters=_split_by_tensor_parallelism(module, blocks),
+            attention=_fewest(attention),
+            positions=bool(position_modules(module)),
         )
+
+
+def _fewest(calls: list[tuple[int, int, int]]) -> tuple[int, int, int] | None:
+    """The fewest query heads, key/value heads and tokens over the attention calls: what context parallelism must
+    divide."""
+    return (min(c[0] for c in calls), min(c[1] for c in calls), min(c[2] for c in calls)) if calls else None
 
 
 def _split_by_tensor_parallelism(module: nn.Module, blocks: list[nn.Module]) -> int:
@@ -111,10 +125,10 @@ def _unique_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 def _trace_activations(
-    module: nn.Module, batch: Any, blocks: list[nn.Module]
+    module: nn.Module, batch: Any, blocks: list[nn.Module], attention: list[tuple[int, int, int]]
 ) -> tuple[int, int, tuple[BlockActivations, ...]]:
     """(bytes saved for backward, bytes saved with each block checkpointed, what each block saves) by one training
-    step on meta."""
+    step on meta; each attention call's heads and length into `attention`."""
     parameters = {id(p) for p in module.parameters()}
     seen: set[int] = set()
     per_block = {id(b): [0, 0, 0] for b in blocks}  # saved, inputs, products
@@ -153,7 +167,7 @@ def _trace_activations(
             stack.callback(block.register_forward_pre_hook(enter).remove)
             stack.callback(block.register_forward_hook(leave).remove)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
-        stack.enter_context(fused_attention())  # meta has no fused kernel: its math path saves T x T weights
+        stack.enter_context(fused_attention(attention))  # meta has no fused kernel: its math path saves T x T weights
         stack.enter_context(_OutputsOf(KEPT_OPS, product))
         stack.enter_context(mock.patch.object(type(module), "log", lambda *a, **k: None, create=True))
         step = getattr(module, "training_step", None)

@@ -20,6 +20,7 @@ SEVEN_B_PLANNED = ModelFacts(parameters=7_000_000_000, largest_block=200_000_000
 # 1B parameters in 32 blocks, without a tensor-parallel plan, at a context whose activations are 60 GB in fp32.
 LONG_CONTEXT_1B = ModelFacts(parameters=1_000_000_000, largest_block=31_000_000, blocks=32, activation_bytes=60_000_000_000,
                              checkpointed_activation_bytes=4_000_000_000, tensor_parallel_parameters=0)
+LONG_CONTEXT_1B_TRACED = dataclasses.replace(LONG_CONTEXT_1B, attention=(16, 16, 32768), positions=True)
 TINY = ModelFacts(parameters=842_496, largest_block=198_272, activation_bytes=88_261_636)
 
 
@@ -40,11 +41,17 @@ TINY = ModelFacts(parameters=842_496, largest_block=198_272, activation_bytes=88
     (SEVEN_B_PLANNED, AutoFit(device_memory_gb=21.7, host_memory_gb=512, family="fsdp"), "fsdp_tp",
      ["ddp", "fsdp_shard_grad_op", "fsdp"]),
     (dataclasses.replace(SEVEN_B_PLANNED, tensor_parallel_parameters=0), AutoFit(device_memory_gb=21.7, host_memory_gb=512, family="fsdp"),
-     "fsdp_cpu_offload", ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_tp", "fsdp_pp"]),
+     "fsdp_cpu_offload", ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_tp", "fsdp_cp", "fsdp_pp"]),
     # Long sequences: activations outweigh the model. FSDP on 8 devices holds all 30 GB of one micro-batch's bf16
     # activations; 2 pipeline stages hold half each (1F1B: 2 micro-batches of half the batch in flight), beside
     # their stage's 0.5B parameters gathered (1 GB) and its gradients accumulated in fp32 (2 GB): 19.7 of 20.4 GB.
+    # (Facts given without an attention trace: the sequences cannot be split, fsdp_cp is passed over.)
     (LONG_CONTEXT_1B, AutoFit(device_memory_gb=24, host_memory_gb=512, family="fsdp"), "fsdp_pp",
+     ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_tp", "fsdp_cp"]),
+    # The same model as traced (16 heads, 32,768 tokens, rotary positions): each sequence split over 2 ranks holds
+    # half the activations, 15 GB, beside its 1.5 GB of sharded state (16.7 of 20.4 GB): the weights stay sharded over
+    # all 8 ranks.
+    (LONG_CONTEXT_1B_TRACED, AutoFit(device_memory_gb=24, host_memory_gb=512, family="fsdp"), "fsdp_cp",
      ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_tp"]),
 ])
 def test_auto_fit_picks_the_least_sharded_strategy_that_fits(facts, fit, chosen, rejected, caplog):
@@ -67,6 +74,29 @@ def test_rejections_say_what_was_needed_and_what_was_usable():
         "deepspeed_stage_2": "needs 43.30 GB per device, 34.00 GB usable",  # with its two 0.4 GB gradient buckets
     }
     assert choice.strategy.config["zero_optimization"]["stage"] == 3
+
+
+@pytest.mark.parametrize(("traced", "why"), [
+    ({}, "the model makes no F.scaled_dot_product_attention call for context parallelism to exchange"),
+    ({"attention": (16, 16, 32768)}, "the model has no position embedding or rotary table for a shard's positions"),
+    ({"attention": (16, 3, 32768), "positions": True}, "its attention's 16 query and 3 key/value heads do not divide by 2"),
+    ({"attention": (16, 16, 32766), "positions": True}, "its 32766-token sequences do not split into 4 chunks"),
+])
+def test_the_context_parallel_rung_is_passed_over_where_the_sequences_cannot_split(traced, why):
+    facts = dataclasses.replace(LONG_CONTEXT_1B, **traced)
+    choice = AutoFit(device_memory_gb=24, host_memory_gb=512, family="fsdp").choose(facts, "bf16-mixed", 8)
+    assert dict(choice.rejected)["fsdp_cp"] == why and choice.name == "fsdp_pp"
+
+
+def test_the_model_trace_gives_context_parallelism_its_heads_length_and_positions():
+    import torch
+
+    from lightning_dist.models.gpt import GPTLanguageModel, TransformerBlock
+
+    batch = (torch.zeros(2, 256, dtype=torch.long), torch.zeros(2, 256, dtype=torch.long))
+    facts = ModelFacts.of(lambda: GPTLanguageModel(vocab_size=256, block_size=256, n_layer=2, n_head=4, d_model=64),
+                          batch, (TransformerBlock,))
+    assert facts.attention == (4, 4, 256) and facts.positions
 
 
 def test_when_nothing_fits_every_rung_is_named():

@@ -1,6 +1,6 @@
 """recipes/long_context as its README types it: the bundled GPT at 8,192 tokens with and without context
-parallelism (what each rank holds, beside the plan), and the dry run of a 7B-class model at 128k tokens on 64
-ranks."""
+parallelism (what each rank holds, beside the plan), the dry run of a 7B-class model at 128k tokens on 64 ranks,
+and auto_fit raising context parallelism where the context does not fit."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_at_8192_tokens_two_context_ranks_each_hold_at_most_0_6_of_the_activatio
     from lightning_dist.strategies import FSDPStrategy
     from tests.conftest import documented_commands
 
-    commands = [c for c in documented_commands(RECIPE) if "data.block_size=8192" in c]
+    commands = [c for c in documented_commands(RECIPE) if "data.block_size=8192" in c and "auto_fit" not in c]
     assert len(commands) == 2
     batch = (torch.zeros(1, 8192, dtype=torch.long),) * 2
     facts = ModelFacts.of(partial(GPTLanguageModel, block_size=8192), batch, (TransformerBlock,))
@@ -72,3 +72,20 @@ def test_a_7b_model_at_128k_tokens_on_64_ranks_is_planned_within_15_percent_of_i
     rank_0, rank_63, plan = (float(v) for v in table["peak"])
     assert rank_0 == rank_63 and abs(rank_0 - plan) / rank_0 < 0.15, (rank_0, plan)  # 11.13 GB, planned 9.64
     assert "Verdict on 80 GB devices (dry_run_device_memory_gb), 85% usable: fits" in run.stdout
+
+
+def test_auto_fit_splits_the_sequences_where_the_context_is_what_does_not_fit(tmp_path):
+    """The recipe's auto_fit run as typed: every cheaper layout rejected with what it needed, the sequences split over
+    2 ranks, and the run trains with them."""
+    import shlex
+
+    from tests.conftest import documented_commands
+
+    (command,) = [c for c in documented_commands(RECIPE) if "auto_fit" in c]
+    run = run_train(tmp_path, *shlex.split(command)[2:])
+    assert run.process.returncode == 0, run.output[-3000:]
+    said = [line.split("][INFO] - ")[1] for line in run.output.splitlines() if "auto_fit][INFO]" in line]
+    assert said == [line for line in RECIPE.read_text().splitlines() if line.startswith("auto_fit: ")]
+    summary = metrics(run)
+    assert summary["parallel_sizes"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1}
+    assert "with fsdp_cp, 4 cpu ranks" in run.output
