@@ -72,6 +72,8 @@ RUN_ELSEWHERE = {
         "tests/strategies/test_context_parallel.py", '"gpt zero-2 cp 2": (*SHORTER, "strategy=deepspeed_stage_2", "strategy.context_parallel_size=2", "trainer.devices=2")'),
     "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_llama strategy=deepspeed strategy.config=recipes/long_context/ds_config_ulysses_zero3.json trainer.devices=4": (
         "tests/strategies/test_context_parallel.py", '"llama zero-3 cp 2 from its file": (*LLAMA, "strategy=deepspeed", f"strategy.config={ULYSSES_CONFIG}",'),
+    "python train.py strategy=fsdp strategy.context_parallel_size=2 strategy.context_parallel=ring trainer=gpu trainer.devices=4 dry_run=true": (
+        "tests/strategies/test_context_parallel.py", '" strategy.context_parallel=ring trainer=gpu trainer.devices=4 dry_run=true")'),
     "python train.py strategy=fsdp strategy.context_parallel_size=2 trainer.devices=4 dry_run=true": (
         "tests/strategies/test_context_parallel.py", '" trainer.devices=4 dry_run=true")'),
     # recipes/long_context: its 8,192-token runs and its 7B dry run, read from the recipe by the tests that run them

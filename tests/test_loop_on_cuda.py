@@ -26,6 +26,8 @@ WORLDS = {"fsdp_tp": (4, 1), "hsdp_tp": (2, 2)}
 # Layouts that are options rather than presets: their overrides and world (rank 1 is context-parallel rank 1).
 LAYOUTS = {
     "fsdp, context_parallel_size=2": (("strategy=fsdp", "strategy.context_parallel_size=2"), (4, 1)),
+    "fsdp, context_parallel_size=2, ring": (("strategy=fsdp", "strategy.context_parallel_size=2",
+                                             "strategy.context_parallel=ring"), (4, 1)),
     "deepspeed_stage_3, context_parallel_size=2": (("strategy=deepspeed_stage_3", "strategy.context_parallel_size=2"),
                                                    (4, 1)),
 }
@@ -119,8 +121,8 @@ def test_each_fix_undone_fails_naming_the_op_both_devices_and_the_metric(tmp_pat
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_context_parallelism_runs_lightning_s_whole_loop_on_its_rank_s_device(tmp_path, name):
     """Each step on the rank's shard of the sequences, attention exchanged across the 2 context-parallel ranks (by
-    torch's all-to-all under FSDP, DeepSpeed's `DistributedAttention` under ZeRO) and what is logged averaged over
-    them, every op and collective on the rank's own device."""
+    torch's all-to-all under FSDP, DeepSpeed's `DistributedAttention` under ZeRO, torch's ring attention on CUDA's
+    flash kernel) and what is logged averaged over them, every op and collective on the rank's own device."""
     (report,) = run_loops([name], tmp_path).values()
     assert not isinstance(report, str), report[-3000:]
     assert report.device == "cuda:1"

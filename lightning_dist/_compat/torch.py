@@ -30,6 +30,8 @@ __all__ = [
     "compile_forward",
     "eager",
     "cpu_flash_attention",
+    "cuda_flash_attention",
+    "ring_attention",
     "cpu_supports_fp16",
     "default_process_group_store",
     "extension_build_lock",
@@ -108,6 +110,9 @@ FENCED = [
     Fenced("torch.utils.cpp_extension", "_jit_compile"),
     Fenced("torch.utils._python_dispatch", "TorchDispatchMode"),  # the base of every dispatch mode; torch has no other
     Fenced("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu"),
+    Fenced("torch", "ops.aten._scaled_dot_product_flash_attention"),
+    Fenced("torch.distributed.tensor.experimental", "context_parallel",
+           ("mesh", "buffers", "buffer_seq_dims", "no_restore_buffers")),
     Fenced("torch.distributed.pipelining.schedules", "get_schedule_class", ("schedule_name",)),
     Fenced("torch.distributed.pipelining.schedules", "PipelineScheduleMulti._load_csv", ("self", "filename")),
     Fenced("torch.distributed.pipelining.schedules", "_PipelineScheduleRuntime._prepare_schedule_with_comms",
@@ -364,6 +369,27 @@ def cpu_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
     return output
+
+
+def cuda_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
+                         is_causal: bool, scale: float | None) -> torch.Tensor:
+    """Attention by CUDA's flash kernel, the one torch's ring attention has a rule for (on fake CUDA tensors: its meta
+    kernel; on DTensors: the ring)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention(
+        query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+
+
+@contextmanager
+def ring_attention(mesh: DeviceMesh, length: int, device: Any) -> Iterator[torch.Tensor]:
+    """Within: torch's context-parallel attention (its ring over `mesh`, the context-parallel ranks) wherever
+    `F.scaled_dot_product_attention` is called by that name. Yields the positions of a `length`-token sequence that
+    this rank holds, in torch's order: its causal load balancing gives rank r the chunks r and 2 x cp - 1 - r of
+    2 x cp (torch shards an `arange` buffer as it would shard the batch, so the two cannot differ)."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    positions = torch.arange(length, device=device)[None]
+    with context_parallel(mesh, buffers=[positions], buffer_seq_dims=[1], no_restore_buffers={positions}):
+        yield positions[0]
 
 
 @contextmanager

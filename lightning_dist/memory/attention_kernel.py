@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch.overrides import TorchFunctionMode
 
-from lightning_dist._compat.torch import attention_function_replaced, cpu_flash_attention
+from lightning_dist._compat.torch import attention_function_replaced, cpu_flash_attention, cuda_flash_attention
 
 
 class fused_attention(TorchFunctionMode):
@@ -48,8 +48,12 @@ class fused_attention(TorchFunctionMode):
 
 
 def _flash(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    from torch.distributed.tensor import DTensor
+
     if enable_gqa and key.shape[-3] != query.shape[-3]:  # grouped queries: the fused kernels read shared heads
         repeats = query.shape[-3] // key.shape[-3]
         key, value = (t.repeat_interleave(repeats, dim=-3) for t in (key, value))
+    if isinstance(query, DTensor) and attn_mask is None:  # torch's ring attention: its rule is for CUDA's kernels
+        return cuda_flash_attention(query, key, value, dropout_p, is_causal, scale)
     return cpu_flash_attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
 

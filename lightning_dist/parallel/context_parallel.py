@@ -4,9 +4,11 @@ the embedding to the loss, so that a sequence too long for one device's activati
 Attention is the one place a token needs the others: `all_to_all` (DeepSpeed's Ulysses) exchanges the query, key
 and value of the shard for those of the whole sequence and a share of the heads (heads / cp per rank), runs the
 model's own attention (`F.scaled_dot_product_attention`, causal as the model asks) on them, and exchanges the output
-back. It needs only all-to-all, which every backend has (gloo too). torch's ring attention (`ring`) runs its SDPA
-kernels for CUDA only: `_scaled_dot_product_flash_attention_for_cpu` has no sharding rule in torch's context-parallel
-API (torch 2.13, checked), so it is refused on CPU.
+back. It needs only all-to-all, which every backend has (gloo too). `ring` is torch's ring attention
+(`RingContextParallel`): each rank keeps its heads and passes key/value shards round the group; it has rules for
+CUDA's SDPA kernels only (`_scaled_dot_product_flash_attention_for_cpu` has none in torch's context-parallel API,
+torch 2.13, checked), so it is refused on CPU. Its shards are torch's causal load-balanced ones (rank r holds
+chunks r and 2 x cp - 1 - r of 2 x cp), the positions to match.
 
 Without user code:
 - the strategy gives the step its shard of the batch: every tensor with the sequence's length in dimension 1
@@ -42,12 +44,10 @@ def check_context_parallel(cp: int, style: str, heads: int | None = None, sequen
         return
     if style not in STYLES:
         raise ValueError(f"strategy.context_parallel={style!r}: choose one of {', '.join(STYLES)}")
-    if style == "ring":
-        where = "on CPU: torch's SDPA for CPU has no rule in its context-parallel API" if device_type == "cpu" \
-            else "yet"
-        raise ValueError(f"strategy.context_parallel=ring: not available {where}; choose all_to_all (Ulysses), which"
-                         " runs everywhere")
-    if heads is not None and heads % (cp * tensor_parallel):
+    if style == "ring" and device_type == "cpu":
+        raise ValueError("strategy.context_parallel=ring: not available on CPU: torch's SDPA for CPU has no rule in"
+                         " its context-parallel API; choose all_to_all (Ulysses), which runs everywhere")
+    if style == "all_to_all" and heads is not None and heads % (cp * tensor_parallel):
         share, choice = (f"{heads}/{cp}", "a size that") if tensor_parallel == 1 else \
             (f"{heads}/({tensor_parallel} x {cp})", "tensor- and context-parallel sizes whose product")
         raise ValueError(f"strategy.context_parallel_size={cp}: all_to_all gives each rank {share} of the model's"
@@ -160,16 +160,18 @@ class ContextParallel:
         finally:
             del module.log
 
+    def held_positions(self, positions: Any) -> Any:
+        """The positions in the whole sequence of the shard's local `positions` (0 to its length): contiguous, after
+        the shards of the ranks before this one."""
+        return positions + self.rank * positions.shape[-1]
+
     def _shifted(self, kind: str) -> Callable[..., Any]:
         def shift(_: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if kind == "embedding":
-                positions = args[0]
-                return (positions + self.rank * positions.shape[-1], *args[1:]), kwargs
+                return (self.held_positions(args[0]), *args[1:]), kwargs
             if "position_ids" in kwargs:
-                positions = kwargs["position_ids"]
-                return args, {**kwargs, "position_ids": positions + self.rank * positions.shape[-1]}
-            positions = args[1]
-            return (args[0], positions + self.rank * positions.shape[-1], *args[2:]), kwargs
+                return args, {**kwargs, "position_ids": self.held_positions(kwargs["position_ids"])}
+            return (args[0], self.held_positions(args[1]), *args[2:]), kwargs
 
         return shift
 
@@ -190,6 +192,63 @@ class ContextParallel:
             return self._original(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra)
 
         return self.exchange(query, key, value, attend)
+
+
+class RingContextParallel(ContextParallel):
+    """torch's ring attention over `mesh` (the context-parallel ranks, 1-D): each rank keeps its heads, and torch's
+    context-parallel SDPA passes the key/value shards round the ranks (CUDA's flash, efficient or cuDNN kernels).
+    The shards are those torch makes of the batch under causal load balancing, read from torch itself."""
+
+    def __init__(self, mesh: Any, rank: int, size: int, device: Any = "cpu") -> None:
+        super().__init__(mesh.get_group(), rank, size, device)
+        self.mesh = mesh
+        self._orders: dict[int, Any] = {}
+        self._length: int | None = None
+
+    def order(self, length: int) -> Any:
+        """The positions of a `length`-token sequence this rank holds, in torch's order."""
+        from lightning_dist._compat.torch import ring_attention
+
+        if length not in self._orders:
+            with ring_attention(self.mesh, length, self.device) as held:
+                self._orders[length] = held
+        return self._orders[length]
+
+    def shard(self, batch: Any) -> Any:
+        import torch
+
+        from lightning_dist._compat.torch import tree_map
+
+        def cut(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor) or value.dim() < 2:
+                return value
+            if value.shape[1] % (2 * self.size):
+                raise ValueError(f"strategy.context_parallel_size={self.size}: a batch of sequences of"
+                                 f" {value.shape[1]} tokens does not split into 2 x {self.size} equal chunks")
+            self._length = value.shape[1]
+            return value.index_select(1, self.order(value.shape[1]).to(value.device))
+
+        return tree_map(cut, batch)
+
+    def held_positions(self, positions: Any) -> Any:
+        return self.order(positions.shape[-1] * self.size).to(positions.device)[positions]
+
+    @contextmanager
+    def attention(self) -> Iterator[None]:
+        from lightning_dist._compat.torch import ring_attention
+
+        if self._length is None:
+            raise RuntimeError("RingContextParallel.attention: no batch sharded yet, so no sequence length is known")
+        with ring_attention(self.mesh, self._length, self.device):
+            yield
+
+
+def context_parallel_of(style: str, mesh: Any, rank: int, size: int, device: Any) -> ContextParallel:
+    """This rank's part of its context-parallel group (`mesh`: the 1-D mesh of its ranks), exchanging attention
+    by `style`."""
+    if style == "ring":
+        return RingContextParallel(mesh, rank, size, device)
+    return ContextParallel(mesh.get_group(), rank, size, device)
 
 
 def all_to_all_attention(query: Any, key: Any, value: Any, attend: Callable[[Any, Any, Any], Any], group: Any,

@@ -16,20 +16,23 @@ class SplitsSequences(StrategyMixin):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.context is None:
             return super().training_step(*args, **kwargs)
+        shard = self.context.shard(args[0])  # first: the shard's length is what ring attention is set up for
         with self.context.step(self.lightning_module):
-            return super().training_step(self.context.shard(args[0]), *args[1:], **kwargs)
+            return super().training_step(shard, *args[1:], **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.context is None:
             return super().validation_step(*args, **kwargs)
+        shard = self.context.shard(args[0])  # first: the shard's length is what ring attention is set up for
         with self.context.step(self.lightning_module):
-            return super().validation_step(self.context.shard(args[0]), *args[1:], **kwargs)
+            return super().validation_step(shard, *args[1:], **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.context is None:
             return super().test_step(*args, **kwargs)
+        shard = self.context.shard(args[0])  # first: the shard's length is what ring attention is set up for
         with self.context.step(self.lightning_module):
-            return super().test_step(self.context.shard(args[0]), *args[1:], **kwargs)
+            return super().test_step(shard, *args[1:], **kwargs)
 
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         if self.context is None:

@@ -82,6 +82,15 @@ def test_the_dry_run_sets_up_and_steps_at_8_ranks_with_cuda_faked(name, tmp_path
     assert "**peak**" in run.stdout
 
 
+def test_ring_attention_dry_runs_with_cuda_faked_on_this_torch(tmp_path):
+    """torch's context-parallel API (its ring over CUDA's flash kernel, its load-balanced shards) as this torch has it."""
+    run = typed("python train.py dry_run=true trainer=gpu trainer.devices=4 strategy=fsdp"
+                " strategy.context_parallel_size=2 strategy.context_parallel=ring", tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "rank 3: data_parallel_shard=1, context_parallel=1, tensor_parallel=0" in run.stdout
+    assert "**peak**" in run.stdout
+
+
 def test_a_v_schedule_trains_or_is_refused_in_one_line_on_this_torch(tmp_path):
     """ZBVZeroBubble holds the first and the last stage on one rank: torch 2.13 and 2.15 run it (the suite compares
     its losses with ddp's), torch 2.11 sends its warm-up from the rank to itself, which gloo refuses, so there it is

@@ -7,8 +7,9 @@ parallelism, and the reverse, with the uninterrupted run's losses (context paral
 cp 2 x tp 2 with op-level checkpointing and compiled blocks trains one rank's losses. Under DeepSpeed (ZeRO-2 by the
 strategy's option, ZeRO-3 by a ds_config's `sequence_parallel_size`) DeepSpeed's own Ulysses trains them too.
 
-torch's ring attention is not here: on CPU it has no kernel (`_scaled_dot_product_flash_attention_for_cpu` has no
-sharding rule in torch 2.13's context-parallel API), and it is refused in one line (tests/test_config_errors.py)."""
+torch's ring attention does not train here: on CPU it has no kernel (`_scaled_dot_product_flash_attention_for_cpu`
+has no sharding rule in torch 2.13's context-parallel API), and it is refused in one line (tests/test_config_errors.py);
+its dry run on fake CUDA is here, Lightning's whole loop with it in tests/test_loop_on_cuda.py."""
 
 from __future__ import annotations
 
@@ -145,3 +146,22 @@ def test_the_dry_run_holds_each_ranks_shard_of_the_sequences_as_the_plan_says(tm
     rank_0, rank_3, plan = (float(v) for v in table["peak"])
     assert rank_0 == rank_3 and abs(rank_0 - plan) / plan < 0.15
 
+
+
+def test_ring_attentions_dry_run_steps_each_rank_on_torchs_shard_with_cuda_faked(tmp_path):
+    """The documented dry run of `ring` (CUDA's flash kernel, torch's ring over the 2 context-parallel ranks):
+    each rank holds half of each sequence's activations, as the plan says (18.5 MB, planned 17.9)."""
+    from tests.conftest import documented, run_documented
+    from tests.test_dry_run import rows
+
+    command = documented(REPO / "docs" / "strategies.md", "python train.py strategy=fsdp strategy.context_parallel_size=2"
+                         " strategy.context_parallel=ring trainer=gpu trainer.devices=4 dry_run=true")
+    run = run_documented(command, tmp_path, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "4 ranks (4 per node) on fake CUDA devices" in run.stdout
+    assert "rank 3: data_parallel_shard=1, context_parallel=1, tensor_parallel=0" in run.stdout
+    table = rows(run.stdout)
+    measured, _, planned = (float(v) for v in table["activations"])
+    assert abs(measured - planned) <= 0.05 * planned
+    rank_0, rank_3, plan = (float(v) for v in table["peak"])
+    assert rank_0 == rank_3 and abs(rank_0 - plan) / plan < 0.15

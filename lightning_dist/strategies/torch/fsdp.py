@@ -27,7 +27,7 @@ from lightning_dist.checkpoints.swap import write_then_swap
 from lightning_dist.memory.layout import Layout
 from lightning_dist.optim import require_shardable_optimizer
 from lightning_dist.parallel.classes import BlockClasses
-from lightning_dist.parallel.context_parallel import ContextParallel, check_context_parallel
+from lightning_dist.parallel.context_parallel import check_context_parallel, context_parallel_of
 from lightning_dist.parallel.dims import (
     CONTEXT_PARALLEL,
     TENSOR_PARALLEL,
@@ -98,7 +98,8 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, SplitsSequences, ModelParallel
         context_parallel_size: ranks that split each sequence (each holds a contiguous shard, from the embedding to
             the loss); FSDP shards over the data and context ranks together. 1: none.
         context_parallel: how attention sees the whole sequence: "all_to_all" (Ulysses: heads exchanged for the
-            sequence around attention; the heads must divide by the size) or "ring" (not available yet).
+            sequence around attention; the heads must divide by the size) or "ring" (torch's ring attention, CUDA only:
+            its SDPA kernels; each rank keeps every head).
     """
 
     strategy_name = "ld_fsdp"
@@ -274,9 +275,10 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, SplitsSequences, ModelParallel
         if self._pipeline_split is not None and self._pipeline_steps is None:
             self._pipeline_steps = self.pipeline.steps(self, self._pipeline_split, roots)
         if self.parallel_dims.cp > 1:
+            check_context_parallel(self.parallel_dims.cp, self.context_parallel, device_type=self.root_device.type)
             cp_rank = self.parallel_dims.coordinates(self.global_rank)["cp"]
-            self.context = ContextParallel(self.device_mesh[CONTEXT_PARALLEL].get_group(), cp_rank,
-                                            self.parallel_dims.cp, self.root_device)
+            self.context = context_parallel_of(self.context_parallel, self.device_mesh[CONTEXT_PARALLEL], cp_rank,
+                                               self.parallel_dims.cp, self.root_device)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
