@@ -17,14 +17,17 @@ BASE = ["lightning_dist.strategies.base.StrategyBase",
         "lightning_dist.checkpoints.logged_steps.LogsGlobalSteps",
         "lightning_dist.parallel.sharded_init.ForgetsUnbuiltModel"]
 TORCH_REPLAY = "lightning_dist.strategies.torch.replay.ReplayedOnTorch"  # the dry run's replay of DDP and FSDP2
+# Context parallelism's step on the rank's shard of each sequence: inside the mixins above (compile's eager sanity
+# check wraps it), around Lightning's step and backward.
+SEQUENCE_SHARDS = "lightning_dist.strategies.sequence_shards.SplitsSequences"
 LIGHTNING = ["lightning.pytorch.strategies.parallel.ParallelStrategy", "lightning.pytorch.strategies.strategy.Strategy",
              "abc.ABC", "builtins.object"]
 ORDERS = {
     "DDPStrategy": ["lightning_dist.strategies.torch.ddp.DDPStrategy", TORCH_REPLAY, *BASE,
                     "lightning.pytorch.strategies.ddp.DDPStrategy", *LIGHTNING],
-    "FSDPStrategy": ["lightning_dist.strategies.torch.fsdp.FSDPStrategy", TORCH_REPLAY, *BASE,
+    "FSDPStrategy": ["lightning_dist.strategies.torch.fsdp.FSDPStrategy", TORCH_REPLAY, *BASE, SEQUENCE_SHARDS,
                      "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy", *LIGHTNING],
-    "DeepSpeedStrategy": ["lightning_dist.strategies.deepspeed.strategy.DeepSpeedStrategy", *BASE,
+    "DeepSpeedStrategy": ["lightning_dist.strategies.deepspeed.strategy.DeepSpeedStrategy", *BASE, SEQUENCE_SHARDS,
                           "lightning.pytorch.strategies.deepspeed.DeepSpeedStrategy",
                           "lightning.pytorch.strategies.ddp.DDPStrategy", *LIGHTNING],
 }
