@@ -15,7 +15,9 @@ warn_if_unsupported()
 quiet_library_warnings()
 register_presets_with_lightning()
 
-__all__ = ["DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "load_from_checkpoint"]
+__all__ = [
+    "DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "from_pretrained", "load_from_checkpoint", "save_adapters",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,6 +25,14 @@ def __getattr__(name: str) -> Any:
         from lightning_dist.checkpoints.consolidate import load_from_checkpoint
 
         return load_from_checkpoint
+    if name == "save_adapters":
+        from lightning_dist.checkpoints.adapters import save_adapters
+
+        return save_adapters
+    if name == "from_pretrained":
+        from lightning_dist.models.pretrained import from_pretrained
+
+        return from_pretrained
     if name in __all__:
         from lightning_dist import strategies
 

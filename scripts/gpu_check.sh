@@ -14,6 +14,12 @@ report=${1:-GPU.md}
 python=${PYTHON:-python3}
 site=${LD_GPU_SITE:-/tmp/lightning-dist-site}
 
+# QLoRA's test needs Hugging Face's libraries and bitsandbytes: their wheels (62 MB, `scripts/gpu_wheels.sh hf`) are
+# carried in a call of their own, beside .whl/'s within the 64 MB a call carries.
+if compgen -G ".whl-hf/*.whl" >/dev/null && ! $python -c "import bitsandbytes, peft, transformers" 2>/dev/null; then
+    $python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl-hf/*.whl || exit 1
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 if ! $python -c "import deepspeed, hydra, omegaconf, submitit, hydra_plugins.hydra_submitit_launcher, pytest" 2>/dev/null; then
     if compgen -G ".whl/*.whl" >/dev/null; then
         $python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1

@@ -60,6 +60,18 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+@contextlib.contextmanager
+def one_rank_world():
+    """This process as the only rank of a gloo process group: collectives run, with no one to wait for."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def cpu_has_fp16() -> bool:
     """Whether DeepSpeed's CPU accelerator trains in fp16 here (AVX512-FP16/AMX-FP16): some cells of the precision
     matrix and some config files train on such a CPU and are refused, with that reason, on others."""
@@ -105,7 +117,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # worker, so each run is made once. (No module reads both.)
 SHARED_RUN_GROUPS = {"trained_runs": "trained-runs", "strategy_run": "trained-runs", "curve_runs": "curve-runs"}
 # Modules whose runs hold gigabytes per rank (a 400M-parameter model): in one group, so never two of them at once.
-MEMORY_HEAVY = {"tests.parallel.test_sharded_init": "memory-heavy", "tests.memory.test_beyond_memory": "memory-heavy"}
+MEMORY_HEAVY = {"tests.parallel.test_sharded_init": "memory-heavy", "tests.memory.test_beyond_memory": "memory-heavy",
+                "tests.models.test_pretrained_memory": "memory-heavy"}
 
 
 # The groups that take longest, handed to the workers first. xdist hands groups out by how many tests they hold,

@@ -312,3 +312,15 @@ class TensorPeak(L.Callback):
             peak = memory_categories(self.tracker)
             Path(self.directory, f"tensor_peak_rank{trainer.global_rank}.json").write_text(json.dumps(peak))
             self.tracker = None
+
+
+class SwapParametersOnConversion(L.Callback):
+    """Every `module.to()` of the run swaps each parameter for its moved copy (`torch.utils.swap_tensors`), as torch
+    2.11 moves FSDP2's DTensor parameters whatever this flag says: a parameter something holds a weak reference to
+    cannot be swapped ("Cannot swap t1 because it has weakref associated with it"), and `trainer.test` after
+    `trainer.fit` moves the model again. On the torch of this venv, the check that torch 2.11 alone makes."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        import torch
+
+        torch.__future__.set_swap_module_params_on_conversion(True)

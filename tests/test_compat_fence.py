@@ -22,7 +22,7 @@ pytestmark = pytest.mark.compat  # also run on the oldest and the newest torch (
 
 PACKAGE = REPO / "lightning_dist"
 FENCE = PACKAGE / "_compat"
-LIBRARIES = ("torch", "lightning", "deepspeed", "hydra")
+LIBRARIES = ("torch", "lightning", "deepspeed", "hydra", "peft")
 
 
 def _private(name: str) -> bool:

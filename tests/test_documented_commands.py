@@ -103,7 +103,15 @@ RUN_ELSEWHERE = {
         "tests/recipes/test_hf_causal_lm.py", '"fsdp_activation_checkpointing"'),
     "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_bart": ("tests/recipes/test_hf_causal_lm.py", '"model=hf_bart"'),
     "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_gpt2 model.pretrained=": ("tests/recipes/test_hf_causal_lm.py", 'f"model.pretrained='),
+    "python -m recipes.hf_causal_lm.export merged": ("tests/recipes/test_finetune.py", "documented_commands(RECIPE)"),
+    # docs/finetune.md: a LoRA model's plan and dry run
+    "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_llama +lora=default": (
+        "tests/test_dry_run.py", 'documented(FINETUNE, "python train.py --config-dir'),
     "python -m recipes.hf_causal_lm.export": ("tests/recipes/test_hf_causal_lm.py", "export([str(checkpoint), str(folder)])"),
+    # recipes/finetune: its page's commands in order, by its own test
+    "python -m recipes.finetune.": ("tests/recipes/test_finetune.py", "documented_commands(RECIPE)"),
+    "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_llama model.pretrained=pretrained/llama": (
+        "tests/recipes/test_finetune.py", "documented_commands(RECIPE)"),
     "python recipes/lightning_hydra_template/train.py trainer=ld_fsdp": ("tests/recipes/test_lightning_hydra_template.py", 'f"trainer={trainer}"'),
     # the template project's own src/train.py, which the recipe's train.py reproduces, with the same trainer configs
     "python src/train.py trainer=": ("tests/recipes/test_lightning_hydra_template.py", 'f"trainer={trainer}"'),
@@ -169,8 +177,12 @@ def test_every_documented_command_is_run_by_a_test_or_marked():
 @pytest.mark.slow
 @pytest.mark.parametrize("readme", [page for page in PAGES if commands_run_here(page)],
                          ids=lambda p: str(p.relative_to(REPO)))
-def test_the_documented_commands_run_as_written(readme, tmp_path, deepspeed_ops):
+def test_the_documented_commands_run_as_written(readme, tmp_path, deepspeed_ops, request):
     commands = commands_run_here(readme)
+    if any("nvme" in command for command in commands):
+        # async_io built first, outside the command's timeout: a loaded suite's first build of it took the 900 s of
+        # docs/deepspeed-configs.md's NVMe command (2026-12-01).
+        request.getfixturevalue("nvme_ops")
     for shared in ("recipes", "tests"):  # what commands name relative to a clone's root
         (tmp_path / shared).symlink_to(REPO / shared)
     made: dict[str, Path | None] = {}  # command -> the run directory it made

@@ -14,9 +14,10 @@ from functools import partial
 import pytest
 import torch
 
-from tests.conftest import REPO, documented, run_documented
+from tests.conftest import REPO, documented, documented_commands, run_documented
 
 PAGE = REPO / "docs" / "memory.md"
+FINETUNE = REPO / "docs" / "finetune.md"
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +161,31 @@ def test_zero_3_on_fake_host_devices_partitions_every_weight_flat(monkeypatch):
     assert abs(view.peak["SHARDED_GRAD"] - parameters * 4 / 8) <= 2 * 512
     assert 0 <= view.peak["OPT"] - parameters * 12 / 8 <= 3 * 4 * 512
     assert deepspeed.utils.groups._WORLD_GROUP is stale  # the process's own state, put back
+
+
+@pytest.mark.parametrize("ending", ["plan=true", "dry_run=true"])
+def test_a_lora_model_s_plan_and_dry_run_hold_its_frozen_base_as_weights_only(ending, tmp_path):
+    """docs/finetune.md's commands as typed: the plan counts the frozen base (it left it out: a 7B LoRA fine-tune
+    planned without its 7B weights), and ZeRO-3's dry run steps the LoRA model (torch's memory tracker refused its
+    frozen parameters) with the plan's gradients and optimizer state, the adapters' only."""
+    command = next(c for c in documented_commands(FINETUNE) if c.endswith(ending))
+    assert command == documented(FINETUNE, "python train.py --config-dir " + command.split("--config-dir ")[1])
+    (tmp_path / "recipes").symlink_to(REPO / "recipes")  # what the command names, relative to a clone's root
+    process = run_documented(command, tmp_path, timeout=600)
+    assert process.returncode == 0, process.stderr[-3000:]
+    table = rows(process.stdout)
+    if ending == "plan=true":
+        found = re.search(r"All presets for ([\d,]+) trained of ([\d,]+) parameters", process.stdout)
+        trained, total = (int(n.replace(",", "")) for n in found.groups())
+        assert 0 < trained < total / 10  # r 8 adapters on a 0.87M-parameter Llama
+        # ddp, fp32: every weight held (4 bytes), gradients and Adam's two moments only for the adapters.
+        assert f"| per device | parameters | {total * 4 / 1e9:.3f} |" in process.stdout
+        assert f"| ddp | {(total * 4 + trained * 12) / 1e9:.3f} |" in process.stdout
+        return
+    for category in ("sharded gradients", "optimizer state"):
+        rank_0, rank_1, planned = (float(v) for v in table[category])
+        assert rank_0 == rank_1 == planned > 0, category
+    rank_0, _, planned = (float(v) for v in table["sharded parameters"])
+    assert abs(rank_0 - planned) / planned < 0.1
+    rank_0, _, planned = (float(v) for v in table["peak"])
+    assert abs(rank_0 - planned) / planned < 0.02

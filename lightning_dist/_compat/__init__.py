@@ -16,6 +16,17 @@ __all__ = ["Fenced", "fenced"]
 
 def fenced() -> list[Fenced]:
     """Every symbol behind the fence, from each library's module."""
-    from lightning_dist._compat import deepspeed, fake_tensors, hydra, lightning, python, torch
+    from lightning_dist._compat import (
+        bitsandbytes,
+        deepspeed,
+        fake_tensors,
+        hydra,
+        lightning,
+        peft,
+        python,
+        torch,
+        transformers,
+    )
 
-    return [*torch.FENCED, *fake_tensors.FENCED, *lightning.FENCED, *deepspeed.FENCED, *hydra.FENCED, *python.FENCED]
+    return [*torch.FENCED, *fake_tensors.FENCED, *lightning.FENCED, *deepspeed.FENCED, *hydra.FENCED, *python.FENCED,
+            *peft.FENCED, *transformers.FENCED, *bitsandbytes.FENCED]

@@ -43,8 +43,11 @@ FENCED = [
     Fenced("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker", ("mod", "optm")),
     Fenced("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker.get_tracker_snapshot", ("self", "type")),
     Fenced("torch.distributed._tools.mem_tracker", "MemTracker.track_external", ("self",)),
-    # The trackers' per-op peak update (_rank_peak_only), the state it reads, and how a storage gets its category.
+    # The trackers' per-op peak update and their hooks on each parameter (_dry_run_tracker; the hooks are kept in
+    # the instance's `_param_to_grad_hook_handles`), the state they read, and how a storage gets its category.
     Fenced("torch.distributed._tools.mem_tracker", "MemTracker._update_peak_stats", ("self", "peak_state")),
+    Fenced("torch.distributed._tools.mem_tracker", "MemTracker._track_module_params_and_buffers",
+           ("self", "module", "install_grad_hooks")),
     Fenced("torch.distributed._tools.mem_tracker", "MemTracker._update_and_maybe_create_winfos",
            ("self", "t", "reftype", "update_existing")),
     Fenced("torch.distributed._tools.mem_tracker", "_RefType"),
@@ -269,7 +272,7 @@ def fsdp_memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> A
     optimizer state, communication buffers, activations, temporaries), at the peak of what it followed."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    return _rank_peak_only(FSDPMemTracker)(model, optimizer)
+    return _dry_run_tracker(FSDPMemTracker)(model, optimizer)
 
 
 def module_memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
@@ -277,7 +280,7 @@ def module_memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer) ->
     state, activations and temporaries, at the peak of what it followed."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = _rank_peak_only(MemTracker)()
+    tracker = _dry_run_tracker(MemTracker)()
     tracker.track_external(model, optimizer)
     return tracker
 
@@ -288,7 +291,7 @@ def pipeline_memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer) 
     tracking for multiple iterative calls"); the rank's peak is what it reports."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    class Tracker(_rank_peak_only(MemTracker)):
+    class Tracker(_dry_run_tracker(MemTracker)):
         def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
             if module in self.memory_tracking and not self._mod_tracker.is_bw:
                 del self.memory_tracking[module]
@@ -300,10 +303,14 @@ def pipeline_memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 @functools.cache
-def _rank_peak_only(tracker_class: type) -> type:
-    """`tracker_class` keeping the rank's peak only. torch's trackers also keep each module's own peak, walking
-    every module they follow on every op: 150 of the 190 s a 7B model's ZeRO-3 step took, for figures no dry run
-    reads."""
+def _dry_run_tracker(tracker_class: type) -> type:
+    """`tracker_class` keeping the rank's peak only, and following frozen parameters.
+
+    torch's trackers also keep each module's own peak, walking every module they follow on every op: 150 of the
+    190 s a 7B model's ZeRO-3 step took, for figures no dry run reads. And they hook every parameter's gradient,
+    which a parameter that does not train refuses ("cannot register a hook on a tensor that doesn't require
+    gradient": a LoRA model's base): a frozen parameter is given hooks that do nothing, so the tracker skips it (its
+    memory is still counted; it has no gradient to follow)."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
     def _update_peak_stats(self: Any, peak_state: Any) -> None:
@@ -312,7 +319,25 @@ def _rank_peak_only(tracker_class: type) -> type:
                 self._peak_mem[device] = snapshot[_TOTAL_KEY]
                 self._peak_mem_snap[device] = dict(snapshot)
 
-    return type(tracker_class.__name__, (tracker_class,), {"_update_peak_stats": _update_peak_stats})
+    def _track_module_params_and_buffers(self: Any, module: nn.Module, install_grad_hooks: bool = True) -> Any:
+        for param in module.parameters():
+            if not param.requires_grad and param not in self._param_to_grad_hook_handles:
+                self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+        return tracker_class._track_module_params_and_buffers(self, module, install_grad_hooks)
+
+    overrides = {"_update_peak_stats": _update_peak_stats,
+                 "_track_module_params_and_buffers": _track_module_params_and_buffers}
+    return type(tracker_class.__name__, (tracker_class,), overrides)
+
+
+class _NoHook:
+    """A hook handle for a hook never registered."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
 
 
 def storage_categorized_tracker(categories: dict[str, str], module: nn.Module) -> Any:
@@ -327,7 +352,7 @@ def storage_categorized_tracker(categories: dict[str, str], module: nn.Module) -
     kinds = _RefType("Categories", list(categories.items()))
     fixed: set[Any] = set()  # the categories `categorize` gave
 
-    class Tracker(_rank_peak_only(MemTracker)):
+    class Tracker(_dry_run_tracker(MemTracker)):
         def _update_and_maybe_create_winfos(self, t: torch.Tensor, reftype: Any, update_existing: bool = False) -> Any:
             known = [self._WINFO[storage][0] for storage in get_untyped_storages(t) if storage in self._WINFO]
             if any(winfo.reftype in fixed for winfo in known):

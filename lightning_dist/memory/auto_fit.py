@@ -93,7 +93,7 @@ class AutoFit:
                 overrides["nvme_path"] = self.nvme_path
             strategy = registered_strategy(preset, **overrides)  # the preset, as `ld_<name>` names it
             layout = layout_of(strategy, name)
-            if layout.tensor_parallel > 1 and facts.tensor_parallel_parameters == 0:
+            if layout.tensor_parallel > 1 and facts.tensor_parallel_parameters == facts.tensor_parallel_frozen == 0:
                 rejected.append((name, "the model has no tensor-parallel plan (a `tp_plan` attribute)"))
                 continue
             if layout.context_parallel > 1 and (unsplit := _sequences_unsplit(facts, layout.context_parallel)):
@@ -139,8 +139,8 @@ def _sequences_unsplit(facts: ModelFacts, cp: int) -> str | None:
 def _shortfall(plan: MemoryPlan, device_budget: float, host_budget: float) -> str | None:
     if plan.device_total > device_budget:
         return f"needs {plan.device_total / GB:.2f} GB per device, {device_budget / GB:.2f} GB usable"
-    if plan.host_total > host_budget:
-        return f"needs {plan.host_total / GB:.2f} GB of host memory per node, {host_budget / GB:.2f} GB usable"
+    if plan.host_peak > host_budget:
+        return f"needs {plan.host_peak / GB:.2f} GB of host memory per node, {host_budget / GB:.2f} GB usable"
     return None
 
 

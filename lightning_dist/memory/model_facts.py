@@ -7,6 +7,7 @@ so that activation checkpointing's saving can be computed rather than guessed.
 
 from __future__ import annotations
 
+import math
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -21,6 +22,7 @@ from lightning_dist.memory.hidden_size import hidden_size_of
 from lightning_dist.parallel.activation_checkpoint import KEPT_OPS, CheckpointPlan
 from lightning_dist.parallel.classes import block_modules
 from lightning_dist.parallel.context_parallel import position_modules
+from lightning_dist.parallel.pretrained_weights import BoundWeights
 
 
 @dataclass(frozen=True)
@@ -35,23 +37,31 @@ class BlockActivations:
 @dataclass(frozen=True)
 class ModelFacts:
     parameters: int                            # trainable elements, shared (tied) parameters once
+    # Elements that do not train (a LoRA model's pretrained base, frozen layers): held as weights, with no gradients
+    # and no optimizer state. Counted apart, or a LoRA fine-tune's plan would leave out the whole base model.
+    frozen_parameters: int = 0
     largest_block: int = 0                     # elements of the largest repeated block: the unit gathered at once
     blocks: int = 0                            # how many blocks: pipeline stages divide them
     buffer_bytes: int = 0
     activation_bytes: int | None = None        # saved for backward by one micro-batch, fp32
     checkpointed_activation_bytes: int | None = None  # the same with each block recomputed in backward
     optimizer: str = "adamw"                   # what configure_optimizers returns, as the planner names it
-    parameter_sizes: tuple[int, ...] = ()      # elements of each parameter: ZeRO-3 keeps the small ones whole
+    parameter_sizes: tuple[int, ...] = ()      # elements of each parameter, frozen ones included: ZeRO-3 keeps the
+                                               # small ones whole
     hidden_size: int | None = None             # from the hyper-parameters: ZeRO-3 presets size buckets by it
     most_parameters_per_module: int = 1        # fetched together: ZeRO-Infinity's swap pool must hold them at once
-    # Elements of the layers tensor parallelism splits (the model's `tp_plan`, else the linear layers of its blocks,
-    # as DeepSpeed's AutoTP splits them); None: unknown, every parameter counted as split.
+    # Trainable elements of the layers tensor parallelism splits (the model's `tp_plan`, else the linear layers of its
+    # blocks, as DeepSpeed's AutoTP splits them); None: unknown, every parameter counted as split. And the frozen ones.
     tensor_parallel_parameters: int | None = None
+    tensor_parallel_frozen: int = 0
     block_activations: tuple[BlockActivations, ...] = ()  # per block, in model order: selective checkpointing's
     # Context parallelism's terms, from the traced step: (query heads, key/value heads, sequence length) of its
     # attention calls (the fewest heads; the shortest sequence), and whether the model's positions can follow a shard.
     attention: tuple[int, int, int] | None = None
     positions: bool = False
+    # Elements of the largest tensor the model reads from a pretrained folder as it is set up (0: none): each rank
+    # holds about two of them beside its shards while it loads (parallel/pretrained_weights.py).
+    pretrained_largest: int = 0
 
     def activations_under(self, plan: CheckpointPlan | None) -> int | None:
         """Bytes saved for backward by one micro-batch with `plan`'s blocks checkpointed (None: none are). Each
@@ -73,12 +83,15 @@ class ModelFacts:
         """`build()` runs under the meta device; `batch` (one training batch, any device) sizes the activations."""
         with torch.device("meta"):
             module = build()
-        params = [p for p in _unique_parameters(module) if p.requires_grad]
+        params = _unique_parameters(module)
+        trained = [p for p in params if p.requires_grad]
         blocks = block_modules(module, block_classes)
         attention: list[tuple[int, int, int]] = []
         traced = _trace_activations(module, batch, blocks, attention) if batch is not None else None
+        split, split_frozen = _split_by_tensor_parallelism(module, blocks)
         return cls(
-            parameters=sum(p.numel() for p in params),
+            parameters=sum(p.numel() for p in trained),
+            frozen_parameters=sum(p.numel() for p in params if not p.requires_grad),
             largest_block=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
             blocks=len(blocks),
             buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
@@ -89,9 +102,11 @@ class ModelFacts:
             parameter_sizes=tuple(p.numel() for p in params),
             hidden_size=hidden_size_of(module),
             most_parameters_per_module=max(len(list(m.parameters(recurse=False))) for m in module.modules()),
-            tensor_parallel_parameters=_split_by_tensor_parallelism(module, blocks),
+            tensor_parallel_parameters=split,
+            tensor_parallel_frozen=split_frozen,
             attention=_fewest(attention),
             positions=bool(position_modules(module)),
+            pretrained_largest=_largest_pretrained_tensor(module),
         )
 
 
@@ -101,13 +116,15 @@ def _fewest(calls: list[tuple[int, int, int]]) -> tuple[int, int, int] | None:
     return (min(c[0] for c in calls), min(c[1] for c in calls), min(c[2] for c in calls)) if calls else None
 
 
-def _split_by_tensor_parallelism(module: nn.Module, blocks: list[nn.Module]) -> int:
+def _split_by_tensor_parallelism(module: nn.Module, blocks: list[nn.Module]) -> tuple[int, int]:
+    """(trainable, frozen) elements of the layers tensor parallelism splits."""
     from lightning_dist.parallel.tensor_parallel import find_plan, matched_modules
 
     found = find_plan(module, None)
     layers = (matched_modules(module, found[1]).values() if found
               else [m for block in blocks for m in block.modules() if isinstance(m, nn.Linear)])
-    return sum(p.numel() for layer in layers for p in layer.parameters() if p.requires_grad)
+    params = {id(p): p for layer in layers for p in layer.parameters()}.values()
+    return (sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params if not p.requires_grad))
 
 
 def _optimizer_kind(module: nn.Module) -> str:
@@ -118,6 +135,12 @@ def _optimizer_kind(module: nn.Module) -> str:
     if isinstance(optimizer, torch.optim.SGD):
         return "sgd_momentum" if any(g.get("momentum") for g in optimizer.param_groups) else "sgd"
     return "adamw"  # Adam and its kin: two moments per parameter
+
+
+def _largest_pretrained_tensor(module: nn.Module) -> int:
+    bound = [weights for m in module.modules() if isinstance(weights := getattr(m, "pretrained_weights", None),
+                                                              BoundWeights)]
+    return max((math.prod(b.folder.shapes[key]) for b in bound for key in set(b.keys.values())), default=0)
 
 
 def _unique_parameters(module: nn.Module) -> list[nn.Parameter]:

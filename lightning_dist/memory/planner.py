@@ -54,6 +54,9 @@ class MemoryPlan:
     device: dict[str, float] = field(default_factory=dict)   # bytes per device, by category
     host: dict[str, float] = field(default_factory=dict)     # bytes per node in host memory (offload)
     nvme: dict[str, float] = field(default_factory=dict)     # bytes per node on NVMe
+    # bytes per node in host memory while the ranks load pretrained weights, at set-up: before the optimizer state
+    # and the offloaded parts exist, so never together with `host`
+    loading: dict[str, float] = field(default_factory=dict)
     # bytes per device that exist, but not at the peak: of two parts of a step never held together (FSDP's
     # gradients and activations, DDP's bucket rebuild and activations) the peak holds the larger
     off_peak: dict[str, float] = field(default_factory=dict)
@@ -72,6 +75,11 @@ class MemoryPlan:
     def host_total(self) -> float:
         return sum(self.host.values())
 
+    @property
+    def host_peak(self) -> float:
+        """Host memory per node at its peak: while the weights load, or while the step runs."""
+        return max(self.host_total, sum(self.loading.values()))
+
     def table(self) -> str:
         lines = [f"Memory plan: {self.layout.name}, {self.precision}, {self.world_size} ranks "
                  f"({self.devices_per_node} per node); GB = 1e9 bytes",
@@ -80,6 +88,7 @@ class MemoryPlan:
             ("per device", self.device),
             ("host, per node", self.host),
             ("NVMe, per node", self.nvme),
+            ("host, per node, while the pretrained weights load", self.loading),
         ):
             rows = [f"| {where} | {name} | {value / GB:.3f} |" for name, value in categories.items() if value]
             if rows:
@@ -112,13 +121,9 @@ def plan_memory(
     dims = dims or layout.parallel_dims(devices, num_nodes)
     world = dims.world_size
     size, moments = state_bytes(layout.fp32_master_weights, precision, optimizer or facts.optimizer)
-    split = facts.parameters if facts.tensor_parallel_parameters is None else facts.tensor_parallel_parameters
-    n = facts.parameters - split + math.ceil(split / dims.tp)  # the layers tensor parallelism splits, and the rest
-    if dims.pp > 1:
-        # A stage holds its share of the blocks and, the first or the last, what lies outside them: the embedding,
-        # or the final norm and the head (a tied head is a copy of the embedding there).
-        outside = min(max(facts.parameters - facts.largest_block * facts.blocks, 0), n)
-        n = math.ceil((n - outside) / dims.pp) + outside
+    # Weights are held for every parameter; gradients and optimizer state only for those that train (a LoRA model's
+    # adapters, not its base).
+    held, trained = _elements_per_rank(facts, dims)
 
     # FSDP shards over the data-parallel ranks that shard and, under context parallelism, its ranks too (they hold
     # no weights of their own: torchtitan's dp_shard_cp).
@@ -133,9 +138,9 @@ def plan_memory(
         # The host optimizer steps on fp32 copies of the gradient partitions, which stay in the gradient dtype
         # beside them (a dry run of every offload preset shows both).
         host_gradient = size.gradient + size.master
-    parameters = shard(n * size.parameter, layout.shard_parameters)
-    gradients = shard(n * host_gradient, layout.shard_gradients)
-    optimizer_state = shard(n * (size.master + moments * size.moment), layout.shard_optimizer)
+    parameters = shard(held * size.parameter, layout.shard_parameters)
+    gradients = shard(trained * host_gradient, layout.shard_gradients)
+    optimizer_state = shard(trained * (size.master + moments * size.moment), layout.shard_optimizer)
     plan = MemoryPlan(layout, precision, world, devices)
 
     # Where each part lives: the device unless offloaded; offloaded parts add up over a node's ranks. DeepSpeed
@@ -151,6 +156,12 @@ def plan_memory(
         else:
             (plan.host if offload == "cpu" else plan.nvme)[name] = value * devices
     plan.host.update(_swap_buffers(facts, layout, size, shards, devices))
+    if facts.pretrained_largest:
+        # Each rank reads one tensor at a time out of the folder, in the run's dtype, and keeps its shard: beside
+        # its shards it holds about two of the largest (the copy, and the file's pages it was read from; measured
+        # 1.5-1.9 under fsdp, BENCHMARKS.md). Not counted: each process's own (0.46 GB measured) and, under ZeRO-3,
+        # what DeepSpeed's engine allocates as it is set up.
+        plan.loading["pretrained_tensors"] = 2 * facts.pretrained_largest * size.parameter * devices
     if layout.offload_staging_buffer and gradients_offload:
         # ZeRO-1/2 move each gradient to the host through a buffer the size of the largest parameter, one on the
         # device and one pinned in host memory.
@@ -167,16 +178,16 @@ def plan_memory(
     if layout.shard_parameters or layout.offload_parameters:
         # Whole parameters exist only while used: one block and the next, prefetched; all of them under
         # SHARD_GRAD_OP, which keeps them from forward to backward.
-        gathered = n if layout.keep_gathered else 2 * (math.ceil(facts.largest_block / dims.tp) or n)
-        plan.device["gathered_parameters"] = min(gathered, n) * compute_bytes
+        gathered = held if layout.keep_gathered else 2 * (math.ceil(facts.largest_block / dims.tp) or held)
+        plan.device["gathered_parameters"] = min(gathered, held) * compute_bytes
     if layout.autocast_weight_copies and precision in ("bf16-mixed", "16-mixed"):
         # Autocast casts each fp32 weight to 16 bits as forward uses it and keeps the copy: matrix products save
         # their inputs for backward. At backward's start every weight has its copy (the dry run shows them).
-        plan.device["autocast_weight_copies"] = n * 2
+        plan.device["autocast_weight_copies"] = held * 2
     if layout.bucket_rebuild:
         # DDP rebuilds its gradient buckets at the start of the second step, in the order gradients arrived: the
         # new buckets are allocated while the old ones (the gradients themselves, as bucket views) still exist.
-        plan.device["bucket_rebuild"] = n * size.gradient
+        plan.device["bucket_rebuild"] = trained * size.gradient
     bucket = layout.reduce_bucket_elements
     if layout.bucket_from_hidden_size and facts.hidden_size:
         bucket = layout.bucket_from_hidden_size(facts.hidden_size)
@@ -186,7 +197,7 @@ def plan_memory(
         # ZeRO-3 steps on one flat fp32 group at a time: a copy of its gradients, and torch Adam's temporaries
         # (sqrt of the second moment, divided), each the size of the group. (Offloaded, DeepSpeed's CPU Adam needs
         # no temporaries, and the copy is made in host memory.)
-        tile = min(layout.sub_group_size, math.ceil(n / shards))
+        tile = min(layout.sub_group_size, math.ceil(trained / shards))
         plan.device["optimizer_step"] = tile * (size.master + 2 * size.moment)
     plan.device["buffers"] = facts.buffer_bytes
     activations: float | None = facts.activations_under(layout.activation_checkpointing)
@@ -208,26 +219,47 @@ def plan_memory(
     if layout.reduce_scatter_per_block:
         # FSDP2 reduce-scatters each block's whole gradients from a buffer of their own, while the next block
         # computes; its sharded gradients appear block by block as backward frees the activations.
-        plan.device["reduce_scatter_buffer"] = (math.ceil(facts.largest_block / dims.tp) or n) * size.gradient
+        plan.device["reduce_scatter_buffer"] = (math.ceil(facts.largest_block / dims.tp) or trained) * size.gradient
         _never_together(plan, ("activations",), ("gradients",))
     if dims.pp > 1:
-        _pipeline_stage_state(plan, facts, layout, n, size.gradient, compute_bytes)
+        _pipeline_stage_state(plan, facts, layout, held, trained, size.gradient, compute_bytes)
     if "bucket_rebuild" in plan.device:
         # DDP rebuilds its buckets as the second step starts, before forward has saved anything.
         _never_together(plan, ("activations", "autocast_weight_copies"), ("bucket_rebuild",))
     return plan
 
 
-def _pipeline_stage_state(plan: MemoryPlan, facts: ModelFacts, layout: Layout, n: int, gradient_bytes: int,
-                          compute_bytes: int) -> None:
+def _elements_per_rank(facts: ModelFacts, dims: ParallelDims) -> tuple[int, int]:
+    """(parameter elements, trainable elements) a rank's layers hold before any sharding: the layers tensor
+    parallelism splits are split, the rest whole; under pipeline stages, a stage's share."""
+    trained_split = facts.parameters if facts.tensor_parallel_parameters is None else facts.tensor_parallel_parameters
+    frozen_split = facts.frozen_parameters if facts.tensor_parallel_parameters is None else facts.tensor_parallel_frozen
+    total = facts.parameters + facts.frozen_parameters
+    trained = facts.parameters - trained_split + math.ceil(trained_split / dims.tp)
+    held = total - trained_split - frozen_split + math.ceil((trained_split + frozen_split) / dims.tp)
+    if dims.pp > 1:
+        # A stage holds its share of the blocks and, the first or the last, what lies outside them: the embedding,
+        # or the final norm and the head (a tied head is a copy of the embedding there). What trains is taken to be
+        # spread as the parameters are (LoRA's adapters are in every block; the frozen embedding is then counted as
+        # trainable on its stage: the plan errs high).
+        outside = min(max(total - facts.largest_block * facts.blocks, 0), held)
+        stage = math.ceil((held - outside) / dims.pp) + outside
+        if held:
+            trained = min(trained, math.ceil(stage * trained / held))
+        held = stage
+    return held, trained
+
+
+def _pipeline_stage_state(plan: MemoryPlan, facts: ModelFacts, layout: Layout, held: int, trained: int,
+                          gradient_bytes: int, compute_bytes: int) -> None:
     """What torch's pipeline stages hold beyond a step's usual state. Under FSDP a stage is not resharded between
     its microbatches' backward passes and its gradients are not reduced until the last (torch's schedules reduce
     them once, at the step's end): from its first backward the stage holds every parameter gathered and every
     gradient unsharded, accumulated in the gradients' dtype (a dry run shows both, a stage's whole). And each stage
     keeps a receive buffer per microbatch for what crosses its boundaries."""
     if layout.reduce_scatter_per_block:
-        plan.device["gathered_parameters"] = n * compute_bytes
-        plan.device["accumulated_gradients"] = n * gradient_bytes
+        plan.device["gathered_parameters"] = held * compute_bytes
+        plan.device["accumulated_gradients"] = trained * gradient_bytes
     boundary = facts.block_activations[0].inputs if facts.block_activations else 0
     plan.device["pipeline_buffers"] = layout.pipeline_receive_buffers * boundary * compute_bytes / 4
 
@@ -247,7 +279,7 @@ def _swap_buffers(
     """ZeRO-Infinity's host memory per node: the buffers partitions are swapped through, and the parameter
     partitions a config keeps in host memory besides (`max_in_cpu`)."""
     host: dict[str, float] = {}
-    partition = math.ceil(facts.parameters / partitions)
+    partition = math.ceil((facts.parameters + facts.frozen_parameters) / partitions)
     if layout.offload_parameters == "nvme":
         pool = layout.parameter_swap_pool
         if pool is None and layout.swap_pool_sizer:
@@ -257,6 +289,6 @@ def _swap_buffers(
         host["parameter_swap_buffers"] = pool[0] * pool[1] * size.parameter * devices
         host["parameters_kept_in_host"] = min(layout.parameters_in_host, partition) * size.parameter * devices
     if layout.offload_optimizer == "nvme":
-        tile = min(layout.sub_group_size, partition)
+        tile = min(layout.sub_group_size, math.ceil(facts.parameters / partitions))
         host["optimizer_swap_buffers"] = layout.optimizer_swap_buffers * tile * size.master * devices
     return host

@@ -16,10 +16,19 @@ Without user code:
 - the model's positions follow the shard: its position embedding (an `nn.Embedding` named `position_embedding`,
   `wpe` or `embed_positions`) or its rotary table (a `...RotaryEmbedding` module) is called with the shard's
   positions, shifted by the tokens before it;
-- the attention call is exchanged around, whichever module makes it by the name `F.scaled_dot_product_attention`
-  (in forward, and in backward where checkpointed blocks run again);
+- every call of `F.scaled_dot_product_attention` is exchanged around, whatever the model's code names it (a function
+  mode sees it in forward; in backward, where checkpointed blocks run again, the module attribute is swapped). Each
+  forward counts its exchanges: fewer than the model's blocks (attention written out, another kernel) stops the run
+  in one line, as does an aliased call that checkpointing would recompute unexchanged;
 - what the step logs is averaged over the group: each rank's loss is its shard's mean, and the group's mean is the
-  whole sequence's (the shards hold equally many tokens).
+  whole sequence's (the shards hold equally many tokens);
+- a transformers causal LM called with `labels=` (its loss shifts them by a token) is given the labels of the tokens
+  after its shard's, which the next shard holds, and the group's count of them: each rank's loss is then its share
+  of the whole sequence's, scaled so that the group's mean is that loss, exactly (the shard alone would lose the
+  prediction across each boundary, and weigh shards with fewer labels more). A forward that took `labels=` and did
+  not reach this loss stops in one line, as does another loss type.
+  A step that shifts its targets itself (`logits[:, :-1]` against `tokens[:, 1:]`) loses the boundary's prediction:
+  put the targets in the batch, shifted (the bundled data does), or pass `labels=`.
 FSDP shards the weights over data x context ranks (`data_parallel_shard_cp`) and averages the gradients over them:
 the average over a sequence's shards of their losses' gradients is the whole sequence's.
 """
@@ -109,19 +118,68 @@ class ContextParallel:
         group, what it logs averaged over the group."""
         with ExitStack() as stack:
             stack.enter_context(self.positions_shifted(module))
+            stack.enter_context(self.sequence_losses(module))
+            stack.enter_context(self.counted_forward())
             stack.enter_context(self.attention())
             stack.enter_context(self.logs_averaged(module))
             yield
 
+    # Set by the strategy once the model is known: its attention layers (one per block), and whether checkpointed
+    # blocks run their forward again in backward.
+    attention_layers: int = 0
+    recomputes: bool = False
+    model_name: str = "the model"
+
     @contextmanager
     def attention(self) -> Iterator[None]:
-        """Every call of `F.scaled_dot_product_attention` (by that name: in forward and in the recomputation of
-        checkpointed blocks in backward) exchanged across the group (all_to_all)."""
+        """Every call of `F.scaled_dot_product_attention` exchanged across the group (all_to_all): in forward
+        however the model names it (a function mode sees the call itself), and in the recomputation of checkpointed
+        blocks in backward, where no function mode reaches, by that module attribute. Counted: `exchanges`."""
         from lightning_dist._compat.torch import attention_function_replaced
+        from lightning_dist.parallel.every_call import every_call
 
-        with attention_function_replaced(self._exchanged) as original:
-            self._original = original
+        with attention_function_replaced(self._by_name) as original, every_call(original, self._aliased):
+            self._original, self._inside = original, False
             yield
+
+    @contextmanager
+    def counted_forward(self) -> Iterator[None]:
+        """A step's forward: afterwards, one line where its attention was not all exchanged (each shard would have
+        attended to itself only: losses silently wrong)."""
+        self.exchanges = {"by name": 0, "aliased": 0}
+        yield
+        exchanged = sum(self.exchanges.values())
+        if exchanged < self.attention_layers:
+            raise ValueError(
+                f"strategy.context_parallel_size={self.size}: {self.model_name}'s forward called"
+                f" torch.nn.functional.scaled_dot_product_attention {exchanged} times for its {self.attention_layers}"
+                " blocks, so the rest of its attention (written out, or another kernel) saw only this rank's shard"
+                " of the sequence; make every attention layer call scaled_dot_product_attention (transformers:"
+                " attn_implementation=\"sdpa\")")
+        if self.exchanges["aliased"] and self.recomputes:
+            raise ValueError(
+                f"strategy.context_parallel_size={self.size}: {self.model_name} calls scaled_dot_product_attention"
+                " under another name, which is exchanged in forward but not when activation checkpointing runs the"
+                " blocks again in backward; call it as torch.nn.functional.scaled_dot_product_attention, or turn"
+                " strategy.activation_checkpointing off")
+
+    def _by_name(self, *args: Any, **kwargs: Any) -> Any:
+        return self._counted("by name", args, kwargs)
+
+    def _aliased(self, *args: Any, **kwargs: Any) -> Any:
+        return self._counted("aliased", args, kwargs)
+
+    def _counted(self, how: str, args: tuple, kwargs: dict) -> Any:
+        if self._inside:  # the exchange's own call of the original, on the exchanged tensors
+            return self._original(*args, **kwargs)
+        self._inside = True
+        try:
+            output = self._exchanged(*args, **kwargs)
+        finally:
+            self._inside = False
+        if hasattr(self, "exchanges"):
+            self.exchanges[how] += 1
+        return output
 
     @contextmanager
     def positions_shifted(self, module: Any) -> Iterator[None]:
@@ -131,13 +189,23 @@ class ContextParallel:
             raise ValueError(f"strategy.context_parallel_size={self.size}: {type(module).__name__} has no position"
                              f" embedding ({', '.join(POSITION_EMBEDDINGS)}) or rotary table to give each shard its"
                              " positions")
-        handles = [positional.register_forward_pre_hook(self._shifted(kind), with_kwargs=True)
-                   for _, positional, kind in found]
+        calls = dict.fromkeys((name for name, _, _ in found), 0)
+        handles = [positional.register_forward_pre_hook(self._shifted(kind, name, calls), with_kwargs=True)
+                   for name, positional, kind in found]
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
+        # Found by name, shifted where called: a step whose attention ran but whose positions never went through
+        # those modules (computed inline, or by another module) gave every shard the first shard's positions.
+        uncalled = [name for name, count in calls.items() if not count]
+        if uncalled and sum(getattr(self, "exchanges", {}).values()):
+            raise ValueError(f"strategy.context_parallel_size={self.size}: {type(module).__name__}'s forward never"
+                             f" called {uncalled[0]}, the position module it was found to have, so this shard's"
+                             " positions were those of the sequence's start; compute the positions by calling that"
+                             " module (an nn.Embedding named position_embedding, wpe or embed_positions, or a"
+                             " ...RotaryEmbedding given position_ids)")
 
     @contextmanager
     def logs_averaged(self, module: Any) -> Iterator[None]:
@@ -165,8 +233,84 @@ class ContextParallel:
         the shards of the ranks before this one."""
         return positions + self.rank * positions.shape[-1]
 
-    def _shifted(self, kind: str) -> Callable[..., Any]:
+    @contextmanager
+    def sequence_losses(self, module: Any) -> Iterator[None]:
+        """The causal-LM losses of `module`'s transformers models (those `labels=` reaches) as shares of the whole
+        sequence's (the module docstring); a forward given `labels=` that computed no such loss stops the run."""
+        from lightning_dist._compat.transformers import loss_function_replaced, transformers_models
+
+        with ExitStack() as stack:
+            for model in transformers_models(module):
+                stack.enter_context(loss_function_replaced(model, self._whole_sequence_loss))
+                stack.callback(model.register_forward_pre_hook(self._expect_loss, with_kwargs=True).remove)
+                stack.callback(model.register_forward_hook(self._check_loss, with_kwargs=True).remove)
+            yield
+
+    def _whole_sequence_loss(self, own: Callable[..., Any], loss_type: str) -> Callable[..., Any]:
+        import torch
+        import torch.distributed as dist
+
+        from lightning_dist._compat.transformers import CAUSAL_LM
+
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            raise ValueError(f"strategy.context_parallel_size={self.size}: {self.model_name}'s loss from labels="
+                             f" ({loss_type}) would be over this rank's shard of each sequence only; compute the loss"
+                             " in the step from the model's logits, with the targets in the batch")
+
+        def loss(logits: Any, labels: Any, vocab_size: int, num_items_in_batch: Any = None, ignore_index: int = -100,
+                 shift_labels: Any = None, **kwargs: Any) -> Any:
+            if num_items_in_batch is not None:
+                raise ValueError(f"strategy.context_parallel_size={self.size}: leave num_items_in_batch out of the"
+                                 " model's call; the labels of a sequence's shards are counted over the group")
+            if shift_labels is None:  # the labels of this shard's tokens' next tokens
+                shift_labels = self.next_labels(labels, ignore_index)
+            counted = (shift_labels != ignore_index).sum().to(torch.float32)
+            dist.all_reduce(counted, group=self.group)
+            self._losses += 1
+            # Summed over the shard and divided by the group's count / cp: the mean over the group's ranks (their
+            # gradients' average, the logged value's) is the whole sequence's mean.
+            return own(logits, labels, vocab_size, num_items_in_batch=counted / self.size, ignore_index=ignore_index,
+                       shift_labels=shift_labels, **kwargs)
+
+        return loss if loss_type == CAUSAL_LM else refused
+
+    def next_labels(self, labels: Any, ignore_index: int) -> Any:
+        """For each token of this shard, the label of the token after it in the whole sequence (`ignore_index` after
+        the last): every rank's labels set at their positions in the sequence, then read one position on."""
+        import torch
+        import torch.distributed as dist
+
+        held = self.held_positions(torch.arange(labels.shape[-1], device=labels.device))
+        shards = [torch.empty_like(labels) for _ in range(self.size)]
+        positions = [torch.empty_like(held) for _ in range(self.size)]
+        dist.all_gather(shards, labels.contiguous(), group=self.group)
+        dist.all_gather(positions, held, group=self.group)
+        whole = labels.new_full((*labels.shape[:-1], labels.shape[-1] * self.size + 1), ignore_index)
+        for shard, at in zip(shards, positions):
+            whole[..., at] = shard
+        return whole[..., held + 1]
+
+    # The whole-sequence losses computed, and how many there were as each model given `labels=` started its forward
+    # (by the model's id), for `_check_loss`.
+    _losses = 0
+    _losses_before: dict[int, int] = {}
+
+    def _expect_loss(self, model: Any, args: tuple, kwargs: dict) -> None:
+        if kwargs.get("labels") is not None:
+            self._losses_before = {**self._losses_before, id(model): self._losses}
+
+    def _check_loss(self, model: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        before = self._losses_before.get(id(model))
+        self._losses_before = {key: value for key, value in self._losses_before.items() if key != id(model)}
+        if before is not None and self._losses == before:
+            raise ValueError(f"strategy.context_parallel_size={self.size}: {type(model).__name__} was called with"
+                             " labels= but computed its loss without its loss_function, so the loss would be over"
+                             " this rank's shard only; compute the loss in the step from the logits, with the"
+                             " targets in the batch")
+
+    def _shifted(self, kind: str, name: str, calls: dict[str, int]) -> Callable[..., Any]:
         def shift(_: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            calls[name] += 1
             if kind == "embedding":
                 return (self.held_positions(args[0]), *args[1:]), kwargs
             if "position_ids" in kwargs:

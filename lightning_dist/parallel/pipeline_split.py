@@ -18,6 +18,7 @@ embedding group, so that every copy takes the same step as the shared parameter 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,23 @@ from lightning_dist.optim.parameter_groups import decays_as_embedding
 from lightning_dist.parallel.pipeline_layout import PipelineLayout
 
 _NEEDS = "embed(*inputs) -> hidden and head(hidden) -> outputs"
+
+# The pipeline's process group of each module this rank's stages hold, while they run: a stage holds its part of the
+# model, so what gathers the whole model (checkpoints/gather.py) gathers across the pipeline too. Keyed by module,
+# never by parameter: a weak reference to a tensor stops `module.to()` from swapping it (torch 2.11: "Cannot swap t1
+# because it has weakref associated with it", as trainer.test after trainer.fit moves the sharded model).
+_STAGE_GROUPS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def hold_stages(module: nn.Module, group: Any) -> None:
+    """`module` and each of its submodules are this rank's stages' of a pipeline over `group`."""
+    for held in module.modules():
+        _STAGE_GROUPS[held] = group
+
+
+def stage_group(module: nn.Module) -> Any:
+    """The pipeline group over which `module` is split into stages, or None where it is whole on this rank."""
+    return next((group for held in module.modules() if (group := _STAGE_GROUPS.get(held)) is not None), None)
 
 
 @dataclass(frozen=True)

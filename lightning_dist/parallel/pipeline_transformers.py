@@ -91,8 +91,14 @@ def _first_stage_inputs(trunk: nn.Module, inputs: tuple, kwargs: dict) -> dict[s
 
 
 def _arguments(trunk: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The call's arguments by name, as the model's forward takes them."""
-    return dict(inspect.signature(trunk.forward).bind_partial(*args, **kwargs).arguments)
+    """The call's arguments by name, as the model's class's forward takes them: the instance's `forward` may be a
+    stand-in while a stage answers the call (pipeline.py), whose `(*args, **kwargs)` would name none of them."""
+    signature = inspect.signature(type(trunk).forward)
+    named = dict(list(signature.bind_partial(trunk, *args, **kwargs).arguments.items())[1:])
+    for parameter in signature.parameters.values():  # a forward's **kwargs (transformers' TransformersKwargs)
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            named = {**named.pop(parameter.name, {}), **named}
+    return named
 
 
 def _head_order(trunk: nn.Module, paths: list[str]) -> list[str]:

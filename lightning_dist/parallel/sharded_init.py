@@ -1,8 +1,10 @@
 """Building a model without its weights, then initialising only what each rank keeps.
 
-Construction under `parameters_on_meta()` puts every parameter on the meta device: it holds a shape and no memory.
-Buffers stay real: they are small, and often computed (masks, frequencies) rather than drawn at random. A sharding
-strategy then shards the meta model and calls `initialize_parameters` with what to keep of each full tensor.
+Construction under `parameters_on_meta()` puts every parameter a module's constructor makes on the meta device: it
+holds a shape and no memory. Weights that exist already (loaded, or PEFT's adapters) keep their values. Buffers stay
+real: they are small, and often computed (masks, frequencies) rather than drawn at random. A sharding strategy then
+shards the meta model and calls `initialize_parameters` with what to keep of each full tensor, for the parameters
+that have no values only.
 
 `initialize_parameters` visits the modules in order and draws one module's parameters at a time, full size, on the
 CPU, with a generator seeded by the module's name; the rank keeps its part and drops the rest. So no rank ever
@@ -19,21 +21,27 @@ caller passes.
 from __future__ import annotations
 
 import math
+import weakref
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_dist._compat.lightning import StrategyMixin
+from lightning_dist._compat.peft import TUNED_LAYER, adapter_names, is_tuner_layer
+from lightning_dist._compat.python import calling_frames, constructing, in_package
 from lightning_dist._compat.torch import (
     WRAPPER_MODULE_NAMES,
     own_parameters,
     parameter_initialiser,
     parameter_registration,
 )
+from lightning_dist.parallel.pretrained_weights import BoundWeights
 
 # What to keep of an initialised full tensor (on the CPU, in the parameter's dtype): a shard, a partition, all.
 Keep = Callable[[nn.Parameter, torch.Tensor], None]
@@ -42,32 +50,80 @@ Keep = Callable[[nn.Parameter, torch.Tensor], None]
 # not depend on them.
 _WRAPPER_NAMES = WRAPPER_MODULE_NAMES
 
-_REGISTER_PARAMETER = nn.Module.register_parameter  # torch's own, whatever a context below has patched in since
-
 
 @contextmanager
 def parameters_on_meta() -> Iterator[None]:
-    """Parameters registered inside this context live on the meta device (no memory); buffers stay where they are."""
+    """Parameters that a module's own constructor registers live on the meta device (a shape, no memory) until a
+    sharding strategy initialises its shards; buffers stay where they are. Weights that exist are kept:
+
+    - a parameter given to a module after it was built keeps its values: what `from_pretrained` loads (it builds the
+      model empty, then sets each weight), or a user's `module.weight = nn.Parameter(...)` outside `__init__`;
+    - `load_state_dict` into a meta parameter takes the value (torch's would copy into nothing, with a warning);
+    - PEFT's adapters start from PEFT's own initial values (LoRA's B = 0), or from those `PeftModel.from_pretrained`
+      loads into them, wherever PEFT then moves them: drawn afresh they would no longer start the fine-tune from the
+      pretrained model, or resume it.
+    """
     register_parameter = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         # A DTensor is a split of a parameter that exists already (a configure_model's parallelize_module registers
         # each layer's weights again as their shards): its values are kept.
         if param is not None and not param.is_meta and not isinstance(param, DTensor):
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            frames = list(calling_frames())
+            if in_package("peft", frames):
+                # An adapter, which PEFT initialises next and then moves to its base layer's device (meta, where
+                # the base was built so): its values are taken from this parameter when its module is initialised.
+                # `PeftModel.from_pretrained` then loads saved adapters into it: those values replace PEFT's.
+                _ADAPTERS.setdefault(module, {})[name] = param
+                _load_into_meta(module)
+            elif constructing(module, frames):
+                param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+                _load_into_meta(module)
         register_parameter(module, name, param)
 
-    with parameter_registration(register_on_meta):
-        yield
+    global _building_on_meta
+    _building_on_meta += 1
+    try:
+        with parameter_registration(register_on_meta):
+            yield
+    finally:
+        _building_on_meta -= 1
 
 
-@contextmanager
-def parameters_in_memory() -> Iterator[None]:
-    """Inside `parameters_on_meta`, parameters registered here hold memory again: for weights loaded from disk
-    (`from_pretrained`), which a sharding strategy would otherwise initialise afresh. Each rank then holds them
-    whole, on the CPU, until the strategy shards them."""
-    with parameter_registration(_REGISTER_PARAMETER):
-        yield
+_building_on_meta = 0  # how many `parameters_on_meta` contexts are open
+
+
+def building_on_meta() -> bool:
+    """Whether a model built now is built without weights, for a strategy to initialise its shards."""
+    return _building_on_meta > 0
+
+
+# Modules with a meta parameter whose `load_state_dict` gives such parameters the loaded values.
+_LOADS_INTO_META: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# PEFT's adapter modules, with the values PEFT built (and initialised) in them, or later loaded into them, by name.
+_ADAPTERS: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _load_into_meta(module: nn.Module) -> None:
+    if module not in _LOADS_INTO_META:
+        module.register_load_state_dict_pre_hook(_take_loaded_values)
+        _LOADS_INTO_META.add(module)
+
+
+def _take_loaded_values(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """`load_state_dict` pre-hook: each of the module's meta parameters named in `state_dict` is given its value,
+    in the parameter's dtype (as the copy it would have been), keeping the parameter object. A PEFT adapter's value
+    is kept as its initial one instead, which its shards are initialised from (before, a resumed adapter started
+    again from LoRA's B = 0 under every sharding preset, silently)."""
+    adapters = _ADAPTERS.get(module, {})
+    for name, param in own_parameters(module).items():
+        value = state_dict.get(prefix + name)
+        if param is not None and param.is_meta and isinstance(value, torch.Tensor) and not value.is_meta \
+                and value.shape == param.shape:
+            if name in adapters:
+                adapters[name] = value.detach().to(param.dtype, copy=True)
+            else:
+                give_memory(param, value.detach().to(param.dtype, copy=True))
 
 
 def has_meta_parameters(module: nn.Module) -> bool:
@@ -97,8 +153,9 @@ def initialize_parameters(
 
     Each full value goes to `keep`; without one it is copied into the parameter (eager construction), and `params`
     defaults to those that hold memory (a model built on the meta device, e.g. to plan its memory, is left alone).
-    A parameter shared by two modules is initialised by the first. A parameter that no initialiser writes is an
-    error, not uninitialised memory.
+    A parameter shared by two modules is initialised by the first. Where an enclosing module carries pretrained
+    weights (pretrained_weights.py), a parameter's value is read from them rather than drawn. A parameter that no
+    initialiser writes is an error, not uninitialised memory; so is a PEFT adapter left on the meta device.
     """
     if params is None:
         params = [p for p in model.parameters() if keep is not None or not p.is_meta]
@@ -109,29 +166,53 @@ def initialize_parameters(
         todo = {n: p for n, p in params_here.items() if id(p) in pending and id(p) not in done}
         if not todo:
             continue
-        owner_seed, relative_name, init_weights = _initialiser_of(model, name, seed)
-        reset = parameter_initialiser(module)
-        # NaN until an initialiser writes it: what none writes is found below, not trained as uninitialised memory.
-        full = {n: _unwritten(p) for n, p in params_here.items()}
-        with _swapped_parameters(module, full), torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(_module_seed(owner_seed, relative_name))
-            if callable(reset):
-                reset()
-            if init_weights is not None:
-                init_weights(module)
-        untouched = [n for n in todo if full[n].is_floating_point() and full[n].isnan().any()]
-        if untouched:
-            raise ValueError(
-                f"model: {name or type(model).__name__} ({type(module).__name__}) has parameters "
-                f"({', '.join(untouched)})"
-                " that neither its reset_parameters() nor an enclosing _init_weights(module) initialises; add one,"
-                " or build the model eagerly (outside init_module/configure_model)"
-            )
+        owner = _initialiser_of(model, name, seed)
+        full = {**owner.read(todo), **_adapter_values(module, todo)}
+        if owner.adapter_of is not None and len(full) < len(todo):
+            raise ValueError(f"model: {name} is an adapter of PEFT's {type(owner.adapter_of).__name__} on the meta"
+                             " device, whose initial values (LoRA's B = 0) were never seen; apply PEFT inside"
+                             " init_module or configure_model, or outside both")
+        if owner.weights is not None and len(full) < len(todo):
+            unread = ", ".join(f"{owner.weights_name}.{n}".lstrip(".") for n in todo if n not in full)
+            raise ValueError(f"model: {name} ({type(module).__name__}) is part of a model built to start from"
+                             f" {owner.weights.folder.folder}, which has no {unread}; its names changed after"
+                             " from_pretrained (a wrapper we do not know), so its values would be drawn afresh")
+        if len(full) < len(todo):
+            full = {**_drawn(model, name, module, params_here, owner), **full}
         with torch.no_grad():  # a DTensor's to_local() is a copy, not a view, where autograd records it
             for n, param in todo.items():
                 (keep or _copy_into)(param, full[n].to(param.dtype))
                 done.add(id(param))
     return len(done)
+
+
+def _adapter_values(module: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+    """The values PEFT gave those of `params` that it built (sharded initialisation is their second one)."""
+    built = _ADAPTERS.get(module, {})
+    return {n: built[n].detach() for n, p in params.items() if n in built and built[n].shape == p.shape}
+
+
+def _drawn(model: nn.Module, name: str, module: nn.Module, params: dict[str, nn.Parameter],
+           owner: _Initialiser) -> dict[str, torch.Tensor]:
+    """Full values for `module`'s own `params`, drawn by its initialisers from the seed of its name."""
+    reset = parameter_initialiser(module)
+    # NaN until an initialiser writes it: what none writes is found below, not trained as uninitialised memory.
+    full = {n: _unwritten(p) for n, p in params.items()}
+    with _swapped_parameters(module, full), torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(_module_seed(owner.seed, owner.relative_name))
+        if callable(reset):
+            reset()
+        if owner.init_weights is not None:
+            owner.init_weights(module)
+    untouched = [n for n, value in full.items() if value.is_floating_point() and value.isnan().any()]
+    if untouched:
+        raise ValueError(
+            f"model: {name or type(model).__name__} ({type(module).__name__}) has parameters "
+            f"({', '.join(untouched)})"
+            " that neither its reset_parameters() nor an enclosing _init_weights(module) initialises; add one,"
+            " or build the model eagerly (outside init_module/configure_model)"
+        )
+    return full
 
 
 def give_memory(param: nn.Parameter, value: torch.Tensor) -> None:
@@ -153,19 +234,58 @@ def _unwritten(param: nn.Parameter) -> torch.Tensor:
     return torch.zeros(param.shape, dtype=param.dtype, device="cpu")
 
 
-def _initialiser_of(model: nn.Module, name: str, default_seed: int) -> tuple[int, str, Callable | None]:
-    """(seed, the module's name relative to the seed's owner, the nearest `_init_weights`) for module `name`."""
+@dataclass
+class _Initialiser:
+    """What initialises one module: the seed and the module's name relative to the seed's owner, the nearest
+    `_init_weights`, the nearest pretrained weights and the module's name relative to their owner, and the PEFT
+    tuner layer the module is an adapter of (if any)."""
+
+    seed: int
+    relative_name: str
+    init_weights: Callable | None
+    weights: BoundWeights | None
+    weights_name: str
+    adapter_of: nn.Module | None
+
+    def read(self, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+        """The values of those of `params` (the module's own, by name) that the pretrained weights hold."""
+        if self.weights is None:
+            return {}
+        prefix = f"{self.weights_name}." if self.weights_name else ""
+        found = {n: self.weights.read(prefix + n, p.dtype) for n, p in params.items()}
+        return {n: value for n, value in found.items() if value is not None}
+
+
+def _initialiser_of(model: nn.Module, name: str, default_seed: int) -> _Initialiser:
     parts = name.split(".") if name else []
-    seed, relative, init_weights = default_seed, parts, None
+    found = _Initialiser(default_seed, "", None, None, "", None)
+    seed_depth = weights_depth = 0
+    peft_wrappers: set[int] = set()  # where a PEFT tuner layer holds the layer it tunes: not in the folder's names
     owner = model
     for depth in range(len(parts) + 1):
         if depth:
             owner = getattr(owner, parts[depth - 1])
         if isinstance(getattr(owner, "init_seed", None), int):
-            seed, relative = int(owner.init_seed), parts[depth:]  # type: ignore[arg-type]
+            found.seed, seed_depth = int(owner.init_seed), depth  # type: ignore[arg-type]
         if callable(getattr(owner, "_init_weights", None)):
-            init_weights = getattr(owner, "_init_weights")
-    return seed, ".".join(p for p in relative if p not in _WRAPPER_NAMES), init_weights
+            found.init_weights = getattr(owner, "_init_weights")
+        if isinstance(getattr(owner, "pretrained_weights", None), BoundWeights):
+            found.weights, weights_depth = owner.pretrained_weights, depth  # type: ignore[assignment]
+        if depth < len(parts) and is_tuner_layer(owner):
+            if parts[depth] in adapter_names(owner):
+                found.adapter_of = owner
+            elif parts[depth] == TUNED_LAYER:
+                peft_wrappers.add(depth)
+    found.relative_name = _unwrapped(parts, seed_depth)
+    found.weights_name = _unwrapped(parts, weights_depth, peft_wrappers)
+    return found
+
+
+def _unwrapped(parts: list[str], start: int, skipped: Iterable[int] = ()) -> str:
+    """The name of `parts[start:]` without the wrappers torch inserts (and those at positions `skipped`)."""
+    skipped = set(skipped)
+    return ".".join(p for depth, p in enumerate(parts) if depth >= start and depth not in skipped
+                    and p not in _WRAPPER_NAMES)
 
 
 def _module_seed(seed: int, name: str) -> int:

@@ -18,6 +18,12 @@ GPT has one, and so has every transformers model with a `base_model_tp_plan` (Ll
 model's own plan, the colwise and rowwise layers are split; what it splits otherwise (transformers' vocabulary-parallel
 `embedding_rowwise` and `colwise_gather_output` for the embedding and the output head) stays whole, which gives the
 same results.
+
+A plan is a module's own: a wrapper that hands on the attributes it lacks (PEFT's `PeftModel`) answers with the plan of
+the model inside, whose patterns start there, not at the wrapper. A PEFT LoRA layer that a plan names is split as
+Megatron-LM splits LoRA: a colwise layer's base layer and its up factor B (r -> out) by their output features, the
+down factor A whole; a rowwise layer's base layer and A (in -> r) by their input features, B whole. Each rank adds its
+share of the adapter's output to its share of the base layer's, so the model is unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_dist._compat.peft import TUNED_LAYER, is_tuner_layer, lora_linear_factors
 
 STYLES = ("colwise", "rowwise")
 TensorParallelPlan = dict[str, str]
@@ -48,10 +56,17 @@ def find_plan(model: nn.Module, configured: TensorParallelPlan | None) -> tuple[
     if configured:
         return "strategy.tensor_parallel_plan", configured
     for name, module in model.named_modules():
-        plan = getattr(module, "tp_plan", None)
+        plan = _own_plan(module)
         if isinstance(plan, dict) and (plan := {pattern: style for pattern, style in plan.items() if style in STYLES}):
             prefix = f"{name}." if name else ""
             return f"{type(module).__name__}.tp_plan", {prefix + pattern: style for pattern, style in plan.items()}
+    return None
+
+
+def _own_plan(module: nn.Module) -> Any:
+    """The `tp_plan` that `module`'s class or the module itself defines, not one a wrapper hands on from inside."""
+    if "tp_plan" in vars(module) or any("tp_plan" in vars(klass) for klass in type(module).__mro__):
+        return getattr(module, "tp_plan", None)
     return None
 
 
@@ -73,6 +88,8 @@ def split_sizes(model: nn.Module, plan: TensorParallelPlan, size: int) -> list[s
     parents = {name: module for name, module in model.named_modules()}
     for name, module in matched_modules(model, plan).items():
         style = next(style for pattern, style in plan.items() if _matches(name, pattern))
+        if is_tuner_layer(module):  # split as its base layer is (with_lora_factors refuses the tuners it cannot)
+            module = getattr(module, TUNED_LAYER)
         if not isinstance(module, nn.Linear):
             problems.append(f"{name} is a {type(module).__name__}, and a {style} split takes an nn.Linear")
             continue
@@ -105,7 +122,31 @@ def resolve_plan(model: nn.Module, configured: TensorParallelPlan | None, size: 
     if problems := split_sizes(model, plan, size):
         more = f" (and {len(problems) - 1} more layers)" if len(problems) > 1 else ""
         raise ValueError(f"strategy.tensor_parallel_size={size}: {problems[0]}{more}")
-    return plan
+    return with_lora_factors(model, plan, source)
+
+
+def with_lora_factors(model: nn.Module, plan: TensorParallelPlan, source: str) -> TensorParallelPlan:
+    """`plan` with each PEFT LoRA layer it names replaced by the parts split the layer's way (the module docstring):
+    those layers by name, the plan's other layers by its own patterns. ValueError naming any other PEFT layer."""
+    expanded: TensorParallelPlan = {}
+    for pattern, style in plan.items():
+        matched = {name: module for name, module in model.named_modules() if _matches(name, pattern)}
+        if not any(is_tuner_layer(module) for module in matched.values()):
+            expanded[pattern] = style
+            continue
+        for name, module in matched.items():
+            factors = lora_linear_factors(module)
+            if factors is None and is_tuner_layer(module):
+                raise ValueError(f"{source}: {name} is PEFT's {type(module).__name__}, which tensor parallelism"
+                                 " does not split: only LoRA's Linear layers (not DoRA's); leave it out of"
+                                 " target_modules, or out of the plan (strategy.tensor_parallel_plan)")
+            if factors is None:
+                expanded[name] = style
+                continue
+            down, up = factors
+            for part in (TUNED_LAYER, *(up if style == "colwise" else down)):
+                expanded[f"{name}.{part}"] = style
+    return expanded
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: TensorParallelPlan) -> None:

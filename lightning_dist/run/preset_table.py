@@ -11,8 +11,8 @@ from lightning_dist.strategies.presets import PRESETS
 
 def compare_presets(facts: ModelFacts, precision: str, devices: int, num_nodes: int = 1) -> str:
     lines = [
-        f"All presets for {facts.parameters:,} parameters, {precision}, {devices * num_nodes} ranks (GB per device / "
-        "per node):",
+        f"All presets for {parameter_count(facts)}, {precision}, {devices * num_nodes} ranks"
+        " (GB per device / per node):",
         "| preset | model state | device total | host | NVMe |",
         "|---|---:|---:|---:|---:|",
     ]
@@ -26,5 +26,17 @@ def compare_presets(facts: ModelFacts, precision: str, devices: int, num_nodes: 
         plan = plan_memory(facts, layout, precision, devices=devices, num_nodes=num_nodes)
         nvme = sum(plan.nvme.values())
         lines.append(f"| {name} | {plan.model_state_per_device / GB:.3f} | {plan.device_total / GB:.3f} | "
-                     f"{plan.host_total / GB:.3f} | {nvme / GB:.3f} |")
+                     f"{plan.host_peak / GB:.3f} | {nvme / GB:.3f} |")
+    if facts.pretrained_largest:
+        lines.append("(host: the larger of what the step offloads and what the ranks hold while they read the"
+                     " pretrained weights, about two of its largest tensors each; each process's own memory not"
+                     " included)")
     return "\n".join(lines)
+
+
+def parameter_count(facts: ModelFacts) -> str:
+    """"1,000 parameters", or "8,192 trained of 1,008,192 parameters" where some are frozen (LoRA)."""
+    total = facts.parameters + facts.frozen_parameters
+    if facts.frozen_parameters:
+        return f"{facts.parameters:,} trained of {total:,} parameters"
+    return f"{total:,} parameters"

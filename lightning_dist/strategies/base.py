@@ -42,6 +42,7 @@ from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
 from lightning_dist.parallel.block_options import BlockOptions
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.precision import PrecisionSupport
+from lightning_dist.parallel.quantized import check_quantized_weights
 from lightning_dist.parallel.regional_compile import ReportsCompilation
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel
 from lightning_dist.strategies.launcher import guarded
@@ -64,6 +65,8 @@ class StrategyBase(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobal
 
     precision_support = PrecisionSupport()
     dry_run_refusal: str | None = None  # why the dry run cannot replay this strategy (as configured), or None
+    strategy_name: str  # its name in Lightning's registry (ld_ddp, ld_fsdp, ld_deepspeed)
+    keeps_weights_whole = False  # every rank holds each weight whole, as built, never sharded or recast (ddp)
     checkpoint_tensor_parallel: int | None = None
 
     def __init__(
@@ -152,7 +155,23 @@ class StrategyBase(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobal
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        self._launcher = guarded(self, self._launcher, self.preflight)
+        self._launcher = guarded(self, self._launcher, self._before_launch)
+
+    def _before_launch(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
+        model = fit_arguments.get("model")
+        if isinstance(model, nn.Module):
+            self.check_quantized_weights(model)  # a model built in `__init__`
+        self.preflight(trainer, fit_arguments)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        self.check_quantized_weights(self.lightning_module)  # a model built in `configure_model`
+        super().setup(trainer)
+
+    def check_quantized_weights(self, model: nn.Module) -> None:
+        """A quantized base (QLoRA's) only where this strategy keeps it as bitsandbytes made it (quantized.py)."""
+        check_quantized_weights(model, self.strategy_name, self.keeps_weights_whole,
+                                getattr(self.precision_plugin, "precision", None))
 
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
         """On the launching process, before any rank starts: a model to checkpoint or compile block by block must

@@ -6,12 +6,26 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from lightning_dist._compat.lightning import StrategyMixin
-from lightning_dist.parallel.context_parallel import ContextParallel
+from lightning_dist.parallel.block_options import BlockOptions
+from lightning_dist.parallel.context_parallel import ContextParallel, RingContextParallel
 
 
 class SplitsSequences(StrategyMixin):
     context: ContextParallel | None = None  # set by the strategy's `setup` when it has a context-parallel axis
+    blocks: BlockOptions  # the strategy's (strategies/base.py)
+
+    def expect_exchanges(self, model: nn.Module) -> None:
+        """What each step's attention exchanges are checked against: one per block of `model` (each decoder block
+        attends once), and whether checkpointed blocks recompute them in backward."""
+        if self.context is None or isinstance(self.context, RingContextParallel):  # torch's own, on CUDA
+            return
+        classes = self.blocks.classes_in(model)
+        self.context.attention_layers = sum(isinstance(module, classes) for module in model.modules()) if classes else 0
+        self.context.recomputes = self.blocks.checkpointing is not None
+        self.context.model_name = type(model).__name__
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.context is None:

@@ -4,7 +4,8 @@
     python -m recipes.hf_causal_lm.export CHECKPOINT OUT_DIR   # any checkpoint (file or directory)
 
 The checkpoint is consolidated (lightning_dist.checkpoints), the model rebuilt without memory from the
-hyper-parameters the checkpoint saved, given the weights, and written by transformers itself; so
+hyper-parameters the checkpoint saved, given the weights (a LoRA run's adapters merged into them), and written by
+transformers itself; so
 `AutoModelForCausalLM.from_pretrained(OUT_DIR)` (or Seq2SeqLM) loads it, tied embeddings tied.
 """
 
@@ -17,7 +18,7 @@ import torch
 
 from lightning_dist.checkpoints.consolidate import load_consolidated
 from lightning_dist.reports.runs import newest_run
-from recipes.hf_causal_lm.language_model import build_language_model
+from recipes.hf_causal_lm.language_model import build_language_model, with_lora
 
 PREFIX = "model."  # LanguageModel keeps the transformers model as `self.model`
 LAST = "checkpoints/last.ckpt"
@@ -27,10 +28,16 @@ def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
     saved = load_consolidated(checkpoint)
     hparams = saved["hyper_parameters"]
     weights = {name.removeprefix(PREFIX): tensor for name, tensor in saved["state_dict"].items() if name.startswith(PREFIX)}
-    with torch.device("meta"):
-        model = build_language_model(hparams["model_type"], hparams.get("config"), hparams.get("pretrained"))
-    tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    with torch.device("meta"):  # its config only: the weights are the checkpoint's (a pretrained folder's are not read)
+        model = build_language_model(hparams["model_type"], hparams.get("config"), hparams.get("pretrained"),
+                                     weights=False)
+        model = with_lora(model, hparams.get("lora"))
+    base = model.get_base_model() if hparams.get("lora") else model
+    head = base.get_output_embeddings()
+    tied = head is not None and head.weight is base.get_input_embeddings().weight
     model.load_state_dict(weights, strict=True, assign=True)  # assign: the meta parameters take the saved tensors
+    if hparams.get("lora"):
+        model = model.merge_and_unload()  # the adapters folded into the weights they adapt: a plain model again
     if tied:
         model.tie_weights()  # assign replaced both tied parameters: one again
     out_dir = Path(out_dir)

@@ -8,6 +8,7 @@ partitions whatever it is given.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -15,30 +16,53 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
+from lightning_dist.checkpoints.adapters import save_adapters
+from lightning_dist.models.pretrained import from_pretrained
 from lightning_dist.optim import ConfiguredOptimizers
 from lightning_dist.optim.configured import OptimizerFactory, SchedulerFactory
-from lightning_dist.parallel.sharded_init import draw_init_seed, initialize_parameters, parameters_in_memory
+from lightning_dist.parallel.sharded_init import draw_init_seed, initialize_parameters
 
 
-def build_language_model(model_type: str, config: dict[str, Any] | None = None, pretrained: str | None = None) -> torch.nn.Module:
+def build_language_model(model_type: str, config: dict[str, Any] | None = None, pretrained: str | None = None,
+                         weights: bool = True) -> torch.nn.Module:
     """`pretrained` (a local folder) loads its weights; otherwise a random model of `model_type` with `config`.
+    `weights=False`: the model only, its weights to come (an export gives it a checkpoint's).
 
+    A pretrained model is read tensor by tensor into the shards each rank keeps (lightning_dist.from_pretrained).
     A random model is initialised module by module from one seed (lightning_dist's sharded initialisation), not in
     transformers' single pass over the global generator: a strategy that builds it on the meta device and
     initialises only its shards then starts from the very weights an eager build has.
     """
+    if pretrained and weights:  # the folder checked first: a name that is none would be looked up on the Hub
+        return from_pretrained(pretrained, key="model.pretrained")
     hf_config = AutoConfig.from_pretrained(pretrained) if pretrained else AutoConfig.for_model(model_type, **(config or {}))
     auto_class = AutoModelForSeq2SeqLM if hf_config.is_encoder_decoder else AutoModelForCausalLM
-    if pretrained:
-        # Weights from disk, whole on every rank (on the CPU) until the strategy shards them: under a sharding
-        # preset the model is otherwise built on the meta device and initialised afresh.
-        with parameters_in_memory():
-            return auto_class.from_pretrained(pretrained)
+    if not weights:
+        return auto_class.from_config(hf_config, dtype=torch.get_default_dtype())
     seed = draw_init_seed()  # before any layer: built on meta, the layers draw nothing
     model = auto_class.from_config(hf_config)
     model.init_seed = seed
     initialize_parameters(model)  # eager build: re-drawn here; on meta: left for the strategy
     return model
+
+
+ADAPTERS = "adapters"  # where in the run directory a LoRA run writes its adapters
+LORA_KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "target_modules"}
+
+
+def with_lora(model: torch.nn.Module, lora: dict[str, Any] | None) -> torch.nn.Module:
+    """`model` with PEFT's LoRA adapters (`lora`: the lora/ config group's keys), or `model` itself."""
+    if not lora:
+        return model
+    unknown = sorted(set(lora) - set(LORA_KEYS))
+    if unknown:
+        raise ValueError(f"model.lora.{unknown[0]}: not a LoRA option; choose from {', '.join(LORA_KEYS)}")
+    from peft import LoraConfig, get_peft_model
+
+    options = {LORA_KEYS[key]: value for key, value in lora.items()}
+    if not isinstance(options.get("target_modules", "all-linear"), str):
+        options["target_modules"] = list(options["target_modules"])
+    return get_peft_model(model, LoraConfig(**options))
 
 
 class LanguageModel(ConfiguredOptimizers, L.LightningModule):
@@ -51,11 +75,16 @@ class LanguageModel(ConfiguredOptimizers, L.LightningModule):
         pretrained: str | None = None,
         optimizer: OptimizerFactory | None = None,
         scheduler: SchedulerFactory | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
-        self.model = build_language_model(model_type, config, pretrained)
+        self.model = with_lora(build_language_model(model_type, config, pretrained), lora)
+
+    def on_train_end(self) -> None:
+        if self.hparams.get("lora"):  # on every rank: each holds a part of the adapters
+            save_adapters(self.model, Path(self.trainer.default_root_dir) / ADAPTERS)
 
     def forward(self, tokens: torch.Tensor, decoder_tokens: torch.Tensor | None = None) -> torch.Tensor:
         if decoder_tokens is None:

@@ -63,7 +63,8 @@ def nvme_overrides(name: str, run_dir: Path) -> list[str]:
 @pytest.fixture(scope="session")
 def measurements():
     """What the suite measured, by section; written to $LD_GPU_MEASUREMENTS at the end of the session."""
-    found: dict[str, dict] = {"fp32": {}, "precision": {}, "resume": {}, "consolidated": {}, "tensor_parallel": {}}
+    found: dict[str, dict] = {"fp32": {}, "precision": {}, "resume": {}, "consolidated": {}, "tensor_parallel": {},
+                              "qlora": {}}
     yield found
     if os.environ.get("LD_GPU_MEASUREMENTS"):
         Path(os.environ["LD_GPU_MEASUREMENTS"]).write_text(json.dumps(found, indent=2))

@@ -40,6 +40,11 @@ def render(measured: dict, versions: dict[str, str], summary: str) -> str:
         lines.append(f"| {name} | {row['final_loss']:.4f} | {row['val_loss']:.4f} | {row['peak_cuda_bytes'] / 2**20:.1f} |")
     if not measured.get("tensor_parallel"):
         lines.append("| (fewer than 2 GPUs visible: not run) | | | |")
+    qlora = measured.get("qlora")
+    lines += ["", "## QLoRA (a 4-bit NF4 base, LoRA) under ld_ddp, 3 steps", "",
+              "| losses | the 4-bit model's first loss in one plain process |", "|---|---|",
+              f"| {', '.join(f'{loss:.4f}' for loss in qlora['losses'])} | {qlora['plain_first_loss']:.4f} |" if qlora
+              else "| (not run: bitsandbytes missing, scripts/gpu_wheels.sh hf) | |"]
     return "\n".join(lines) + "\n"
 
 

@@ -164,3 +164,70 @@ def test_fsdp_s_peak_holds_the_larger_of_gradients_and_activations_and_one_block
     assert plan.model_state_per_device == 1_000_000 * 16 / 4  # the gradients still count as model state
     state_heavy = ModelFacts(parameters=1_000_000, largest_block=100_000, activation_bytes=4_000)
     assert "activations" in preset_plan("fsdp", state_heavy, "32-true", devices=4).off_peak
+
+
+def lora_llama():
+    """A transformers Llama with PEFT's LoRA on its attention, built as users build it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+
+def test_a_lora_model_s_plan_holds_its_frozen_base_as_weights_only():
+    """The base of a LoRA model is held whole (or sharded) but has no gradients and no optimizer state: leaving it
+    out planned a 7B fine-tune without its 7B weights."""
+    facts = ModelFacts.of(lora_llama)
+    real = lora_llama()
+    adapters = sum(p.numel() for p in real.parameters() if p.requires_grad)
+    base = sum(p.numel() for p in real.parameters() if not p.requires_grad)
+    # r 4 on q (64 -> 64: 4 x 64 + 64 x 4) and v (64 -> 32: 4 x 64 + 32 x 4), in each of 2 layers.
+    assert (facts.parameters, facts.frozen_parameters) == (adapters, base) == (2 * (512 + 384), base)
+    assert sum(facts.parameter_sizes) == adapters + base
+    ddp = preset_plan("ddp", facts, "32-true", devices=2)
+    assert ddp.device["parameters"] == (adapters + base) * 4
+    assert ddp.device["gradients"] == adapters * 4 and ddp.device["optimizer_state"] == adapters * 8
+    zero3 = preset_plan("deepspeed_stage_3", facts, "bf16-mixed", devices=2)
+    assert zero3.device["parameters"] == (adapters + base) * 2 / 2  # 16-bit partitions of every weight
+    assert zero3.device["optimizer_state"] == adapters * 12 / 2  # fp32 master and Adam's moments: adapters only
+    # Tensor parallelism splits the frozen q/k/v/o and MLP weights of the blocks as it splits trained ones.
+    assert facts.tensor_parallel_frozen > 0
+    assert preset_plan("fsdp_tp", facts, "32-true").device["parameters"] < preset_plan("fsdp", facts, "32-true", devices=2).device["parameters"]
+
+
+def test_plan_true_counts_a_lora_model_s_base(tmp_path):
+    from lightning_dist.run.preset_table import parameter_count
+
+    facts = ModelFacts.of(lora_llama)
+    assert parameter_count(facts) == f"{facts.parameters:,} trained of {facts.parameters + facts.frozen_parameters:,} parameters"
+    assert parameter_count(ModelFacts(parameters=1_000)) == "1,000 parameters"
+
+
+def test_a_pretrained_model_is_planned_without_reading_its_weights_and_with_its_load_peak(tmp_path):
+    """Planning built the model from its folder and read every tensor (an 8B model: its 16 GB read to plan it); now
+    the weights stay in the folder, and the host memory the ranks hold while they read them (about two of the largest
+    tensors each, in the run's dtype, BENCHMARKS.md) is in the plan beside the offloaded state, never with it."""
+    from unittest import mock
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_dist.models.pretrained import from_pretrained
+    from lightning_dist.parallel.pretrained_weights import PretrainedFolder
+    from lightning_dist.run.preset_table import compare_presets
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with mock.patch.object(PretrainedFolder, "read", side_effect=AssertionError("read while planning")):
+        facts = ModelFacts.of(partial(from_pretrained, tmp_path))
+    assert facts.pretrained_largest == 256 * 64  # the embedding and the head
+    fsdp = preset_plan("fsdp", facts, "32-true", devices=4)
+    assert fsdp.loading == {"pretrained_tensors": 2 * 256 * 64 * 4 * 4}  # 2 tensors, fp32, 4 ranks
+    assert fsdp.host_peak == fsdp.loading["pretrained_tensors"]
+    assert "| host, per node, while the pretrained weights load | pretrained_tensors | 0.001 |" in fsdp.table()
+    offload = preset_plan("deepspeed_stage_3_offload", facts, "32-true", devices=4)
+    assert offload.host_peak == max(offload.host_total, offload.loading["pretrained_tensors"])
+    assert "while they read the pretrained weights" in compare_presets(facts, "32-true", 4)
+    assert preset_plan("fsdp", ModelFacts.of(lora_llama), "32-true", devices=4).loading == {}

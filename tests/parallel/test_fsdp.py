@@ -1,13 +1,10 @@
 """FSDP2 mechanics in one process: a one-rank gloo group is enough to exercise wrapping and recomputation."""
 
-import socket
-
 from types import SimpleNamespace
 
 import hydra
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, OffloadPolicy
@@ -21,18 +18,14 @@ from omegaconf import OmegaConf
 from lightning_dist.optim import require_shardable_optimizer
 from lightning_dist.optim.configured import WHOLE_PARAMETER_OPTIMIZERS
 
-from tests.conftest import CONF_DIR
+from tests.conftest import CONF_DIR, one_rank_world
 from tests.parallel.test_activation_checkpoint import tiny_gpt
 
 
 @pytest.fixture(scope="module")
 def mesh():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
+    with one_rank_world():
+        yield init_device_mesh("cpu", (1,))
 
 
 @pytest.mark.parametrize(

@@ -167,3 +167,18 @@ def test_a_transformers_llama_pruned_to_its_last_stage_keeps_the_norm_and_head_b
     names = ("model.model.embed_tokens.weight", "model.model.norm.weight", "model.lm_head.weight",
              "model.model.layers.2.mlp.up_proj.weight", "model.model.layers.1.mlp.up_proj.weight")
     assert [split.stage_of(holder, name) for name in names] == [0, 1, 1, 1, 0]
+
+
+def test_held_stages_are_known_by_their_modules_and_leave_the_parameters_swappable():
+    """`module.to()` swaps FSDP2's DTensor parameters on torch 2.11, which a weak reference to a parameter refuses:
+    the pipeline's groups are kept by module ("Cannot swap t1 because it has weakref associated with it" there)."""
+    import weakref
+
+    from lightning_dist.parallel.pipeline_split import hold_stages, stage_group
+
+    model, group = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2))), object()
+    assert stage_group(model) is None
+    hold_stages(model, group)
+    assert stage_group(model) is group and stage_group(model[1]) is group  # a submodule: a PEFT model's, say
+    assert all(weakref.getweakrefs(param) == [] for param in model.parameters())
+    torch.utils.swap_tensors(model[0].weight, nn.Parameter(torch.zeros(2, 2)))

@@ -39,6 +39,31 @@ def test_meta_construction_then_initialisation_equals_eager_construction():
     assert deferred.blocks[0].mlp[0].bias.abs().max().item() == 0
 
 
+def test_adapters_loaded_by_peft_on_the_meta_device_keep_the_loaded_values():
+    """PEFT's `PeftModel.from_pretrained` loads saved adapters with `load_state_dict` after building them; on the
+    meta device that copy goes nowhere, and the shards started again from LoRA's B = 0. Now the loaded values are
+    the adapters' initial ones."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft.utils import set_peft_model_state_dict
+
+    def base() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+    trained = get_peft_model(base(), LoraConfig(r=2, target_modules=["0", "2"]))
+    with torch.no_grad():
+        for name, param in trained.named_parameters():
+            if "lora_" in name:
+                param.fill_(0.5)
+    saved = {name: value for name, value in trained.state_dict().items() if "lora_" in name}
+    with parameters_on_meta():
+        resumed = get_peft_model(base(), LoraConfig(r=2, target_modules=["0", "2"]))
+        set_peft_model_state_dict(resumed, {n.replace(".default", ""): v for n, v in saved.items()})
+    assert isinstance(resumed, PeftModel) and all(p.is_meta for p in resumed.parameters())
+    initialize_parameters(resumed, lambda p, full: give_memory(p, full), seed=0)
+    adapters = {name: param for name, param in resumed.named_parameters() if "lora_" in name}
+    assert len(adapters) == 4 and all(torch.equal(p, torch.full_like(p, 0.5)) for p in adapters.values())
+
+
 def test_another_seed_gives_other_weights_and_the_global_generator_is_untouched():
     first, second = gpt_on_meta(1), gpt_on_meta(2)
     for model in (first, second):

@@ -158,8 +158,10 @@ def test_each_rank_keeps_only_its_stage_with_the_whole_models_names(pp_runs, tmp
     reference = load_consolidated(pp_runs("ddp").run_dir / "checkpoints" / "last.ckpt")["state_dict"]
     assert set(whole) == set(reference)
     assert torch.equal(whole["model.lm_head.weight"], whole["model.token_embedding.weight"])  # the copies agree
+    # After 20 of Adam's normalised steps a weight near 0 differs by the order of the sums (1.3e-5 in a value
+    # element of 0.08 seen on an AMD EPYC machine; the losses agree to 1e-5 in the tests above).
     for name, tensor in reference.items():
-        torch.testing.assert_close(whole[name], tensor, rtol=1e-3, atol=1e-5, msg=name)
+        torch.testing.assert_close(whole[name], tensor, rtol=1e-3, atol=5e-5, msg=name)
 
 
 RESUMES = {

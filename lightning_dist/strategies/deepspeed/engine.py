@@ -60,7 +60,10 @@ def zero3_partitioner(config: dict[str, Any]) -> Keep:
     each module's constructor."""
     import deepspeed
 
-    # Not entered: only its conversion is used, not its patching of every module class's constructor.
+    # Not entered: only its conversion is used, not its patching of every module class's constructor. DeepSpeed's
+    # config check wants a batch size, which a run that only validates or tests has not been given (none is used).
+    if "train_batch_size" not in config and "train_micro_batch_size_per_gpu" not in config:
+        config = {**config, "train_micro_batch_size_per_gpu": 1}
     zero_init = deepspeed.zero.Init(config_dict_or_path=config, remote_device=ZeroSection.of(config).parameters.device)
     to_zero_parameters = partitioner(zero_init)
 

@@ -350,6 +350,7 @@ class DeepSpeedStrategy(StrategyBase, SplitsSequences, _LightningDeepSpeedStrate
             check_tensor_parallel_inputs(self.deepspeed_engine, self.root_device)
         if self.context_parallel_size > 1 and self.context is None:  # fit, then test: the same group
             self.context = deepspeed_ulysses(self, self._sequence_group)
+            self.expect_exchanges(self.lightning_module)
         run_root_hooks_once_per_forward(self.deepspeed_engine)  # timers, profiler, ZeRO-3 trace: once per step
 
     @override

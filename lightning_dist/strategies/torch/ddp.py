@@ -41,6 +41,7 @@ class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
     """
 
     strategy_name = "ld_ddp"
+    keeps_weights_whole = True  # a quantized base (QLoRA's) trains here
 
     def __init__(
         self,

@@ -261,6 +261,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, SplitsSequences, ModelParallel
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
+        self.check_quantized_weights(self.model)  # this setup replaces Lightning's, and StrategyBase's with it
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         if has_meta_parameters(self.model):
@@ -279,6 +280,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, SplitsSequences, ModelParallel
             cp_rank = self.parallel_dims.coordinates(self.global_rank)["cp"]
             self.context = context_parallel_of(self.context_parallel, self.device_mesh[CONTEXT_PARALLEL], cp_rank,
                                                self.parallel_dims.cp, self.root_device)
+            self.expect_exchanges(self.lightning_module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

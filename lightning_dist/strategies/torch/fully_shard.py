@@ -115,9 +115,10 @@ def materialize_shards(model: nn.Module, device: torch.device, seed: int, roots:
     from torch.distributed.tensor import DTensor
 
     meta = [p for p in model.parameters() if p.is_meta]
-    # Through each FSDP root, so that FSDP re-points its padded shard storage at the new tensors; real tensors stay.
+    # Through each FSDP root, so that FSDP re-points its padded shard storage at the new tensors; tensors that hold
+    # values (loaded weights, PEFT's adapters, buffers) keep them, on `device`.
     for root in [*roots, model]:
-        apply_to_tensors(root, lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+        apply_to_tensors(root, lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
 
     def keep_local_shard(param: nn.Parameter, full: torch.Tensor) -> None:
         if not isinstance(param, DTensor):  # a parameter outside every FSDP unit

@@ -6,7 +6,9 @@ says what the loss is and what is logged. Each step is run in three parts:
 1. Where the batch enters the model: the user's step runs until it calls the trunk (the module holding the
    blocks), which stops it there and hands over its arguments. The first stage feeds them to the schedule.
 2. The loss: on the last stage the schedule's loss function is the user's step on one microbatch, its call of the
-   trunk answered with that microbatch's output. What it logs is recorded, not logged.
+   trunk answered with that microbatch's output. What it logs is recorded, not logged. Only the last stage's ranks
+   run this part, so a collective in it (`self.all_gather(loss)`) would wait forever for the others: the ones a step
+   reaches through Lightning stop the run in one line saying what to write instead.
 3. What every rank logs: the last stage averages each logged value over the microbatches and sends them to the
    other stages, and every rank logs the same values; a logged torchmetrics object is logged by its name in the
    module on every rank (only the last stage updated it: its sync across ranks adds the others' empty states).
@@ -36,7 +38,7 @@ from lightning_dist._compat.torch import (
 )
 from lightning_dist.parallel.dims import PIPELINE_PARALLEL
 from lightning_dist.parallel.pipeline_layout import PipelineLayout, check_pipeline, schedule_named
-from lightning_dist.parallel.pipeline_split import PipelineSplit, StageView, TiedCopies, find_trunk
+from lightning_dist.parallel.pipeline_split import PipelineSplit, StageView, TiedCopies, find_trunk, hold_stages
 
 _KEY = "strategy.pipeline_parallel_size"
 
@@ -174,6 +176,33 @@ def logs_recorded(module: nn.Module) -> Iterator[list[tuple[str, Any, dict]]]:
         del module.log
 
 
+@contextmanager
+def collectives_refused(module: Any, step: str, stages: int) -> Iterator[None]:
+    """The collectives `module`'s step reaches through Lightning (`self.all_gather`, its strategy's `all_gather`,
+    `reduce`, `broadcast` and `barrier`) stop the run in one line instead of waiting for ranks that never join."""
+    strategy = module.trainer.strategy
+
+    def refused(name: str) -> Callable[..., Any]:
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            raise ValueError(f"{_KEY}={stages}: {step} calls {name} after its call of the model, a part of the step"
+                             " only the last pipeline stage runs, so the other stages' ranks would never join it; log"
+                             " the value instead (self.log(name, value, sync_dist=True)): every stage logs the last"
+                             " stage's values")
+
+        return collective
+
+    names = ("all_gather", "reduce", "broadcast", "barrier")
+    for name in names:
+        setattr(strategy, name, refused(f"self.trainer.strategy.{name}"))
+    module.all_gather = refused("self.all_gather")
+    try:
+        yield
+    finally:
+        for name in names:
+            delattr(strategy, name)
+        del module.all_gather
+
+
 def answered_by(trunk: nn.Module, last: StageView, output: Any) -> AbstractContextManager:
     """The trunk's call answered with the last stage's `output`, as the trunk answers it."""
     return _forward_replaced(trunk, lambda *args, **kwargs: last.answer(output, args, kwargs))
@@ -189,6 +218,7 @@ class PipelineSteps:
         self.holds_first = any(view.is_first for view in views)
         self.holds_last = any(view.is_last for view in views)
         self.pp_group = pp_group
+        hold_stages(module, pp_group)
         self.last_rank = dist.get_global_rank(pp_group, layout.rank_of_stage(layout.stages - 1))
         self._chunks_started, self._next_row = False, 0
         self._step_gradients: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -325,7 +355,8 @@ class PipelineSteps:
         stop = self._next_row = start + rows.shape[0]
         rows_of_batch = microbatch(self._batch, self._size, start, stop)
         last = next(view for view in self.views if view.is_last)
-        with answered_by(self.trunk, last, output), logs_recorded(self.module) as logs:
+        with answered_by(self.trunk, last, output), logs_recorded(self.module) as logs, \
+                collectives_refused(self.module, self._step.__name__, self.layout.pp):
             result = self._step(rows_of_batch, *self._rest)
         loss = result.get("loss") if isinstance(result, Mapping) else result
         self._records.append((loss.detach() if isinstance(loss, torch.Tensor) else None, logs))

@@ -1,0 +1,52 @@
+"""What PEFT's tuner layers are, read from PEFT's own classes. Checked on peft 0.21.
+
+A tuner layer (LoRA's `lora.Linear`, ...) keeps its adapters in the attributes its class names
+(`adapter_layer_names`, `other_param_names`: public class attributes). peft is imported only where the user's code
+has imported it already.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from lightning_dist._compat.fenced import Fenced
+
+FENCED = [Fenced("peft.tuners.tuners_utils", "BaseTunerLayer.adapter_layer_names"),
+          Fenced("peft.tuners.tuners_utils", "BaseTunerLayer.other_param_names"),
+          Fenced("peft.tuners.lora", "Linear")]  # LoRA's linear layer: its base_layer, lora_A and lora_B
+
+
+# Where a tuner layer holds the layer it tunes (`BaseTunerLayer.get_base_layer`): a name the base model lacks.
+TUNED_LAYER = "base_layer"
+
+
+def imported() -> bool:
+    return "peft" in sys.modules
+
+
+def is_tuner_layer(module: Any) -> bool:
+    """Whether `module` is one of PEFT's tuner layers (False where peft was never imported)."""
+    if not imported():
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return isinstance(module, BaseTunerLayer)
+
+
+def adapter_names(module: Any) -> tuple[str, ...]:
+    """The attributes of a PEFT tuner layer that hold its adapters (LoRA's `lora_A`, `lora_B`, ...)."""
+    return tuple(module.adapter_layer_names) + tuple(getattr(module, "other_param_names", ()))
+
+
+def lora_linear_factors(module: Any) -> tuple[list[str], list[str]] | None:
+    """For LoRA's plain `lora.Linear` (no DoRA magnitude), the names (relative to it) of its adapters' down factors
+    (`lora_A.<adapter>`, in -> r) and up factors (`lora_B.<adapter>`, r -> out); None for any other module, DoRA and
+    other tuners included."""
+    if not imported():
+        return None
+    from peft.tuners.lora import Linear
+
+    if type(module) is not Linear or len(getattr(module, "lora_magnitude_vector", ())):
+        return None
+    return [f"lora_A.{name}" for name in module.lora_A], [f"lora_B.{name}" for name in module.lora_B]

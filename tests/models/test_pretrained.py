@@ -1,0 +1,122 @@
+"""Weights that exist are never replaced by sharded initialisation, and a `save_pretrained` folder loads tensor by
+tensor into a model built on the meta device (lightning_dist.from_pretrained), in process: no ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import lightning_dist
+from lightning_dist.parallel.pretrained_weights import PretrainedFolder
+from lightning_dist.parallel.sharded_init import give_memory, initialize_parameters, parameters_on_meta
+
+
+def as_float32(folder) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+
+
+def test_from_pretrained_inside_meta_construction_keeps_the_loaded_weights(pretrained_folders):
+    # What configure_model and trainer.init_module() run in under fsdp and ZeRO-3: transformers builds the model
+    # empty and then sets each loaded weight, which must not go to the meta device.
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_pretrained(pretrained_folders["llama"], dtype=torch.float32)
+    assert not any(p.is_meta for p in model.parameters())
+    for name, value in as_float32(pretrained_folders["llama"]).items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_a_constructors_parameters_still_go_to_the_meta_device():
+    with parameters_on_meta():
+        layer = nn.Linear(3, 3)
+        layer.extra = nn.Parameter(torch.ones(3))  # given after construction: a value that exists
+    assert layer.weight.is_meta and layer.bias.is_meta
+    assert not layer.extra.is_meta and torch.equal(layer.extra, torch.ones(3))
+
+
+def test_load_state_dict_into_a_model_built_on_meta_takes_the_values(pretrained_folders):
+    folder = pretrained_folders["qwen2"]
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+    assert all(p.is_meta for p in model.parameters())
+    state = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(shard))
+    model.load_state_dict(state, strict=False)  # the tied head is saved once, as the embedding
+    assert not any(p.is_meta for p in model.parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    for name, value in as_float32(folder).items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_peft_adapters_on_a_meta_base_start_from_peft_s_initial_values(pretrained_folders):
+    folder = pretrained_folders["llama"]
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    torch.manual_seed(3)
+    eager = get_peft_model(lightning_dist.from_pretrained(folder), lora)
+    torch.manual_seed(3)
+    with parameters_on_meta():
+        deferred = get_peft_model(lightning_dist.from_pretrained(folder), lora)
+    assert all(p.is_meta for p in deferred.parameters())  # PEFT moves its adapters to the base layer's device
+    initialize_parameters(deferred, give_memory, seed=11, params=list(deferred.parameters()))
+    adapters = {n: p for n, p in deferred.named_parameters() if "lora_" in n}
+    assert len(adapters) == 16
+    for name, value in deferred.state_dict().items():
+        assert torch.equal(value, eager.state_dict()[name]), name  # the base read, the adapters PEFT's own draws
+    assert not any(value.any() for name, value in adapters.items() if "lora_B" in name)  # B = 0
+
+
+def test_an_adapter_never_seen_with_values_is_refused_not_drawn(pretrained_folders):
+    with parameters_on_meta():
+        base = lightning_dist.from_pretrained(pretrained_folders["llama"])
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"]))  # on meta, outside the context
+    with pytest.raises(ValueError, match=r"^model: .*lora_A.default is an adapter of PEFT's Linear on the meta"
+                                         r" device, whose initial values \(LoRA's B = 0\) were never seen"):
+        initialize_parameters(model, give_memory, params=[p for p in model.parameters() if p.is_meta])
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+def test_from_pretrained_reads_the_folder_into_the_run_s_dtype(pretrained_folders, model):
+    folder = pretrained_folders[model]
+    loaded = lightning_dist.from_pretrained(folder)  # eager: no strategy builds it empty here
+    expected = as_float32(folder)
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}  # the folder holds bf16
+    assert sorted(loaded.state_dict()) == sorted(expected)
+    for name, value in expected.items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    tied = loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert tied == (model == "qwen2")
+
+
+def test_under_sharded_initialisation_each_value_is_read_not_drawn(pretrained_folders):
+    folder = pretrained_folders["qwen2"]
+    with parameters_on_meta():
+        model = lightning_dist.from_pretrained(folder)
+    assert all(p.is_meta for p in model.parameters())
+    kept = []
+    initialize_parameters(model, lambda p, full: (kept.append(full.shape), give_memory(p, full)), seed=5,
+                          params=list(model.parameters()))
+    assert len(kept) == len(list(model.parameters()))  # one full tensor at a time, the tied one once
+    for name, value in as_float32(folder).items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_a_folder_that_is_not_the_model_s_is_refused_naming_the_first_mismatches(pretrained_folders):
+    folder = pretrained_folders["llama"]
+    deeper = AutoConfig.from_pretrained(folder, num_hidden_layers=5, vocab_size=300)
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(deeper)
+    with pytest.raises(ValueError) as refused:
+        PretrainedFolder(folder, "model.pretrained").attach(model)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"model.pretrained={folder}: its weights are not LlamaForCausalLM's: missing"
+                              " model.layers.4.self_attn.q_proj.weight, model.layers.4.self_attn.k_proj.weight,"
+                              " model.layers.4.self_attn.v_proj.weight (and 6 more); shape model.embed_tokens.weight"
+                              " (256, 64) in the folder, (300, 64) in the model")
+    with pytest.raises(FileNotFoundError, match=r"^model.pretrained=.*: no model.safetensors or"
+                                                r" model.safetensors.index.json there"):
+        PretrainedFolder(folder.parent, "model.pretrained")
