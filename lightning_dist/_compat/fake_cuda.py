@@ -82,7 +82,14 @@ def shim_library(devices: int) -> Path:
     spec = importlib.util.find_spec("torch")  # found, not imported: the shim must load before it
     assert spec is not None and spec.submodule_search_locations is not None
     torch_dir = Path(spec.submodule_search_locations[0])
-    digest = hashlib.sha256(SOURCE.read_bytes() + version.encode()).hexdigest()[:16]
+    # Keyed by the torch it links to, where it lies: the library finds libc10 by that path (its rpath), so a venv
+    # made again elsewhere with the same torch release, or torch reinstalled, builds its own.
+    libc10_path = torch_dir / "lib" / "libc10.so"
+    if not libc10_path.exists():
+        raise FakeCudaUnavailable(f"torch's libc10.so is not at {libc10_path} to build the device shim against")
+    libc10 = libc10_path.stat()
+    linked_to = f"{version} {torch_dir} {libc10.st_size} {libc10.st_mtime_ns}"
+    digest = hashlib.sha256(SOURCE.read_bytes() + linked_to.encode()).hexdigest()[:16]
     library = _cache_dir() / f"libfake_cuda-{digest}.so"
     if library.exists():
         return library
