@@ -228,6 +228,10 @@ REFUSED = [
     (["seed=!!int", "3"], "seed=!!int: Hydra cannot parse this override"),
     (["ckpt_path=$(whoami)"], "ckpt_path=$(whoami): Hydra cannot parse this override (mismatched input '(' expecting"),
     # What used to end in a traceback before launch, or a message that said something else.
+    # What `ckpt_path=$CKPT` gives with CKPT unset used to train from scratch without a word; a number, a traceback.
+    (["ckpt_path="], "ckpt_path='': must be a checkpoint's path (a file or a directory), or null to train from"
+     " scratch; empty is what `ckpt_path=$VAR` gives with VAR unset"),
+    (["ckpt_path=123"], "ckpt_path=123: must be a checkpoint's path (a file or a directory), or null"),
     (["ckpt_path=/etc/passwd"], "ckpt_path: /etc/passwd is not a checkpoint: torch.save writes a zip archive"),
     (["ckpt_path={inputs}/weights.pt"], "ckpt_path: {inputs}/weights.pt is not a Lightning checkpoint: it holds no"
                                         " state_dict (it holds: model)"),
@@ -261,7 +265,7 @@ def test_a_bad_value_is_one_error_line_and_exit_2_before_any_rank_starts(argumen
 # the refusal is the only line printed, in well under 2 s.
 QUIET_REFUSALS = [arguments for arguments, _ in REFUSED if arguments[0] in (
     "checkpoint.async=true", "strategy.activation_checkpointing=ops", "dry_run=true", "trainer.devices=0",
-    "strategy=deepspeed_stage3", "trainer=gpu")] + [
+    "strategy=deepspeed_stage3", "trainer=gpu", "ckpt_path=", "ckpt_path=123")] + [
     ["strategy=fsdp_tp", "strategy.tensor_parallel_size=3", "trainer.devices=4"],
     *(arguments for arguments, _ in REFUSED if arguments[0] in ("strategy=fsdp_pp", "strategy=fsdp_tp_pp")),
     ["strategy=hsdp_tp", "trainer.devices=4", "trainer.num_nodes=2", "strategy.data_parallel_replicate_size=3"]]

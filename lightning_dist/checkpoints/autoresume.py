@@ -70,11 +70,12 @@ def unusable(checkpoint: Path) -> str | None:
     return first_problem(checkpoint)
 
 
-def finished_run(checkpoint: Path) -> Path | None:
+def finished_run(checkpoint: Path, summary_at: Path | None = None) -> Path | None:
     """The run directory `checkpoint` was saved in, if that run trained to its end and `checkpoint` is its last
-    save (its summary says both): resuming from it would train nothing."""
+    save (its summary says both): resuming from it would train nothing. `summary_at`: where that run's summary is
+    when not in its directory (set aside by the attempt that continues it)."""
     run = checkpoint.parent.parent
-    summary = read_summary(run)
+    summary = read_summary(run, summary_at)
     finished = "global_step" in summary and "stopped_by" not in summary
     last = summary.get("last_checkpoint")
     return run if finished and last and Path(last).resolve() == checkpoint.resolve() else None

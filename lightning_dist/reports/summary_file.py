@@ -9,9 +9,10 @@ from pathlib import Path
 SUMMARY_NAME = "metrics.json"
 
 
-def read_summary(run_dir: Path) -> dict:
-    """The run's summary; {} for a run that did not finish (it is written at the end of training and of testing)."""
-    path = Path(run_dir) / SUMMARY_NAME
+def read_summary(run_dir: Path, path: Path | None = None) -> dict:
+    """The run's summary; {} for a run that did not finish (it is written at the end of training and of testing).
+    `path`: where it is when not in `run_dir` (set aside while the run is continued: `metrics.1.json`)."""
+    path = Path(path or Path(run_dir) / SUMMARY_NAME)
     return json.loads(path.read_text()) if path.exists() else {}
 
 

@@ -88,6 +88,12 @@ RULES = (
         "true, false or run_dir (the newest whole checkpoint in hydra.run.dir only: a requeued job's)",
         lambda value: isinstance(value, bool) or value == "run_dir",
     ),
+    Rule(
+        "ckpt_path",
+        "a checkpoint's path (a file or a directory), or null to train from scratch; empty is what `ckpt_path=$VAR`"
+        " gives with VAR unset",
+        lambda value: value is None or (isinstance(value, str) and value.strip() != ""),
+    ),
     Rule("seed", "an integer", integer()),
     Rule(
         "compile",

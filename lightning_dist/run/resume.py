@@ -4,6 +4,7 @@ trained to its end has nothing left to train."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from datetime import timedelta
@@ -24,6 +25,7 @@ from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.lifecycle.exits import FINISHED
 from lightning_dist.lifecycle.job_store import shared_choice
 from lightning_dist.reports.summary_file import SUMMARY_NAME, read_summary
+from lightning_dist.run.run_dir import as_before_this_attempt
 
 log = logging.getLogger(__name__)
 
@@ -65,23 +67,29 @@ def checkpoint_to_resume(cfg: DictConfig, shapes: dict[str, tuple[int, ...]]) ->
         except CheckpointError as error:  # not a Lightning checkpoint at all
             return " ".join(str(error).removeprefix(f"resume: {checkpoint} ").split())
 
-    def newest() -> str | None:
+    def newest() -> str:
         if cfg.resume == RESUME_OWN_DIR:  # a requeued job: its own run directory only, never another job's
             found = newest_whole_checkpoint_in(output_dir, passed_over, another_models)
         else:
             # As typed: an override such as `+model.path=${paths.output_dir}/x` resolves to another path in every run.
             overrides = cast(list[str], OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False))
             found = newest_complete_checkpoint(output_dir.parent, overrides, passed_over, another_models)
-        return str(found) if found else None
+        # Whether it ends a finished run is decided here too, by the process that claimed the run directory: resumed
+        # into its own directory, the finished run's summary has just been set aside for this attempt (run_dir.py).
+        summary = found and as_before_this_attempt(found.parent.parent / SUMMARY_NAME)
+        finished = cfg.resume is True and found is not None and finished_run(found, summary) is not None
+        return json.dumps({"checkpoint": found and str(found), "finished_summary": str(summary) if finished else None})
 
     # Global rank 0's choice on every rank of a torchrun job (lifecycle/job_store.py), where each runs this search.
-    found = shared_choice(newest, timedelta(seconds=cfg.strategy.get("timeout") or 1800))
-    # Every rank asks (the run directories are on storage they share), so that every rank ends here together.
-    if found is not None and cfg.resume is True and (finished := finished_run(Path(found))) is not None:
+    choice = json.loads(shared_choice(newest, timedelta(seconds=cfg.strategy.get("timeout") or 1800)) or "{}")
+    found, finished_summary = choice.get("checkpoint"), choice.get("finished_summary")
+    if finished_summary is not None:
+        run = Path(found).parent.parent
         raise NothingLeftToTrain(
             f"{said}nothing left to train: the newest whole checkpoint of this command, {found}, is the last save of a"
-            f" run that trained to its end ({finished / SUMMARY_NAME}); pass ckpt_path={found} with a larger"
-            " trainer.max_steps to train on from it, or resume=false to start afresh", read_summary(finished))
+            f" run that trained to its end ({run / SUMMARY_NAME}); pass ckpt_path={found} with a larger"
+            " trainer.max_steps to train on from it, or resume=false to start afresh",
+            read_summary(run, Path(finished_summary)))
     if found is None:
         nothing = (f"no complete checkpoint in {output_dir}" if cfg.resume == RESUME_OWN_DIR
                    else "no earlier complete checkpoint of this command")

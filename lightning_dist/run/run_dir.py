@@ -54,6 +54,7 @@ class Claim:
     lock: IO[str]  # open for the process's lifetime; the lock goes with it
     attempt_files: list[Path] = field(default_factory=list)  # what each attempt writes afresh
     set_aside: dict[Path, Path] = field(default_factory=dict)  # an earlier attempt's of them: where they were -> are
+    claim_file_found: bool = False  # an earlier attempt that stopped before its results left its claim file
 
 
 _claim: Claim | None = None
@@ -86,6 +87,7 @@ def claim_run_dir(directory: Path, continuing: bool, config_dir: str | None = ".
         raise ConfigError(f"hydra.run.dir: cannot write the run's directory {directory} ({why}); set paths.log_dir to a"
                           " writable directory")
     directory.mkdir(parents=True, exist_ok=True)
+    claim_file_found = (directory / CLAIM_FILE).exists()
     (directory / CLAIM_FILE).touch()
     # Held open (and locked) until the process exits; read-only, as a lock needs no more: nothing of it is left for
     # the exit to write (lifecycle/quick_exit.py looks for files open for writing).
@@ -99,9 +101,8 @@ def claim_run_dir(directory: Path, continuing: bool, config_dir: str | None = ".
     holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     (directory / CLAIM_FILE).write_text(json.dumps(holder))
     os.environ[CLAIM_ENV] = str(directory)
-    _claim = Claim(
-        directory, created, bool(used), lock, [directory / name for name in (config_dir, FINAL_METRICS) if name]
-    )
+    _claim = Claim(directory, created, bool(used), lock,
+                   [directory / name for name in (config_dir, FINAL_METRICS) if name], claim_file_found=claim_file_found)
     if used:
         _claim.set_aside = set_aside_earlier_attempt(_claim.attempt_files)
     return _claim
@@ -118,6 +119,12 @@ def release_claim() -> None:
     claim.lock.close()
     (claim.directory / CLAIM_FILE).unlink(missing_ok=True)
     _claim = None
+
+
+def as_before_this_attempt(path: Path) -> Path:
+    """Where a file that an earlier attempt of the claimed run left at `path` is now: set aside by this attempt's
+    claim (`metrics.json` -> `metrics.1.json`), or still at `path`."""
+    return _claim.set_aside.get(path.resolve(), path) if _claim is not None else path
 
 
 def set_aside_earlier_attempt(paths: list[Path]) -> dict[Path, Path]:
@@ -153,6 +160,8 @@ def discard_refused_run(directory: Path, job_name: str) -> None:
                     path.unlink()
             for path, aside in claim.set_aside.items():
                 aside.rename(path)
+            if not claim.claim_file_found:
+                (claim.directory / CLAIM_FILE).unlink(missing_ok=True)
             return
     rank, _, _ = launcher_ranks()
     if (

@@ -151,6 +151,25 @@ def test_a_second_run_into_a_finished_runs_directory_leaves_every_file_as_it_was
 
 
 @pytest.mark.slow
+def test_resume_into_a_finished_runs_own_directory_trains_nothing_and_leaves_its_files(tmp_path):
+    """As a SLURM script resubmits a job that had finished: the continuation sets the run's metrics.json aside as it
+    claims the directory, and the finished-run check used to read the moved file as missing, resume from the last
+    save, train nothing, exit 0 with an empty `Final metrics:` line and leave metrics.1.json behind."""
+    first = run_train(tmp_path, "trainer.max_steps=2", "test=false")
+    assert first.process.returncode == 0, first.output[-2000:]
+    before = files_of(tmp_path)
+    again = run_train(tmp_path, "trainer.max_steps=2", "test=false", "resume=true")
+    assert again.process.returncode == 0, again.output[-2000:]
+    said = again.output.split(" - ", 1)[-1]  # the path as the run spelled it (pytest's tmp_path has a link to it)
+    assert said.startswith("resume=true: nothing left to train: the newest whole checkpoint of this command, "), said
+    assert "/checkpoints/last.ckpt, is the last save of a run that trained to its end (" in said
+    assert "Final metrics" not in again.output and "Training " not in again.output
+    after = files_of(tmp_path)
+    assert after.pop("train.log").startswith(before.pop("train.log"))  # the job's log says what this attempt did
+    assert after == before
+
+
+@pytest.mark.slow
 def test_a_second_run_while_the_first_is_going_is_refused_and_the_first_finishes(tmp_path):
     first = subprocess.Popen(train_command(tmp_path, "trainer.max_steps=2", "test=false"), cwd=REPO, env=TRAIN_ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
