@@ -57,6 +57,7 @@ __all__ = [
     "is_stateful_loader",
     "load_distributed_checkpoint",
     "logs_this_step",
+    "save_last_now",
     "move_optimizers_to_device",
     "module_optimizers",
     "read_bar_values_at_refresh",
@@ -135,6 +136,12 @@ FENCED = [
     Fenced("lightning.pytorch.trainer.connectors.logger_connector.logger_connector",
            "_LoggerConnector.progress_bar_metrics"),
     Fenced("lightning.pytorch.trainer.connectors.logger_connector.result", "convert_tensors_to_scalars", ("data",)),
+    # What ModelCheckpoint asks before each save, and how it saves `last` (save_last_now).
+    Fenced("lightning.pytorch.callbacks.model_checkpoint", "ModelCheckpoint._should_skip_saving_checkpoint",
+           ("self", "trainer")),
+    Fenced("lightning.pytorch.callbacks.model_checkpoint", "ModelCheckpoint._monitor_candidates", ("self", "trainer")),
+    Fenced("lightning.pytorch.callbacks.model_checkpoint", "ModelCheckpoint._save_last_checkpoint",
+           ("self", "trainer", "monitor_candidates")),
     # Every rank's SIGTERM flag, broadcast and read before every batch (broadcast_sigterm_at_logging_steps).
     Fenced("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor", ("self",)),
 ]
@@ -248,6 +255,15 @@ def step_in_progress(trainer: Any) -> int:
     """The optimizer step the fit loop is running, from before it fetches the step's batch until it begins the next:
     the count of steps it has finished (`trainer.global_step` moves on in the middle of the step)."""
     return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def save_last_now(callback: Any, trainer: Any) -> bool:
+    """A ModelCheckpoint's `last` saved now, as its own step cadence saves it, unless it would save nothing now
+    (not fitting, a sanity check, fast_dev_run, or this step already saved); whether it saved."""
+    if callback._should_skip_saving_checkpoint(trainer):
+        return False
+    callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+    return True
 
 
 def logs_this_step(trainer: Any) -> bool:

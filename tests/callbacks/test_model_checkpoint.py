@@ -1,0 +1,93 @@
+"""Asked-for checkpoints are written when asked (lightning_dist/callbacks/model_checkpoint.py): with the default
+config's `monitor: val_loss`, Lightning's ModelCheckpoint saved nothing, `last` included, before the first
+validation, however often `every_n_train_steps` asked; a stop at step 19 of `every_n_train_steps=10` kept nothing."""
+
+from __future__ import annotations
+
+import signal
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_dist.callbacks import ModelCheckpoint
+from tests.conftest import run_train
+
+
+class Regression(L.LightningModule):
+    """As users write one: logs `val_loss` at validations only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.mse_loss(self.layer(batch), batch.sum(-1, keepdim=True))
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", torch.nn.functional.mse_loss(self.layer(batch), batch.sum(-1, keepdim=True)))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(torch.randn(256, 4), batch_size=4)
+
+    def val_dataloader(self):
+        return DataLoader(torch.randn(8, 4), batch_size=4)
+
+
+def fit(tmp_path, checkpoint, max_steps: int, val_check_interval: int) -> list[tuple[str, int]]:
+    """(file name, global step) of every save, in order."""
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(max_steps=max_steps, val_check_interval=val_check_interval, check_val_every_n_epoch=None,
+                        callbacks=[checkpoint], accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path)
+    saves = []
+    save = trainer.save_checkpoint
+
+    def recorded(filepath, *args, **kwargs):
+        saves.append((str(filepath).rsplit("/", 1)[-1], trainer.global_step))
+        return save(filepath, *args, **kwargs)
+
+    trainer.save_checkpoint = recorded
+    trainer.fit(Regression())
+    return saves
+
+
+def checkpoint(kind, tmp_path, every: int):
+    return kind(dirpath=tmp_path / "checkpoints", filename="step{step:06d}", monitor="val_loss", save_top_k=1,
+                save_last=True, every_n_train_steps=every, auto_insert_metric_name=False, enable_version_counter=False)
+
+
+def test_the_cadence_saves_last_before_the_first_validation(tmp_path):
+    # Lightning's own: nothing before training ends, in 12 steps that reach no validation.
+    lightnings = checkpoint(LightningModelCheckpoint, tmp_path / "lightning", 5)
+    assert fit(tmp_path / "lightning", lightnings, 12, 100) == [("last.ckpt", 12)]
+    assert fit(tmp_path, checkpoint(ModelCheckpoint, tmp_path, 5), 12, 100) == [("last.ckpt", 5), ("last.ckpt", 10),
+                                                                              ("last.ckpt", 12)]
+
+
+def test_the_top_k_is_decided_at_validations_and_no_step_is_saved_twice(tmp_path):
+    saves = fit(tmp_path, checkpoint(ModelCheckpoint, tmp_path, 5), 20, 10)
+    # Step 10 and 20: validation saves the top-k and `last`; the cadence adds only the steps between.
+    assert saves == [("last.ckpt", 5), ("step000010.ckpt", 10), ("last.ckpt", 10), ("last.ckpt", 15),
+                     ("step000020.ckpt", 20), ("last.ckpt", 20)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGKILL, -9)])
+def test_a_stop_before_the_first_validation_keeps_the_default_cadences_last_save(signum, code, tmp_path):
+    """The default config as typed: a stop at step 53, before the first validation (step 100), keeps `last` of step
+    50, and `resume=run_dir` (a requeued job) continues from it."""
+    stopped = run_train(tmp_path, "trainer.max_steps=60", "test=false", "+callbacks.stop._target_=tests.probes.SignalAtStep",
+                        "+callbacks.stop.global_step=53", f"+callbacks.stop.signal={signum.name}")
+    assert stopped.process.returncode == code, stopped.output[-3000:]
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 50
+    resumed = run_train(tmp_path, "trainer.max_steps=60", "test=false", "resume=run_dir")
+    assert resumed.process.returncode == 0, resumed.output[-3000:]
+    assert f"resume=run_dir: resuming from {last}" in resumed.output
+    assert resumed.summary["global_step"] == 60 and min(int(s) for s in resumed.summary["curves"]["train_loss"]) > 50
