@@ -58,6 +58,7 @@ __all__ = [
     "load_distributed_checkpoint",
     "logs_this_step",
     "save_last_now",
+    "validation_follows",
     "move_optimizers_to_device",
     "module_optimizers",
     "read_bar_values_at_refresh",
@@ -142,6 +143,9 @@ FENCED = [
     Fenced("lightning.pytorch.callbacks.model_checkpoint", "ModelCheckpoint._monitor_candidates", ("self", "trainer")),
     Fenced("lightning.pytorch.callbacks.model_checkpoint", "ModelCheckpoint._save_last_checkpoint",
            ("self", "trainer", "monitor_candidates")),
+    # Whether the fit loop validates after the batch that just ended (validation_follows).
+    Fenced("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._should_check_val_fx",
+           ("self", "data_fetcher")),
     # Every rank's SIGTERM flag, broadcast and read before every batch (broadcast_sigterm_at_logging_steps).
     Fenced("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor", ("self",)),
 ]
@@ -264,6 +268,11 @@ def save_last_now(callback: Any, trainer: Any) -> bool:
         return False
     callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
     return True
+
+
+def validation_follows(trainer: Any) -> bool:
+    """In `on_train_batch_end`: whether the fit loop validates after this batch, as it decides next."""
+    return trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
 
 
 def logs_this_step(trainer: Any) -> bool:

@@ -1,14 +1,13 @@
-"""Lightning's ModelCheckpoint, where a step cadence saves `last` whatever the monitor.
+"""Lightning's ModelCheckpoint, where asked-for saves of `last` happen whatever the monitor.
 
-With a `monitor` (the default config's `val_loss`), Lightning's `every_n_train_steps` defers every save, `last`
-included, until the monitored metric exists: a run stopped before its first validation kept nothing, however
-often the config asked for saves. Once the metric exists, it ranks the step cadence's saves by the metric of the
-latest validation, and no longer saves the top-k at validations at all. Here the two are kept apart:
+With a `monitor` the run has not logged yet (the default config's `val_loss`, before the first validation),
+Lightning's `every_n_train_steps` defers every save, `last` included, until the metric exists: a run stopped
+before its first validation kept nothing, however often the config asked for saves. Here:
 
-- with a `monitor` and `save_last=true`, `every_n_train_steps` saves `last` every N optimizer steps, and the
-  monitored top-k is decided at each validation, as without a cadence;
-- without a monitor, or with `save_last` false or "link", Lightning's own behaviour (the cadence saves the top-k
-  of the newest checkpoints).
+- `save_last_every_n_train_steps=N` saves `last` every N optimizer steps from the first, and leaves the top-k to
+  `monitor` and Lightning's own triggers (each validation, by default);
+- `every_n_train_steps=N` keeps Lightning's meaning (the top-k of the saves every N steps), and while the monitored
+  metric does not exist yet, saves `last` on that cadence where Lightning's would save nothing.
 """
 
 from __future__ import annotations
@@ -19,37 +18,44 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from typing_extensions import override
 
-from lightning_dist._compat.lightning import save_last_now
+from lightning_dist._compat.lightning import save_last_now, validation_follows
 
 
 class ModelCheckpoint(LightningModelCheckpoint):
-    """Lightning's ModelCheckpoint (the same arguments), where `every_n_train_steps` with a `monitor` saves `last`
-    on its cadence from the first step, and the monitored top-k at validations."""
+    """Lightning's ModelCheckpoint (the same arguments), plus `save_last_every_n_train_steps`; `every_n_train_steps`
+    saves `last` even before the monitored metric exists."""
 
-    def __init__(self, *, every_n_train_steps: int | None = None, **kwargs: Any) -> None:
-        splits = kwargs.get("monitor") is not None and kwargs.get("save_last") is True and bool(every_n_train_steps)
-        self.last_every_n_train_steps = every_n_train_steps if splits else None
-        super().__init__(every_n_train_steps=None if splits else every_n_train_steps, **kwargs)
-        self._due_at: int | None = None
+    def __init__(self, *args: Any, save_last_every_n_train_steps: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if save_last_every_n_train_steps is not None and (
+                not isinstance(save_last_every_n_train_steps, int) or save_last_every_n_train_steps < 1):
+            raise ValueError(f"save_last_every_n_train_steps={save_last_every_n_train_steps}: give a number of"
+                             " optimizer steps, 1 or more, or null")
+        if save_last_every_n_train_steps and not self.save_last:
+            raise ValueError("save_last_every_n_train_steps: saves `last`, and save_last is off; set save_last=true")
+        self.save_last_every_n_train_steps = save_last_every_n_train_steps
+        self._top_k_every_n_train_steps = kwargs.get("every_n_train_steps")
+        self._saved_on_cadence = False
+
+    def _last_is_due(self, trainer: L.Trainer) -> bool:
+        step = trainer.global_step
+        if step == 0 or not self.save_last:
+            return False
+        own_cadence = self.save_last_every_n_train_steps and step % self.save_last_every_n_train_steps == 0
+        deferred = (self._top_k_every_n_train_steps and step % self._top_k_every_n_train_steps == 0
+                    and self.monitor is not None and self.monitor not in trainer.callback_metrics)
+        return bool(own_cadence or deferred)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
         super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
-        every = self.last_every_n_train_steps
-        if every and trainer.global_step > 0 and trainer.global_step % every == 0:
-            # Saved as the next batch starts: a validation that runs after this batch saves `last` itself (with the
-            # top-k), and the cadence then has nothing to add.
-            self._due_at = trainer.global_step
-
-    @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
-        super().on_train_batch_start(trainer, pl_module, *args, **kwargs)
-        if self._due_at is not None and self._due_at == trainer.global_step:
-            save_last_now(self, trainer)
-        self._due_at = None
+        # A validation after this batch saves `last` itself, with the top-k (and a save here would keep it from
+        # deciding the top-k: ModelCheckpoint saves once per step).
+        if self._last_is_due(trainer) and not validation_follows(trainer):
+            self._saved_on_cadence |= save_last_now(self, trainer)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)  # Lightning's saves `last` here only if nothing was saved before
-        if self.last_every_n_train_steps:
+        if self._saved_on_cadence:
             save_last_now(self, trainer)  # the final weights, where the cadence's last save was an earlier step

@@ -101,8 +101,8 @@ def claim_run_dir(directory: Path, continuing: bool, config_dir: str | None = ".
     holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     (directory / CLAIM_FILE).write_text(json.dumps(holder))
     os.environ[CLAIM_ENV] = str(directory)
-    _claim = Claim(directory, created, bool(used), lock,
-                   [directory / name for name in (config_dir, FINAL_METRICS) if name], claim_file_found=claim_file_found)
+    attempt_files = [directory / name for name in (config_dir, FINAL_METRICS) if name]
+    _claim = Claim(directory, created, bool(used), lock, attempt_files, claim_file_found=claim_file_found)
     if used:
         _claim.set_aside = set_aside_earlier_attempt(_claim.attempt_files)
     return _claim

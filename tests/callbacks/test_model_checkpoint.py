@@ -19,12 +19,16 @@ from tests.conftest import run_train
 class Regression(L.LightningModule):
     """As users write one: logs `val_loss` at validations only."""
 
-    def __init__(self) -> None:
+    def __init__(self, log_train_loss: bool = False) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(4, 1)
+        self.log_train_loss = log_train_loss
 
     def training_step(self, batch, batch_idx):
-        return torch.nn.functional.mse_loss(self.layer(batch), batch.sum(-1, keepdim=True))
+        loss = torch.nn.functional.mse_loss(self.layer(batch), batch.sum(-1, keepdim=True))
+        if self.log_train_loss:
+            self.log("train_loss", loss)
+        return loss
 
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", torch.nn.functional.mse_loss(self.layer(batch), batch.sum(-1, keepdim=True)))
@@ -39,7 +43,8 @@ class Regression(L.LightningModule):
         return DataLoader(torch.randn(8, 4), batch_size=4)
 
 
-def fit(tmp_path, checkpoint, max_steps: int, val_check_interval: int) -> list[tuple[str, int]]:
+def fit(tmp_path, checkpoint, max_steps: int, val_check_interval: int, log_train_loss: bool = False
+        ) -> list[tuple[str, int]]:
     """(file name, global step) of every save, in order."""
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(max_steps=max_steps, val_check_interval=val_check_interval, check_val_every_n_epoch=None,
@@ -53,35 +58,52 @@ def fit(tmp_path, checkpoint, max_steps: int, val_check_interval: int) -> list[t
         return save(filepath, *args, **kwargs)
 
     trainer.save_checkpoint = recorded
-    trainer.fit(Regression())
+    trainer.fit(Regression(log_train_loss))
     return saves
 
 
-def checkpoint(kind, tmp_path, every: int):
+def checkpoint(kind, tmp_path, **cadence):
     return kind(dirpath=tmp_path / "checkpoints", filename="step{step:06d}", monitor="val_loss", save_top_k=1,
-                save_last=True, every_n_train_steps=every, auto_insert_metric_name=False, enable_version_counter=False)
+                save_last=True, auto_insert_metric_name=False, enable_version_counter=False, **cadence)
 
 
-def test_the_cadence_saves_last_before_the_first_validation(tmp_path):
+def test_every_n_train_steps_saves_last_before_the_monitored_metric_exists(tmp_path):
     # Lightning's own: nothing before training ends, in 12 steps that reach no validation.
-    lightnings = checkpoint(LightningModelCheckpoint, tmp_path / "lightning", 5)
+    lightnings = checkpoint(LightningModelCheckpoint, tmp_path / "lightning", every_n_train_steps=5)
     assert fit(tmp_path / "lightning", lightnings, 12, 100) == [("last.ckpt", 12)]
-    assert fit(tmp_path, checkpoint(ModelCheckpoint, tmp_path, 5), 12, 100) == [("last.ckpt", 5), ("last.ckpt", 10),
-                                                                              ("last.ckpt", 12)]
+    ours = checkpoint(ModelCheckpoint, tmp_path, every_n_train_steps=5)
+    assert fit(tmp_path, ours, 12, 100) == [("last.ckpt", 5), ("last.ckpt", 10), ("last.ckpt", 12)]
+
+
+def test_a_training_metric_keeps_lightnings_top_k_of_the_step_saves(tmp_path):
+    ours = checkpoint(ModelCheckpoint, tmp_path, every_n_train_steps=5)
+    ours.monitor = "train_loss"
+    lightnings = checkpoint(LightningModelCheckpoint, tmp_path / "lightning", every_n_train_steps=5)
+    lightnings.monitor = "train_loss"
+    assert fit(tmp_path, ours, 12, 100, log_train_loss=True) == \
+        fit(tmp_path / "lightning", lightnings, 12, 100, log_train_loss=True)
 
 
 def test_the_top_k_is_decided_at_validations_and_no_step_is_saved_twice(tmp_path):
-    saves = fit(tmp_path, checkpoint(ModelCheckpoint, tmp_path, 5), 20, 10)
+    saves = fit(tmp_path, checkpoint(ModelCheckpoint, tmp_path, save_last_every_n_train_steps=5), 20, 10)
     # Step 10 and 20: validation saves the top-k and `last`; the cadence adds only the steps between.
     assert saves == [("last.ckpt", 5), ("step000010.ckpt", 10), ("last.ckpt", 10), ("last.ckpt", 15),
                      ("step000020.ckpt", 20), ("last.ckpt", 20)]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run = run_train(tmp_path_factory.mktemp("uninterrupted"), "trainer.max_steps=60", "test=false")
+    assert run.process.returncode == 0, run.output[-3000:]
+    return run.summary["curves"]["train_loss"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGKILL, -9)])
-def test_a_stop_before_the_first_validation_keeps_the_default_cadences_last_save(signum, code, tmp_path):
+def test_a_stop_before_the_first_validation_keeps_the_default_cadences_last_save(signum, code, tmp_path,
+                                                                                  uninterrupted):
     """The default config as typed: a stop at step 53, before the first validation (step 100), keeps `last` of step
-    50, and `resume=run_dir` (a requeued job) continues from it."""
+    50, and `resume=run_dir` (a requeued job) continues from it with the uninterrupted run's losses."""
     stopped = run_train(tmp_path, "trainer.max_steps=60", "test=false", "+callbacks.stop._target_=tests.probes.SignalAtStep",
                         "+callbacks.stop.global_step=53", f"+callbacks.stop.signal={signum.name}")
     assert stopped.process.returncode == code, stopped.output[-3000:]
@@ -90,4 +112,7 @@ def test_a_stop_before_the_first_validation_keeps_the_default_cadences_last_save
     resumed = run_train(tmp_path, "trainer.max_steps=60", "test=false", "resume=run_dir")
     assert resumed.process.returncode == 0, resumed.output[-3000:]
     assert f"resume=run_dir: resuming from {last}" in resumed.output
-    assert resumed.summary["global_step"] == 60 and min(int(s) for s in resumed.summary["curves"]["train_loss"]) > 50
+    curve = resumed.summary["curves"]["train_loss"]
+    # Rows are labelled with the global step before their batch: 54 and 59 are steps 55 and 60.
+    assert resumed.summary["global_step"] == 60 and sorted(curve, key=int) == ["54", "59"]
+    assert curve == {step: uninterrupted[step] for step in ("54", "59")}
