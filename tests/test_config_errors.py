@@ -1,6 +1,7 @@
 """Bad input gets one line that names the key and the valid choices, before any rank is spawned."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -111,6 +112,7 @@ def write_inputs(directory: Path) -> None:
 
 
 SYS = "/sys/lightning_dist"  # not writable, even for root
+CORES = len(os.sched_getaffinity(0))
 REFUSED = [
     (["strategy=nope"], "strategy=nope: no such option; choose one of:"),
     (["strategy=deepspeed_stage3"], "strategy=deepspeed_stage3: no such option; did you mean deepspeed_stage_3? choose"
@@ -228,6 +230,9 @@ REFUSED = [
     (["seed=!!int", "3"], "seed=!!int: Hydra cannot parse this override"),
     (["ckpt_path=$(whoami)"], "ckpt_path=$(whoami): Hydra cannot parse this override (mismatched input '(' expecting"),
     # What used to end in a traceback before launch, or a message that said something else.
+    (["trainer.devices=100"], f"trainer.devices=100: 100 CPU ranks on a node with {CORES} cores; each is a process"
+     f" of its own, so at most {8 * CORES} here (8 per core); choose fewer, or check a larger world without training"
+     " with dry_run=true"),
     # What `ckpt_path=$CKPT` gives with CKPT unset used to train from scratch without a word; a number, a traceback.
     (["ckpt_path="], "ckpt_path='': must be a checkpoint's path (a file or a directory), or null to train from"
      " scratch; empty is what `ckpt_path=$VAR` gives with VAR unset"),
@@ -265,7 +270,7 @@ def test_a_bad_value_is_one_error_line_and_exit_2_before_any_rank_starts(argumen
 # the refusal is the only line printed, in well under 2 s.
 QUIET_REFUSALS = [arguments for arguments, _ in REFUSED if arguments[0] in (
     "checkpoint.async=true", "strategy.activation_checkpointing=ops", "dry_run=true", "trainer.devices=0",
-    "strategy=deepspeed_stage3", "trainer=gpu", "ckpt_path=", "ckpt_path=123")] + [
+    "strategy=deepspeed_stage3", "trainer=gpu", "ckpt_path=", "ckpt_path=123", "trainer.devices=100")] + [
     ["strategy=fsdp_tp", "strategy.tensor_parallel_size=3", "trainer.devices=4"],
     *(arguments for arguments, _ in REFUSED if arguments[0] in ("strategy=fsdp_pp", "strategy=fsdp_tp_pp")),
     ["strategy=hsdp_tp", "trainer.devices=4", "trainer.num_nodes=2", "strategy.data_parallel_replicate_size=3"]]

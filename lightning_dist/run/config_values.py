@@ -8,6 +8,8 @@ such key: a user's own model or data module has its own arguments.
 
 from __future__ import annotations
 
+import os
+
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -173,6 +175,10 @@ def check_values(cfg: DictConfig, rules: tuple[Rule, ...] = RULES) -> None:
 # partitions every parameter over all ranks): the 7B ZeRO-3 dry run at 64 ranks takes 2 to 6 minutes on our 2-core
 # machines. Past this it would run for hours; the planner (`plan=true`) answers for any size.
 DRY_RUN_MAX_RANKS = 1024
+# CPU ranks per core a node may start: each rank is a process with its own torch (about 0.3 GB before any model),
+# and past a few per core they only take turns (the suite's 8-rank runs on 2 cores are 4 per core). Beyond this, a
+# typo (trainer.devices=100) would start that many processes and fill the node's memory.
+CPU_RANKS_PER_CORE = 8
 _STRATEGIES = "lightning_dist.strategies."
 
 
@@ -189,6 +195,12 @@ def check_combinations(cfg: DictConfig) -> None:
     if _value(cfg, "trainer.accelerator") in ("gpu", "cuda") and not simulated and not _has_nvidia_gpu():
         raise ConfigError("trainer.accelerator=gpu: this machine has no NVIDIA GPU (no driver device in /dev); train on"
                           " its CPU with trainer=cpu, or check the GPU run without one with dry_run=true")
+    cores = len(os.sched_getaffinity(0))
+    if (_value(cfg, "trainer.accelerator") == "cpu" and not simulated and devices is not None
+            and devices > CPU_RANKS_PER_CORE * cores):
+        raise ConfigError(f"trainer.devices={devices}: {devices} CPU ranks on a node with {cores} cores; each is a"
+                          f" process of its own, so at most {CPU_RANKS_PER_CORE * cores} here ({CPU_RANKS_PER_CORE}"
+                          " per core); choose fewer, or check a larger world without training with dry_run=true")
     strategy = _value(cfg, "strategy")
     target = strategy.get("_target_") if isinstance(strategy, DictConfig) else None
     if target in (f"{_STRATEGIES}DeepSpeedStrategy", f"{_STRATEGIES}deepspeed.DeepSpeedStrategy"):
