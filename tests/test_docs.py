@@ -142,3 +142,27 @@ def test_a_broken_link_fails_the_strict_build_naming_it(tmp_path):
     assert "'install.md' contains a link 'nowhere.md', but the target is not found" in built.stderr
     assert "'install.md' links to '../recipes/nowhere/README.md': recipes/nowhere/README.md is not in the repository" in built.stderr
     assert "Aborted with 2 warnings in strict mode!" in built.stdout + built.stderr
+
+
+def test_the_exit_code_table_is_the_codes_the_code_gives():
+    """docs/faults.md's table against the constants `train.py` exits with, and every "exit N" the pages mention
+    against the table (checkpoints.md once said 2 for a finished run's resume, which exits 0)."""
+    import signal
+
+    from lightning_dist.callbacks import PREEMPTED_EXIT_CODE
+    from lightning_dist.lifecycle.exits import FAILED, FINISHED, REFUSED
+    from lightning_dist.lifecycle.stop_signals import STOP_CODES
+    from lightning_dist.run.resume import NothingLeftToTrain
+
+    faults = (REPO / "docs" / "faults.md").read_text()
+    table = dict(re.findall(r"^  \| (\d+) \| (.+) \|$", faults, flags=re.MULTILINE))
+    assert sorted(map(int, table)) == [0, 1, 2, 75, 130]
+    said = {code: table[str(code)] for code in (FINISHED, FAILED, REFUSED, PREEMPTED_EXIT_CODE)}
+    assert "finished" in said[FINISHED] and "nothing left to train" in table[str(NothingLeftToTrain.exit_code)]
+    assert said[FAILED].startswith("failed") and said[REFUSED].startswith("refused")
+    for signum, code in STOP_CODES.items():
+        assert signum.name in table[str(code)], (signum, code)
+    assert STOP_CODES[signal.SIGTERM] == PREEMPTED_EXIT_CODE
+    for page in sorted((REPO / "docs").glob("*.md")):
+        for code in re.findall(r"\bexit(?:s| code)? (\d+)\b", page.read_text()):
+            assert code in table or code == "137", f"{page.name}: exit {code} is not in the table"
