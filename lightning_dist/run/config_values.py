@@ -9,7 +9,6 @@ such key: a user's own model or data module has its own arguments.
 from __future__ import annotations
 
 import os
-
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
