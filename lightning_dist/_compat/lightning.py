@@ -56,6 +56,7 @@ __all__ = [
     "give_device_mesh",
     "is_stateful_loader",
     "load_distributed_checkpoint",
+    "log_this_batch_now",
     "logs_this_step",
     "save_last_now",
     "validation_follows",
@@ -143,6 +144,9 @@ FENCED = [
     Fenced("lightning.pytorch.callbacks.model_checkpoint", "ModelCheckpoint._monitor_candidates", ("self", "trainer")),
     Fenced("lightning.pytorch.callbacks.model_checkpoint", "ModelCheckpoint._save_last_checkpoint",
            ("self", "trainer", "monitor_candidates")),
+    # What the fit loop does right after `on_train_batch_end`: the batch's logged metrics to the loggers.
+    Fenced("lightning.pytorch.trainer.connectors.logger_connector.logger_connector",
+           "_LoggerConnector.update_train_step_metrics", ("self",)),
     # Whether the fit loop validates after the batch that just ended (validation_follows).
     Fenced("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._should_check_val_fx",
            ("self", "data_fetcher")),
@@ -268,6 +272,12 @@ def save_last_now(callback: Any, trainer: Any) -> bool:
         return False
     callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
     return True
+
+
+def log_this_batch_now(trainer: Any) -> None:
+    """In `on_train_batch_end` of a callback that ends the run there: what the fit loop would do next, this batch's
+    logged metrics handed to the loggers (each saves its rows), so that the run's last row is not lost with it."""
+    trainer._logger_connector.update_train_step_metrics()
 
 
 def validation_follows(trainer: Any) -> bool:

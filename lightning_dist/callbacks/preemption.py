@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lightning_dist._compat.lightning import broadcast_sigterm_at_logging_steps
+from lightning_dist._compat.lightning import broadcast_sigterm_at_logging_steps, log_this_batch_now
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,9 @@ class Preemption(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if not self._agreed(trainer):
             return
+        # This step's row first: the run stops in this hook, before the loop would log it, and the resumed run starts
+        # after this step (its metrics.csv would lack the row).
+        log_this_batch_now(trainer)
         path = self._save(trainer)
         signame = signal.Signals(self.received).name if self.received else "a signal on another rank"
         message = f"preempted ({signame}) at global step {trainer.global_step}: saved {path}; continue with resume=true"

@@ -91,28 +91,42 @@ def test_the_top_k_is_decided_at_validations_and_no_step_is_saved_twice(tmp_path
                      ("step000020.ckpt", 20), ("last.ckpt", 20)]
 
 
+def train_losses(run) -> dict[int, str]:
+    """{step label: train_loss} of the run's metrics.csv, each step once."""
+    rows = [(int(row["step"]), row["train_loss"]) for row in run.csv_rows() if row.get("train_loss")]
+    assert len({step for step, _ in rows}) == len(rows), rows
+    return dict(rows)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     run = run_train(tmp_path_factory.mktemp("uninterrupted"), "trainer.max_steps=60", "test=false")
     assert run.process.returncode == 0, run.output[-3000:]
-    return run.summary["curves"]["train_loss"]
+    return run.summary["curves"]["train_loss"], train_losses(run)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGKILL, -9)])
-def test_a_stop_before_the_first_validation_keeps_the_default_cadences_last_save(signum, code, tmp_path,
+@pytest.mark.parametrize(("signum", "code", "saved_at"), [
+    (signal.SIGINT, 130, 50), (signal.SIGKILL, -9, 50),
+    # A scheduler's notice: the preemption callback saves at the next logging step, with that step's row.
+    (signal.SIGTERM, 75, 55), (signal.SIGUSR1, 75, 55),
+], ids=["SIGINT", "SIGKILL", "SIGTERM", "SIGUSR1"])
+def test_a_stop_before_the_first_validation_keeps_the_default_cadences_last_save(signum, code, saved_at, tmp_path,
                                                                                   uninterrupted):
     """The default config as typed: a stop at step 53, before the first validation (step 100), keeps `last` of step
-    50, and `resume=run_dir` (a requeued job) continues from it with the uninterrupted run's losses."""
+    50 (or the preemption's), and `resume=run_dir` (a requeued job) continues from it with the uninterrupted run's
+    losses; its metrics.csv then holds every logged step once, as the uninterrupted run's does."""
     stopped = run_train(tmp_path, "trainer.max_steps=60", "test=false", "+callbacks.stop._target_=tests.probes.SignalAtStep",
                         "+callbacks.stop.global_step=53", f"+callbacks.stop.signal={signum.name}")
     assert stopped.process.returncode == code, stopped.output[-3000:]
     last = tmp_path / "checkpoints" / "last.ckpt"
-    assert torch.load(last, weights_only=False)["global_step"] == 50
+    assert torch.load(last, weights_only=False)["global_step"] == saved_at
     resumed = run_train(tmp_path, "trainer.max_steps=60", "test=false", "resume=run_dir")
     assert resumed.process.returncode == 0, resumed.output[-3000:]
     assert f"resume=run_dir: resuming from {last}" in resumed.output
-    curve = resumed.summary["curves"]["train_loss"]
-    # Rows are labelled with the global step before their batch: 54 and 59 are steps 55 and 60.
-    assert resumed.summary["global_step"] == 60 and sorted(curve, key=int) == ["54", "59"]
-    assert curve == {step: uninterrupted[step] for step in ("54", "59")}
+    curve, uninterrupted_csv = resumed.summary["curves"]["train_loss"], uninterrupted[1]
+    # Rows are labelled with the global step before their batch: 54 is step 55's.
+    resumed_labels = [label for label in ("54", "59") if int(label) >= saved_at]
+    assert resumed.summary["global_step"] == 60 and sorted(curve, key=int) == resumed_labels
+    assert curve == {step: uninterrupted[0][step] for step in resumed_labels}
+    assert train_losses(resumed) == uninterrupted_csv and sorted(uninterrupted_csv) == list(range(4, 60, 5))
