@@ -34,8 +34,8 @@ def test_sigterm_saves_the_step_in_progress_and_resume_continues_the_curve(name,
     preempted = run_strategy(name, command, tmp_path / "runs" / "first")
     assert preempted.returncode == PREEMPTED_EXIT_CODE
     last = preempted.run_dir / "checkpoints" / "last.ckpt"
-    # Step 7 finished (the checkpoint is of step 8's start). The stop comes before Lightning's loggers write step
-    # 7's loss; the run summary, written on the way out, has it: together the two runs hold every step once.
+    # Step 7 finished (the checkpoint is of step 8's start), its loss logged before the save: together the two
+    # runs hold every step once.
     assert load_consolidated(last)["global_step"] == 8
     assert sorted(preempted.losses) == list(range(8))
     assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]  # nothing partial left behind
@@ -82,13 +82,13 @@ def test_under_slurm_the_notice_saves_requeues_and_the_requeued_job_resumes(tmp_
     assert f"resume=true: resuming from {last}" in requeued.stdout + requeued.stderr
     assert torch.load(last, weights_only=True)["global_step"] == 8
     # The directory holds both attempts, nothing replaced: the first's config and summary under the number 1, and
-    # one CSV whose rows are the first attempt's steps, then the requeued one's. (The stop came before Lightning's
-    # loggers wrote step 3; the first attempt's summary has it.)
+    # one CSV whose rows are the first attempt's steps, then the requeued one's, each once (the preemption writes
+    # its step's row before it saves: Lightning's loggers would have written it after the hook that stops).
     assert (run_dir / ".hydra.1" / "config.yaml").read_text() == first_config
     assert (run_dir / "metrics.1.json").read_text() == first_summary
     assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "metrics.json").is_file()
     with open(run_dir / "csv" / "metrics.csv") as handle:
         steps = [int(row["step"]) for row in csv.DictReader(handle) if row.get("train_loss")]
-    assert steps == [0, 1, 2, 4, 5, 6, 7], steps
+    assert steps == [0, 1, 2, 3, 4, 5, 6, 7], steps
     assert sorted(curve(json.loads(first_summary), "train_loss")) == [0, 1, 2, 3]
     assert (tmp_path / "scontrol_calls").read_text() == "requeue 4242\n"  # finished: not requeued again
