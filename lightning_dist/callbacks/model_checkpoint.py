@@ -22,8 +22,8 @@ from lightning_dist._compat.lightning import save_last_now, validation_follows
 
 
 class ModelCheckpoint(LightningModelCheckpoint):
-    """Lightning's ModelCheckpoint (the same arguments), plus `save_last_every_n_train_steps`; `every_n_train_steps`
-    saves `last` even before the monitored metric exists."""
+    """Lightning's ModelCheckpoint (the same arguments), plus `save_last_every_n_train_steps` (inert with
+    `save_last` off); `every_n_train_steps` saves `last` even before the monitored metric exists."""
 
     def __init__(self, *args: Any, save_last_every_n_train_steps: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -31,8 +31,6 @@ class ModelCheckpoint(LightningModelCheckpoint):
                 not isinstance(save_last_every_n_train_steps, int) or save_last_every_n_train_steps < 1):
             raise ValueError(f"save_last_every_n_train_steps={save_last_every_n_train_steps}: give a number of"
                              " optimizer steps, 1 or more, or null")
-        if save_last_every_n_train_steps and not self.save_last:
-            raise ValueError("save_last_every_n_train_steps: saves `last`, and save_last is off; set save_last=true")
         self.save_last_every_n_train_steps = save_last_every_n_train_steps
         self._top_k_every_n_train_steps = kwargs.get("every_n_train_steps")
         self._saved_on_cadence = False
