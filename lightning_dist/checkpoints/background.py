@@ -99,12 +99,11 @@ class BackgroundSaves(StrategyMixin):
         def write_then_swap() -> None:
             try:
                 write()
-            except BaseException as error:
-                if not commits:
-                    raise
-                raise discard(partial, final, error) from error
-            if commits:  # the storage is shared: rank 0 sees every rank's part, complete once `write` returns
-                commit(partial, final)
+                if commits:  # the storage is shared: rank 0 sees every rank's part, complete once `write` returns
+                    commit(partial, final)
+            except BaseException as error:  # one line on every rank (the raw CheckpointException is each rank's
+                # traceback); rank 0 removes the part written
+                raise (discard(partial, final, error) if commits else SaveFailed(final, error)) from error
 
         writer.submit(final, write_then_swap)
 

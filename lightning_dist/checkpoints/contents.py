@@ -11,6 +11,7 @@ from lightning_dist.checkpoints.formats import (
     DEEPSPEED,
     DISTRIBUTED,
     FILE,
+    LIGHTNING_METADATA,
     CheckpointError,
     deepspeed_tag_dir,
 )
@@ -60,6 +61,19 @@ def state_dict_shapes(
     recorded.update(autotp_logical_shapes(model_states))
     module = {name.removeprefix(_WRAPPER_PREFIX): tensor for name, tensor in model_states["module"].items()}
     return {name: recorded.get(name) or _shape(tensor) for name, tensor in module.items()}
+
+
+def saved_step(path: str | Path | CheckpointSource) -> int | None:
+    """The global step a Lightning checkpoint was saved at (from its loops' record, no tensor loaded), or None."""
+    source = CheckpointSource.of(path)
+    if source.format == FILE:
+        record = load_file(source.path, mmap=True)
+    elif source.format == DISTRIBUTED:
+        record = load_file(source.path / LIGHTNING_METADATA)
+    else:  # Lightning's client state, beside the engine's own count
+        record = load_file(sorted(deepspeed_tag_dir(source.path).glob("*model_states.pt"))[0], mmap=True)
+    step = record.get("global_step", record.get("global_steps")) if isinstance(record, dict) else None
+    return None if step is None else int(step)
 
 
 def autotp_logical_shapes(model_states: dict[str, Any]) -> dict[str, Shape]:

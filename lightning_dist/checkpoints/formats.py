@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,38 @@ def command_exit(make: Callable[[], Path], done: str) -> int:
         return 2
     print(f"{done}{output}")
     return 0
+
+
+def unreadable(path: str | Path) -> str | None:
+    """What of the checkpoint at `path` (a file, or a directory and everything in it) cannot be opened, said with the
+    system's reason (permission, an I/O error, a file that vanished), or None. Each file is opened, not read: it
+    costs as much as listing them. A checkpoint read half-way would fail there with a traceback, and one that cannot
+    be opened is no checkpoint a run can start from."""
+    path = Path(path)
+    try:
+        files = [path] if not path.is_dir() else [Path(top) / name for top, _, names in os.walk(path, onerror=_raise)
+                                                  for name in names]
+        for file in files:
+            with open(file, "rb"):
+                pass
+    except OSError as error:
+        return cannot_read(error)
+    return None
+
+
+def cannot_read(error: OSError) -> str:
+    """An OSError in one phrase: `it cannot be read (Permission denied: /runs/x/last.ckpt)`."""
+    return f"it cannot be read ({os_reason(error)})"
+
+
+def os_reason(error: OSError) -> str:
+    """The system's reason and the file it names: `Permission denied: /runs/x/last.ckpt`."""
+    reason = error.strerror or str(error) or type(error).__name__
+    return f"{reason}: {error.filename}" if error.filename else reason
+
+
+def _raise(error: OSError) -> None:
+    raise error
 
 
 def is_deepspeed_dir(path: Path) -> bool:

@@ -12,10 +12,13 @@ from typing import Any
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dist._compat.lightning import StrategyMixin
+from lightning_dist.checkpoints.formats import os_reason
 from lightning_dist.checkpoints.manifest import write_manifest
 from lightning_dist.checkpoints.ranks import Ranks
+from lightning_dist.parallel.devices import gather_objects
 
 
 def partial_path(final: Path) -> Path:
@@ -32,16 +35,29 @@ def write_then_swap(strategy: Ranks, final: str | Path, write: Callable[[Path], 
     """
     final = Path(final)
     partial = clear_partial(strategy, final)
+    failure = None
     try:
         write(partial)
     except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is one
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise
-        raise discard(partial, final, error) from error
-    strategy.barrier()
+        failure = discard(partial, final, error)
+    fail_together(failure)  # and a barrier: every rank's part is written
     if strategy.is_global_zero:  # the storage is shared (`check_shared`): it sees every rank's part
-        commit(partial, final)
-    strategy.barrier()
+        try:
+            commit(partial, final)
+        except OSError as error:
+            failure = discard(partial, final, error)
+    fail_together(failure)
+
+
+def fail_together(failure: SaveFailed | None) -> None:
+    """A save that failed on any rank fails on every rank, each with the first failure's one line (a collective).
+    Where one rank alone raised, the others would wait in the next collective until the job's timeout, and a rank
+    that does not write (DDP's) has nothing of its own to say."""
+    said = [line for line in gather_objects(None if failure is None else str(failure)) if line]
+    if said:
+        raise failure or SaveFailedElsewhere(said[0])
 
 
 def clear_partial(strategy: Ranks, final: Path) -> Path:
@@ -128,18 +144,49 @@ class PartialFileIO(TorchCheckpointIO):
 
 
 def _swap(partial: Path, final: Path) -> None:
+    """`partial` into `final`'s place. Where the save under that name cannot be moved aside (a directory or file this
+    user may not change), the new save keeps a name of its own beside it: a save that cannot take its name is still a
+    save, and never the end of the job."""
     if partial.is_file() and not final.is_dir():
-        os.replace(partial, final)  # atomic: `final` is the old file or the new one, never neither
+        try:
+            os.replace(partial, final)  # atomic: `final` is the old file or the new one, never neither
+        except OSError as error:
+            _keep_beside(partial, final, error)
         return
     # A directory cannot replace a non-empty one in one step: the old one steps aside first.
     previous = final.with_name(f".{final.name}.previous")
-    if previous.exists():
-        _remove(previous)
-    if final.exists():
-        final.rename(previous)
+    _remove_stale(previous)
+    if previous.exists():  # it stays (said): this save's own
+        previous = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.previous")
+    if final.exists() or final.is_symlink():
+        try:
+            final.rename(previous)
+        except OSError as error:
+            _keep_beside(partial, final, error)
+            return
     partial.rename(final)
-    if previous.exists():
-        _remove(previous)
+    _remove_stale(previous)
+
+
+def _keep_beside(partial: Path, final: Path, error: OSError) -> None:
+    """The new save, which cannot replace `final`, under `final`'s name with `.new` added (the newest whole
+    checkpoint by time: `resume=true` finds it); the earlier one of that name, ours, makes way for it."""
+    beside = final.with_name(f"{final.name}.new")
+    _remove_stale(beside)
+    if beside.exists():
+        beside = final.with_name(f"{final.name}.{uuid.uuid4().hex[:8]}.new")
+    partial.rename(beside)
+    rank_zero_warn(f"the checkpoint {final} cannot be replaced ({os_reason(error)}): this save is {beside} instead")
+
+
+def _remove_stale(path: Path) -> None:
+    """Remove what an earlier save left (a checkpoint set aside); one that cannot be removed stays, said once."""
+    if not (path.exists() or path.is_symlink()):
+        return
+    try:
+        _remove(path)
+    except OSError as error:
+        rank_zero_warn(f"{path}, an earlier save set aside, cannot be removed ({os_reason(error)}); it stays")
 
 
 def _remove(path: Path, missing_ok: bool = False) -> None:

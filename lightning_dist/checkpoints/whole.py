@@ -20,6 +20,7 @@ from lightning_dist.checkpoints.formats import (
     is_complete,
     is_deepspeed_dir,
     is_distributed_dir,
+    unreadable,
 )
 from lightning_dist.checkpoints.manifest import has_manifest, manifest_problem, zip_problem
 from lightning_dist.checkpoints.safe_load import load_file
@@ -50,6 +51,8 @@ def is_whole(path: str | Path) -> bool:
 def check_whole(path: str | Path | CheckpointSource, key: str = "ckpt_path", trusted: bool = False) -> None:
     """CheckpointError, one line naming the file, unless `path` is a finished checkpoint that is whole."""
     source = CheckpointSource.of(path, trusted, key)
+    if problem := unreadable(source.path):
+        raise CheckpointError(f"{key}: {path}: {problem}; pass a checkpoint this run can read")
     check_complete(source.path, key, source.format)
     if problem := first_problem(source.path, source.trusted):
         raise CheckpointError(

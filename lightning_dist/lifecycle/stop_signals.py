@@ -66,8 +66,25 @@ class Stopped(SystemExit):
         self.signum = signum
 
     def __str__(self) -> str:
-        return (f"stopped by {signal.Signals(self.signum).name}, and the ranks it started with it; checkpoints saved"
-                " before it are kept (resume=true continues from the newest)")
+        return f"stopped by {signal.Signals(self.signum).name}, and the ranks it started with it; {_what_is_kept()}"
+
+
+# Says what a stop leaves to resume from, once a run knows where it saves (`say_what_a_stop_keeps`).
+_describe_kept: list[Callable[[], str | None]] = []
+_KEPT_UNKNOWN = "checkpoints saved before it are kept (resume=true continues from the newest)"
+
+
+def say_what_a_stop_keeps(describe: Callable[[], str | None] | None) -> None:
+    """The stop line names what the run kept: `describe()`'s words (None from it, or no `describe`: said in
+    general)."""
+    _describe_kept[:] = [describe] if describe is not None else []
+
+
+def _what_is_kept() -> str:
+    try:
+        return (_describe_kept[0]() if _describe_kept else None) or _KEPT_UNKNOWN
+    except Exception:  # a stop line must be said whatever the checkpoints hold
+        return _KEPT_UNKNOWN
 
 
 def stop_on_signals(quietly: bool = False) -> None:

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_dist.checkpoints.contents import check_autotp_layout, check_checkpoint_matches
-from lightning_dist.checkpoints.formats import CheckpointError
+from lightning_dist.checkpoints.formats import CheckpointError, cannot_read
 from lightning_dist.checkpoints.source import CheckpointSource
 from lightning_dist.checkpoints.whole import check_whole
 from lightning_dist.lifecycle.writable import unwritable_because
@@ -111,11 +111,14 @@ def _checked_checkpoint(cfg: DictConfig, shapes: dict[str, tuple[int, ...]], str
     """The checkpoint to start from, its format worked out once: whole, holding this model's weights, suiting the
     strategy and (unless trusted) vetted, here rather than on every rank after they started. The strategy loads it
     as it is (it is Lightning's `ckpt_path`)."""
-    source = CheckpointSource.of(cfg.ckpt_path, trusted=cfg.get("trust_checkpoint", False))
-    check_whole(source)
-    check_checkpoint_matches(source, shapes)
-    check_autotp_layout(source, getattr(strategy, "checkpoint_tensor_parallel", None))
-    return source.vet()
+    try:
+        source = CheckpointSource.of(cfg.ckpt_path, trusted=cfg.get("trust_checkpoint", False))
+        check_whole(source)
+        check_checkpoint_matches(source, shapes)
+        check_autotp_layout(source, getattr(strategy, "checkpoint_tensor_parallel", None))
+        return source.vet()
+    except OSError as error:  # a file that vanished, or could not be read, after it was opened once
+        raise CheckpointError(f"ckpt_path: {cfg.ckpt_path}: {cannot_read(error)}") from error
 
 
 def _construction(strategy: Any) -> AbstractContextManager:

@@ -18,9 +18,10 @@ from lightning_dist.checkpoints.autoresume import (
     RESUME_OWN_DIR,
     finished_run,
     newest_complete_checkpoint,
+    newest_whole_checkpoint_among,
     newest_whole_checkpoint_in,
 )
-from lightning_dist.checkpoints.contents import another_model
+from lightning_dist.checkpoints.contents import another_model, saved_step
 from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.lifecycle.exits import FINISHED
 from lightning_dist.lifecycle.job_store import shared_choice
@@ -103,3 +104,13 @@ def checkpoint_to_resume(cfg: DictConfig, shapes: dict[str, tuple[int, ...]]) ->
         log.info(f"{said}resuming from {found}")
     os.environ[RESUME_ENV] = found or ""
     return found
+
+
+def what_a_stop_keeps(checkpoints: Path) -> str:
+    """What a run stopped now leaves to continue from: its newest whole checkpoint in `checkpoints` and its step, or
+    that nothing was saved."""
+    found = newest_whole_checkpoint_among(checkpoints)
+    if found is None:
+        return f"nothing was saved before it ({checkpoints} holds no whole checkpoint): resume=true starts afresh"
+    step = saved_step(found)
+    return f"kept: {found}{'' if step is None else f' at step {step}'} (resume=true continues from it)"

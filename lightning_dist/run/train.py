@@ -22,9 +22,10 @@ from lightning_dist.lifecycle.collective_timeout import explain_collective_failu
 from lightning_dist.lifecycle.exits import exit_code
 from lightning_dist.lifecycle.peer_exits import say_leaving
 from lightning_dist.lifecycle.process_exit import close_process_group
+from lightning_dist.lifecycle.stop_signals import say_what_a_stop_keeps
 from lightning_dist.run.compose import build, choices
 from lightning_dist.run.config_check import ConfigError
-from lightning_dist.run.resume import RESUME_ENV
+from lightning_dist.run.resume import RESUME_ENV, what_a_stop_keeps
 from lightning_dist.strategies.launcher import PreflightError, preflight
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ def _fit_and_test(cfg: DictConfig) -> dict[str, float]:
     except PreflightError as error:
         raise ConfigError(" ".join(str(error).split())) from error
     log.info(_describe(cfg, parts["model"], trainer, parts["strategy_name"]))
+    say_what_a_stop_keeps(lambda: _kept(trainer))
     try:
         # weights_only=None leaves the checkpoint to be vetted (safe_load.py); False is the user's opt-in.
         weights_only = False if cfg.get("trust_checkpoint") else None
@@ -77,6 +79,7 @@ def _fit_and_test(cfg: DictConfig) -> dict[str, float]:
         raise failure from error
     finally:
         os.environ.pop(RESUME_ENV, None)  # the next job of a sweep in this interpreter decides for itself
+    say_what_a_stop_keeps(None)  # kept where fit stopped: the stop line, said once the stop has unwound, reads it
     metrics = _metrics(trainer)
     if cfg.get("test") and not is_overridden("test_step", parts["model"]):
         log.info("test=true, but %s has no test_step: no test run", type(parts["model"]).__name__)
@@ -86,6 +89,13 @@ def _fit_and_test(cfg: DictConfig) -> dict[str, float]:
     if trainer.is_global_zero:
         _report(cfg, trainer, metrics)
     return metrics
+
+
+def _kept(trainer: L.Trainer) -> str | None:
+    """What a stop of this run leaves to continue from (the stop line's words), where its checkpoints go."""
+    callback = trainer.checkpoint_callback
+    directory = getattr(callback, "dirpath", None)
+    return what_a_stop_keeps(Path(directory)) if directory else None
 
 
 def _describe(cfg: DictConfig, model: Any, trainer: L.Trainer, strategy_name: str) -> str:

@@ -121,6 +121,10 @@ def test_a_stop_before_the_first_validation_keeps_the_default_cadences_last_save
     assert stopped.process.returncode == code, stopped.output[-3000:]
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=False)["global_step"] == saved_at
+    if signum == signal.SIGINT:  # the stop line says what it kept (a preemption's line says what it saved)
+        assert stopped.process.stderr.strip().splitlines()[-1] == (
+            f"error: stopped by SIGINT, and the ranks it started with it; kept: {last} at step 50 (resume=true"
+            " continues from it)")
     resumed = run_train(tmp_path, "trainer.max_steps=60", "test=false", "resume=run_dir")
     assert resumed.process.returncode == 0, resumed.output[-3000:]
     assert f"resume=run_dir: resuming from {last}" in resumed.output

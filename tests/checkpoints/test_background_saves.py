@@ -205,3 +205,26 @@ def test_a_full_disk_keeps_the_checkpoint_it_was_to_replace_and_ends_every_rank_
     checkpoints = small_disk / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step000005.ckpt"]
     assert is_whole(checkpoints / "step000005.ckpt")
+
+
+def test_a_rank_that_does_not_commit_says_its_failed_background_write_in_one_line(tmp_path):
+    from tests.checkpoints.test_swapped_saves import CheckpointException
+
+    class _OtherRank(_Strategy):  # a sharded save's rank 1: it writes its shards, global rank 0 swaps them in
+        is_global_zero, global_rank = False, 1
+
+        def staged_write(self, checkpoint, partial):
+            def write():
+                raise CheckpointException("CheckpointException ranks:dict_keys([0, 1])\nTraceback (RANK 1)\n"
+                                          "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704"
+                                          " vs 598")
+            return write
+
+    strategy, final = _OtherRank(), tmp_path / "last"
+    strategy.save_checkpoint({"global_step": 2}, final)
+    with pytest.raises(SaveFailed) as failed:
+        strategy.wait_for_checkpoints()
+    assert str(failed.value).startswith(
+        f"saving the checkpoint {final} failed (RuntimeError: [enforce fail at inline_container.cc:672] . unexpected"
+        " pos 704 vs 598); ")
+    assert "\n" not in str(failed.value)

@@ -130,3 +130,16 @@ def test_starting_afresh_says_what_it_passed_over(tmp_path):
             " which does not exist") in output
     assert ("resume=true: no earlier complete checkpoint of this command (passed over 1, named above); starting afresh"
             in output)
+
+
+def test_the_stop_line_names_the_newest_whole_checkpoint_and_its_step_or_that_nothing_was_saved(tmp_path):
+    from lightning_dist.run.resume import what_a_stop_keeps
+
+    checkpoints = tmp_path / "checkpoints"
+    assert what_a_stop_keeps(checkpoints) == (
+        f"nothing was saved before it ({checkpoints} holds no whole checkpoint): resume=true starts afresh")
+    saved(checkpoints / "step000010.ckpt", 10)
+    last = saved(checkpoints / "last.ckpt", 20)
+    partial = saved(checkpoints / ".last.ckpt.partial", 25)  # a save the stop cut off
+    os.utime(partial, (1_000_030, 1_000_030))
+    assert what_a_stop_keeps(checkpoints) == f"kept: {last} at step 20 (resume=true continues from it)"

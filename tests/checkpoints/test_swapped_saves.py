@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -116,3 +117,15 @@ def test_a_file_checkpoint_is_written_once_straight_into_its_partial_path(strate
     final = tmp_path / "checkpoints" / "step000005.ckpt"
     write_then_swap(ONE_RANK, final, lambda path: io.save_checkpoint({"weight": torch.arange(4.0)}, path))
     assert torch.equal(torch.load(final)["weight"], torch.arange(4.0)) and leftovers(final.parent) == []
+
+
+def test_a_rank_whose_part_was_written_fails_with_the_rank_whose_write_failed(tmp_path, monkeypatch):
+    # DDP: global rank 0 writes the file and fails; rank 1 writes nothing. Alone, it would go on to the next
+    # collective and wait there until the job's timeout.
+    from lightning_dist.checkpoints import swap
+
+    said = "saving the checkpoint /runs/x/last.ckpt failed (No space left on device); the disk is full: ..."
+    monkeypatch.setattr(swap, "gather_objects", lambda own: [said, own])
+    rank_1 = SimpleNamespace(local_rank=1, is_global_zero=False, world_size=1, barrier=lambda *args: None)
+    with pytest.raises(swap.SaveFailedElsewhere, match=f"^{re.escape(said)}$"):
+        write_then_swap(rank_1, tmp_path / "last.ckpt", lambda path: None)
