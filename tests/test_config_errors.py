@@ -167,6 +167,8 @@ REFUSED = [
      " the model's 4 blocks do not divide into 3 stages (pipeline_parallel_size x stages_per_rank=1)"),
     (["strategy=fsdp_pp", "trainer.devices=4", "strategy.pipeline_schedule=ZBVZeroBubble"],
      "strategy.stages_per_rank=1: ZBVZeroBubble runs exactly 2 stage(s) per rank"),
+    (["strategy=fsdp_pp", "trainer.devices=4", "strategy.pipeline_schedule=/nonexistent/schedule.csv"],
+     "strategy.pipeline_schedule=/nonexistent/schedule.csv: cannot be read (No such file or directory)"),
     (["strategy=fsdp_pp", "trainer.devices=4", "strategy.microbatches=1"], "strategy.microbatches=1: 1F1B needs at"
      " least one per stage, here 2 (pipeline_parallel_size x stages_per_rank)"),
     (["strategy=fsdp_pp", "trainer.devices=4", "strategy.pipeline_schedule=Interleaved1F1B", "strategy.stages_per_rank=2",
@@ -180,7 +182,7 @@ REFUSED = [
      "strategy.pipeline_parallel_size=4, strategy.tensor_parallel_size=2: the run's 4 ranks (trainer.devices x"
      " trainer.num_nodes) do not divide into groups of these sizes"),
     (["strategy=fsdp", "trainer.devices=6", "strategy.context_parallel_size=3"], "strategy.context_parallel_size=3:"
-     " all_to_all gives each rank 4/3 of the model's 4 attention heads (model.n_head); choose a size that divides 4"),
+     " all_to_all gives each rank 4/3 of the model's 4 attention heads (model.n_head); choose one of 1, 2"),
     (["strategy=fsdp_tp", "trainer.devices=8", "strategy.context_parallel_size=4"], "strategy.context_parallel_size=4:"
      " all_to_all gives each rank 4/(2 x 4) of the model's 4 attention heads (model.n_head); choose tensor- and"
      " context-parallel sizes whose product divides 4"),
@@ -188,10 +190,14 @@ REFUSED = [
      " a whole number of ranks, at least 1"),
     (["strategy=deepspeed_stage_2", "trainer.devices=6", "strategy.context_parallel_size=3"],
      "strategy.context_parallel_size=3: all_to_all gives each rank 4/3 of the model's 4 attention heads (model.n_head);"
-     " choose a size that divides 4"),
-    (["strategy=deepspeed_stage_2", "trainer.devices=6", "strategy.context_parallel_size=4"], "strategy: 1 problem:"
-     " strategy.context_parallel_size=4: the 6 ranks do not divide into sequence-parallel groups of that size; choose"
-     " one of 1, 2, 3, 6"),
+     " choose one of 1, 2"),
+    # Each size suggested passes the heads' check too (3 and 6 split the GPT's 4 heads unevenly).
+    (["strategy=deepspeed_stage_2", "trainer.devices=6", "strategy.context_parallel_size=4"],
+     "strategy.context_parallel_size=4: the 6 ranks do not divide into sequence-parallel groups of that size; choose"
+     " one of 1, 2"),
+    (["strategy=deepspeed_stage_3", "trainer.devices=3", "strategy.context_parallel_size=3"],
+     "strategy.context_parallel_size=3: all_to_all gives each rank 4/3 of the model's 4 attention heads (model.n_head);"
+     " choose one of 1"),
     (["strategy=fsdp", "trainer.devices=4", "strategy.context_parallel_size=2", "data.block_size=130"],
      "strategy.context_parallel_size=2: a sequence of 130 tokens (data.block_size) does not split into 2 x 2 equal"
      " chunks; choose a size or a length that does"),
@@ -200,9 +206,8 @@ REFUSED = [
      " API; choose all_to_all (Ulysses), which runs everywhere"),
     (["strategy=fsdp", "trainer.devices=4", "strategy.context_parallel_size=2", "strategy.context_parallel=ulysses"],
      "strategy.context_parallel='ulysses': choose one of all_to_all, ring"),
-    (["strategy=fsdp", "trainer.devices=6", "strategy.context_parallel_size=4"], "strategy.context_parallel_size=4,"
-     " strategy.tensor_parallel_size=1: the run's 6 ranks (trainer.devices x trainer.num_nodes) do not divide into"
-     " groups of these sizes"),
+    (["strategy=fsdp", "trainer.devices=6", "strategy.context_parallel_size=4"], "strategy.context_parallel_size=4:"
+     " the 6 ranks do not divide into sequence-parallel groups of that size; choose one of 1, 2"),
     (["strategy=fsdp_pp", "trainer.devices=4", "dry_run=true", "strategy.pipeline_schedule=ZBVZeroBubble",
       "strategy.stages_per_rank=2"], "dry_run=true: strategy.pipeline_schedule=ZBVZeroBubble is not dry-run"
      " (zero-bubble and file schedules split backward in passes the dry run does not replay); GPipe, 1F1B,"
@@ -338,3 +343,17 @@ def test_the_readmes_mistakes_print_what_it_shows(command, shown, tmp_path):
                              capture_output=True, text=True, timeout=120)
     assert process.returncode == 2
     assert process.stderr.splitlines()[-1].startswith(shown.removesuffix("..."))
+
+
+def test_the_refusal_benchmark_times_each_refusal_where_it_is_decided(tmp_path):
+    """benchmarks/refusal_times.py times the cases above in one process (each under 2 s, BENCHMARKS.md): each one it
+    times is refused there with the line train.py prints, so that it times the refusal, not a run that went on."""
+    from benchmarks.refusal_times import refusal
+
+    inputs = tmp_path / "inputs"
+    write_inputs(inputs)
+    for arguments, expected in REFUSED:
+        said = refusal([a.replace("{inputs}", str(inputs)) for a in arguments])
+        assert said is not None, arguments
+        if not expected.startswith("hydra."):  # the benchmark asks the directory check itself
+            assert said.startswith(expected.replace("{inputs}", str(inputs))), (arguments, said)

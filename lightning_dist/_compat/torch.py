@@ -114,7 +114,8 @@ FENCED = [
     Fenced("torch.distributed.tensor.experimental", "context_parallel",
            ("mesh", "buffers", "buffer_seq_dims", "no_restore_buffers")),
     Fenced("torch.distributed.pipelining.schedules", "get_schedule_class", ("schedule_name",)),
-    Fenced("torch.distributed.pipelining.schedules", "PipelineScheduleMulti._load_csv", ("self", "filename")),
+    Fenced("torch.distributed.pipelining.schedules", "_PipelineScheduleRuntime._load_csv",
+           ("self", "filename", "format")),
     Fenced("torch.distributed.pipelining.schedules", "_PipelineScheduleRuntime._prepare_schedule_with_comms",
            ("self", "actions")),
     Fenced("torch.distributed.pipelining.schedules", "_validate_schedule",
@@ -436,13 +437,15 @@ def host_sync_kind(func: Any, args: tuple, kwargs: dict) -> str | None:
 def pipeline_schedule(name: str, stages: list[Any], microbatches: int, loss_fn: Callable[..., torch.Tensor],
                       multi_stage: bool) -> Any:
     """torch's schedule `name` over this rank's `stages` (one, for a single-stage schedule), or the one a CSV file
-    writes out (`PipelineScheduleMulti._load_csv`, private in every release). Gradients are not scaled by the
+    writes out (`_PipelineScheduleRuntime._load_csv`, private in every release). Gradients are not scaled by the
     schedule: the loss function divides by the microbatches, so that gradients accumulated over several batches
     (Lightning's `accumulate_grad_batches`) are not divided again at each."""
-    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime, get_schedule_class
 
     if name.endswith(".csv"):
-        schedule = PipelineScheduleMulti(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+        # The runtime lowers the file's compute actions to sends, receives and FSDP's gathers, as torch's own
+        # multi-stage schedules are (`pipeline_order_with_comms`); the base class would keep the bare actions.
+        schedule = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
         schedule._load_csv(name)
         return schedule
     schedule_class = get_schedule_class(name)

@@ -44,9 +44,11 @@ POSITION_EMBEDDINGS = ("position_embedding", "wpe", "embed_positions")
 
 
 def check_context_parallel(cp: int, style: str, heads: int | None = None, sequence: int | None = None,
-                           device_type: str | None = None, tensor_parallel: int = 1) -> None:
+                           device_type: str | None = None, tensor_parallel: int = 1, world: int | None = None) -> None:
     """ValueError in one line naming the key, for a context-parallel layout that cannot run (no torch here). Under
-    tensor parallelism each rank holds heads / tp of them, which all_to_all splits again by cp."""
+    tensor parallelism each rank holds heads / tp of them, which all_to_all splits again by cp. `world`: the ranks
+    the groups divide (DeepSpeed's Ulysses: every rank), checked here where given; each size suggested passes every
+    check made here."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"strategy.context_parallel_size={cp!r}: give a whole number of ranks, at least 1")
     if cp == 1:
@@ -56,6 +58,13 @@ def check_context_parallel(cp: int, style: str, heads: int | None = None, sequen
     if style == "ring" and device_type == "cpu":
         raise ValueError("strategy.context_parallel=ring: not available on CPU: torch's SDPA for CPU has no rule in"
                          " its context-parallel API; choose all_to_all (Ulysses), which runs everywhere")
+    if world is not None and world % cp:
+        raise ValueError(f"strategy.context_parallel_size={cp}: the {world} ranks do not divide into sequence-parallel"
+                         f" groups of that size; choose one of {_choices(world, style, heads, tensor_parallel)}")
+    if style == "all_to_all" and heads is not None and heads % (cp * tensor_parallel) and world is not None:
+        raise ValueError(f"strategy.context_parallel_size={cp}: all_to_all gives each rank {heads}/{cp} of the"
+                         f" model's {heads} attention heads (model.n_head); choose one of"
+                         f" {_choices(world, style, heads, tensor_parallel)}")
     if style == "all_to_all" and heads is not None and heads % (cp * tensor_parallel):
         share, choice = (f"{heads}/{cp}", "a size that") if tensor_parallel == 1 else \
             (f"{heads}/({tensor_parallel} x {cp})", "tensor- and context-parallel sizes whose product")
@@ -64,6 +73,12 @@ def check_context_parallel(cp: int, style: str, heads: int | None = None, sequen
     if sequence is not None and sequence % (2 * cp):
         raise ValueError(f"strategy.context_parallel_size={cp}: a sequence of {sequence} tokens (data.block_size)"
                          f" does not split into 2 x {cp} equal chunks; choose a size or a length that does")
+
+
+def _choices(world: int, style: str, heads: int | None, tensor_parallel: int) -> str:
+    """The sizes that divide `world` and, under all_to_all, the heads."""
+    return ", ".join(str(n) for n in range(1, world + 1) if world % n == 0 and (
+        style != "all_to_all" or heads is None or heads % (n * tensor_parallel) == 0))
 
 
 def position_modules(model: Any) -> list[tuple[str, Any, str]]:

@@ -9,6 +9,8 @@ that the first and the last stage share a rank.
 
 from __future__ import annotations
 
+import csv
+import re
 from dataclasses import dataclass
 
 
@@ -132,7 +134,49 @@ def check_pipeline(pp: int, stages_per_rank: int, schedule: str, microbatches: i
     if batch_size is not None and batch_size % microbatches:
         raise ValueError(f"strategy.microbatches={microbatches}: data.batch_size={batch_size} (per data-parallel rank)"
                          " does not divide into them; choose a divisor of the batch")
+    if kind is CSV_SCHEDULE:
+        check_schedule_file(schedule, layout, microbatches)
     return layout
+
+
+# One action of a schedule file in torch's compute-only format (`_Action.from_str`): stage, F (forward), B (full
+# backward), I (input gradients) or W (weight gradients), microbatch; `2F0` is stage 2's forward of microbatch 0.
+_ACTION = re.compile(r"(\d+)(F|B|I|W)(\d+)")
+
+
+def check_schedule_file(path: str, layout: PipelineLayout, microbatches: int) -> None:
+    """ValueError in one line unless the CSV file at `path` is a schedule torch can run for `layout`: one row of
+    actions per pipeline rank, each action of one of its stages and microbatches, and every stage's forward of every
+    microbatch in it. torch reads it only when the ranks have started and built their stages."""
+    key = f"strategy.pipeline_schedule={path}"
+    try:
+        with open(path, newline="") as file:
+            rows = list(csv.reader(file))
+    except OSError as error:
+        raise ValueError(f"{key}: cannot be read ({error.strerror or error}); pass a schedule's .csv file (one row"
+                         " of actions per pipeline rank) or a schedule's name") from None
+    if len(rows) != layout.pp:
+        raise ValueError(f"{key}: holds {len(rows)} row(s) of actions, one per pipeline rank is needed:"
+                         f" strategy.pipeline_parallel_size={layout.pp}")
+    forwards = set()
+    for rank, row in enumerate(rows):
+        for cell in (cell.strip() for cell in row):
+            if not cell:
+                continue
+            if not (match := _ACTION.fullmatch(cell)):
+                raise ValueError(f"{key}: row {rank + 1} holds {cell!r}, not an action (stage, F, B, I or W,"
+                                 " microbatch: e.g. 0F0, 1B3)")
+            stage, action, microbatch = int(match[1]), match[2], int(match[3])
+            if stage >= layout.stages or microbatch >= microbatches:
+                raise ValueError(f"{key}: row {rank + 1} holds {cell}, of stage {stage} and microbatch {microbatch};"
+                                 f" this layout has stages 0-{layout.stages - 1} (pipeline_parallel_size x"
+                                 f" stages_per_rank) and microbatches 0-{microbatches - 1} (strategy.microbatches)")
+            if action == "F":
+                forwards.add((stage, microbatch))
+    if missing := sorted({(s, m) for s in range(layout.stages) for m in range(microbatches)} - forwards):
+        stage, microbatch = missing[0]
+        raise ValueError(f"{key}: no row runs {stage}F{microbatch} (stage {stage}'s forward of microbatch"
+                         f" {microbatch}); {len(missing)} forward(s) are missing")
 
 
 def _whole_rounds(microbatches: int, pp: int) -> bool:

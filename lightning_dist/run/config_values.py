@@ -214,7 +214,7 @@ def check_combinations(cfg: DictConfig) -> None:
         if _is_integer(cp):  # DeepSpeed's Ulysses exchanges heads as all_to_all does
             try:
                 check_context_parallel(cp, "all_to_all", _integer_or_none(_value(cfg, "model.n_head")),
-                                       _integer_or_none(_value(cfg, "data.block_size")), _device_type(cfg))
+                                       _integer_or_none(_value(cfg, "data.block_size")), _device_type(cfg), world=ranks)
             except ValueError as error:
                 raise ConfigError(str(error)) from None
     elif target in (f"{_STRATEGIES}FSDPStrategy", f"{_STRATEGIES}fsdp.FSDPStrategy") and devices and ranks is not None:
@@ -223,10 +223,12 @@ def check_combinations(cfg: DictConfig) -> None:
             tp, replicate = strategy.get("tensor_parallel_size", 1), strategy.get("data_parallel_replicate_size")
             pp = strategy.get("pipeline_parallel_size", 1)
             cp = strategy.get("context_parallel_size", 1)
+            # Without other axes the sequence-parallel groups divide every rank: the sizes suggested divide them too.
+            alone = tp == 1 and pp == 1 and replicate in (None, 1) and not hybrid
             check_context_parallel(cp, strategy.get("context_parallel", "all_to_all"),
                                    _integer_or_none(_value(cfg, "model.n_head")),
                                    _integer_or_none(_value(cfg, "data.block_size")), _device_type(cfg),
-                                   tp if _is_integer(tp) else 1)
+                                   tp if _is_integer(tp) else 1, world=ranks if alone else None)
             if pp != 1:
                 _check_pipeline(cfg, strategy)
                 refusal = pipeline_dry_run_refusal(strategy.get("pipeline_schedule", "1F1B"))

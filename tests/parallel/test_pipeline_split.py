@@ -47,7 +47,6 @@ def test_the_bubble_and_the_microbatches_in_flight_follow_the_schedule():
     ((2, 2, "DualPipeV", 3, 4, 6), "strategy.microbatches=3: DualPipeV needs at least one per stage, here 4"),
     ((2, 2, "Interleaved1F1B", 5, 4, 10), "strategy.microbatches=5: Interleaved1F1B runs them in rounds"),
     ((2, 1, "1F1B", 4, 4, 6), "strategy.microbatches=4: data.batch_size=6 (per data-parallel rank) does not divide"),
-    ((2, 1, "my_schedule.csv", 4, 4, 8), None),  # a CSV schedule: any number of stages per rank
     ((0, 1, "1F1B", 4, 4, 8), "strategy.pipeline_parallel_size=0: must be an integer >= 1"),
 ])
 def test_pipeline_settings_are_checked_in_one_line_naming_the_key(arguments, message):
@@ -57,6 +56,31 @@ def test_pipeline_settings_are_checked_in_one_line_naming_the_key(arguments, mes
     with pytest.raises(ValueError) as error:
         check_pipeline(*arguments)
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+GPIPE_2_STAGES = "0F0,0F1,0B0,0B1\n1F0,1F1,1B1,1B0\n"
+
+
+@pytest.mark.parametrize(("written", "message"), [
+    (GPIPE_2_STAGES, None),
+    ("0F0,0F1,0B0,0B1\n", "holds 1 row(s) of actions, one per pipeline rank is needed: strategy.pipeline_parallel_size=2"),
+    ("0F0,0F1,0B0,0B1\n1F0,1X1,1B1,1B0\n", "row 2 holds '1X1', not an action (stage, F, B, I or W, microbatch:"),
+    ("0F0,0F1,0B0,0B1\n1F0,1F2,1B1,1B0\n", "row 2 holds 1F2, of stage 1 and microbatch 2; this layout has stages 0-1"),
+    ("0F0,0F1,0B0,0B1\n1F0,1B0\n", "no row runs 1F1 (stage 1's forward of microbatch 1); 1 forward(s) are missing"),
+    (None, "cannot be read (No such file or directory); pass a schedule's .csv file"),
+], ids=["gpipe", "a row short", "not an action", "no such microbatch", "a forward missing", "no file"])
+def test_a_schedule_file_is_checked_before_any_rank_starts(written, message, tmp_path):
+    """torch reads the file only once every rank has built its stages: a mistake in it cost each rank's start."""
+    schedule = tmp_path / "schedule.csv"
+    if written is not None:
+        schedule.write_text(written)
+    if message is None:
+        assert check_pipeline(2, 1, str(schedule), 2, 4, 8).stages == 2
+        return
+    with pytest.raises(ValueError) as error:
+        check_pipeline(2, 1, str(schedule), 2, 4, 8)
+    assert str(error.value).startswith(f"strategy.pipeline_schedule={schedule}: {message}"), str(error.value)
+    assert "\n" not in str(error.value)
 
 
 def test_a_model_that_does_not_say_how_to_enter_its_blocks_is_told_what_it_needs():

@@ -33,6 +33,8 @@ SCHEDULES = {
     "ZBVZeroBubble": ("strategy.pipeline_schedule=ZBVZeroBubble", "strategy.stages_per_rank=2"),
     "DualPipeV": ("strategy.pipeline_schedule=DualPipeV", "strategy.stages_per_rank=2", "strategy.microbatches=4"),
     "LoopedBFS": ("strategy.pipeline_schedule=LoopedBFS", "strategy.stages_per_rank=2"),
+    # A schedule written out by hand, one row of actions per rank: GPipe's.
+    "gpipe_2_stages.csv": (f"strategy.pipeline_schedule={REPO / 'tests' / 'strategies' / 'gpipe_2_stages.csv'}",),
 }
 
 HF_LLAMA = "hf_llama"
@@ -43,7 +45,7 @@ LLAMA = (f"hydra.searchpath=[file://{REPO / 'recipes' / 'hf_causal_lm' / 'conf'}
 # stages and m = 2 microbatches (one per stage, the default), the idle time divided by the stages per rank for the
 # interleaved ones (m = 4), and none for the zero-bubble ones.
 BUBBLE = {"GPipe": 1 / 3, "1F1B": 1 / 3, "Interleaved1F1B": 0.5 / 4.5, "LoopedBFS": 0.5 / 4.5, "ZBVZeroBubble": 0.0,
-          "DualPipeV": 0.0}
+          "DualPipeV": 0.0, "gpipe_2_stages.csv": 1 / 3}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +70,8 @@ def final_metrics(run) -> dict:
     return json.loads((run.run_dir / "metrics.json").read_text())
 
 
-@pytest.mark.parametrize("schedule", in_the_suite(list(SCHEDULES), ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"]))
+@pytest.mark.parametrize("schedule", in_the_suite(list(SCHEDULES), ["1F1B", "Interleaved1F1B", "ZBVZeroBubble",
+                                                                          "gpipe_2_stages.csv"]))
 def test_each_schedule_trains_ddps_losses_and_validates_as_ddp(schedule, pp_runs):
     reference, run = pp_runs("ddp"), pp_runs(schedule)
     expected, losses = read_train_losses(reference.run_dir), read_train_losses(run.run_dir)
