@@ -390,18 +390,14 @@ def continuing_csv_writer(logger: Any) -> ContinuingCSVWriter:
     return logger._experiment
 
 
-def end_job_as_its_failed_rank(end: Callable[[int], None]) -> None:
+def end_job_as_its_failed_rank(end: Callable[[list], None]) -> None:
     """When a rank Lightning started fails, its child observer SIGKILLs the other ranks and this process too (rank
     0), so the job's exit code is 137, "killed", which reads as out of memory, whatever the rank reported. Instead
-    the other ranks are still killed (one may be stuck in a collective that will never complete) and `end` is called
-    with the failed rank's return code (negative: killed by that signal), from the observer's thread; it must end
-    this process."""
+    `end` is called with the ranks' processes (local ranks 1, 2, ...: their return codes say which failed, and how),
+    from the observer's thread; it must kill the others (one may be stuck in a collective that will never complete)
+    and end this process."""
 
     def terminate_all(self: Any) -> None:
-        code = next(process.returncode for process in self._child_processes if process.returncode)
-        for process in self._child_processes:
-            if process.returncode is None:
-                process.send_signal(self._termination_signal)
-        end(code)
+        end(list(self._child_processes))
 
     _ChildProcessObserver._terminate_all = terminate_all

@@ -27,7 +27,7 @@ from typing import Any
 
 from lightning_dist.lifecycle.exits import undo_refused_run
 from lightning_dist.lifecycle.job_store import RefusedElsewhere, agent_store, refusal
-from lightning_dist.lifecycle.peer_exits import said_leaving
+from lightning_dist.lifecycle.peer_exits import first_ended, first_stopped, ranks_on_this_node, said_leaving
 
 _TIMEOUT_MESSAGE = re.compile(r"timed out|timeout", re.IGNORECASE)
 _PEER_EXITED = re.compile(r"connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
@@ -45,6 +45,8 @@ _setting_up = False  # within `forming_process_group`, until the process group f
 
 class CollectiveFailure(RuntimeError):
     """This rank cannot go on because of another rank: stuck, exited, or unreachable."""
+
+    caused_elsewhere = True  # said by peer_exits to no other rank: the cause is the rank it names, or another
 
 
 class CollectiveTimeout(CollectiveFailure):
@@ -77,6 +79,9 @@ def explain_collective_failure(error: BaseException, trainer: Any) -> Collective
             " the network interface that joins the nodes"
         )
     if _PEER_EXITED.search(text):
+        # The ranks this process started first: the launcher knows how each ended (a rank killed says nothing).
+        if (ended := first_ended(_started_here(trainer), rank + 1)) is not None:
+            return PeerExited(f"rank {rank} lost its connection to another rank {when}: {ended}")
         if (said := said_leaving()) is not None:
             return PeerExited(f"rank {rank} lost its connection to another rank {when}: {said}")
         return PeerExited(
@@ -90,11 +95,20 @@ def explain_collective_failure(error: BaseException, trainer: Any) -> Collective
                 f"rank {rank} waited longer than {limit} for every rank to join the process group (set-up, before the"
                 f" first step): another rank exited before joining (its own output says why), or is stuck; {first_line}"
             )
+        ranks = ranks_on_this_node(_started_here(trainer), rank, trainer.local_rank)
+        if (stopped := first_stopped(ranks)) is not None:
+            return CollectiveTimeout(f"rank {rank} waited in a collective at global step {trainer.global_step} longer"
+                                     f" than {limit}: {stopped}; {first_line}")
         return CollectiveTimeout(
             f"rank {rank} waited in a collective at global step {trainer.global_step} longer than {limit}: another"
             f" rank did not reach it (stuck, or slower than the timeout); {first_line}"
         )
     return None
+
+
+def _started_here(trainer: Any) -> list:
+    """The processes of the ranks this one started (Lightning's launcher's), in local-rank order; none elsewhere."""
+    return list(getattr(getattr(trainer.strategy, "launcher", None), "procs", None) or [])
 
 
 @contextmanager

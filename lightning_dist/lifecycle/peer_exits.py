@@ -9,11 +9,16 @@ only that a rank exited or was killed.
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+
+from lightning_dist.lifecycle.stop_signals import LAUNCHER_ENV
 
 _LEFT = "lightning_dist/ranks_left"
 # Reading or writing a store whose host is gone must not hold up a rank that is leaving anyway.
@@ -26,6 +31,8 @@ def say_leaving(code: int, error: BaseException) -> None:
     the process group closes; nothing is said for a clean exit or outside a process group of several ranks."""
     if code == 0 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return
+    if getattr(error, "caused_elsewhere", False):  # a rank that lost another: the first to read must not blame it
+        return
     first_line = (str(error).splitlines() or [""])[0][:_REASON_CHARS]
     said = f"rank {dist.get_rank()} exited with code {code} ({type(error).__name__}: {first_line})"
 
@@ -33,6 +40,82 @@ def say_leaving(code: int, error: BaseException) -> None:
         store.set(f"{_LEFT}/{store.add(_LEFT, 1)}", said)
 
     _bounded(lambda: record(_default_store()))
+
+
+def rank_ended(rank: int, returncode: int, pid: int) -> str:
+    """How a rank this process started ended, as the launcher saw it: `rank 2 (pid 4242 on node-a) was killed by
+    SIGKILL`, or `... exited with code 1`."""
+    how = f"was killed by {_signal_name(-returncode)}" if returncode < 0 else f"exited with code {returncode}"
+    return f"rank {rank} (pid {pid} on {socket.gethostname()}) {how}"
+
+
+def first_ended(processes: list, first_rank: int) -> str | None:
+    """Of the ranks this process started (`processes`, global ranks from `first_rank` on), how the one that ended the
+    run ended (`first_failed`); None while every one runs or ended cleanly."""
+    if (index := first_failed(processes)) is None:
+        return None
+    return rank_ended(first_rank + index, _returncode(processes[index]), processes[index].pid)
+
+
+def first_failed(processes: list) -> int | None:
+    """The index of the process that ended the run: one killed by a signal before one that exited with an error
+    (which may have lost its connection to it); None while every one runs or ended cleanly."""
+    ended = [(index, code) for index, process in enumerate(processes)
+             if (code := _returncode(process)) not in (None, 0)]
+    return min(ended, key=lambda found: (found[1] >= 0, found[0]))[0] if ended else None
+
+
+def first_stopped(ranks: dict[int, int]) -> str | None:
+    """Of the ranks on this node (`ranks`: global rank -> pid), one stopped by a signal (SIGSTOP, SIGTSTP: the
+    kernel's state T), which holds every collective until the timeout: `rank 2 (pid 4242 on node-a) is stopped`."""
+    for rank, pid in sorted(ranks.items()):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                state = stat.read().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state in ("T", "t"):
+            return f"rank {rank} (pid {pid} on {socket.gethostname()}) is stopped (SIGSTOP or SIGTSTP)"
+    return None
+
+
+def ranks_on_this_node(started: list, global_rank: int, local_rank: int) -> dict[int, int]:
+    """Global rank -> pid of this node's ranks that one process started (Lightning's launcher: local rank 0, which
+    started local ranks 1, 2, ... in order), as seen from any of them: `started`, this process's own (on the
+    launcher), else its launcher and the launcher's other children, by the local rank in their environment."""
+    node_zero = global_rank - local_rank
+    if started:
+        return {global_rank: os.getpid(), **{global_rank + 1 + index: p.pid for index, p in enumerate(started)}}
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if not launcher:
+        return {}
+    ranks = {node_zero: int(launcher)}
+    try:
+        with open(f"/proc/{launcher}/task/{launcher}/children") as children:
+            pids = [int(pid) for pid in children.read().split()]
+    except OSError:
+        return ranks
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                local = dict(item.partition(b"=")[::2] for item in environ.read().split(b"\0")).get(b"LOCAL_RANK")
+        except OSError:
+            continue
+        if local is not None:
+            ranks[node_zero + int(local)] = pid
+    return ranks
+
+
+def _returncode(process: Any) -> int | None:
+    poll = getattr(process, "poll", None)  # subprocess.Popen; a forked multiprocessing.Process has `exitcode`
+    return poll() if poll is not None else getattr(process, "exitcode", None)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def said_leaving() -> str | None:

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from lightning_dist._compat.hydra import is_a_rank_lightning_started
 from lightning_dist.callbacks import NonFiniteError, Preempted
 from lightning_dist.checkpoints.swap import SaveFailed
-from lightning_dist.lifecycle.collective_timeout import CollectiveFailure
+from lightning_dist.lifecycle.collective_timeout import CollectiveFailure, PeerExited
 from lightning_dist.lifecycle.exits import exit_code, exit_with, undo_on_refusal
 from lightning_dist.lifecycle.job_store import RefusedElsewhere
 from lightning_dist.reports.console import is_rank_zero, quiet_console
@@ -62,6 +62,10 @@ def run_job(cfg: DictConfig) -> Any:
         if not multirun:
             if isinstance(error, (ConfigError, RefusedElsewhere)):
                 discard_refused_run(Path(hydra_config.runtime.output_dir), hydra_config.job.name)
+            if isinstance(error, PeerExited) and is_a_rank_lightning_started(hydra_config.job.name):
+                # Another rank this one lost: the process that started both (rank 0's) knows which ended and how,
+                # and says so; this rank's own line, the first to print, would name no cause.
+                sys.exit(exit_code(error))
             if isinstance(error, NonFiniteError) and is_a_rank_lightning_started(hydra_config.job.name):
                 # The ranks agree on a NaN stop (a collective), and rank 0 reports it with the job's exit code. A
                 # non-zero exit here would have Lightning kill rank 0 first (exit 137, read as out of memory). Not

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_dist._compat.lightning import (
     Launcher,
@@ -21,6 +22,7 @@ from lightning_dist._compat.lightning import (
     WorkerOutput,
     end_job_as_its_failed_rank,
 )
+from lightning_dist.lifecycle.peer_exits import first_failed, first_stopped, rank_ended, ranks_on_this_node
 from lightning_dist.lifecycle.stop_signals import end_now, passing_signals_to, stopped
 
 # How long the ranks this process started get to leave on their own after it stopped early: they see the same
@@ -29,14 +31,27 @@ from lightning_dist.lifecycle.stop_signals import end_now, passing_signals_to, s
 CHILD_EXIT_GRACE_S = 5
 
 
-def end_as_failed_rank(returncode: int) -> None:
-    """A rank this process started failed first: the job ends with its exit code (128 + N for a rank killed by signal
-    N, as a shell says), or, when this process was told to stop and passed the signal on, as the stop (75, 130)."""
+def end_as_failed_rank(processes: list) -> None:
+    """A rank this process started failed first (`processes`, local ranks 1, 2, ...; the failed one has a non-zero
+    return code): the others are killed, the job says which rank, how it ended and on which host, and ends with its
+    exit code (128 + N for a rank killed by signal N, as a shell says); or, when this process was told to stop and
+    passed the signal on, as the stop (75, 130)."""
+    index = first_failed(processes)
+    assert index is not None  # the observer calls this once a rank has failed
+    failed = processes[index]
+    said = rank_ended(rank_zero_only.rank + 1 + index, failed.returncode, failed.pid)
+    # A rank that gave up waiting for a stopped one failed first; the stopped one is the cause (asked before it is
+    # killed below).
+    said = first_stopped(ranks_on_this_node(processes, rank_zero_only.rank, 0)) or said
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
     if (stop := stopped()) is not None:
         end_now(stop.signum)
+    print(f"error: {said}; the job's other ranks were stopped with it", file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os._exit(returncode if returncode > 0 else 128 - returncode)
+    os._exit(failed.returncode if failed.returncode > 0 else 128 - failed.returncode)
 
 
 def end_processes(processes: list, grace_s: float = CHILD_EXIT_GRACE_S) -> None:
