@@ -9,6 +9,7 @@ freely), so `vet_checkpoint` reads every pickle of a checkpoint the safe way bef
 
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 import re
@@ -94,7 +95,17 @@ class _MetadataUnpickler(pickle.Unpickler):
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if module in self._MODULES or (module, name) in self._NAMES or dtype:
             return super().find_class(module, name)
+        if (module, name) in (("builtins", "getattr"), ("__builtin__", "getattr")):
+            return _enum_member  # Python 3.11.0-3.11.4 pickle an enum member as getattr(its class, its name)
         raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name}")
+
+
+def _enum_member(cls: Any, name: str) -> Any:
+    """`getattr` as those Pythons' pickles of an enum member call it, and nothing else: the class is one the
+    unpickler allowed, and only its members are read (a general getattr would reach any attribute of anything)."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError("Unsupported global: GLOBAL builtins.getattr")
 
 
 def _vet_distributed(path: Path, key: str) -> None:

@@ -126,6 +126,49 @@ def test_distributed_metadata_unpickler_refuses_foreign_globals(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+class _EnumsAsPython3112Pickles(pickle.Pickler):
+    """Pickles an enum member as Python 3.11.0-3.11.4 do (Debian 12's 3.11.2, for one): getattr(its class, its
+    name). Every FSDP checkpoint saved there has its tensors' memory format so in `.metadata`."""
+
+    def reducer_override(self, obj):
+        import enum
+
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+class _GetattrPayload:
+    """getattr of a class the unpickler allows, for an attribute that is no enum member: the first step of a chain
+    that would reach any object."""
+
+    def __reduce__(self):
+        import collections
+
+        return getattr, (collections.OrderedDict, "fromkeys")
+
+
+def test_metadata_of_a_python_that_pickles_enums_by_getattr_is_data_and_getattr_stays_closed(tmp_path):
+    """Refused as 'code that loading it would run' before: a user's own FSDP checkpoints, saved under Debian 12's
+    Python, could not be resumed (scripts/fault_cases.py found it running as nobody with the system interpreter)."""
+    from torch.distributed.checkpoint import save
+
+    from lightning_dist.checkpoints.safe_load import _MetadataUnpickler
+
+    save({"state_dict": {"weight": torch.zeros(4)}}, checkpoint_id=tmp_path / "ckpt")
+    torch.save({"global_step": 1}, tmp_path / "ckpt" / "meta.pt")
+    metadata = pickle.loads((tmp_path / "ckpt" / ".metadata").read_bytes())
+    buffer = io.BytesIO()
+    _EnumsAsPython3112Pickles(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(metadata)
+    assert b"getattr" in buffer.getvalue()
+    (tmp_path / "ckpt" / ".metadata").write_bytes(buffer.getvalue())
+    vet_checkpoint(tmp_path / "ckpt")  # no UnsafeCheckpointError
+    loaded = _MetadataUnpickler(io.BytesIO(buffer.getvalue())).load()
+    assert loaded.state_dict_metadata.keys() == metadata.state_dict_metadata.keys()
+    with pytest.raises(pickle.UnpicklingError, match="GLOBAL builtins.getattr"):
+        _MetadataUnpickler(io.BytesIO(pickle.dumps(_GetattrPayload()))).load()
+
+
 def test_a_load_works_out_the_format_and_vets_once(tmp_path, monkeypatch):
     """One CheckpointSource per load: however many steps read it, the format is found and the pickles vetted once."""
     from lightning_dist.checkpoints import formats, safe_load, source as source_module
