@@ -2,9 +2,13 @@
 
 A rank leaving with an error says so, with its exit code, in the process group's own store (hosted by global rank 0,
 or by the torchrun agent of node 0) before its connections close; a rank that then loses its connection reads it
-there and names the rank, its code and its reason, instead of "connection closed by peer". A rank killed by a signal
-says nothing, and neither can one whose store went with it (global rank 0's, outside torchrun): the line then says
-only that a rank exited or was killed.
+there and names the rank, its code and its reason, instead of "connection closed by peer". A rank that only lost its
+connection to another says nothing there: the first to read it would take it for the cause.
+
+A rank killed by a signal says nothing, and neither can one whose store went with it (global rank 0's, outside
+torchrun). The process that started a node's ranks (Lightning's launcher) knows how each ended, and a stopped one
+(SIGSTOP) is in the kernel's process table: those are named from there (`first_ended`, `first_stopped`). Otherwise
+the line says only that a rank exited or was killed.
 """
 
 from __future__ import annotations
