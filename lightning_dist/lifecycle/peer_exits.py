@@ -56,17 +56,18 @@ def rank_ended(rank: int, returncode: int, pid: int) -> str:
 def first_ended(processes: list, first_rank: int) -> str | None:
     """Of the ranks this process started (`processes`, global ranks from `first_rank` on), how the one that ended the
     run ended (`first_failed`); None while every one runs or ended cleanly."""
-    if (index := first_failed(processes)) is None:
+    if (failed := first_failed(processes)) is None:
         return None
-    return rank_ended(first_rank + index, _returncode(processes[index]), processes[index].pid)
+    index, code = failed
+    return rank_ended(first_rank + index, code, processes[index].pid)
 
 
-def first_failed(processes: list) -> int | None:
-    """The index of the process that ended the run: one killed by a signal before one that exited with an error
-    (which may have lost its connection to it); None while every one runs or ended cleanly."""
+def first_failed(processes: list) -> tuple[int, int] | None:
+    """The index and return code of the process that ended the run: one killed by a signal before one that exited
+    with an error (which may have lost its connection to it); None while every one runs or ended cleanly."""
     ended = [(index, code) for index, process in enumerate(processes)
-             if (code := _returncode(process)) not in (None, 0)]
-    return min(ended, key=lambda found: (found[1] >= 0, found[0]))[0] if ended else None
+             if (code := _returncode(process)) is not None and code != 0]
+    return min(ended, key=lambda found: (found[1] >= 0, found[0])) if ended else None
 
 
 def first_stopped(ranks: dict[int, int]) -> str | None:

@@ -36,13 +36,14 @@ def end_as_failed_rank(processes: list) -> None:
     return code): the others are killed, the job says which rank, how it ended and on which host, and ends with its
     exit code (128 + N for a rank killed by signal N, as a shell says); or, when this process was told to stop and
     passed the signal on, as the stop (75, 130)."""
-    index = first_failed(processes)
-    assert index is not None  # the observer calls this once a rank has failed
-    failed = processes[index]
-    said = rank_ended(rank_zero_only.rank + 1 + index, failed.returncode, failed.pid)
+    failed = first_failed(processes)
+    assert failed is not None  # the observer calls this once a rank has failed
+    index, returncode = failed
+    rank = getattr(rank_zero_only, "rank", 0)  # this process's global rank, as Lightning set it
+    said = rank_ended(rank + 1 + index, returncode, processes[index].pid)
     # A rank that gave up waiting for a stopped one failed first; the stopped one is the cause (asked before it is
     # killed below).
-    said = first_stopped(ranks_on_this_node(processes, rank_zero_only.rank, 0)) or said
+    said = first_stopped(ranks_on_this_node(processes, rank, 0)) or said
     for process in processes:
         if process.poll() is None:
             process.kill()
@@ -51,7 +52,7 @@ def end_as_failed_rank(processes: list) -> None:
     print(f"error: {said}; the job's other ranks were stopped with it", file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os._exit(failed.returncode if failed.returncode > 0 else 128 - failed.returncode)
+    os._exit(returncode if returncode > 0 else 128 - returncode)
 
 
 def end_processes(processes: list, grace_s: float = CHILD_EXIT_GRACE_S) -> None:
