@@ -16,7 +16,8 @@ quiet_library_warnings()
 register_presets_with_lightning()
 
 __all__ = [
-    "DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "from_pretrained", "load_from_checkpoint", "save_adapters",
+    "DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "from_pretrained", "load_from_checkpoint", "mean_when_logged",
+    "save_adapters",
 ]
 
 
@@ -29,6 +30,10 @@ def __getattr__(name: str) -> Any:
         from lightning_dist.checkpoints.adapters import save_adapters
 
         return save_adapters
+    if name == "mean_when_logged":
+        from lightning_dist.parallel.logged_means import mean_when_logged
+
+        return mean_when_logged
     if name == "from_pretrained":
         from lightning_dist.models.pretrained import from_pretrained
 

@@ -17,6 +17,7 @@ from torchmetrics.text import Perplexity
 
 from lightning_dist.optim import ConfiguredOptimizers
 from lightning_dist.optim.configured import OptimizerFactory, SchedulerFactory
+from lightning_dist.parallel.logged_means import mean_when_logged
 from lightning_dist.parallel.sharded_init import draw_init_seed, initialize_parameters
 
 
@@ -146,7 +147,9 @@ class GPTLanguageModel(ConfiguredOptimizers, L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         _, loss = self._logits_and_loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
+        # The mean over the data-parallel ranks where the loggers write it: a curve that means the same at any
+        # number of ranks (Lightning's own logs rank 0's batch alone).
+        self.log("train_loss", mean_when_logged(self, loss), prog_bar=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:

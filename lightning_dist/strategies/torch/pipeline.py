@@ -37,6 +37,7 @@ from lightning_dist._compat.torch import (
     tree_map,
 )
 from lightning_dist.parallel.dims import PIPELINE_PARALLEL
+from lightning_dist.parallel.logged_means import is_deferred_mean, mean_over_ranks, means_deferred
 from lightning_dist.parallel.pipeline_layout import PipelineLayout, check_pipeline, schedule_named
 from lightning_dist.parallel.pipeline_split import PipelineSplit, StageView, TiedCopies, find_trunk, hold_stages
 
@@ -356,7 +357,7 @@ class PipelineSteps:
         rows_of_batch = microbatch(self._batch, self._size, start, stop)
         last = next(view for view in self.views if view.is_last)
         with answered_by(self.trunk, last, output), logs_recorded(self.module) as logs, \
-                collectives_refused(self.module, self._step.__name__, self.layout.pp):
+                collectives_refused(self.module, self._step.__name__, self.layout.pp), means_deferred(self.module):
             result = self._step(rows_of_batch, *self._rest)
         loss = result.get("loss") if isinstance(result, Mapping) else result
         self._records.append((loss.detach() if isinstance(loss, torch.Tensor) else None, logs))
@@ -371,15 +372,18 @@ class PipelineSteps:
         if self.holds_last:
             signature[0], values = self._averaged()
         dist.broadcast_object_list(signature, src=self.last_rank, group=self.pp_group)
-        names, has_loss = signature[0]
+        names, has_loss, deferred = signature[0]
         values = values.to(self.device) if self.holds_last else torch.empty(len(names) + has_loss, device=self.device)
         dist.broadcast(values, src=self.last_rank, group=self.pp_group)
+        if deferred:  # `mean_when_logged`'s, taken now that every stage holds them
+            at = torch.tensor([has_loss + position for position in deferred], device=self.device)
+            values[at] = mean_over_ranks(values[at])
         for position, (name, metric, kwargs) in enumerate(names):
             value = self.module.get_submodule(metric) if metric is not None else values[has_loss + position]
             self.module.log(name, value, **kwargs)  # type: ignore[operator]
         return values[0] if has_loss else None
 
-    def _averaged(self) -> tuple[tuple[list[tuple[str, str | None, dict]], bool], torch.Tensor]:
+    def _averaged(self) -> tuple[tuple[list[tuple[str, str | None, dict]], bool, list[int]], torch.Tensor]:
         losses = [loss for loss, _ in self._records if loss is not None]
         by_name: dict[str, list[Any]] = {}
         kwargs_of: dict[str, dict] = {}
@@ -389,11 +393,17 @@ class PipelineSteps:
                 kwargs_of[name] = kwargs
         metric_names = {id(m): n for n, m in self.module.named_modules() if isinstance(m, Metric)}
         names, values = [], [torch.stack(losses).float().mean()] if losses else []
+        deferred = []
         for name, logged in by_name.items():
             if isinstance(logged[0], Metric):
+                # Logged by its name on every stage; its place in the values held, so that every stage's count of
+                # them (what it receives) is its count of names.
                 names.append((name, metric_names[id(logged[0])], kwargs_of[name]))
+                values.append(torch.zeros((), device=self.device))
                 continue
+            if any(is_deferred_mean(value) for value in logged):
+                deferred.append(len(names))
             names.append((name, None, kwargs_of[name]))
             values.append(torch.stack([torch.as_tensor(v, dtype=torch.float32).to(self.device) for v in logged]).mean())
         stacked = torch.stack(values) if values else torch.empty(0, device=self.device)
-        return (names, bool(losses)), stacked
+        return (names, bool(losses), deferred), stacked
