@@ -406,4 +406,6 @@ class PipelineSteps:
             names.append((name, None, kwargs_of[name]))
             values.append(torch.stack([torch.as_tensor(v, dtype=torch.float32).to(self.device) for v in logged]).mean())
         stacked = torch.stack(values) if values else torch.empty(0, device=self.device)
+        # What the other stages wait for: gloo takes a shorter broadcast without a word, NCCL waits for the rest.
+        assert stacked.numel() == len(names) + bool(losses), (len(names), bool(losses), stacked.numel())
         return (names, bool(losses), deferred), stacked
