@@ -117,6 +117,11 @@ def _metrics(trainer: L.Trainer) -> dict[str, float]:
 def _report(cfg: DictConfig, trainer: L.Trainer, metrics: dict[str, float]) -> None:
     print(f"\nOutputs: {cfg.paths.output_dir}")
     checkpoint = trainer.checkpoint_callback
-    if isinstance(checkpoint, ModelCheckpoint) and Path(checkpoint.last_model_path or "").is_file():
-        print(f"Last checkpoint: {checkpoint.last_model_path}")
+    saved = checkpoint.last_model_path if isinstance(checkpoint, ModelCheckpoint) else ""
+    last = Path(saved) if saved else None
+    if last is not None and last.is_file():
+        print(f"Last checkpoint: {last}")
+    elif last is not None and last.is_dir():  # a sharded strategy's: a directory of shards
+        print(f"Last checkpoint: {last} (shards; one file: python -m lightning_dist.checkpoints.consolidate {last}"
+              " model.ckpt)")
     print("Final metrics: " + ", ".join(f"{name}={value:.4f}" for name, value in sorted(metrics.items())))

@@ -48,8 +48,12 @@ def test_checkpoint_exists(strategy_run):
     assert last.parent == run.run_dir / "checkpoints"
     if name == "ddp":
         assert last.is_file() and last.stat().st_size > 1_000_000  # ~0.84M float32 parameters and Adam state
+        said = f"Last checkpoint: {last}"
     else:  # sharded: a directory with one part per rank
         assert last.is_dir() and sum(f.stat().st_size for f in last.rglob("*") if f.is_file()) > 1_000_000
+        said = (f"Last checkpoint: {last} (shards; one file: python -m lightning_dist.checkpoints.consolidate {last}"
+                " model.ckpt)")
+    assert said in run.process.stdout.splitlines()
 
 
 def _expected_placement(name: str) -> dict:
