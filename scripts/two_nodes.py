@@ -57,29 +57,39 @@ def start_nodes(overrides: list[str], run_dir: Path, *, nnodes: int = 2, nproc_p
                 own_disk: bool = False, network: dict[int, str] | None = None, master_addr: str = "127.0.0.1",
                 env: dict[str, str] | None = None, node_env: dict[int, dict[str, str]] | None = None,
                 node_overrides: dict[int, list[str]] | None = None, rendezvous: str = "static",
-                local_addr: dict[int, str] | None = None, python: str = sys.executable) -> list[subprocess.Popen]:
+                local_addr: dict[int, str] | None = None, python: str = sys.executable,
+                kubeflow: bool = False) -> list[subprocess.Popen]:
     """`torchrun ... train.py <overrides>` once per node, all at once, the run directory shared unless `own_disk`
     (then every node but 0 sees an empty tmpfs at `run_dir`'s path); `network` puts a node in a network namespace
     of its own (`ip netns`), reaching node 0 at `master_addr`; `node_env` and `node_overrides` add to one node's
     environment (its interface variables) and command line. `rendezvous="c10d"`: the agents meet through torchrun's
     c10d rendezvous, hosted by node 0's agent at `master_addr`, each node at its `local_addr` (else torchrun's static
-    rendezvous with fixed node ranks). `python` must be a real interpreter for `own_disk`:
-    a namespace holds only the processes started inside it. Each node's output is one pipe (stdout and stderr)."""
+    rendezvous with fixed node ranks). `kubeflow`: each node is a pod as Kubeflow's PyTorchJob starts it, told its
+    place in the environment (`PET_*`, which torchrun reads, and the pod's `WORLD_SIZE` and `RANK`), its command
+    `torchrun train.py` without arguments. `python` must be a real interpreter for `own_disk`: a namespace holds only
+    the processes started inside it. Each node's output is one pipe (stdout and stderr)."""
     port = free_port()
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning",
                    "PYTHONPATH": str(REPO), **(env or {})}
     run_dir.mkdir(parents=True, exist_ok=True)
     processes = []
     for node in range(nnodes):
-        if rendezvous == "c10d":
+        pod: dict[str, str] = {}
+        if kubeflow:
+            meeting = []
+            pod = {"PET_NNODES": str(nnodes), "PET_NPROC_PER_NODE": str(nproc_per_node), "PET_NODE_RANK": str(node),
+                   "PET_MASTER_ADDR": master_addr, "PET_MASTER_PORT": str(port), "MASTER_ADDR": master_addr,
+                   "MASTER_PORT": str(port), "WORLD_SIZE": str(nnodes * nproc_per_node), "RANK": str(node),
+                   "KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+        elif rendezvous == "c10d":
             meeting = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master_addr}:{port}", "--rdzv-id", "two-nodes",
                        *(["--rdzv-conf", "is_host=1"] if node == 0 else []),
                        *(["--local-addr", local_addr[node]] if local_addr and node in local_addr else [])]
         else:
             meeting = ["--node-rank", str(node), "--master-addr", master_addr, "--master-port", str(port)]
+        sizes = [] if kubeflow else ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node)]
         command = [
-            python, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
-            *meeting, str(REPO / "train.py"),
+            python, "-m", "torch.distributed.run", *sizes, *meeting, str(REPO / "train.py"),
             f"trainer.devices={nproc_per_node}", f"trainer.num_nodes={nnodes}", f"hydra.run.dir={run_dir}", *overrides,
             *(node_overrides or {}).get(node, []),
         ]
@@ -88,7 +98,8 @@ def start_nodes(overrides: list[str], run_dir: Path, *, nnodes: int = 2, nproc_p
             command = ["unshare", "--mount", "--", "sh", "-c", mount, "sh", *command]
         if network and node in network:
             command = ["ip", "netns", "exec", network[node], *command]
-        processes.append(subprocess.Popen(command, cwd=REPO, env={**environment, **(node_env or {}).get(node, {})},
+        processes.append(subprocess.Popen(command, cwd=REPO,
+                                          env={**environment, **pod, **(node_env or {}).get(node, {})},
                                           stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True, start_new_session=True))
     return processes

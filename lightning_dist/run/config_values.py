@@ -23,6 +23,7 @@ from lightning_dist.parallel.dims import check_sharding_sizes, sharding_layout
 from lightning_dist.parallel.pipeline_layout import check_pipeline
 from lightning_dist.parallel.pipeline_layout import dry_run_refusal as pipeline_dry_run_refusal
 from lightning_dist.run.config_check import ConfigError
+from lightning_dist.run.launch_world import launch_world_refusal
 from lightning_dist.strategies.refusals import deepspeed_refusal
 
 _ABSENT = object()
@@ -194,6 +195,8 @@ def check_combinations(cfg: DictConfig) -> None:
     if _value(cfg, "trainer.accelerator") in ("gpu", "cuda") and not simulated and not _has_nvidia_gpu():
         raise ConfigError("trainer.accelerator=gpu: this machine has no NVIDIA GPU (no driver device in /dev); train on"
                           " its CPU with trainer=cpu, or check the GPU run without one with dry_run=true")
+    if not simulated and (refusal := launch_world_refusal(devices, nodes if _is_integer(nodes) else None)):
+        raise ConfigError(refusal)
     cores = len(os.sched_getaffinity(0))
     if (_value(cfg, "trainer.accelerator") == "cpu" and not simulated and devices is not None
             and devices > CPU_RANKS_PER_CORE * cores):
