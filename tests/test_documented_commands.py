@@ -88,6 +88,12 @@ RUN_ELSEWHERE = {
     "python train.py -m strategy=ddp,fsdp trainer.max_steps=50": ("tests/launch/test_multirun.py", "python train.py -m strategy="),
     "python -m lightning_dist.sweep_report logs/train/multiruns/<date>": ("tests/launch/test_multirun.py", "python -m lightning_dist.sweep_report"),
     "python train.py -m hparams_search=optuna": ("tests/launch/test_hparams_search.py", "python train.py -m hparams_search=optuna"),
+    # docs/deepspeed-configs.md: a ds_config file with the Trainer's precision, and NVMe offload, each run with the
+    # same choices by the tests of what they do
+    "python train.py strategy=deepspeed strategy.config=tests/deepspeed_config/configs/transformers_ds_config_zero2.json trainer.precision=bf16-mixed": (
+        "tests/deepspeed_config/test_deepspeed_config_runs.py", 'zero2_runs("bf16-mixed")'),
+    "mkdir -p /tmp/nvme && python train.py strategy=deepspeed_stage_3_offload_nvme strategy.nvme_path=/tmp/nvme": (
+        "tests/strategies/test_nvme_offload.py", '"strategy=deepspeed_stage_3_offload_nvme", f"strategy.nvme_path={nvme}"'),
     # recipes/
     "python train.py strategy=deepspeed strategy.config=tests/deepspeed_config/configs/transformers_ds_config_zero2.json": (
         "tests/recipes/test_bring_your_ds_config.py", "strategy.config={HF_ZERO2}"),
