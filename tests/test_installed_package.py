@@ -64,3 +64,14 @@ def test_a_regular_install_trains_from_another_directory(tmp_path):
     summary = json.loads((run_dir / "metrics.json").read_text())
     assert (summary["global_step"], summary["world_size"]) == (3, 2)
     assert (run_dir / ".hydra" / "config.yaml").read_text().count("_target_: lightning_dist.strategies.DDPStrategy") == 1
+
+    # The steps after training, as the installed `lightning-dist` runs them: the run's checkpoint as one file, and
+    # text from it (3 steps teach the GPT little: what is checked is that it writes as many bytes as asked).
+    last = run_dir / "checkpoints" / "last.ckpt"
+    one_file = subprocess.run([str(venv / "bin" / "lightning-dist"), "consolidate", str(last), "model.ckpt"],
+                              cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    assert (one_file.returncode, one_file.stdout.strip()) == (0, f"Consolidated {last} -> model.ckpt"), one_file.stderr
+    text = subprocess.run([str(venv / "bin" / "lightning-dist"), "generate", "model.ckpt", "--prompt", "def ",
+                           "--bytes", "24"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    assert text.returncode == 0 and text.stdout.startswith("def "), text.stderr[-2000:]
+    assert len(text.stdout.removesuffix("\n")) >= len("def ") + 24 // 4, text.stdout  # 24 bytes: 6 characters or more
