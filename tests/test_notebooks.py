@@ -43,7 +43,9 @@ def test_quickstart_trains_three_strategies_in_the_kernel_with_coinciding_curves
     notebook = execute(nbformat.read(NOTEBOOKS / "quickstart.ipynb", as_version=4))
     text = outputs(notebook)
     for name in ("ld_ddp", "ld_fsdp", "ld_deepspeed_stage_3"):
-        assert f"{name:22} 30 steps, loss 5.3734 -> " in text  # the notebook itself asserts the curves coincide
+        # The mean of the 2 ranks' losses (models/gpt.py logs the data-parallel mean); the notebook itself asserts
+        # the curves coincide.
+        assert f"{name:22} 30 steps, loss 5.4255 -> " in text
     assert any("image/png" in o.get("data", {}) for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs)
 
 

@@ -58,6 +58,7 @@ __all__ = [
     "load_distributed_checkpoint",
     "log_this_batch_now",
     "logs_this_step",
+    "attached_trainer",
     "save_last_now",
     "validation_follows",
     "move_optimizers_to_device",
@@ -283,6 +284,11 @@ def log_this_batch_now(trainer: Any) -> None:
 def validation_follows(trainer: Any) -> bool:
     """In `on_train_batch_end`: whether the fit loop validates after this batch, as it decides next."""
     return trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+
+
+def attached_trainer(module: Any) -> Any:
+    """The Trainer `module` is attached to, or None (Lightning's `module.trainer` raises where there is none)."""
+    return getattr(module, "_trainer", None)
 
 
 def logs_this_step(trainer: Any) -> bool:

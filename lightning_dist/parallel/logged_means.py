@@ -23,18 +23,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_dist._compat.lightning import logs_this_step
+from lightning_dist._compat.lightning import attached_trainer, logs_this_step
 
 # The modules whose step is running on a pipeline's last stage alone, and the mark their means carry until every
 # stage logs them.
 _DEFERRING: weakref.WeakSet[Any] = weakref.WeakSet()
-_MARK = "_lightning_dist_mean_when_logged"
+_MARK = "lightning_dist_mean_when_logged"
 
 
 def mean_when_logged(module: Any, value: torch.Tensor | float) -> torch.Tensor | float:
     """`value` averaged over the ranks at the steps `module`'s loggers write (detached, in float32); as it is at the
     others, and wherever there is one rank. For `module.log(name, mean_when_logged(module, value))`."""
-    trainer = getattr(module, "_trainer", None)
+    trainer = attached_trainer(module)
     if trainer is None or not dist.is_initialized() or dist.get_world_size() == 1 or not logs_this_step(trainer):
         return value
     value = torch.as_tensor(value, device=module.device).detach().float()
