@@ -5,6 +5,7 @@ silences the pinned libraries' warnings about their own code (lifecycle/library_
 itself: the strategy classes load on first use.
 """
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from lightning_dist._compat.versions import warn_if_unsupported
@@ -14,6 +15,11 @@ from lightning_dist.registration import register_presets_with_lightning
 warn_if_unsupported()
 quiet_library_warnings()
 register_presets_with_lightning()
+
+try:  # one place says the version: pyproject.toml, read from the installed metadata
+    __version__ = version("lightning-dist")
+except PackageNotFoundError:  # the source tree on sys.path, never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "from_pretrained", "load_from_checkpoint", "mean_when_logged",

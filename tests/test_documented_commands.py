@@ -28,6 +28,7 @@ RUN_ELSEWHERE = {
     "python -m pytest": (".ci/run", "test-command"),  # the whole suite; its fast tier is part of it
     "bash .ci/compat_tier prepare 2.11.0": (".ci/run", "bash .ci/compat_tier prepare"),  # CI's compatibility tier
     "mkdocs build --strict": ("tests/test_docs.py", '"--strict"'),
+    "python -m build": ("tests/test_installed_package.py", '"-m", "build"'),  # the sdist and wheel, then installed
     "python train.py dry_run=true trainer=gpu trainer.devices=8 trainer.num_nodes=8 strategy=fsdp": (
         "tests/test_dry_run.py", 'documented(PAGE, "python train.py dry_run=true")'),
     "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_7b dry_run=true trainer=gpu trainer.devices=8 trainer.num_nodes=8 strategy=fsdp": (

@@ -1,17 +1,23 @@
-"""lightning-dist installed as a user installs a package: `pip install <checkout>` (not editable) into a fresh
-virtual environment, then `lightning-dist-train` from another directory. The configs ship inside the package."""
+"""lightning-dist released and installed as a user installs it: `python -m build` makes the sdist and, from it, the
+wheel (cleanly: no warning), and a fresh virtual environment installs that wheel; then, from another directory with
+no checkout anywhere, the main command (`lightning-dist-train`), the README's plain-Lightning example, and the steps
+after training (`lightning-dist consolidate`, `generate`). The configs ship inside the wheel."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from tests.conftest import REPO
 
@@ -34,19 +40,69 @@ def _copy_checkout(destination: Path) -> Path:
     return destination
 
 
-def test_a_regular_install_trains_from_another_directory(tmp_path):
+def readme_example() -> str:
+    text = (REPO / "README.md").read_text()
+    (code,) = re.findall(r"<!-- plain-lightning-example -->\n```python\n(.*?)```\n<!-- /plain-lightning-example -->",
+                         text, flags=re.S)
+    return code
+
+
+def check_readme_example_ran(process: subprocess.CompletedProcess, directory: Path) -> None:
+    """The example sharded the user's module with `ld_fsdp` over two CPU processes and loaded its checkpoint back."""
+    assert process.returncode == 0, process.stderr[-3000:]
+    (loaded,) = [line for line in process.stdout.splitlines() if line.startswith("Loaded ")]
+    checkpoint = directory / "lightning_logs" / "version_0" / "checkpoints" / "epoch=2-step=96.ckpt"
+    assert loaded.startswith(f"Loaded {checkpoint}: mse ")
+    assert float(loaded.rsplit(" ", 1)[1]) < 0.1  # trained: the target varies by 0.52 (its variance)
+    shards = sorted(p.name for p in checkpoint.iterdir())  # FSDP's checkpoint directory: a file per rank
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json", "meta.pt"]
+    # A plain script with our strategy: no advert, and DeepSpeed's and Lightning's noise as in train.py's runs.
+    output = process.stdout + process.stderr
+    assert "💡" not in output and "Setting accelerator to CPU" not in output
+
+
+def _built(checkout: Path, dist: Path) -> tuple[Path, Path]:
+    """The sdist and the wheel `python -m build` makes of the checkout (the wheel from the sdist), checked."""
+    # No build isolation: the build backend (setuptools) comes from this environment, not from a download.
+    build = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(checkout)],
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
+    lines = (build.stdout + build.stderr).splitlines()
+    warned = [line for line in lines if (line.lower().startswith("warning") or "Warning:" in line)  # setuptools', Python's
+              and "byte-compiling is disabled" not in line]
+    assert warned == []  # a deprecated key or classifier would break the build on a later setuptools
+    version = tomllib.loads((checkout / "pyproject.toml").read_text())["project"]["version"]
+    sdist, wheel = dist / f"lightning_dist-{version}.tar.gz", dist / f"lightning_dist-{version}-py3-none-any.whl"
+    assert sorted(dist.iterdir()) == [wheel, sdist]
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    assert {"LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml", "lightning_dist/conf/train.yaml"} <= names
+    assert not any(name.startswith("tests/") for name in names)
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        metadata = archive.read(f"lightning_dist-{version}.dist-info/METADATA").decode()
+    assert {"lightning_dist/conf/train.yaml", "lightning_dist/conf/strategy/deepspeed_stage_3_offload.yaml",
+            f"lightning_dist-{version}.dist-info/licenses/LICENSE"} <= names
+    fields = [line.split(": ", 1) for line in metadata.splitlines() if ": " in line and not line.startswith(" ")]
+    assert ["License-Expression", "Apache-2.0"] in fields and ["Requires-Dist", "torch<2.16,>=2.11"] in fields
+    urls = dict(value.split(", ", 1) for key, value in fields if key == "Project-URL")
+    assert len(urls) >= 3 and all(url.startswith(urls["Source"]) for url in urls.values())  # one base: the repository's
+    return sdist, wheel
+
+
+def test_the_built_wheel_installs_and_trains_from_another_directory(tmp_path):
     checkout = _copy_checkout(tmp_path / "checkout")
+    _, wheel = _built(checkout, tmp_path / "dist")
     venv = tmp_path / "venv"
-    # The libraries come from this machine's site-packages (no downloads); lightning-dist itself from the checkout.
-    # No pip of its own: the venv would bring an old setuptools that cannot build a wheel without `wheel`.
+    # The libraries come from this machine's site-packages (no downloads); lightning-dist itself from the wheel.
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
     # "System" is the base interpreter's site-packages, not this environment's (a venv of a venv): this environment's
-    # comes first through a .pth (its setuptools builds the wheel; the base's may be one that cannot).
+    # comes first through a .pth (the pip that installs the wheel).
     (site,) = venv.glob("lib/python*/site-packages")
     (site / "this_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    install = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-                              str(checkout)], capture_output=True, text=True, timeout=600)
+    install = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)],
+                             capture_output=True, text=True, timeout=600)
     assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
     shutil.rmtree(checkout)  # nothing may be read from the source tree
 
@@ -75,3 +131,10 @@ def test_a_regular_install_trains_from_another_directory(tmp_path):
                            "--bytes", "24"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
     assert text.returncode == 0 and text.stdout.startswith("def "), text.stderr[-2000:]
     assert len(text.stdout.removesuffix("\n")) >= len("def ") + 24 // 4, text.stdout  # 24 bytes: 6 characters or more
+
+    # The README's plain-Lightning example, as a user saves and runs it beside nothing but the installed package.
+    script = elsewhere / "my_model.py"
+    script.write_text(readme_example())
+    example = subprocess.run([str(python), "my_model.py"], cwd=elsewhere, env=env, capture_output=True, text=True,
+                             timeout=600)
+    check_readme_example_ran(example, elsewhere)
