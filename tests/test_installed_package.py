@@ -67,8 +67,8 @@ def _built(checkout: Path, dist: Path) -> tuple[Path, Path]:
     build = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(checkout)],
                            capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
-    lines = (build.stdout + build.stderr).splitlines()
-    warned = [line for line in lines if (line.lower().startswith("warning") or "Warning:" in line)  # setuptools', Python's
+    lines = (build.stdout + build.stderr).splitlines()  # setuptools' warnings, and Python's
+    warned = [line for line in lines if (line.lower().startswith("warning") or "Warning:" in line)
               and "byte-compiling is disabled" not in line]
     assert warned == []  # a deprecated key or classifier would break the build on a later setuptools
     version = tomllib.loads((checkout / "pyproject.toml").read_text())["project"]["version"]
@@ -119,7 +119,8 @@ def test_the_built_wheel_installs_and_trains_from_another_directory(tmp_path):
     (run_dir,) = (elsewhere / "logs" / "train" / "runs").iterdir()
     summary = json.loads((run_dir / "metrics.json").read_text())
     assert (summary["global_step"], summary["world_size"]) == (3, 2)
-    assert (run_dir / ".hydra" / "config.yaml").read_text().count("_target_: lightning_dist.strategies.DDPStrategy") == 1
+    config = (run_dir / ".hydra" / "config.yaml").read_text()
+    assert config.count("_target_: lightning_dist.strategies.DDPStrategy") == 1
 
     # The steps after training, as the installed `lightning-dist` runs them: the run's checkpoint as one file, and
     # text from it (3 steps teach the GPT little: what is checked is that it writes as many bytes as asked).
