@@ -4,7 +4,7 @@ directory): Lightning starts a run's other ranks by running its command line aga
 
     lightning-dist consolidate CHECKPOINT OUT.ckpt   # any strategy's checkpoint as one plain file
     lightning-dist generate CHECKPOINT --prompt "The "
-    lightning-dist prepare [cpu_adam] [async_io]     # DeepSpeed's native ops, built ahead of the first run
+    lightning-dist prepare [OP or PRESET ...]        # DeepSpeed's native ops, built ahead of the first run
     lightning-dist sweep-report MULTIRUN_DIR
 
 Each subcommand is its module's own command line (`lightning-dist generate --help`); each module is imported only

@@ -1,11 +1,14 @@
-"""Compile DeepSpeed's native ops ahead of time, so that no run waits minutes in silence on its first use: in a
-Docker layer, a SLURM prolog, or once on a new machine.
+"""Compile DeepSpeed's native ops ahead of time, so that no run waits minutes on its first use: in a Docker layer, a
+SLURM prolog, or once on a new machine.
 
-    python -m lightning_dist.prepare              # cpu_adam (optimizer offload) and async_io (NVMe offload)
-    python -m lightning_dist.prepare cpu_adam     # only what your runs need
+    lightning-dist prepare                               # cpu_adam; async_io too where libaio's headers are installed
+    lightning-dist prepare deepspeed_stage_3_offload     # what a preset needs (here cpu_adam), nothing more
+    lightning-dist prepare cpu_adam async_io             # these ops; exit 1 if one cannot be built
 
-Each op is built into torch's extension cache (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), which every
-process on the machine reuses. The shared-memory comm op is never needed: our strategies start DeepSpeed without it.
+Each op is compiled into this environment's own cache (`<venv>/torch_extensions`, or TORCH_EXTENSIONS_DIR where
+set: lightning_dist/lifecycle/op_builds.py), with a line before each build and one every minute while it runs.
+Exit 1 only for an op that was asked for (by name, or by a preset that needs it) and cannot be built; it says what
+to install. The shared-memory comm op is never needed: our strategies start DeepSpeed without it.
 """
 
 from __future__ import annotations
@@ -22,34 +25,69 @@ def prepare(name: str) -> str | None:
     """Build (or find built) op `name`; None when it is ready, else what to install."""
     from deepspeed.accelerator import get_accelerator
 
-    from lightning_dist.strategies.deepspeed.config.preflight import INSTALL_HINTS
-
     builder = get_accelerator().create_op_builder(BUILDERS[name])
     if builder is None:
         return f"DeepSpeed has no {name} op for the {get_accelerator().device_name()} accelerator"
-    if not builder.is_compatible(verbose=False):
-        return INSTALL_HINTS[BUILDERS[name]]
+    if problem := _cannot_build(name):
+        return problem
     builder.load(verbose=False)
     return None
 
 
+def _cannot_build(name: str) -> str | None:
+    from deepspeed.accelerator import get_accelerator
+
+    from lightning_dist.strategies.deepspeed.config.preflight import INSTALL_HINTS
+
+    builder = get_accelerator().create_op_builder(BUILDERS[name])
+    return None if builder is not None and builder.is_compatible(verbose=False) else INSTALL_HINTS[BUILDERS[name]]
+
+
+def ops_of_preset(name: str) -> list[str]:
+    """The native ops a preset's runs load: CPU Adam for an offloaded optimizer, async_io for anything on NVMe."""
+    from lightning_dist.strategies.presets import PRESETS
+
+    options = PRESETS[name].kwargs
+    places = {options.get("offload_optimizer"), options.get("offload_parameters")}
+    return [op for op, needed in (("cpu_adam", options.get("offload_optimizer") in ("cpu", "nvme")),
+                                  ("async_io", "nvme" in places)) if needed]
+
+
 def main(argv: list[str] | None = None) -> int:
+    from lightning_dist.strategies.presets import PRESETS
+
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("ops", nargs="*", metavar="op", help=f"{' or '.join(BUILDERS)} (default: both)")
+    parser.add_argument("names", nargs="*", metavar="op_or_preset",
+                        help=f"{', '.join(BUILDERS)}, or a preset (strategy=NAME or NAME); none: cpu_adam, and"
+                             " async_io where it can be built")
     args = parser.parse_args(argv)
-    if unknown := [name for name in args.ops if name not in BUILDERS]:
-        parser.error(f"{unknown[0]}: no such op; choose from {', '.join(BUILDERS)}")
+    asked: list[str] = []
+    for given in args.names:
+        name = given.removeprefix("strategy=")
+        if name in BUILDERS:
+            asked.append(name)
+        elif name in PRESETS:
+            needed = ops_of_preset(name)
+            print(f"{name}: {', '.join(needed) if needed else 'no native op (nothing to build)'}")
+            asked += needed
+        else:
+            parser.error(f"{given}: no such op or preset; choose an op ({', '.join(BUILDERS)}) or a preset"
+                         f" ({', '.join(PRESETS)})")
     import torch
 
     if not torch.cuda.is_available():  # said, so DeepSpeed need not detect it: its warning that it fell back to the
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # CPU was the first line a machine without a GPU printed
     from lightning_dist._compat.deepspeed import op_build_directory, remember_cpu_info
-    from lightning_dist.lifecycle.op_build_lock import announce_op_builds
+    from lightning_dist.lifecycle.op_builds import announce_op_builds
 
     remember_cpu_info()
     announce_op_builds(lambda line: print(line, flush=True))
+    wanted = list(dict.fromkeys(asked)) if args.names else list(BUILDERS)
     failed = 0
-    for name in args.ops or list(BUILDERS):
+    for name in wanted:
+        if not args.names and (problem := _cannot_build(name)):  # not asked for by name: said, not a failure
+            print(f"{name}: skipped, it cannot be built here: {problem}")
+            continue
         started = time.monotonic()
         problem = prepare(name)
         if problem:

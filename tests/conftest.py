@@ -20,7 +20,15 @@ TRAIN_ENV = dict(os.environ)  # no warning filters: the tests see the console a 
 
 import pytest  # noqa: E402
 
-from tests import warm_python
+from lightning_dist.lifecycle.op_builds import keep_op_cache_in_this_environment  # noqa: E402
+from tests import warm_python  # noqa: E402
+
+# DeepSpeed's ops compile into this venv's own cache, as every run in it chooses by itself: said once here, for this
+# process and every run. Set by the first test that loads an op instead, it was undone by the environment each
+# later module restores, and a test then read the cache of the machine's other venv (~/.cache), whose build files
+# name that venv's include paths: its copy of the op compiled again, 4 minutes.
+if (op_cache := keep_op_cache_in_this_environment()) is not None:
+    TRAIN_ENV["TORCH_EXTENSIONS_DIR"] = str(op_cache)
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
@@ -308,7 +316,7 @@ def deepspeed_ops() -> None:
     (`_compat.deepspeed.skip_shared_memory_comm_op`)."""
     from deepspeed.accelerator import get_accelerator
 
-    from lightning_dist.lifecycle.op_build_lock import announce_op_builds
+    from lightning_dist.lifecycle.op_builds import announce_op_builds
 
     announce_op_builds(lambda line: print(line, file=sys.stderr))
     get_accelerator().create_op_builder("CPUAdamBuilder").load(verbose=False)

@@ -35,7 +35,7 @@ RUN_ELSEWHERE = {
         "tests/test_dry_run.py", 'documented(PAGE, TARGET_7B + "fsdp")'),
     "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_7b dry_run=true trainer=gpu trainer.devices=8 trainer.num_nodes=8 strategy=deepspeed_stage_3": (
         "tests/test_dry_run.py", 'documented(PAGE, TARGET_7B + "deepspeed_stage_3")'),
-    "python -m lightning_dist.prepare cpu_adam": ("tests/test_prepare.py", 'documented(REPO / "docs" / "install.md"'),
+    "python -m lightning_dist.prepare deepspeed_stage_3_offload": ("tests/test_prepare.py", 'documented(REPO / "docs" / "install.md"'),
     # tensor parallelism on 4 ranks: the same overrides, 20 steps, losses compared with ddp's
     "python train.py strategy=fsdp_tp trainer.devices=4": ("tests/strategies/test_tensor_parallel.py", '"strategy=fsdp_tp"'),
     "python train.py strategy=hsdp_tp trainer.devices=4 strategy.data_parallel_replicate_size=2": (
@@ -62,7 +62,7 @@ RUN_ELSEWHERE = {
         "tests/strategies/test_pipeline_dry_run.py", '"Interleaved1F1B": " strategy.pipeline_schedule=Interleaved1F1B strategy.stages_per_rank=2"'),
     "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_70b dry_run=true trainer=gpu trainer.devices=8 trainer.num_nodes=128 strategy=fsdp_pp strategy.pipeline_parallel_size=8": (
         "tests/strategies/test_pipeline_dry_run.py", 'dry_run(128, "1F1B")'),
-    # context parallelism on 4 ranks: the same overrides, 20 steps, losses compared with those without it
+    # context parallelism on 4 ranks: the same overrides, 10 steps, losses compared with those without it
     "python train.py strategy=fsdp strategy.context_parallel_size=2 trainer.devices=4 data.block_size=2048 data.batch_size=4": (
         "tests/strategies/test_context_parallel.py", 'LONG = ("data.block_size=2048", "data.batch_size=4")'),
     "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_llama strategy=fsdp strategy.context_parallel_size=2 trainer.devices=4": (

@@ -11,7 +11,7 @@ import os
 import re
 import socket
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ FENCED = [
     Fenced("deepspeed.runtime.config", "DeepSpeedConfig.__init__", ("self", "config", "mpu")),
     # AutoTP's first-forward input check, a hook whose handle the engine keeps (replace_tensor_parallel_input_check).
     Fenced("deepspeed.runtime.engine", "DeepSpeedEngine._configure_tensor_parallel_states", ("self", "model")),
-    # Compiles an op on first use (announce_op_builds below), into torch's extension directory.
+    # Compiles an op on first use (around_op_loads below), into torch's extension directory.
     Fenced("deepspeed.ops.op_builder.builder", "OpBuilder.jit_load", ("self", "verbose")),
     Fenced("torch.utils.cpp_extension", "_get_build_directory", ("name", "verbose")),
     # Builds the shared-memory comm op as the comm backend starts (skip_shared_memory_comm_op below).
@@ -363,11 +363,6 @@ def replace_tensor_parallel_input_check(engine: Any, check: Callable[..., None])
     return engine.first_dataloader_check
 
 
-# What each op DeepSpeed may compile on our strategies' runs is for, as the announcement says it.
-OP_PURPOSES = {"cpu_adam": "optimizer offload (DeepSpeed's CPU Adam)", "async_io": "NVMe offload",
-               "cpu_adagrad": "DeepSpeed's CPU Adagrad", "cpu_lion": "DeepSpeed's CPU Lion"}
-
-
 def op_build_directory(name: str) -> Path:
     """Where torch compiles and caches extension `name` (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/...)."""
     from torch.utils.cpp_extension import _get_build_directory
@@ -379,14 +374,11 @@ def op_is_built(name: str) -> bool:
     return (op_build_directory(name) / f"{name}.so").is_file()
 
 
-def announce_op_builds(say: Callable[[str], None], found_lock: Callable[[Path], object]) -> None:
-    """Before DeepSpeed compiles a native op on first use (minutes, with no output of its own), `say` one line:
-    which op, what for, that it happens once, and where it is cached. Before any load, a build lock that is there is
-    given to `found_lock` (lightning_dist/lifecycle/op_build_lock.py removes one a process that ended left behind).
-    Idempotent."""
+def around_op_loads(around_load: Callable[[str], AbstractContextManager[object]]) -> None:
+    """Every load of a DeepSpeed native op this process has not loaded yet (a compile of minutes on first use, or a
+    wait on another process's) runs inside `around_load(op name)`; lightning_dist/lifecycle/op_builds.py says what
+    happens there. Idempotent: the first caller's `around_load` stays."""
     from deepspeed.ops.op_builder.builder import OpBuilder
-
-    from lightning_dist._compat.torch import extension_build_lock
 
     if getattr(OpBuilder.jit_load, "announces_builds", False):
         return
@@ -394,13 +386,10 @@ def announce_op_builds(say: Callable[[str], None], found_lock: Callable[[Path], 
 
     @functools.wraps(jit_load)
     def announced(self: Any, verbose: bool = True) -> Any:
-        if self.name not in OpBuilder._loaded_ops and (lock := extension_build_lock(op_build_directory(self.name))):
-            found_lock(lock)
-        if self.name not in OpBuilder._loaded_ops and not op_is_built(self.name):
-            purpose = OP_PURPOSES.get(self.name, "this run")
-            say(f"DeepSpeed is compiling its {self.name} op for {purpose}: once per machine (a few minutes), cached in"
-                f" {op_build_directory(self.name)}; `python -m lightning_dist.prepare` does it ahead of time")
-        return jit_load(self, verbose)
+        if self.name in OpBuilder._loaded_ops:
+            return jit_load(self, verbose)
+        with around_load(self.name):
+            return jit_load(self, verbose)
 
     announced.announces_builds = True
     OpBuilder.jit_load = announced

@@ -47,6 +47,11 @@ def _holders_visible(owner: int) -> bool:
 
 
 def _held_open(path: Path) -> bool:
+    return lock_holder(path) is not None
+
+
+def lock_holder(path: Path) -> int | None:
+    """The pid of a process on this machine that has `path` open (the one compiling or checking the op), if any."""
     target = os.path.realpath(path)
     for descriptors in Path("/proc").glob("[0-9]*/fd"):
         try:
@@ -54,8 +59,8 @@ def _held_open(path: Path) -> bool:
         except OSError:  # a process that ended as we looked, or one we may not read
             continue
         if target in links:
-            return True
-    return False
+            return int(descriptors.parent.name)
+    return None
 
 
 def _filesystem_type(path: Path) -> str:
@@ -74,11 +79,3 @@ def _filesystem_type(path: Path) -> str:
         if inside and len(point) > len(best):
             best, kind = point, fields[2]
     return kind
-
-
-def announce_op_builds(say: Callable[[str], None]) -> None:
-    """DeepSpeed's native op builds, said in one line before they start; before any load, a lock a process that
-    ended left behind is removed, and said so (_compat/deepspeed.py patches the loading). Idempotent."""
-    from lightning_dist._compat.deepspeed import announce_op_builds as announce_in_deepspeed
-
-    announce_in_deepspeed(say, lambda lock: clear_abandoned(lock, say))

@@ -14,7 +14,7 @@ from lightning_dist._compat.deepspeed import (
     say_on_local_rank_zero,
     skip_shared_memory_comm_op,
 )
-from lightning_dist.lifecycle.op_build_lock import announce_op_builds
+from lightning_dist.lifecycle.op_builds import announce_op_builds
 from lightning_dist.parallel.sharded_init import Keep, give_memory, initialize_parameters
 from lightning_dist.strategies.deepspeed.config.zero import ZeroSection
 

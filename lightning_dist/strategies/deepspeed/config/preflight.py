@@ -58,7 +58,7 @@ def _native_op_problem(builder_name: str, build: bool = True) -> str | None:
     from deepspeed.accelerator import get_accelerator
 
     from lightning_dist._compat.deepspeed import remember_cpu_info, say_on_local_rank_zero
-    from lightning_dist.lifecycle.op_build_lock import announce_op_builds
+    from lightning_dist.lifecycle.op_builds import announce_op_builds
 
     remember_cpu_info()  # asked here once, for this process and the ranks it starts
     builder = get_accelerator().create_op_builder(builder_name)
