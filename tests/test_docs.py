@@ -104,6 +104,13 @@ def test_the_site_builds_in_strict_mode_with_every_page(tmp_path):
     assert "WARNING" not in built.stderr
     pages = sorted(p.stem for p in DOCS.glob("*.md"))
     assert [name for name in pages if not (tmp_path / "site" / ("" if name == "index" else name) / "index.html").exists()] == []
+    # The recipes are pages of the site, read from their READMEs; a page's link to one goes there, and a recipe's
+    # links to the pages are read from where its README is.
+    recipes = sorted(p.parent.name for p in (REPO / "recipes").glob("*/README.md"))
+    assert [name for name in recipes if not (tmp_path / "site" / "recipes" / name / "index.html").exists()] == []
+    assert (tmp_path / "site" / "recipes" / "index.html").exists()
+    assert 'href="../recipes/finetune/"' in (tmp_path / "site" / "finetune" / "index.html").read_text()
+    assert 'href="../../finetune/"' in (tmp_path / "site" / "recipes" / "hf_causal_lm" / "index.html").read_text()
     # A link into the repository outside docs/ becomes its path in the site (on GitHub it stays a link)...
     assert "README (<code>README.md</code>)" in (tmp_path / "site" / "index.html").read_text()
     # ... and a link into the repository's web view where the publisher says where that is.

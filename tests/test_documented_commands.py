@@ -143,7 +143,15 @@ def all_commands() -> list[tuple[Path, str, str]]:
 
 
 def commands_run_here(readme: Path) -> list[str]:
-    return [command for command, comment in documented_lines(readme) if _runs_here(command, comment)]
+    shown_from_readme = set() if readme == README else readme_main_commands()
+    return [command for command, comment in documented_lines(readme)
+            if _runs_here(command, comment) and command not in shown_from_readme]
+
+
+def readme_main_commands() -> set[str]:
+    """The README's two-command block (the docs' home page shows it too): run by the README's own test."""
+    block = README.read_text().split("<!-- main-command -->", 1)[1].split("<!-- /main-command -->", 1)[0]
+    return {line.strip() for line in block.splitlines() if line.strip() and not line.startswith("```")}
 
 
 def _runs_here(command: str, comment: str) -> bool:
@@ -173,7 +181,8 @@ def test_every_documented_command_is_run_by_a_test_or_marked():
             assert where[1] in (REPO / where[0]).read_text(), (command, where)
     run_here = {command for readme in PAGES for command in commands_run_here(readme)}
     accounted = {c for _, c, comment in all_commands() if c in run_here or _elsewhere(c) or _set_up_only(c)
-                 or any(mark in comment for mark in MARKS)}
+                 or any(mark in comment for mark in MARKS) or c in readme_main_commands()}
+    assert readme_main_commands() <= set(commands_run_here(README)) | {c for c in readme_main_commands() if _set_up_only(c)}
     assert accounted == {c for _, c, _ in all_commands()}
     assert len(run_here) >= 15  # the README's and the pages' own, and the recipes' not run by their tests
 
