@@ -352,6 +352,21 @@ def inductor_cache_dir() -> str:
     return cache_dir()
 
 
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether autograd sees `tensor` as a view of another (what FSDP2 warns about in a module's output)."""
+    return tensor._base is not None
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """The counter autograd bumps at every in-place change of `tensor` (and of whatever it is a view of)."""
+    return tensor._version
+
+
+# FSDP2's warning, from torch 2.13, each time a sharded module's forward returns a view that requires grad:
+# strategies/torch/output_views.py speaks instead, and only where an in-place change happened (the hazard it names).
+FSDP_VIEW_OUTPUT_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
+
+
 def extension_build_lock(build_directory: Path) -> Path | None:
     """The file one process creates and holds open while it compiles (or checks) a JIT extension in
     `build_directory`, where every other process loading that extension waits until it is removed (torch's

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_dist._compat.lightning import give_device_mesh, move_optimizers_to_device
-from lightning_dist._compat.torch import fully_sharded_parameters
+from lightning_dist._compat.torch import fully_sharded_parameters, fully_sharded_units
 from lightning_dist.checkpoints.formats import DISTRIBUTED
 from lightning_dist.checkpoints.resume import load_for_resume, load_weights_from_rank_zero, restore_optimizer_by_name
 from lightning_dist.checkpoints.swap import write_then_swap
@@ -56,6 +56,7 @@ from lightning_dist.strategies.torch.fully_shard import (
     offload_policy,
     shard_device,
 )
+from lightning_dist.strategies.torch.output_views import OutputViews
 from lightning_dist.strategies.torch.pipeline import PipelineOptions, PipelineSteps
 from lightning_dist.strategies.torch.replay import ReplayedOnTorch
 
@@ -144,6 +145,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, SplitsSequences, ModelParallel
             raise ValueError(f"strategy.context_parallel_size={context_parallel_size}: context parallelism does not"
                              " run beside pipeline stages yet; choose one of the two")
         self.context_parallel_size, self.context_parallel = context_parallel_size, context_parallel
+        self.output_views = OutputViews()  # FSDP2's warning about views a sharded module returns, made a check
 
     @override
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
@@ -320,12 +322,16 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, SplitsSequences, ModelParallel
                 mixed_precision=mixed_precision_policy(self.precision_plugin.precision),
                 forward_methods=[m for m in _STEP_METHODS if hasattr(root, m)],
             )
+            if self._pipeline_split is None:  # a pipeline's stages pass activations on: its schedule owns them
+                self.output_views.watch(fully_sharded_units(root))
         return roots
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline_steps is None:
-            return super().training_step(*args, **kwargs)
+            output = super().training_step(*args, **kwargs)
+            self.output_views.check_step()
+            return output
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
         with self.precision_plugin.train_step_context():
             return self._pipeline_steps.run("training_step", *args, train=True, accumulate=accumulate, **kwargs)
