@@ -91,3 +91,20 @@ def test_the_cpu_peak_is_the_rate_of_a_matrix_product_timed_here():
 def test_mfu_is_the_models_flops_at_the_token_rate_over_every_devices_peak():
     utilisation = Utilisation(flops_per_token=6e9, peak_flops_per_device=1e12, peak_source="set by the user")
     assert utilisation.mfu(tokens_per_s=100, devices=2) == pytest.approx(0.3)
+
+
+def test_a_measured_peak_a_step_exceeds_is_raised_to_that_step_so_mfu_never_reads_above_one():
+    """A CPU's peak is measured at the start; measured while other work held the cores, a later step ran faster than
+    it and MFU read 250%. The user's figure and NVIDIA's are kept as given."""
+    measured = Utilisation(flops_per_token=6e9, peak_flops_per_device=1e11,
+                           peak_source="measured: float32 matrix products on this rank's threads")
+    assert measured.mfu(tokens_per_s=50, devices=2) == pytest.approx(1.5)
+    raised = measured.raised_to(tokens_per_s=50, devices=2)
+    assert raised.peak_flops_per_device == pytest.approx(1.5e11) and raised.mfu(50, 2) == pytest.approx(1.0)
+    assert raised.peak_source == ("measured: float32 matrix products on this rank's threads; raised to the rate a step"
+                                  " reached (the measurement ran while other work held the cores)")
+    assert raised.raised_to(tokens_per_s=40, devices=2) is raised  # a slower step: MFU below 1 again
+    assert raised.raised_to(tokens_per_s=60, devices=2).peak_source == raised.peak_source  # said once
+    assert measured.raised_to(tokens_per_s=10, devices=2) is measured  # below the peak: as measured
+    given = Utilisation(flops_per_token=6e9, peak_flops_per_device=1e11, peak_source="set by the user (peak_tflops)")
+    assert given.raised_to(tokens_per_s=50, devices=2) is given and given.mfu(50, 2) == pytest.approx(1.5)

@@ -150,6 +150,7 @@ class RunSummary(L.Callback):
         monitors = (getattr(callback, "utilisation", None) for callback in callbacks)
         utilisation = next((u for u in monitors if isinstance(u, Utilisation)), None)
         if utilisation is not None and "tokens_per_s" in speed:
+            utilisation = utilisation.raised_to(speed["tokens_per_s"], trainer.world_size)
             speed.update(
                 mfu=utilisation.mfu(speed["tokens_per_s"], trainer.world_size),
                 model_flops_per_token=utilisation.flops_per_token,

@@ -151,6 +151,7 @@ class TrainingMonitor(L.Callback):
             speed = throughput(self._batch_shape, parallel_dims_of(trainer.strategy).dp_size, step_time)
             metrics.update({f"monitor/{name}": value for name, value in speed.items()})
             if self.utilisation is not None:
+                self.utilisation = self.utilisation.raised_to(speed["tokens_per_s"], trainer.world_size)
                 metrics["monitor/mfu"] = self.utilisation.mfu(speed["tokens_per_s"], trainer.world_size)
         bubble = getattr(trainer.strategy, "pipeline_bubble", None)
         if bubble is not None:  # the share of a step the schedule leaves each pipeline stage idle, as it implies

@@ -13,7 +13,7 @@ table, a rate measured with a matrix product on a CPU, or the figure the user se
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ GPU_PEAK_FLOPS = {
 }
 
 
+MEASURED = "measured"  # how a peak this run measured itself says where it came from
+
+
 @dataclass(frozen=True)
 class Utilisation:
     """What turns a run's token rate into MFU: model FLOPs per token, and the peak of each device."""
@@ -43,6 +46,16 @@ class Utilisation:
 
     def mfu(self, tokens_per_s: float, devices: int) -> float:
         return self.flops_per_token * tokens_per_s / (devices * self.peak_flops_per_device)
+
+    def raised_to(self, tokens_per_s: float, devices: int) -> Utilisation:
+        """A peak this run measured that a step then exceeded, raised to the step's rate: the measurement ran while
+        other work held the cores (on a loaded CPU it read 40% of what a later step reached, and MFU read 250%).
+        MFU is then 1 at that step, never above; the user's figure and NVIDIA's stay as they are."""
+        reached = self.flops_per_token * tokens_per_s / devices
+        if not self.peak_source.startswith(MEASURED) or reached <= self.peak_flops_per_device:
+            return self
+        return replace(self, peak_flops_per_device=reached, peak_source=f"{self.peak_source.split(';')[0]}; raised to"
+                       " the rate a step reached (the measurement ran while other work held the cores)")
 
 
 def matmul_parameters(model: nn.Module) -> int:
@@ -123,5 +136,5 @@ def device_peak_flops(device: torch.device, precision: str,
         peak = gpu_peak_flops(name, precision)
         return (peak, f"{name}, NVIDIA's dense figure for {precision}") if peak is not None else None
     dtype = torch.bfloat16 if "bf16" in precision else torch.float32
-    measured = f"measured: {str(dtype).removeprefix('torch.')} matrix products on this rank's threads"
+    measured = f"{MEASURED}: {str(dtype).removeprefix('torch.')} matrix products on this rank's threads"
     return measured_peak_flops(dtype, device=device), measured
