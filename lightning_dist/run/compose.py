@@ -10,6 +10,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
@@ -50,15 +51,22 @@ class Composed:
     strategy: Any
     strategy_name: str
     _facts: ModelFacts | None = field(default=None, repr=False)
+    _model: Any = field(default=None, repr=False)
 
     def facts(self) -> ModelFacts:
         """The model built on the meta device, its activations traced with one real training batch's shapes."""
         if self._facts is None:
             self.datamodule.setup("fit")
             batch = next(iter(self.datamodule.train_dataloader()))
-            build_model = lambda: instantiate(module_config(self.cfg), _convert_="all")  # noqa: E731
-            self._facts = ModelFacts.of(build_model, batch, block_classes(self.cfg))
+            self._facts = ModelFacts.of(self.model_on_meta, batch, block_classes(self.cfg))
         return self._facts
+
+    def model_on_meta(self) -> Any:
+        """The run's LightningModule with its parameters on the meta device (no memory), built once."""
+        if self._model is None:
+            with torch.device("meta"):
+                self._model = instantiate(module_config(self.cfg), _convert_="all")
+        return self._model
 
 
 def compose(cfg: DictConfig, choose: bool = True) -> Composed:

@@ -29,7 +29,7 @@ def plan(cfg: DictConfig) -> MemoryPlan:
         raise config_error(error) from error
     print(memory_plan.table())
     print()
-    print(compare_presets(facts, cfg.trainer.precision, devices, num_nodes))
+    print(compare_presets(facts, cfg.trainer.precision, devices, num_nodes, model=composed.model_on_meta()))
     return memory_plan
 
 

@@ -98,6 +98,11 @@ class StrategyBase(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobal
         two steps on `batch` (dry_run/ranks.py)."""
         raise NotImplementedError
 
+    def model_refusal(self, model: nn.Module, parallel_dims: ParallelDims) -> str | None:
+        """Why this strategy, at `parallel_dims`, cannot run `model` (built on the meta device), in the words its
+        launch would refuse it with; None when it can. `plan=true` marks such presets in its table."""
+        return None
+
     def dry_run_patches(self) -> AbstractContextManager:
         """What the engine needs replaced to run Lightning's loop on fake tensors (dry_run/fake_loop.py)."""
         return nullcontext()

@@ -57,3 +57,27 @@ def test_auto_fit_trains_with_the_strategy_it_chose(tmp_path, deepspeed_ops):
     assert "auto_fit: chose ddp: 0.09 GB per device of 0.42 GB usable" in run.output
     assert "on pydoc_text with ddp, 2 cpu ranks" in run.output and "with auto_fit" not in run.output  # the preset chosen
     assert run.summary["strategy"] == "DDPStrategy" and run.summary["global_step"] == 3
+
+
+def test_the_preset_table_marks_the_presets_a_model_cannot_run_in_the_words_of_their_refusal():
+    """`plan=true`'s table of every preset: a model with no tensor-parallel plan and no pipeline split (a user's
+    regressor) is marked under the tensor-parallel and pipeline presets, each with the line its launch refuses it
+    with; the bundled GPT, which has both, under none."""
+    import torch
+
+    from lightning_dist.run.preset_table import compare_presets
+    from recipes.your_model.regressor import Regressor
+
+    with torch.device("meta"):
+        regressor, gpt = Regressor(), GPTLanguageModel()
+    table = compare_presets(ModelFacts.of(Regressor), "32-true", 4, model=regressor)
+    marked = [line.split(" | ")[0].removeprefix("| ") for line in table.splitlines() if "cannot run this model (below)" in line]
+    assert marked == ["fsdp_tp", "hsdp_tp", "fsdp_pp", "fsdp_tp_pp"]
+    said = [line for line in table.splitlines() if " cannot run this model: " in line]
+    assert said[0] == ("fsdp_tp cannot run this model: strategy.tensor_parallel_size=2: Regressor has no tensor-parallel"
+                       " plan (a `tp_plan` attribute); set strategy.tensor_parallel_plan (module-name patterns mapped to"
+                       " colwise or rowwise), or split the model yourself in configure_model")
+    assert said[2].startswith("fsdp_pp cannot run this model: strategy.pipeline_parallel_size: Regressor (the module"
+                              " holding blocks) must define embed(*inputs) -> hidden and head(hidden) -> outputs")
+    assert len(said) == 4
+    assert "cannot run" not in compare_presets(ModelFacts.of(GPTLanguageModel), "32-true", 4, model=gpt)

@@ -161,6 +161,19 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, SplitsSequences, ModelParallel
             if self.tensor_parallel_size != 1 and not is_overridden("configure_model", model, pl.LightningModule):
                 self.tensor_parallel_plan_of(model)  # a configure_model may split the model itself
 
+    @override
+    def model_refusal(self, model: nn.Module, parallel_dims: ParallelDims) -> str | None:
+        """Its blocks, its pipeline split and its tensor-parallel plan, as `preflight` checks them at launch."""
+        try:
+            block_classes = self.block_classes_of(model)
+            if self.pipeline.size > 1:
+                self.pipeline.split(model, block_classes, pp_rank=0)
+            if parallel_dims.tp > 1 and not is_overridden("configure_model", model, pl.LightningModule):
+                resolve_plan(model, self.tensor_parallel_plan, parallel_dims.tp)  # else it may split itself
+        except ValueError as refusal:
+            return str(refusal)
+        return None
+
     def check_parallel_sizes(self) -> None:
         """The sizes fit the ranks (trainer.devices x trainer.num_nodes), and a tensor-parallel group fits a node."""
         check_sharding_sizes(self.num_processes, self.num_nodes, self.tensor_parallel_size,
