@@ -1,5 +1,6 @@
 """Each preset exists twice, as a registered Lightning name and as a Hydra option; both must build the same thing."""
 
+import pickle
 import subprocess
 import sys
 
@@ -33,6 +34,8 @@ def test_yaml_and_registered_name_build_the_same_strategy(name):
     assert type(from_yaml) is type(from_registry) is PRESETS[name].strategy
     observe = OBSERVED.get(type(from_yaml), lambda s: None)
     assert observe(from_yaml) == observe(from_registry)
+    # A strategy travels by pickle: to a dry run's process with CUDA faked, and in Lightning's spawn launchers.
+    assert observe(pickle.loads(pickle.dumps(from_yaml))) == observe(from_registry)
 
 
 @pytest.mark.parametrize("name", PRESET_NAMES)

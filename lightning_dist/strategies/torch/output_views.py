@@ -27,6 +27,14 @@ class OutputViews:
         self._returned: list[tuple[str, torch.Tensor, int]] = []
         self._watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
+    # A strategy travels by pickle (a dry run's child process, Lightning's spawn launchers) before it has a model:
+    # it arrives watching nothing, as it left.
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
     def watch(self, modules: list[nn.Module]) -> None:
         """Watch `modules`' outputs from now on, and silence FSDP2's warning about them (this check replaces it)."""
         warnings.filterwarnings("ignore", message=FSDP_VIEW_OUTPUT_WARNING, category=UserWarning)
