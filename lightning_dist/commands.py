@@ -3,7 +3,8 @@
 directory): Lightning starts a run's other ranks by running its command line again, which must be the training one.
 
     lightning-dist consolidate CHECKPOINT OUT.ckpt   # any strategy's checkpoint as one plain file
-    lightning-dist generate CHECKPOINT --prompt "The "
+    lightning-dist export [CHECKPOINT] OUT_DIR       # a Hugging Face model's as a save_pretrained folder
+    lightning-dist generate CHECKPOINT --prompt "The "   # or a save_pretrained folder
     lightning-dist prepare [OP or PRESET ...]        # DeepSpeed's native ops, built ahead of the first run
     lightning-dist sweep-report MULTIRUN_DIR
 
@@ -19,7 +20,8 @@ from importlib import import_module
 # name: (the module whose `main` runs it, what it does)
 COMMANDS = {
     "consolidate": ("lightning_dist.checkpoints.consolidate", "write any strategy's checkpoint as one plain file"),
-    "generate": ("lightning_dist.generate", "text from the bundled GPT of a checkpoint"),
+    "export": ("lightning_dist.models.export", "a Hugging Face model's checkpoint as a save_pretrained folder"),
+    "generate": ("lightning_dist.models.generate", "text from a checkpoint or a save_pretrained folder"),
     "prepare": ("lightning_dist.prepare", "build DeepSpeed's native ops ahead of the first run that needs them"),
     "sweep-report": ("lightning_dist.reports.sweep_report", "a multirun's table and curves"),
 }

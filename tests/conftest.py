@@ -429,12 +429,14 @@ def documented(readme: Path, start: str) -> str:
 
 
 def run_documented(command: str, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
-    """A documented `python train.py ...` or `python -m ...` command, run as typed from `cwd` (any directory:
-    `train.py` is this repository's)."""
+    """A documented `python train.py ...`, `python -m ...` or `lightning-dist ...` command, run as typed from `cwd`
+    (any directory: `train.py` is this repository's; `lightning-dist` this environment's)."""
     import shlex
 
     words = shlex.split(command)
-    assert words[0] == "python", command
+    assert words[0] in ("python", "lightning-dist"), command
+    if words[0] == "lightning-dist":
+        words = ["python", "-m", "lightning_dist.commands", *words[1:]]  # the entry point's own function
     if words[1] == "train.py":
         words[1] = str(REPO / "train.py")
     return subprocess.run([sys.executable, *words[1:]], cwd=cwd, capture_output=True, text=True, timeout=timeout,

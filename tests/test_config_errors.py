@@ -34,15 +34,24 @@ def test_unknown_option_inside_a_sweep():
 
 
 def test_a_recipes_config_directory_adds_its_options():
-    search = f"hydra.searchpath=[file://{REPO / 'recipes' / 'hf_causal_lm' / 'conf'}]"
-    assert error_of([search, "model=hf_gpt3"]) == (
-        "model=hf_gpt3: no such option; did you mean hf_gpt2? choose one of: gpt_medium, gpt_small, gpt_tiny, hf_bart,"
-        " hf_gpt2, hf_llama"
+    search = f"hydra.searchpath=[file://{REPO / 'recipes' / 'choose_a_strategy' / 'conf'}]"
+    assert error_of([search, "model=gpt_7c"]) == (
+        "model=gpt_7c: no such option; did you mean gpt_7b? choose one of: gpt_70b, gpt_7b, gpt_medium, gpt_small,"
+        " gpt_tiny, hf_bart, hf_gpt2, hf_llama"
     )
-    assert error_of([search, "model=hf_bart", "model.confg.d_model=8"]).startswith(
+    assert error_of(["model=hf_bart", "model.confg.d_model=8"]).startswith(
         "model.confg: no such key; did you mean model.config? valid keys under model: optimizer, _target_, block_class, model_type,"
     )
-    assert check_overrides([search, "model=hf_bart"]).model.config.encoder_layers == 2
+    assert check_overrides(["model=hf_bart"]).model.config.encoder_layers == 2
+
+
+def test_a_hugging_face_model_without_its_extra_names_the_extra(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
+    assert error_of(["model=hf_llama", "+lora=default"]) == (
+        'lora=default: needs peft, not installed here; pip install -e ".[hf]"')
 
 
 def test_misspelled_key_suggests_the_real_one():
@@ -153,8 +162,8 @@ REFUSED = [
      " tensor parallelism splits each layer over ranks of one node, and a node runs 2 (trainer.devices)"),
     (["strategy=fsdp_tp", "model.n_head=1"], "strategy.tensor_parallel_size=2: model.blocks.0.attn.q has 1 attention"
      " head(s), which 2 ranks do not split evenly (and 11 more layers)"),
-    ([f"--config-dir={REPO}/recipes/hf_causal_lm/conf", "model=hf_gpt2", "strategy=fsdp_tp"],
-     "strategy.tensor_parallel_size=2: LanguageModel has no tensor-parallel plan (a `tp_plan` attribute); set"
+    (["model=hf_gpt2", "strategy=fsdp_tp"],
+     "strategy.tensor_parallel_size=2: HFLanguageModel has no tensor-parallel plan (a `tp_plan` attribute); set"
      " strategy.tensor_parallel_plan"),
     (["strategy=fsdp_tp", "strategy.tensor_parallel_plan={blocks.*.attn.q:diagonal}"],
      "strategy.tensor_parallel_plan.blocks.*.attn.q=diagonal: no such style; choose one of: colwise, rowwise"),

@@ -40,7 +40,7 @@ RUN_ELSEWHERE = {
     "python train.py strategy=fsdp_tp trainer.devices=4": ("tests/strategies/test_tensor_parallel.py", '"strategy=fsdp_tp"'),
     "python train.py strategy=hsdp_tp trainer.devices=4 strategy.data_parallel_replicate_size=2": (
         "tests/strategies/test_tensor_parallel.py", '"strategy.data_parallel_replicate_size=2"'),
-    "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_llama strategy=deepspeed_stage_2 strategy.tensor_parallel_size=2 trainer.devices=4": (
+    "python train.py model=hf_llama strategy=deepspeed_stage_2 strategy.tensor_parallel_size=2 trainer.devices=4": (
         "tests/strategies/test_tensor_parallel.py", '"strategy.tensor_parallel_size=2"'),
     # pipeline stages on 4 and 8 ranks: the same overrides, 20 steps, losses compared with ddp's
     "python train.py strategy=fsdp_pp trainer.devices=4": (
@@ -53,7 +53,7 @@ RUN_ELSEWHERE = {
         "tests/strategies/test_pipeline_parallel.py", '"strategy.pipeline_schedule=ZBVZeroBubble", "strategy.stages_per_rank=2"'),
     "python train.py strategy=fsdp_tp_pp trainer.devices=8": (
         "tests/strategies/test_pipeline_parallel.py", '"strategy=fsdp_tp_pp", "trainer.devices=8"'),
-    "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_llama strategy=fsdp_pp trainer.devices=4 strategy.pipeline_schedule=Interleaved1F1B strategy.stages_per_rank=2": (
+    "python train.py model=hf_llama strategy=fsdp_pp trainer.devices=4 strategy.pipeline_schedule=Interleaved1F1B strategy.stages_per_rank=2": (
         "tests/strategies/test_pipeline_parallel.py", 'pp_runs(f"{HF_LLAMA} Interleaved1F1B")'),
     # the pipelined 70B dry runs: the same commands, typed in full (TARGET_70B + SCHEDULES)
     "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_70b dry_run=true trainer=gpu trainer.devices=8 trainer.num_nodes=8 strategy=fsdp_pp strategy.pipeline_parallel_size=8": (
@@ -65,13 +65,13 @@ RUN_ELSEWHERE = {
     # context parallelism on 4 ranks: the same overrides, 10 steps, losses compared with those without it
     "python train.py strategy=fsdp strategy.context_parallel_size=2 trainer.devices=4 data.block_size=2048 data.batch_size=4": (
         "tests/strategies/test_context_parallel.py", 'LONG = ("data.block_size=2048", "data.batch_size=4")'),
-    "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_llama strategy=fsdp strategy.context_parallel_size=2 trainer.devices=4": (
+    "python train.py model=hf_llama strategy=fsdp strategy.context_parallel_size=2 trainer.devices=4": (
         "tests/strategies/test_context_parallel.py", '"llama cp 2": (*LLAMA, *CP_2)'),
     "python train.py strategy=fsdp strategy.context_parallel_size=2 strategy.tensor_parallel_size=2 trainer.devices=4 strategy.activation_checkpointing=ops strategy.compile=true data.block_size=512 data.batch_size=4": (
         "tests/strategies/test_context_parallel.py", '"gpt cp 2 x tp 2, ops, compiled": (*SHORTER, *CP_2, "strategy.tensor_parallel_size=2",'),
     "python train.py strategy=deepspeed_stage_2 strategy.context_parallel_size=2 trainer.devices=2 data.block_size=512 data.batch_size=4": (
         "tests/strategies/test_context_parallel.py", '"gpt zero-2 cp 2": (*SHORTER, "strategy=deepspeed_stage_2", "strategy.context_parallel_size=2", "trainer.devices=2")'),
-    "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_llama strategy=deepspeed strategy.config=recipes/long_context/ds_config_ulysses_zero3.json trainer.devices=4": (
+    "python train.py model=hf_llama strategy=deepspeed strategy.config=recipes/long_context/ds_config_ulysses_zero3.json trainer.devices=4": (
         "tests/strategies/test_context_parallel.py", '"llama zero-3 cp 2 from its file": (*LLAMA, "strategy=deepspeed", f"strategy.config={ULYSSES_CONFIG}",'),
     "python train.py strategy=fsdp strategy.context_parallel_size=2 strategy.context_parallel=ring trainer=gpu trainer.devices=4 dry_run=true": (
         "tests/strategies/test_context_parallel.py", '" strategy.context_parallel=ring trainer=gpu trainer.devices=4 dry_run=true")'),
@@ -106,18 +106,20 @@ RUN_ELSEWHERE = {
         "tests/recipes/test_choose_a_strategy.py", '"strategy.device_memory_gb=80"'),
     "python train.py -m strategy=ddp,fsdp,deepspeed_stage_2,deepspeed_stage_3": ("tests/recipes/test_choose_a_strategy.py", 'documented(README, "python train.py -m'),
     "python -m lightning_dist.sweep_report logs/train/multiruns/<date>": ("tests/recipes/test_choose_a_strategy.py", '"python -m lightning_dist.sweep_report"'),
-    "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_gpt2 strategy=fsdp_activation_checkpointing": (
+    "python train.py model=hf_gpt2 strategy=fsdp_activation_checkpointing": (
         "tests/recipes/test_hf_causal_lm.py", '"fsdp_activation_checkpointing"'),
-    "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_bart": ("tests/recipes/test_hf_causal_lm.py", '"model=hf_bart"'),
-    "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_gpt2 model.pretrained=": ("tests/recipes/test_hf_causal_lm.py", 'f"model.pretrained='),
-    "python -m recipes.hf_causal_lm.export merged": ("tests/recipes/test_finetune.py", "documented_commands(RECIPE)"),
+    "python train.py model=hf_bart": ("tests/recipes/test_hf_causal_lm.py", '"model=hf_bart"'),
+    "python train.py model=hf_gpt2 model.pretrained=": ("tests/recipes/test_hf_causal_lm.py", 'f"model.pretrained='),
+    "lightning-dist export merged": ("tests/recipes/test_finetune.py", "documented_commands(RECIPE)"),
     # docs/finetune.md: a LoRA model's plan and dry run
-    "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_llama +lora=default": (
+    "python train.py model=hf_llama +lora=default": (
         "tests/test_dry_run.py", 'documented(FINETUNE, "python train.py --config-dir'),
-    "python -m recipes.hf_causal_lm.export": ("tests/recipes/test_hf_causal_lm.py", "export([str(checkpoint), str(folder)])"),
+    "lightning-dist export": ("tests/recipes/test_hf_causal_lm.py", "export([str(checkpoint), str(folder)])"),
     # recipes/finetune: its page's commands in order, by its own test
     "python -m recipes.finetune.": ("tests/recipes/test_finetune.py", "documented_commands(RECIPE)"),
-    "python train.py --config-dir recipes/hf_causal_lm/conf model=hf_llama model.pretrained=pretrained/llama": (
+    "lightning-dist generate pretrained/llama": ("tests/recipes/test_finetune.py", "documented_commands(RECIPE)"),
+    "lightning-dist generate merged": ("tests/recipes/test_finetune.py", "documented_commands(RECIPE)"),
+    "python train.py model=hf_llama model.pretrained=pretrained/llama": (
         "tests/recipes/test_finetune.py", "documented_commands(RECIPE)"),
     "python recipes/lightning_hydra_template/train.py trainer=ld_fsdp": ("tests/recipes/test_lightning_hydra_template.py", 'f"trainer={trainer}"'),
     # the template project's own src/train.py, which the recipe's train.py reproduces, with the same trainer configs
@@ -237,6 +239,8 @@ def _run(command: str, cwd: Path) -> subprocess.CompletedProcess:
     python = shlex.quote(sys.executable)
     command = command.replace("python train.py", f"{python} {shlex.quote(str(REPO / 'train.py'))}")
     command = command.replace("python -m ", f"{python} -m ")
+    if command.startswith("lightning-dist "):  # the console script's own function, in this environment
+        command = f"{python} -m lightning_dist.commands {command.removeprefix('lightning-dist ')}"
     return subprocess.run(["bash", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=900, env=TRAIN_ENV)
 
 

@@ -1,7 +1,8 @@
 """lightning-dist released and installed as a user installs it: `python -m build` makes the sdist and, from it, the
 wheel (cleanly: no warning), and a fresh virtual environment installs that wheel; then, from another directory with
 no checkout anywhere, the main command (`lightning-dist-train`), the README's plain-Lightning example, and the steps
-after training (`lightning-dist consolidate`, `generate`). The configs ship inside the wheel."""
+after training (`lightning-dist consolidate`, `export`, `generate`), for the bundled GPT and a Hugging Face model. The
+configs ship inside the wheel."""
 
 from __future__ import annotations
 
@@ -82,6 +83,7 @@ def _built(checkout: Path, dist: Path) -> tuple[Path, Path]:
         names = set(archive.namelist())
         metadata = archive.read(f"lightning_dist-{version}.dist-info/METADATA").decode()
     assert {"lightning_dist/conf/train.yaml", "lightning_dist/conf/strategy/deepspeed_stage_3_offload.yaml",
+            "lightning_dist/conf/model/hf_llama.yaml", "lightning_dist/conf/lora/default.yaml",
             f"lightning_dist-{version}.dist-info/licenses/LICENSE"} <= names
     fields = [line.split(": ", 1) for line in metadata.splitlines() if ": " in line and not line.startswith(" ")]
     assert ["License-Expression", "Apache-2.0"] in fields and ["Requires-Dist", "torch<2.16,>=2.11"] in fields
@@ -132,6 +134,20 @@ def test_the_built_wheel_installs_and_trains_from_another_directory(tmp_path):
                            "--bytes", "24"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
     assert text.returncode == 0 and text.stdout.startswith("def "), text.stderr[-2000:]
     assert len(text.stdout.removesuffix("\n")) >= len("def ") + 24 // 4, text.stdout  # 24 bytes: 6 characters or more
+
+    # A Hugging Face model from the package's configs (the hf extra), then as a save_pretrained folder that
+    # transformers loads, and text from that folder: the export is of the newest run, this one.
+    hf_run = subprocess.run([str(venv / "bin" / "lightning-dist-train"), "model=hf_gpt2", "trainer.devices=1",
+                             "trainer.max_steps=2"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
+    assert hf_run.returncode == 0, hf_run.stdout[-3000:] + hf_run.stderr[-3000:]
+    exported = subprocess.run([str(venv / "bin" / "lightning-dist"), "export", "my_gpt2"], cwd=elsewhere, env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert (exported.returncode, exported.stdout) == (0, "save_pretrained folder: my_gpt2\n"), exported.stderr
+    assert {"config.json", "model.safetensors"} <= {p.name for p in (elsewhere / "my_gpt2").iterdir()}
+    text = subprocess.run([str(venv / "bin" / "lightning-dist"), "generate", "my_gpt2", "--prompt", "def ",
+                           "--tokens", "24"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    assert text.returncode == 0 and text.stdout.startswith("def "), text.stderr[-2000:]
+    assert len(text.stdout.removesuffix("\n")) >= len("def ") + 24 // 4, text.stdout
 
     # The README's plain-Lightning example, as a user saves and runs it beside nothing but the installed package.
     script = elsewhere / "my_model.py"

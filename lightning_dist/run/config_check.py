@@ -164,6 +164,7 @@ def check_overrides(overrides: list[str], config_name: str = "train", conf_dir: 
 
 # Options that need a package the base install does not bring: the modules they import, and how to get them.
 _LOGGERS_EXTRA = 'pip install -e ".[loggers]"'
+_HF_EXTRA = 'pip install -e ".[hf]"'
 OPTION_PACKAGES: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
     ("logger", "tensorboard"): (("tensorboard",), _LOGGERS_EXTRA),
     ("logger", "wandb"): (("wandb",), _LOGGERS_EXTRA),
@@ -172,6 +173,8 @@ OPTION_PACKAGES: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
     ("callbacks", "rich_progress_bar"): (("rich",), "pip install rich"),
     ("hparams_search", "optuna"): (("hydra_plugins.hydra_optuna_sweeper",), 'pip install -e ".[optuna]"'),
     ("optimizer", "lion"): (("lion_pytorch",), 'pip install -e ".[optimizers]"'),
+    **{("model", name): (("transformers",), _HF_EXTRA) for name in ("hf_gpt2", "hf_llama", "hf_bart")},
+    ("lora", "default"): (("transformers", "peft"), _HF_EXTRA),
 }
 
 

@@ -5,7 +5,6 @@ adapters on the pretrained folder give the same logits and the same generated to
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 import torch
@@ -70,6 +69,7 @@ def test_the_merged_export_is_the_pretrained_model_with_the_adapters(recipe_run)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
-    generated = [re.search(r": 'The ' -> (.*)$", out.strip())[1] for command, out in outputs.items()
-                 if "recipes.finetune.generate" in command]
-    assert len(generated) == 2 and generated[0] == generated[1] and len(generated[0]) > 10
+    # `lightning-dist generate` from the folder with the adapters, then from the merged export: the same 24 bytes.
+    generated = [out for command, out in outputs.items() if command.startswith("lightning-dist generate")]
+    assert len(generated) == 2 and generated[0] == generated[1] and generated[0].startswith("The ")
+    assert len(generated[0].removesuffix("\n")) >= len("The ") + 24 // 4  # 24 bytes: 6 characters or more

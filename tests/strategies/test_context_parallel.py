@@ -30,7 +30,7 @@ COMMON = (f"trainer.max_steps={STEPS}", "test=false", "trainer.log_every_n_steps
 LONG = ("data.block_size=2048", "data.batch_size=4")  # 4 sequences of 2,048 tokens per data-parallel rank
 SHORTER = ("data.block_size=512", "data.batch_size=4")
 ULYSSES_CONFIG = REPO / "recipes" / "long_context" / "ds_config_ulysses_zero3.json"
-LLAMA = (f"hydra.searchpath=[file://{REPO / 'recipes' / 'hf_causal_lm' / 'conf'}]", "model=hf_llama")
+LLAMA = ("model=hf_llama",)
 CP_2 = ("strategy=fsdp", "strategy.context_parallel_size=2", "trainer.devices=4")
 RUNS = {
     "gpt cp 2": (*LONG, *CP_2, "strategy.activation_checkpointing=true"),

@@ -38,7 +38,7 @@ SCHEDULES = {
 }
 
 HF_LLAMA = "hf_llama"
-LLAMA = (f"hydra.searchpath=[file://{REPO / 'recipes' / 'hf_causal_lm' / 'conf'}]", "model=hf_llama")
+LLAMA = ("model=hf_llama",)
 
 
 # The idle share of a step each schedule implies, as the training monitor logs it: (p - 1) / (m + p - 1) with p = 2
@@ -96,7 +96,7 @@ def test_a_transformers_llama_splits_by_its_own_plan_trains_ddps_losses_and_expo
     with ddp's names and logits."""
     import transformers
 
-    from recipes.hf_causal_lm.export import main as export
+    from lightning_dist.models.export import main as export
 
     reference, run = pp_runs(f"{HF_LLAMA} ddp"), pp_runs(f"{HF_LLAMA} Interleaved1F1B")
     expected, losses = read_train_losses(reference.run_dir), read_train_losses(run.run_dir)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 STEPS = 10  # enough for a wrong split or a missing all-reduce to move a loss past 1e-5
 COMMON = (f"trainer.max_steps={STEPS}", "test=false", "trainer.log_every_n_steps=1", "trainer.gradient_clip_val=1.0",
           "+callbacks.shards._target_=tests.probes.ShardShapes", "+callbacks.shards.directory=${paths.output_dir}")
-LLAMA = (f"hydra.searchpath=[file://{REPO / 'recipes' / 'hf_causal_lm' / 'conf'}]", "model=hf_llama")
+LLAMA = ("model=hf_llama",)
 LAYOUTS = {
     "fsdp_tp 2x2": ("strategy=fsdp_tp",),
     "hsdp_tp 2x1x2, activation checkpointing": ("strategy=hsdp_tp", "strategy.data_parallel_replicate_size=2",
@@ -101,17 +101,17 @@ def test_the_tensor_parallel_llamas_checkpoint_exports_as_a_save_pretrained_fold
     import transformers
 
     from lightning_dist.checkpoints.consolidate import load_consolidated
-    from recipes.hf_causal_lm.export import main as export
-    from recipes.hf_causal_lm.language_model import LanguageModel
+    from lightning_dist.models.export import main as export
+    from lightning_dist.models.hf_language_model import HFLanguageModel
 
     checkpoint = tp_runs("hf_llama fsdp_tp 2x2, activation checkpointing").run_dir / "checkpoints" / "last.ckpt"
     assert (checkpoint / ".metadata").is_file()  # each rank's 2-D shards, as DCP wrote them
     assert export([str(checkpoint), str(tmp_path / "llama")]) == 0
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama").eval()
     saved = load_consolidated(checkpoint)
-    trained = LanguageModel(**saved["hyper_parameters"])
+    trained = HFLanguageModel(**saved["hyper_parameters"])
     trained.load_state_dict(saved["state_dict"])
-    untrained = LanguageModel(**saved["hyper_parameters"]).model.model.layers[0].self_attn.q_proj.weight
+    untrained = HFLanguageModel(**saved["hyper_parameters"]).model.model.layers[0].self_attn.q_proj.weight
     assert not torch.equal(exported.model.layers[0].self_attn.q_proj.weight, untrained)
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -154,12 +154,12 @@ def test_the_memory_plan_of_a_tensor_parallel_layout_is_within_15_percent_of_wha
     from lightning_dist.memory import ModelFacts, layout_of, plan_memory
     from lightning_dist.models.gpt import GPTLanguageModel
     from lightning_dist.strategies.presets import PRESETS
-    from recipes.hf_causal_lm.language_model import LanguageModel
+    from lightning_dist.models.hf_language_model import HFLanguageModel
 
     if layout.startswith("hf_llama"):
-        llama = yaml.safe_load((REPO / "recipes" / "hf_causal_lm" / "conf" / "model" / "hf_llama.yaml").read_text())
+        llama = yaml.safe_load((REPO / "lightning_dist" / "conf" / "model" / "hf_llama.yaml").read_text())
         config = {**llama["config"], "max_position_embeddings": 256}  # ${data.block_size}: positions have no weights
-        facts, name = ModelFacts.of(lambda: LanguageModel("llama", config)), "deepspeed_stage_2"
+        facts, name = ModelFacts.of(lambda: HFLanguageModel("llama", config)), "deepspeed_stage_2"
         strategy = PRESETS[name].strategy(**PRESETS[name].kwargs, tensor_parallel_size=2)
     else:
         facts, name = ModelFacts.of(GPTLanguageModel), "fsdp_tp"

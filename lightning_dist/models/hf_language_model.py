@@ -1,9 +1,10 @@
-"""A Hugging Face `transformers` language model as a LightningModule: built from its config (random init) or loaded
-from a local `save_pretrained` folder, trained on next-token prediction. A causal LM (GPT-2, Llama)
-predicts every next token; an encoder-decoder (BART, T5) reads the first half of each window and continues it.
+"""A Hugging Face `transformers` language model as a LightningModule (`model=hf_gpt2|hf_llama|hf_bart`, with
+`+lora=default`): built from its config (random init) or loaded from a local `save_pretrained` folder, trained on
+next-token prediction. A causal LM (GPT-2, Llama) predicts every next token; an encoder-decoder (BART, T5) reads
+the first half of each window and continues it.
 
 Nothing here is strategy-specific: FSDP finds the blocks itself (the model's `nn.ModuleList` of layers) and ZeRO-3
-partitions whatever it is given.
+partitions whatever it is given. `lightning-dist export` writes a checkpoint of it as a `save_pretrained` folder.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ def build_language_model(model_type: str, config: dict[str, Any] | None = None, 
     """
     if pretrained and weights:  # the folder checked first: a name that is none would be looked up on the Hub
         return from_pretrained(pretrained, key="model.pretrained")
-    hf_config = AutoConfig.from_pretrained(pretrained) if pretrained else AutoConfig.for_model(model_type, **(config or {}))
+    if pretrained:
+        hf_config = AutoConfig.from_pretrained(pretrained)
+    else:
+        hf_config = AutoConfig.for_model(model_type, **(config or {}))
     auto_class = AutoModelForSeq2SeqLM if hf_config.is_encoder_decoder else AutoModelForCausalLM
     if not weights:
         return auto_class.from_config(hf_config, dtype=torch.get_default_dtype())
@@ -47,6 +51,7 @@ def build_language_model(model_type: str, config: dict[str, Any] | None = None, 
 
 
 ADAPTERS = "adapters"  # where in the run directory a LoRA run writes its adapters
+WEIGHTS_PREFIX = "model."  # HFLanguageModel keeps the transformers model as `self.model`
 LORA_KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "target_modules"}
 
 
@@ -65,7 +70,7 @@ def with_lora(model: torch.nn.Module, lora: dict[str, Any] | None) -> torch.nn.M
     return get_peft_model(model, LoraConfig(**options))
 
 
-class LanguageModel(ConfiguredOptimizers, L.LightningModule):
+class HFLanguageModel(ConfiguredOptimizers, L.LightningModule):
     """`optimizer` and `scheduler` come from the `optimizer/` and `scheduler/` config groups (AdamW by default)."""
 
     def __init__(
@@ -80,7 +85,7 @@ class LanguageModel(ConfiguredOptimizers, L.LightningModule):
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
-        self.model = with_lora(build_language_model(model_type, config, pretrained), lora)
+        self.model: Any = with_lora(build_language_model(model_type, config, pretrained), lora)
 
     def on_train_end(self) -> None:
         if self.hparams.get("lora"):  # on every rank: each holds a part of the adapters
