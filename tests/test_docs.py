@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 
 README = REPO / "README.md"
@@ -63,6 +65,16 @@ def mkdocs_build(config_dir: Path, site: Path, repo_url: str | None = None) -> s
                           cwd=config_dir, capture_output=True, text=True, timeout=120, env=environment)
 
 
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site as `mkdocs build --strict` makes it from this checkout, built once for the tests that read it."""
+    path = tmp_path_factory.mktemp("site") / "site"
+    built = mkdocs_build(REPO, path)
+    assert built.returncode == 0, built.stderr
+    assert "WARNING" not in built.stderr
+    return path
+
+
 def test_the_readme_is_an_entry_point_that_links_every_page():
     text = README.read_text()
     assert len(text) < 13_000  # the plain-Lightning example, runnable as written, is a third of it
@@ -98,21 +110,18 @@ def test_the_link_checker_names_a_missing_file_and_a_missing_heading(tmp_path):
                                   f"{page}: gone.md: no such file"]
 
 
-def test_the_site_builds_in_strict_mode_with_every_page(tmp_path):
-    built = mkdocs_build(REPO, tmp_path / "site")
-    assert built.returncode == 0, built.stderr
-    assert "WARNING" not in built.stderr
+def test_the_site_builds_in_strict_mode_with_every_page(site, tmp_path):
     pages = sorted(p.stem for p in DOCS.glob("*.md"))
-    assert [name for name in pages if not (tmp_path / "site" / ("" if name == "index" else name) / "index.html").exists()] == []
+    assert [name for name in pages if not (site / ("" if name == "index" else name) / "index.html").exists()] == []
     # The recipes are pages of the site, read from their READMEs; a page's link to one goes there, and a recipe's
     # links to the pages are read from where its README is.
     recipes = sorted(p.parent.name for p in (REPO / "recipes").glob("*/README.md"))
-    assert [name for name in recipes if not (tmp_path / "site" / "recipes" / name / "index.html").exists()] == []
-    assert (tmp_path / "site" / "recipes" / "index.html").exists()
-    assert 'href="../recipes/finetune/"' in (tmp_path / "site" / "finetune" / "index.html").read_text()
-    assert 'href="../../finetune/"' in (tmp_path / "site" / "recipes" / "hf_causal_lm" / "index.html").read_text()
+    assert [name for name in recipes if not (site / "recipes" / name / "index.html").exists()] == []
+    assert (site / "recipes" / "index.html").exists()
+    assert 'href="../recipes/finetune/"' in (site / "finetune" / "index.html").read_text()
+    assert 'href="../../finetune/"' in (site / "recipes" / "hf_causal_lm" / "index.html").read_text()
     # A link into the repository outside docs/ becomes its path in the site (on GitHub it stays a link)...
-    assert "README (<code>README.md</code>)" in (tmp_path / "site" / "index.html").read_text()
+    assert "README (<code>README.md</code>)" in (site / "index.html").read_text()
     # ... and a link into the repository's web view where the publisher says where that is.
     published = mkdocs_build(REPO, tmp_path / "published", repo_url="https://example.org/owner/lightning-dist")
     assert published.returncode == 0, published.stderr
@@ -120,20 +129,42 @@ def test_the_site_builds_in_strict_mode_with_every_page(tmp_path):
         tmp_path / "published" / "index.html").read_text()
 
 
-def test_the_api_reference_has_a_page_per_strategy_with_every_argument(tmp_path):
+def test_the_api_reference_has_a_page_per_strategy_with_every_argument(site):
     """Rendered from the docstrings by mkdocstrings: an argument the docstring leaves out has no row in its table."""
     import inspect
 
     from lightning_dist import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 
-    built = mkdocs_build(REPO, tmp_path / "site")
-    assert built.returncode == 0, built.stderr
     for strategy, page in ((DDPStrategy, "ddp"), (FSDPStrategy, "fsdp"), (DeepSpeedStrategy, "deepspeed")):
-        html = (tmp_path / "site" / "api" / page / "index.html").read_text()
+        html = (site / "api" / page / "index.html").read_text()
         table = html.split(">Parameters:</span>", 1)[1].split("</table>", 1)[0]
         rows = set(re.findall(r'<tr class="doc-section-item">\s*<td>\s*<code>\**(\w+)</code>', table))
         arguments = set(inspect.signature(strategy.__init__).parameters) - {"self"}
         assert rows == arguments, (page, arguments - rows, rows - arguments)
+
+
+# The public API (docs/releasing.md): what `lightning_dist` exports, the `__all__` of these modules, and the names
+# the pages tell users to import from the others.
+PUBLIC_MODULES = ("lightning_dist", "lightning_dist.callbacks", "lightning_dist.checkpoints", "lightning_dist.memory",
+                  "lightning_dist.optim")
+PUBLIC_NAMES = {"lightning_dist.dry_run": ("dry_run", "RankView"),
+                "lightning_dist.models": ("GPTLanguageModel", "HFLanguageModel", "export", "generate", "load_model")}
+
+
+def test_the_api_reference_documents_every_public_name_under_the_name_users_import(site):
+    import importlib
+
+    public = {name for module in PUBLIC_MODULES for name in importlib.import_module(module).__all__}
+    public |= {name for names in PUBLIC_NAMES.values() for name in names}
+    headings = {}  # name shown -> the page that documents it
+    for page in sorted((site / "api").glob("*/index.html")):
+        for shown in re.findall(r'<h2 id="lightning_dist\.[\w.]+" class="doc doc-heading">(.*?)</h2>',
+                                page.read_text(), flags=re.S):
+            headings[re.sub(r"<[^>]+>", " ", shown).split()[0]] = page.parent.name  # then its labels (dataclass)
+    assert sorted(public - set(headings)) == []  # every public name has its entry...
+    assert sorted(name for name in headings if "." in name) == []  # ... headed by its name, not its module path
+    pages = {page.stem for page in (DOCS / "api").glob("*.md")}
+    assert {f"api/{page}.md" for page in pages} <= set(re.findall(r"api/[\w-]+\.md", (REPO / "mkdocs.yml").read_text()))
 
 
 def test_a_broken_link_fails_the_strict_build_naming_it(tmp_path):

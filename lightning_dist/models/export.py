@@ -17,8 +17,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from lightning_dist.checkpoints.consolidate import load_consolidated
 from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.reports.runs import newest_run

@@ -32,6 +32,7 @@ _ARCHITECTURE = ("vocab_size", "block_size", "n_layer", "n_head", "d_model")
 _PREFIX = "model."  # GPTLanguageModel keeps its GPT as `self.model`
 _BYTES = 256  # a byte-level vocabulary
 _ADAPTERS = "adapters"  # where a LoRA run writes them in its run directory (HFLanguageModel)
+_DEFAULT_TOKENS = 200
 
 
 class ByteText:
@@ -127,16 +128,16 @@ def _text_of(model: Any, folder: str | Path | None, named: Path) -> ByteText | T
 
 
 @torch.no_grad()
-def generate(model: torch.nn.Module, prompt: str, new_tokens: int = 200, temperature: float = 0.0, seed: int = 0,
-             text: ByteText | TokenizerText | None = None) -> str:
+def generate(model: torch.nn.Module, prompt: str, new_tokens: int | None = None, temperature: float = 0.0,
+             seed: int = 0, text: ByteText | TokenizerText | None = None) -> str:
     """`prompt` and the `new_tokens` tokens `model` writes after it (bytes, for a byte-level model): the likeliest
-    each time, or drawn at `temperature`."""
+    each time, or drawn at `temperature`. Unset: 200, or as many as the model's positions leave after the prompt."""
     if not prompt:
         raise ValueError("prompt: give at least one character to start from")
     text = text or ByteText()
     tokens = torch.tensor([text.encode(prompt)], device=next(model.parameters()).device)
     if isinstance(model, GPT):
-        written = _gpt_tokens(model, tokens, new_tokens, temperature, seed)
+        written = _gpt_tokens(model, tokens, _DEFAULT_TOKENS if new_tokens is None else new_tokens, temperature, seed)
     else:
         written = _hf_tokens(model, tokens, new_tokens, temperature, seed)
     return prompt + text.decode(written)
@@ -155,11 +156,20 @@ def _gpt_tokens(model: GPT, tokens: torch.Tensor, new_tokens: int, temperature: 
     return tokens[0, prompt_length:].tolist()
 
 
-def _hf_tokens(model: Any, tokens: torch.Tensor, new_tokens: int, temperature: float, seed: int) -> list[int]:
+def _hf_tokens(model: Any, tokens: torch.Tensor, new_tokens: int | None, temperature: float, seed: int) -> list[int]:
     """transformers' own `generate`, with exactly the choices given (not those of a saved generation_config)."""
     from transformers import GenerationConfig
 
     config = model.config
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if config.is_encoder_decoder:
+        positions = None  # its decoder's positions start after the start token, not after the prompt
+    if new_tokens is None:
+        new_tokens = _DEFAULT_TOKENS if positions is None else max(0, min(_DEFAULT_TOKENS, positions - tokens.shape[1]))
+    if positions is not None and tokens.shape[1] + new_tokens > positions:
+        raise ValueError(f"--tokens: the model reads at most {positions} positions (its config's"
+                         f" max_position_embeddings), and the prompt's {tokens.shape[1]} tokens and {new_tokens} new"
+                         f" ones are more; ask for at most {positions - tokens.shape[1]}")
     choices = GenerationConfig(
         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=temperature > 0,
         temperature=temperature if temperature > 0 else None, top_k=None, top_p=None,
@@ -178,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path", type=Path, help="a checkpoint (file or directory), or a save_pretrained folder")
     parser.add_argument("--adapters", help="with a folder: a PEFT adapter folder, or `newest` (the newest run's)")
     parser.add_argument("--prompt", default="The ", help="the text it continues (default: %(default)r)")
-    parser.add_argument("--tokens", "--bytes", type=int, default=200, dest="new_tokens",
-                        help="how many tokens to write (bytes, for a byte-level model)")
+    parser.add_argument("--tokens", "--bytes", type=int, dest="new_tokens",
+                        help=f"how many tokens to write (bytes, for a byte-level model); default {_DEFAULT_TOKENS}, or"
+                             " as many as the model's positions leave after the prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): the likeliest token each time")
     parser.add_argument("--seed", type=int, default=0, help="of the draws, where --temperature is above 0")
     parser.add_argument("--device", default="cpu", help="where the model runs (default: %(default)s; e.g. cuda)")

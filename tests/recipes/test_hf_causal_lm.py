@@ -77,7 +77,7 @@ def test_export_loads_with_from_pretrained_tied_and_with_the_same_logits(exporte
     assert sorted((p.name, p.stat().st_mtime_ns) for p in folder.iterdir()) == before
 
 
-def test_the_checkpoint_and_its_export_write_the_same_text(exported):
+def test_the_checkpoint_and_its_export_write_the_same_text(exported, capsys):
     from lightning_dist.models.generate import main as generate
     from lightning_dist.models.hf_language_model import HFLanguageModel
 
@@ -97,6 +97,10 @@ def test_the_checkpoint_and_its_export_write_the_same_text(exported):
         for _ in range(12):
             tokens = torch.cat([tokens, trained.eval()(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert said[folder] == bytes(tokens[0].tolist()).decode(errors="replace") + "\n"
+    assert generate([str(folder), "--prompt", "def ", "--tokens", "200"]) == 2  # past GPT-2's 128 positions
+    assert capsys.readouterr().err == ("error: --tokens: the model reads at most 128 positions (its config's"
+                                       " max_position_embeddings), and the prompt's 4 tokens and 200 new ones are"
+                                       " more; ask for at most 124\n")
 
 
 def test_pretrained_weights_are_what_a_sharding_preset_starts_from(gpt2_runs, exported, tmp_path):
