@@ -129,6 +129,20 @@ def test_the_site_builds_in_strict_mode_with_every_page(site, tmp_path):
         tmp_path / "published" / "index.html").read_text()
 
 
+def test_the_site_loads_nothing_from_outside_itself(site):
+    """Read offline or on an air-gapped cluster, a page that loads a script or a style from a CDN waits on it and
+    renders without it (the theme's highlight.js did). scripts/docs_in_browser.py loads every page in Chromium."""
+    from scripts.docs_in_browser import outside_loads
+
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) > 30
+    assert {page.relative_to(site).as_posix(): outside_loads(page.read_text()) for page in pages
+            if outside_loads(page.read_text())} == {}
+    assert outside_loads('<script src="https://cdn.example/x.js"></script><a href="https://example.org">x</a>') == [
+        "https://cdn.example/x.js"]  # a load is found; a link a reader follows is not a load
+    assert 'class="highlight"' in (site / "getting-started" / "index.html").read_text()  # highlighted at build time
+
+
 def test_the_api_reference_has_a_page_per_strategy_with_every_argument(site):
     """Rendered from the docstrings by mkdocstrings: an argument the docstring leaves out has no row in its table."""
     import inspect
