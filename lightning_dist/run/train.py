@@ -122,6 +122,6 @@ def _report(cfg: DictConfig, trainer: L.Trainer, metrics: dict[str, float]) -> N
     if last is not None and last.is_file():
         print(f"Last checkpoint: {last}")
     elif last is not None and last.is_dir():  # a sharded strategy's: a directory of shards
-        print(f"Last checkpoint: {last} (shards; one file: python -m lightning_dist.checkpoints.consolidate {last}"
+        print(f"Last checkpoint: {last} (shards; one file: lightning-dist consolidate {last}"
               " model.ckpt)")
     print("Final metrics: " + ", ".join(f"{name}={value:.4f}" for name, value in sorted(metrics.items())))

@@ -51,7 +51,7 @@ def test_checkpoint_exists(strategy_run):
         said = f"Last checkpoint: {last}"
     else:  # sharded: a directory with one part per rank
         assert last.is_dir() and sum(f.stat().st_size for f in last.rglob("*") if f.is_file()) > 1_000_000
-        said = (f"Last checkpoint: {last} (shards; one file: python -m lightning_dist.checkpoints.consolidate {last}"
+        said = (f"Last checkpoint: {last} (shards; one file: lightning-dist consolidate {last}"
                 " model.ckpt)")
     assert said in run.process.stdout.splitlines()
 
