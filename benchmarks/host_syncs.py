@@ -3,6 +3,7 @@ save (on a GPU, each a wait for the device), by the code that asked for them.
 
     python benchmarks/host_syncs.py                  # every preset on 2 CPU ranks (hsdp_tp on 4), 20 steps (4 min)
     python benchmarks/host_syncs.py ddp deepspeed_stage_3 --steps 40
+    python benchmarks/host_syncs.py fsdp_pp "fsdp cp 2"  # pipeline stages; context parallelism (2 ranks a sequence)
 
 Each run is `train.py strategy=<preset> trainer.devices=2 'callbacks=[default,host_syncs]'` with the default
 `log_every_n_steps=5`; lightning_dist/callbacks/host_syncs.py counts. Prints a markdown table.
@@ -23,14 +24,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = ("ddp", "fsdp", "fsdp_shard_grad_op", "fsdp_activation_checkpointing", "fsdp_cpu_offload", "fsdp_tp",
            "hsdp_tp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3",
-           "deepspeed_stage_3_offload")
-MORE = {"hsdp_tp": ("trainer.devices=4", "strategy.data_parallel_replicate_size=2")}
+           "deepspeed_stage_3_offload", "fsdp_pp", "fsdp cp 2")
+# What a run is, where it is more than `strategy=<preset>` on 2 ranks.
+OVERRIDES = {"hsdp_tp": ("strategy=hsdp_tp", "trainer.devices=4", "strategy.data_parallel_replicate_size=2"),
+             "fsdp cp 2": ("strategy=fsdp", "strategy.context_parallel_size=2")}
 FIRST_LOGGED_STEP = 4  # log_every_n_steps=5: steps 0-3 come before the first logged one
 
 
 def counted(preset: str, steps: int, out: Path) -> dict:
-    run_dir = out / preset
-    command = [sys.executable, str(REPO / "train.py"), f"strategy={preset}", "trainer.devices=2", *MORE.get(preset, ()),
+    run_dir = out / preset.replace(" ", "_")
+    command = [sys.executable, str(REPO / "train.py"), "trainer.devices=2", *OVERRIDES.get(preset, (f"strategy={preset}",)),
                f"trainer.max_steps={steps}", "test=false", "callbacks=[default,host_syncs]", f"hydra.run.dir={run_dir}"]
     process = subprocess.run(command, cwd=out, capture_output=True, text=True, timeout=1200,
                              env={**os.environ, "DS_ACCELERATOR": "cpu"})

@@ -26,20 +26,22 @@ pytestmark = pytest.mark.slow
 #   same (deepspeed.runtime.zero.utils.assert_ints_same_as_other_ranks, one read per module): once per run.
 # - With the optimizer offloaded, its step runs on the host, which waits for the gradients anyway; DeepSpeed reads
 #   each gradient's norm there (complete_grad_norm_calculation_for_cpu_offload) as they arrive.
-WARM_UP_READS = {"deepspeed_stage_3": "deepspeed.runtime.zero.utils:", "deepspeed_stage_3_offload": "deepspeed.runtime.zero.utils:"}
+# - Pipeline stages: torch's schedule infers each stage's shapes in its first step, sending them as objects.
+WARM_UP_READS = {  # name: (where, the steps before which it reads)
+    "deepspeed_stage_3": ("deepspeed.runtime.zero.utils:", 3),  # recorded in step 1, checked at the end of step 2
+    "deepspeed_stage_3_offload": ("deepspeed.runtime.zero.utils:", 3),
+    "fsdp_pp": ("lightning_dist.strategies.torch.pipeline:run:", 1),
+}
 OFFLOAD_READS = {
     "deepspeed_stage_2_offload": "deepspeed.runtime.zero.stage_1_and_2:complete_grad_norm_calculation_for_cpu_offload:",
     "deepspeed_stage_3_offload": "deepspeed.runtime.zero.stage3:complete_grad_norm_calculation_for_cpu_offload:",
 }
-# - Pipeline stages: the last stage sends the names its step logged to the other stages every step
-#   (broadcast_object_list), and torch's schedule reads on the host in some steps as it runs the microbatches.
-PIPELINE_READS = {"fsdp_pp": "lightning_dist.strategies.torch.pipeline:"}
-WARM_UP_STEPS = 3  # ZeRO-3's trace: recorded in step 1, checked at the end of step 2
 EXTRA_RUNS = {  # presets the acceptance runs leave out, and the precision a GPU run trains in
     "fsdp_tp": ("strategy=fsdp_tp",),
     "hsdp_tp": ("strategy=hsdp_tp", "trainer.devices=4", "strategy.data_parallel_replicate_size=2"),
     "deepspeed_stage_2 bf16-mixed": ("strategy=deepspeed_stage_2", "trainer.precision=bf16-mixed"),
     "fsdp_pp": ("strategy=fsdp_pp",),  # 2 stages; fsdp_tp_pp's reads are the same code's
+    "fsdp cp 2": ("strategy=fsdp", "strategy.context_parallel_size=2"),
 }
 
 
@@ -58,9 +60,8 @@ def unexplained(name: str, report: dict) -> list[dict]:
             continue
         if name in OFFLOAD_READS and sync["where"].startswith(OFFLOAD_READS[name]):
             continue
-        if name in PIPELINE_READS and sync["where"].startswith(PIPELINE_READS[name]):
-            continue
-        if name in WARM_UP_READS and sync["step"] < WARM_UP_STEPS and sync["where"].startswith(WARM_UP_READS[name]):
+        where, before = WARM_UP_READS.get(name, ("", 0))
+        if sync["step"] < before and sync["where"].startswith(where):
             continue
         found.append(sync)
     return found

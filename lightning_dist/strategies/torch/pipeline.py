@@ -10,7 +10,8 @@ says what the loss is and what is logged. Each step is run in three parts:
    run this part, so a collective in it (`self.all_gather(loss)`) would wait forever for the others: the ones a step
    reaches through Lightning stop the run in one line saying what to write instead.
 3. What every rank logs: the last stage averages each logged value over the microbatches and sends them to the
-   other stages, and every rank logs the same values; a logged torchmetrics object is logged by its name in the
+   other stages (the values on the device; the names through the store, only when they change: logged_names.py),
+   and every rank logs the same values; a logged torchmetrics object is logged by its name in the
    module on every rank (only the last stage updated it: its sync across ranks adds the others' empty states).
 
 Validation and test run the forward-only schedule (`eval`) the same way.
@@ -40,6 +41,7 @@ from lightning_dist.parallel.dims import PIPELINE_PARALLEL
 from lightning_dist.parallel.logged_means import is_deferred_mean, mean_over_ranks, means_deferred
 from lightning_dist.parallel.pipeline_layout import PipelineLayout, check_pipeline, schedule_named
 from lightning_dist.parallel.pipeline_split import PipelineSplit, StageView, TiedCopies, find_trunk, hold_stages
+from lightning_dist.strategies.torch.logged_names import LoggedNames
 
 _KEY = "strategy.pipeline_parallel_size"
 
@@ -221,6 +223,7 @@ class PipelineSteps:
         self.pp_group = pp_group
         hold_stages(module, pp_group)
         self.last_rank = dist.get_global_rank(pp_group, layout.rank_of_stage(layout.stages - 1))
+        self.logged_names = LoggedNames(self.last_rank, self.holds_last, dist.get_world_size(pp_group) - 1)
         self._chunks_started, self._next_row = False, 0
         self._step_gradients: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._schedules: dict[tuple[int, bool], tuple[Any, Any, int]] = {}
@@ -367,12 +370,8 @@ class PipelineSteps:
 
     def _replay_logs(self) -> Any:
         """The last stage's mean loss and logged values, sent to every stage of the pipeline and logged there."""
-        signature: list[Any] = [None]
-        values = torch.empty(0)
-        if self.holds_last:
-            signature[0], values = self._averaged()
-        dist.broadcast_object_list(signature, src=self.last_rank, group=self.pp_group)
-        names, has_loss, deferred = signature[0]
+        signature, values = self._averaged() if self.holds_last else (None, torch.empty(0))
+        names, has_loss, deferred = self.logged_names.exchange(signature)  # on the host: no device read
         values = values.to(self.device) if self.holds_last else torch.empty(len(names) + has_loss, device=self.device)
         dist.broadcast(values, src=self.last_rank, group=self.pp_group)
         if deferred:  # `mean_when_logged`'s, taken now that every stage holds them
