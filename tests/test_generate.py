@@ -84,3 +84,38 @@ def test_lightning_dist_names_its_commands_and_refuses_others():
                          text=True, timeout=120)
     assert (run.returncode, run.stderr.strip()) == (2, "error: lightning-dist fit: no such command; choose one of"
                                                        " consolidate, export, generate, prepare, sweep-report")
+
+
+def test_a_folder_with_a_tokenizer_reads_and_writes_text_through_it(tmp_path, capsys):
+    """A save_pretrained folder with its tokenizer (as the Hub's are): the prompt is encoded by it, the new tokens
+    decoded by it; without one, a model whose vocabulary is not bytes is refused in one line."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from lightning_dist.models.generate import main
+
+    words = ["<unk>", "the", "cat", "sat", "on", "mat", "a", "dog"]
+    backend = Tokenizer(models.WordLevel({word: index for index, word in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(words), hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         bos_token_id=None, eos_token_id=None, pad_token_id=None))
+    model.save_pretrained(tmp_path / "bare")
+    capsys.readouterr()  # transformers' progress bar of the save
+    assert main([str(tmp_path / "bare"), "--prompt", "the cat", "--tokens", "4"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'bare'}: its model reads 8 tokens and no tokenizer is saved beside it (no tokenizer.json"
+        f" in {tmp_path / 'bare'}); save its tokenizer there (`tokenizer.save_pretrained(folder)`)\n")
+    model.save_pretrained(tmp_path / "with_tokenizer")
+    tokenizer.save_pretrained(tmp_path / "with_tokenizer")
+    capsys.readouterr()
+    assert main([str(tmp_path / "with_tokenizer"), "--prompt", "the cat", "--tokens", "4"]) == 0
+    # What transformers writes greedily after the prompt's two words, decoded by the same tokenizer.
+    with torch.no_grad():
+        written = model.eval().generate(input_ids=torch.tensor([[1, 2]]), max_new_tokens=4, do_sample=False,
+                                        pad_token_id=0)[0, 2:].tolist()
+    assert capsys.readouterr().out == tokenizer.decode([1, 2, *written]) + "\n"  # "the cat sat ...", spaced
+    assert len(written) == 4 and all(0 <= token < len(words) for token in written)
+    assert tokenizer.decode([1, 2, *written]).startswith("the cat ")

@@ -140,7 +140,7 @@ def generate(model: torch.nn.Module, prompt: str, new_tokens: int | None = None,
         written = _gpt_tokens(model, tokens, _DEFAULT_TOKENS if new_tokens is None else new_tokens, temperature, seed)
     else:
         written = _hf_tokens(model, tokens, new_tokens, temperature, seed)
-    return prompt + text.decode(written)
+    return text.decode(tokens[0].tolist() + written)  # whole: a tokenizer spaces the words it joins
 
 
 def _gpt_tokens(model: GPT, tokens: torch.Tensor, new_tokens: int, temperature: float, seed: int) -> list[int]:
