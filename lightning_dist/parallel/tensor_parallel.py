@@ -81,6 +81,16 @@ def unmatched_patterns(model: nn.Module, plan: TensorParallelPlan) -> list[str]:
     return [pattern for pattern in plan if not any(_matches(name, pattern) for name in names)]
 
 
+def _parameter_patterns(model: nn.Module, patterns: list[str]) -> tuple[str, str] | None:
+    """The first of `patterns` that names a parameter, not a module, and the class of the module holding it."""
+    for name, _ in model.named_parameters():
+        owner, _, _ = name.rpartition(".")
+        for pattern in patterns:
+            if _matches(name, pattern):
+                return pattern, type(model.get_submodule(owner)).__name__
+    return None
+
+
 def split_sizes(model: nn.Module, plan: TensorParallelPlan, size: int) -> list[str]:
     """What `size` ranks cannot split evenly, one line per planned layer: its split features, or its attention
     heads (a colwise layer of a module with a `head_dim`, as the bundled GPT's and transformers' attention have)."""
@@ -116,6 +126,14 @@ def resolve_plan(model: nn.Module, configured: TensorParallelPlan | None, size: 
         )
     source, plan = found
     if unmatched := unmatched_patterns(model, plan):
+        if fused := _parameter_patterns(model, unmatched):
+            # transformers' mixture-of-experts models keep their experts fused (one tensor of every expert's
+            # weights, `experts.down_proj`); their plans split those by their own styles, which this split lacks.
+            rest = ",".join(f"{pattern}:{style}" for pattern, style in plan.items() if pattern not in unmatched)
+            raise ValueError(f"{source}: {fused[0]} names a parameter of {fused[1]} (its experts fused in one"
+                             " tensor), not a layer: tensor parallelism here splits nn.Linear layers; set"
+                             f" strategy.tensor_parallel_plan to the plan without the experts ({{{rest}}}), or train"
+                             " the model under fsdp")
         example = next((name for name, module in model.named_modules() if isinstance(module, nn.Linear)), "")
         raise ValueError(f"{source}: {', '.join(unmatched)} names no module of {type(model).__name__} (patterns"
                          f" start at the LightningModule: its first linear layer is {example})")
