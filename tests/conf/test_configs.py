@@ -28,6 +28,10 @@ OPTIONS = [(group, option) for group in GROUPS for option in group_options(group
 NO_GPU_HERE = ("trainer.accelerator=cpu", "trainer.devices=1") if not torch.cuda.is_available() else ()
 
 
+# Groups the defaults list leaves out: added with `+`, as users type `+lora=default`, with what they apply to.
+ADDED = {"lora": ("model=hf_gpt2",)}
+
+
 def compose_run(tmp_path: Path, *overrides: str):
     """The config a run with `overrides` gets, with Hydra's own config set as in a run (output_dir: tmp_path)."""
     assert check_overrides(list(overrides)) is not None  # the pre-launch check accepts it
@@ -49,9 +53,13 @@ def test_every_group_has_options():
 def test_every_option_builds_a_run(group, option, tmp_path):
     # fsdp_tp_pp's 2 stages x 2 tensor-parallel ranks need 4 (2, the default, is refused in one line).
     extra = {("trainer", "gpu"): NO_GPU_HERE, ("strategy", "fsdp_tp_pp"): ("trainer.devices=4",)}.get((group, option), ())
-    cfg = compose_run(tmp_path, f"{group}={option}", *extra)
+    override = f"+{group}={option}" if group in ADDED else f"{group}={option}"
+    cfg = compose_run(tmp_path, override, *extra, *ADDED.get(group, ()))
     parts = build(cfg)
     assert isinstance(parts["trainer"], L.Trainer) and isinstance(parts["model"], L.LightningModule)
+    if group == "lora":  # PEFT's adapters on the model, only they trainable
+        trainable = [name for name, param in parts["model"].named_parameters() if param.requires_grad]
+        assert trainable and all("lora_" in name for name in trainable), trainable
     optimizers = parts["model"].configure_optimizers()  # the optimizer and scheduler groups' partials, called
     optimizer = optimizers["optimizer"] if isinstance(optimizers, dict) else optimizers
     assert isinstance(optimizer, torch.optim.Optimizer)
