@@ -86,7 +86,7 @@ RUN_ELSEWHERE = {
         "tests/recipes/test_long_context.py", 'documented_commands(RECIPE) if "auto_fit" in c'),
     "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_7b dry_run=true trainer=gpu trainer.devices=8 trainer.num_nodes=8 strategy=fsdp strategy.context_parallel_size=8 strategy.activation_checkpointing=true data.block_size=131072 data.batch_size=1 data.repeat=8": (
         "tests/recipes/test_long_context.py", 'documented_commands(RECIPE) if "dry_run=true" in c'),
-    "python train.py -m strategy=ddp,fsdp trainer.max_steps=50": ("tests/launch/test_multirun.py", "python train.py -m strategy="),
+    "python train.py -m strategy=ddp,fsdp trainer.max_steps=20": ("tests/launch/test_multirun.py", "python train.py -m strategy="),
     "python -m lightning_dist.sweep_report logs/train/multiruns/<date>": ("tests/launch/test_multirun.py", "python -m lightning_dist.sweep_report"),
     "python train.py -m hparams_search=optuna": ("tests/launch/test_hparams_search.py", "python train.py -m hparams_search=optuna"),
     # docs/deepspeed-configs.md: a ds_config file with the Trainer's precision, and NVMe offload, each run with the

@@ -35,7 +35,7 @@ REAL_PYTHON = sys.executable  # in the pytest process, read before the suite rep
 PRELOADED = ("torch", "torch.distributed", "torch._dynamo", "deepspeed", "hydra", "omegaconf", "torchmetrics")
 # Read by the preloaded libraries (or the interpreter) when they start, so a run that sets them differently starts
 # cold. Everything else in the environment is read at run time and is simply replaced in the child.
-READ_AT_START = ("PYTHONOPTIMIZE", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONHOME", "TORCH_LOGS",
+READ_AT_START = ("PYTHONOPTIMIZE", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONHOME", "TORCH_LOGS", "OMP_WAIT_POLICY",
                  "PYTORCH_JIT", "LD_PRELOAD", "LD_LIBRARY_PATH", "DS_ACCELERATOR",
                  "LIGHTNING_DIST_FAKE_CUDA_DEVICES")  # the dry run's fake CUDA is loaded before torch
 # dynamo's and inductor's configs read their variables when torch._dynamo is imported.

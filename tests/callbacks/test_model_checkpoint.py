@@ -109,7 +109,8 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.parametrize(("signum", "code", "saved_at"), [
     (signal.SIGINT, 130, 50), (signal.SIGKILL, -9, 50),
     # A scheduler's notice: the preemption callback saves at the next logging step, with that step's row.
-    (signal.SIGTERM, 75, 55), (signal.SIGUSR1, 75, 55),
+    # SIGUSR1 (SLURM's notice) takes SIGTERM's path: the extended matrix's, and tests/callbacks/test_preemption.py's.
+    (signal.SIGTERM, 75, 55), pytest.param(signal.SIGUSR1, 75, 55, marks=pytest.mark.extended),
 ], ids=["SIGINT", "SIGKILL", "SIGTERM", "SIGUSR1"])
 def test_a_stop_before_the_first_validation_keeps_the_default_cadences_last_save(signum, code, saved_at, tmp_path,
                                                                                   uninterrupted):

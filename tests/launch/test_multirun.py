@@ -92,9 +92,9 @@ def test_plot_has_labelled_axes_and_one_series_per_job(sweep, monkeypatch):
     axes = figures[0].axes
     assert all(ax.get_xlabel() and ax.get_ylabel() and ax.get_title() for ax in axes)
     assert [len(ax.get_lines()) for ax in axes[:2]] == [2, 2]  # a loss curve per job
-    # The axis of steps done covers the run (trainer.max_steps=50 in the README's sweep): its last step's loss is at 50.
-    assert [ax.get_xlim() for ax in axes[:2]] == [(0, 50), (0, 50)]
-    assert max(axes[1].get_lines()[0].get_xdata()) == 50 and min(axes[0].get_lines()[0].get_xdata()) == 0
+    # The axis of steps done covers the run (trainer.max_steps=20 in the README's sweep): its last step's loss is at 20.
+    assert [ax.get_xlim() for ax in axes[:2]] == [(0, 20), (0, 20)]
+    assert max(axes[1].get_lines()[0].get_xdata()) == 20 and min(axes[0].get_lines()[0].get_xdata()) == 0
     assert [len(ax.patches) for ax in axes[2:]] == [2, 2]  # a bar per job
     assert [t.get_text() for t in axes[0].get_legend().get_texts()] == ["strategy=ddp", "strategy=fsdp"]
     # The curves come from metrics.json, whichever loggers ran: they are the CSV logger's values.
