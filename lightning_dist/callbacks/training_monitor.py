@@ -26,7 +26,8 @@ __all__ = ["NonFiniteError", "TrainingMonitor"]
 class TrainingMonitor(L.Callback):
     """Logs `monitor/step_time_s`, `monitor/samples_per_s`, `monitor/tokens_per_s`, `monitor/mfu`,
     `monitor/peak_memory_gb` and `monitor/grad_norm` at the steps the loggers write (every `log_every_n_steps`), and
-    under pipeline stages `monitor/pipeline_bubble`, the idle share of a step the schedule implies.
+    under pipeline stages `monitor/pipeline_bubble`, the idle share of a step the schedule implies, and
+    `monitor/pipeline_idle`, the share rank 0's stages measured over the steps since the last logged one.
 
     check_finite: stop at the first non-finite loss or gradient norm. Values are checked on the device as they
         come (no host synchronisation); the ranks compare notes every `check_every_n_steps` steps and before every
@@ -156,6 +157,10 @@ class TrainingMonitor(L.Callback):
         bubble = getattr(trainer.strategy, "pipeline_bubble", None)
         if bubble is not None:  # the share of a step the schedule leaves each pipeline stage idle, as it implies
             metrics["monitor/pipeline_bubble"] = bubble
+        clock = getattr(trainer.strategy, "pipeline_idle", None)
+        idle = clock.idle_share() if clock is not None else None
+        if idle is not None:  # and as this rank's stages measured it, over the steps since the last logged one
+            metrics["monitor/pipeline_idle"] = idle
         # Measured on the host, logged from the host: Lightning would copy a plain float to the device (a blocking
         # copy each, every step) and read it back when writing the logs.
         host_values = {name: torch.tensor(value, dtype=torch.float64, device="cpu") for name, value in metrics.items()}

@@ -11,7 +11,8 @@ package (the planner, the dry run, the job) asks a strategy through the protocol
 - `keeps_state_on_host`: offloaded state, whose collectives need gloo beside nccl;
 - `offload_targets()`: where the running engine keeps optimizer state and parameters, read back from it;
 - `gradient_norm_scope()`: the ranks the model's gradient norm spans beyond this one's part (pipeline stages);
-- `pipeline_bubble`: the idle share of a step its pipeline schedule implies (the training monitor logs it);
+- `pipeline_bubble`: the idle share of a step its pipeline schedule implies, and `pipeline_idle` the clock that
+  measures this rank's (strategies/torch/pipeline_idle.py); the training monitor logs both;
 - `checks_nonfinite_on_device(checked)`: the run stops on a non-finite loss or gradient norm by itself (the training
   monitor), so the engine need not read its gradient norm on the host every step to skip such a step;
 - `dry_run_refusal`, `dry_run_rank(...)` and `dry_run_patches()`: whether the dry run knows it, one rank of it, and
@@ -121,6 +122,7 @@ class StrategyBase(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobal
         return {"optimizer": None, "parameters": None}
 
     pipeline_bubble: float | None = None  # the idle share of a step the pipeline schedule implies; None: no stages
+    pipeline_idle: Any = None  # the IdleClock timing this rank's stages, under pipeline stages
 
     def gradient_norm_scope(self) -> tuple[Any, set[int]]:
         """Where the model's gradient norm is whole: a process group whose ranks hold other parts of the model

@@ -58,6 +58,7 @@ from lightning_dist.strategies.torch.fully_shard import (
 )
 from lightning_dist.strategies.torch.output_views import OutputViews
 from lightning_dist.strategies.torch.pipeline import PipelineOptions, PipelineSteps
+from lightning_dist.strategies.torch.pipeline_idle import IdleClock
 from lightning_dist.strategies.torch.replay import ReplayedOnTorch
 
 # LightningModule methods that run the model without going through `forward`.
@@ -380,6 +381,10 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, SplitsSequences, ModelParallel
         if self.pipeline.size == 1:
             return None
         return self.pipeline.layout(blocks=None).bubble_fraction(self.pipeline.microbatch_count)
+
+    @property
+    def pipeline_idle(self) -> IdleClock | None:
+        return None if self._pipeline_steps is None else self._pipeline_steps.idle_clock
 
     @override
     def gradient_norm_scope(self) -> tuple[Any, set[int]]:

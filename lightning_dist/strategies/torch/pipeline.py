@@ -42,6 +42,7 @@ from lightning_dist.parallel.logged_means import is_deferred_mean, mean_over_ran
 from lightning_dist.parallel.pipeline_layout import PipelineLayout, check_pipeline, schedule_named
 from lightning_dist.parallel.pipeline_split import PipelineSplit, StageView, TiedCopies, find_trunk, hold_stages
 from lightning_dist.strategies.torch.logged_names import LoggedNames
+from lightning_dist.strategies.torch.pipeline_idle import IdleClock
 
 _KEY = "strategy.pipeline_parallel_size"
 
@@ -232,6 +233,7 @@ class PipelineSteps:
             # their sync with empty states, which torchmetrics would warn of at every epoch's end.
             warnings.filterwarnings("ignore", message=r"The ``compute`` method of metric \w+ was called before")
         self.device = device
+        self.idle_clock = IdleClock(device)  # the measured idle share, beside the one the schedule implies
         self.loss_divisor = 1
         self._step: Callable[..., Any] | None = None
         self._batch: Any = None
@@ -256,6 +258,7 @@ class PipelineSteps:
                       for view in self.views]
             for stage in stages:
                 stage.forward_one_chunk = self._marking_chunks(stage.forward_one_chunk)  # type: ignore[method-assign]
+                self.idle_clock.watch(stage)
             multi_stage = schedule_named(layout.schedule).multi_stage
             microbatches = self.microbatches if train else max(
                 count for count in range(1, self.microbatches + 1) if batch_size % count == 0)
@@ -294,7 +297,8 @@ class PipelineSteps:
             before = [param.grad for param in params]
             for param in params:
                 param.grad = None
-            schedule.step(*inputs, target=target, **given)
+            with self.idle_clock.step():
+                schedule.step(*inputs, target=target, **given)
             self.tied.sum_gradients()
             self._step_gradients = [(param, param.grad) for param in params]
             for param, grad in zip(params, before):
