@@ -1,13 +1,17 @@
 """Ours against the same engine driven by hand: median iteration time, throughput and peak memory per rank.
 
-    python benchmarks/compare_raw.py                                  # every row, both models (about 35 min)
+    python benchmarks/compare_raw.py                                  # every row of every model (about 60 min)
     python benchmarks/compare_raw.py --models gpt_tiny --repeats 3 ddp fsdp
+    python benchmarks/compare_raw.py --models gpt_medium_pp gpt_medium_cp   # the pipeline and context rows
 
 Runs alternate (ours, raw, then raw, ours, ...), so a machine that slows down over time favours neither side. Both
 sides train the same model on the same data with the same AdamW, 2 CPU ranks (fsdp_tp: 4, 2 data-parallel x 2
 tensor-parallel): the default model (tiny GPT, 0.84M parameters, batch 16 x 128 per data-parallel rank) and
 gpt_medium (57M parameters, batch 2 x 128 per data-parallel rank, where the framework's share of an iteration is
-smaller). DeepSpeed's raw loop uses the very config our strategy resolved. Our side is
+smaller). The parallel axes on gpt_medium, 4 ranks each (2 data-parallel): pipeline stages under GPipe, 1F1B and
+Interleaved1F1B (`fsdp_pp:<schedule>`, batch 4: a microbatch per stage) against torch's own pipelining loop, and
+context parallelism over 2 ranks at 1,024 tokens (`fsdp:cp2`) against Ulysses written out (raw_loop.py says how
+each is built). DeepSpeed's raw loop uses the very config our strategy resolved. Our side is
 `train.py` as users run it: progress bar, CSV logging, the run summary and the training monitor (with its per-step
 NaN check) all on.
 
@@ -36,20 +40,37 @@ STRATEGIES = ("ddp", "fsdp", "fsdp_activation_checkpointing", "fsdp_cpu_offload"
               "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3", "deepspeed_stage_3_offload")
 RAW_FLAGS = {"fsdp_activation_checkpointing": ["--activation-checkpointing"], "fsdp_cpu_offload": ["--cpu-offload"],
              "fsdp_tp": ["--tensor-parallel", "2"]}
-# Ranks a row runs on (2 unless named): fsdp_tp's 2 data-parallel x 2 tensor-parallel ranks see the batches of the
-# other rows' 2 ranks, so samples per iteration are the same.
-DEVICES = {"fsdp_tp": 4}
+# The axes' rows, `<preset>:<what>`: our overrides and the raw loop's flags for the same layout.
+PIPELINE = ("--pipeline-parallel", "2", "--pipeline-schedule")
+AXIS_ROWS = {
+    "fsdp_pp:GPipe": (("strategy.pipeline_schedule=GPipe",), (*PIPELINE, "GPipe")),
+    "fsdp_pp:1F1B": (("strategy.pipeline_schedule=1F1B",), (*PIPELINE, "1F1B")),
+    "fsdp_pp:Interleaved1F1B": (("strategy.pipeline_schedule=Interleaved1F1B", "strategy.stages_per_rank=2"),
+                                (*PIPELINE, "Interleaved1F1B", "--stages-per-rank", "2")),
+    "fsdp:cp2": (("strategy.context_parallel_size=2",), ("--context-parallel", "2")),
+}
+# Ranks a row runs on (2 unless named): 2 data-parallel ranks in every row (x 2 tensor-parallel, pipeline or context
+# ranks in the 4-rank rows), so samples per iteration are the same.
+DEVICES = {"fsdp_tp": 4, **{row: 4 for row in AXIS_ROWS}}
 COMPILED = "+compile"  # a row's suffix: ours with compile=true
 COMPILE_LINE = re.compile(r"torch\.compile: compiled \d+ graphs? in ([\d.]+) s")
 INDUCTOR_CACHE = "inductor_cache"  # under --out: TORCHINDUCTOR_CACHE_DIR of the benchmark's own, emptied at its start
 
 
 def devices(strategy: str) -> int:
-    return DEVICES.get(preset(strategy), 2)
+    return DEVICES.get(strategy.removesuffix(COMPILED), DEVICES.get(preset(strategy), 2))
 
 
 def preset(row: str) -> str:
-    return row.removesuffix(COMPILED)
+    return row.removesuffix(COMPILED).split(":")[0]
+
+
+def raw_flags(row: str) -> list[str]:
+    return [*RAW_FLAGS.get(preset(row), []), *AXIS_ROWS.get(row.removesuffix(COMPILED), ((), ()))[1]]
+
+
+def our_overrides(row: str) -> tuple[str, ...]:
+    return AXIS_ROWS.get(row.removesuffix(COMPILED), ((), ()))[0]
 
 
 @dataclass(frozen=True)
@@ -59,15 +80,20 @@ class Model:
     batch_size: int
     steps: int
     strategies: tuple[str, ...] = STRATEGIES  # the default rows
+    block_size: int = 128  # tokens a sample, data.block_size
 
 
+MEDIUM = ("n_layer=8", "d_model=768", "n_head=12", "lr=3e-4")  # gpt_medium's, as raw_loop.py's --model
 MODELS = {
     "gpt_tiny": Model((), (), batch_size=16, steps=40),
     # Seconds a step on 2 CPU cores: the engines the targets name, in 10 steps a run.
-    "gpt_medium": Model(("model=gpt_medium", "data.batch_size=2"), ("n_layer=8", "d_model=768", "n_head=12", "lr=3e-4"),
-                        batch_size=2, steps=10,
+    "gpt_medium": Model(("model=gpt_medium", "data.batch_size=2"), MEDIUM, batch_size=2, steps=10,
                         strategies=("ddp", "fsdp", "fsdp_tp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3",
                                     "ddp+compile", "fsdp+compile")),
+    "gpt_medium_pp": Model(("model=gpt_medium", "data.batch_size=4"), MEDIUM, batch_size=4, steps=10,
+                           strategies=("fsdp_pp:GPipe", "fsdp_pp:1F1B", "fsdp_pp:Interleaved1F1B")),
+    "gpt_medium_cp": Model(("model=gpt_medium", "data.batch_size=2", "data.block_size=1024"), MEDIUM, batch_size=2,
+                           steps=10, strategies=("fsdp:cp2",), block_size=1024),
 }
 
 
@@ -77,11 +103,12 @@ def engine(strategy: str) -> str:
 
 
 def run_ours(strategy: str, model: Model, out: Path) -> dict:
-    run_dir = out / f"ours_{strategy}"
+    run_dir = out / f"ours_{strategy.replace(':', '_')}"
     # This benchmark's earlier result, replaced on purpose: train.py refuses a run directory that holds a run.
     shutil.rmtree(run_dir, ignore_errors=True)
     command = [
         sys.executable, str(REPO / "train.py"), f"strategy={preset(strategy)}", *model.overrides,
+        *our_overrides(strategy),
         f"trainer.max_steps={model.steps}", f"compile={str(strategy.endswith(COMPILED)).lower()}",
         f"trainer.devices={devices(strategy)}",
         "test=false", "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0", f"hydra.run.dir={run_dir}",
@@ -97,14 +124,16 @@ def run_ours(strategy: str, model: Model, out: Path) -> dict:
 
 
 def run_raw(strategy: str, model: Model, out: Path) -> dict:
-    result = out / f"raw_{strategy}.json"
+    result = out / f"raw_{strategy.replace(':', '_')}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(devices(strategy)),
                str(REPO / "benchmarks" / "raw_loop.py"), "--strategy", engine(strategy), "--steps", str(model.steps),
-               "--batch-size", str(model.batch_size), "--out", str(result), *RAW_FLAGS.get(preset(strategy), [])]
+               "--batch-size", str(model.batch_size), "--block-size", str(model.block_size), "--out", str(result),
+               *raw_flags(strategy)]
     if model.hyper_parameters:
         command += ["--model", *model.hyper_parameters]
     if engine(strategy) == "deepspeed":
-        command += ["--deepspeed-config", str(out / f"ours_{strategy}" / "deepspeed_config.effective.json")]
+        resolved = out / f"ours_{strategy.replace(':', '_')}" / "deepspeed_config.effective.json"
+        command += ["--deepspeed-config", str(resolved)]
     _run(command)
     ranks = json.loads(result.read_text())
     return {"iterations": [rank["iteration_s"] for rank in ranks], "peaks": [rank["peak_rss"] for rank in ranks]}
@@ -136,7 +165,7 @@ def machine() -> str:
 
 def table(name: str, model: Model, results: dict[str, dict[str, list[dict]]]) -> tuple[str, dict]:
     samples = 2 * model.batch_size  # per iteration, over the 2 data-parallel ranks of every row
-    lines = [f"{name}, batch {model.batch_size} x 128 per rank:", "",
+    lines = [f"{name}, batch {model.batch_size} x {model.block_size} per data-parallel rank:", "",
              "| strategy | ours median iteration (ms) | raw (ms) | ours/raw | ours samples/s | raw samples/s | "
              "ours peak RSS per rank (MB) | raw (MB) | ours/raw |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     summary = {}
