@@ -2,12 +2,16 @@
 syncs per step, eager and compiled, for ddp, fsdp, fsdp_activation_checkpointing and ZeRO-1/2/3.
 
     python benchmarks/gpu_compare.py                 # 303.6M GPT, T 1024, batch 8, bf16-mixed, 7 rows: ~7 min, 1 GPU
+    python benchmarks/gpu_compare.py --budget 180    # the rows that fit in 3 minutes, in the default order
     python benchmarks/gpu_compare.py --shape 1.3b    # 1.3B GPT, T 2048, batch 8 (most of an 80 GB device), 5 rows
     python benchmarks/gpu_compare.py --rows fsdp_activation_checkpointing fsdp_activation_checkpointing+compile
     python benchmarks/gpu_compare.py --device cpu --shape tiny --steps 6 --rows ddp   # the suite's scaled-down run
 
-The default rows (ddp and fsdp eager and compiled, ZeRO-1/2/3 eager) are 14 runs, each 30 timed steps: on one
-H100 about 25 s a run to start, 5 s of steps, 30 s more to compile a compiled one. Every row: `--rows`.
+The default rows, most telling first (ddp, fsdp and ZeRO-3 eager: ZeRO-3 against FSDP2 on the same model; then ddp
+and fsdp compiled, ZeRO-2 and ZeRO-1), are 14 runs, each 30 timed steps: on one H100 about 25 s a run to start, 5 s
+of steps, 30 s more to compile a compiled one. Every row: `--rows`. `--budget SECONDS` starts a row only while its
+two runs fit in the time left, judged by the slowest row so far (a compiled row's first: twice that), and the table
+and the JSON are written after every row, so a run cut short still leaves the rows it finished.
 
 Each row runs ours (`train.py strategy=<row> trainer.devices=1`, its default callbacks: bar, CSV log, run summary,
 training monitor) and the raw loop (benchmarks/raw_loop.py: the same model, data, fused AdamW and engine by hand;
@@ -29,6 +33,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,8 +45,8 @@ sys.path.insert(0, str(REPO))  # `python benchmarks/gpu_compare.py`, from any di
 from benchmarks.compare_raw import engine, machine  # noqa: E402
 ROWS = ("ddp", "fsdp", "fsdp_activation_checkpointing", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")
 COMPILED = "+compile"
-DEFAULT_ROWS = ("ddp", "ddp+compile", "fsdp", "fsdp+compile", "deepspeed_stage_1", "deepspeed_stage_2",
-                "deepspeed_stage_3")
+DEFAULT_ROWS = ("ddp", "fsdp", "deepspeed_stage_3", "ddp+compile", "fsdp+compile", "deepspeed_stage_2",
+                "deepspeed_stage_1")
 COUNTED_STEPS = 6  # after the timed ones, under HostSyncs: one of them (the 5th) logs
 
 
@@ -77,6 +82,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--precision", default=None, help="default: bf16-mixed on a GPU, 32-true on a CPU")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_compare")
+    parser.add_argument("--budget", type=float, default=None, help="seconds: start no row that would not end in them")
     args = parser.parse_args()
     shape = SHAPES[args.shape]
     precision = args.precision or ("bf16-mixed" if args.device == "cuda" else "32-true")
@@ -87,20 +93,33 @@ def main() -> None:
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
 
-    results = {}
+    results: dict[str, dict] = {}
+    report = {"machine": machine(), "shape": asdict(shape), "precision": precision, "device": args.device,
+              "steps": args.steps, "rows": results, "not_run": []}
+    started, slowest = time.monotonic(), 0.0
     for index, row in enumerate(rows):
+        expected = slowest * (2 if row.endswith(COMPILED) else 1)
+        if args.budget is not None and time.monotonic() - started + expected > args.budget:
+            report["not_run"] = rows[index:]  # in order of value: what is left is what matters least
+            break
+        row_started = time.monotonic()
         sides = [("ours", run_ours), ("raw", run_raw)]
         # Alternately first; ours first under DeepSpeed, whose raw loop runs the config ours resolved.
         first_raw = index % 2 and engine(row.removesuffix(COMPILED)) != "deepspeed"
         results[row] = {side: side_run(row, shape, args, precision)
                         for side, side_run in (sides[::-1] if first_raw else sides)}
         results[row]["plan_bytes"] = planned_peak(configured(row, shape, args, precision))
-    report = {"machine": machine(), "shape": asdict(shape), "precision": precision, "device": args.device,
-              "steps": args.steps, "rows": results}
-    (args.out / "gpu_compare.json").write_text(json.dumps(report, indent=1))
-    table = markdown(report, shape)
-    (args.out / "gpu_compare.md").write_text(table + "\n")
+        slowest = max(slowest, time.monotonic() - row_started)
+        write(report, shape, args.out)
+    table = write(report, shape, args.out)
     print(table)
+
+
+def write(report: dict, shape: Shape, out: Path) -> str:
+    (out / "gpu_compare.json").write_text(json.dumps(report, indent=1))
+    table = markdown(report, shape)
+    (out / "gpu_compare.md").write_text(table + "\n")
+    return table
 
 
 def configured(row: str, shape: Shape, args: argparse.Namespace, precision: str) -> list[str]:
@@ -203,6 +222,13 @@ def markdown(report: dict, shape: Shape) -> str:
             f" | {mfu} | {sides['ours']['peak_bytes'] / 1e9:.2f} | {sides['raw']['peak_bytes'] / 1e9:.2f}"
             f" | {sides['plan_bytes'] / 1e9:.2f} | {sides['plan_bytes'] / sides['ours']['peak_bytes']:.2f}"
             f" | {'?' if counted is None else f'{counted:g}'} | {compiled or '-'} |")
+    rows = report["rows"]
+    if "fsdp" in rows and "deepspeed_stage_3" in rows:  # the two ways to shard everything, on the same model
+        fsdp, zero3 = (statistics.median(rows[row]["ours"]["step_s"]) for row in ("fsdp", "deepspeed_stage_3"))
+        lines += ["", f"ZeRO-3 against FSDP2, ours: {zero3 * 1e3:.1f} ms against {fsdp * 1e3:.1f} ms a step"
+                      f" ({zero3 / fsdp:.3f}x)."]
+    if report.get("not_run"):
+        lines += ["", f"Not run, past the time budget: {', '.join(report['not_run'])}."]
     return "\n".join(lines)
 
 

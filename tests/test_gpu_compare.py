@@ -1,5 +1,9 @@
-"""benchmarks/gpu_compare.py, scaled down to a CPU (the tiny GPT, 6 steps), as the GPU run's rows run it: the script
-does not rot, and its compiled rows are where `compile=true` is checked against the raw compiled loop. For ddp, fsdp
+"""scripts/gpu_check.sh --cpu: the one call a lent GPU gets, rehearsed on the CPU, every part that can run there
+(its report, benchmarks/gpu_compare.py scaled down to the tiny GPT on 6 steps, tensor, pipeline and context
+parallelism on 2 ranks against ddp's losses on 1), so that neither the script nor its parts rot before a GPU comes;
+its `--help` says what each part runs and the limits, which sum to under the call's 8 minutes.
+
+gpu_compare's compiled rows are where `compile=true` is checked against the raw compiled loop. For ddp, fsdp
 and ZeRO-2/3, torch._dynamo's counters after every step are the raw loop's: one graph for all the model's blocks
 (they are alike), no graph break, nothing compiled again after the first step. Before the sanity check ran eager,
 ours compiled a second graph (no-grad, then training's); ZeRO-3's hooks split each block into a graph per submodule
@@ -8,8 +12,10 @@ ours compiled a second graph (no-grad, then training's); ZeRO-3's hooks split ea
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,11 +24,12 @@ from tests.conftest import REPO, TRAIN_ENV, extended_run, in_the_suite
 pytestmark = pytest.mark.slow
 
 COMPILED_ROWS = ["ddp+compile", "fsdp+compile", "deepspeed_stage_2+compile", "deepspeed_stage_3+compile"]
-# Each compiled row is two compilations on the CPU (a minute each under a loaded suite): the suite compiles ddp's and
-# ZeRO-3's (whose hooks once split every block into graphs), the extended matrix all four.
-COMPILED_IN_THE_SUITE = ["ddp+compile", "deepspeed_stage_3+compile"]
+# Each compiled row is two compilations on the CPU (a minute each under a loaded suite): the suite compiles ZeRO-3's
+# (whose hooks once split every block into graphs; ddp's compiled blocks train in tests/strategies/test_regional_compile.py),
+# the extended matrix all four.
+COMPILED_IN_THE_SUITE = ["deepspeed_stage_3+compile"]
 SCRIPT = str(REPO / "benchmarks" / "gpu_compare.py")
-COMMAND = [sys.executable, SCRIPT, "--device", "cpu", "--shape", "tiny", "--steps", "6"]
+GPU_CHECK = str(REPO / "scripts" / "gpu_check.sh")
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +38,48 @@ def compiled_rows(request) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory, deepspeed_ops, compiled_rows) -> dict:
-    out = tmp_path_factory.mktemp("gpu_compare")
-    process = subprocess.run([*COMMAND, "--rows", "ddp", *compiled_rows, "--out", str(out)], cwd=tmp_path_factory.mktemp("cwd"),
-                             capture_output=True, text=True, timeout=1200, env=TRAIN_ENV)
-    assert process.returncode == 0, process.stdout[-2000:] + process.stderr[-3000:]
-    table = (out / "gpu_compare.md").read_text()
-    assert process.stdout.strip().endswith(table.strip().splitlines()[-1])
-    return json.loads((out / "gpu_compare.json").read_text()) | {"table": table}
+def rehearsal(tmp_path_factory, deepspeed_ops, compiled_rows) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """The script as the GPU machine runs it, with --cpu, from another directory: (its process, report, work)."""
+    out = tmp_path_factory.mktemp("gpu_check")
+    report, work = out / "GPU.md", out / "work"
+    env = {**TRAIN_ENV, "PYTHON": sys.executable, "LD_GPU_CHECK_WORK": str(work),
+           "LD_GPU_CHECK_ROWS": " ".join(["ddp", *compiled_rows])}
+    process = subprocess.run(["bash", GPU_CHECK, "--cpu", str(report)], cwd=tmp_path_factory.mktemp("cwd"),
+                             capture_output=True, text=True, timeout=2400, env=env)
+    return process, report, work
+
+
+@pytest.fixture(scope="module")
+def report(rehearsal) -> dict:
+    _, _, work = rehearsal
+    table = (work / "compare" / "gpu_compare.md").read_text()
+    return json.loads((work / "compare" / "gpu_compare.json").read_text()) | {"table": table}
+
+
+def test_the_rehearsal_runs_every_part_the_cpu_can_within_its_limit_and_reports_each(rehearsal, compiled_rows):
+    process, report, _ = rehearsal
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
+    took = [line for line in process.stdout.splitlines() if line.startswith("gpu_check: ")]
+    assert [line.split(" took ")[0] for line in took] == [
+        "gpu_check: set-up", "gpu_check: ours against raw", "gpu_check: tensor, pipeline and context parallelism",
+        "gpu_check: the report"]
+    assert all(line.endswith("(exit 0)") for line in took), took
+    text = report.read_text()
+    assert "| pytest | not run: no GPU |" in text and "| GPU | none |" in text
+    assert "| row | ours step (ms) | raw step (ms) | ours/raw |" in text and f"| {compiled_rows[-1]} |" in text
+    axes = {line.split(" | ")[0].strip("| "): line.split(" | ")[2] for line in text.splitlines()
+            if line.startswith(("| ddp ", "| fsdp_tp ", "| fsdp_pp ", "| fsdp_cp "))}
+    assert list(axes) == ["ddp", "fsdp_cp", "fsdp_pp", "fsdp_tp"]
+    assert axes.pop("ddp") == "reference" and all(float(gap) < 1e-5 for gap in axes.values()), axes
+    assert text.rstrip().endswith("Every part ended within its limit.")
+
+
+def test_the_help_says_each_part_and_its_limit_and_the_limits_fit_the_call():
+    process = subprocess.run(["bash", GPU_CHECK, "--help"], capture_output=True, text=True, timeout=60)
+    assert process.returncode == 0
+    limits = [int(part.split(", ")[-1].split(":")[0]) for part in re.findall(r"^  \d\. [^:]+", process.stdout, re.M)]
+    assert len(limits) == 5 and sum(limits) <= 480, limits  # 8 minutes: the call's, with the start and the copy back
+    assert "the GPU suite (tests/gpu), 190" in process.stdout and "--cpu" in process.stdout
 
 
 def test_the_help_documents_the_default_gpu_run():

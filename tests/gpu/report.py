@@ -1,13 +1,17 @@
-"""Render what the GPU suite measured ($LD_GPU_MEASUREMENTS) as the Markdown report of scripts/gpu_check.sh.
+"""Render what scripts/gpu_check.sh measured as its Markdown report: the GPU suite's figures ($LD_GPU_MEASUREMENTS),
+and from its work directory ours against the raw loops (benchmarks/gpu_compare.py's table) and the parallel axes'
+runs across devices, and the parts that failed or ran past their limits.
 
-    python -m tests.gpu.report MEASUREMENTS.json REPORT.md PYTEST_SUMMARY_LINE
+    python -m tests.gpu.report MEASUREMENTS.json REPORT.md PYTEST_SUMMARY_LINE [WORK_DIR [FAILED_PARTS]]
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import sys
+from pathlib import Path
 
 
 def render(measured: dict, versions: dict[str, str], summary: str) -> str:
@@ -48,6 +52,33 @@ def render(measured: dict, versions: dict[str, str], summary: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_parts(work: Path, failed: str) -> str:
+    """The sections of the script's later parts: the raw-loop table, the axes' runs, and what failed."""
+    table = work / "compare" / "gpu_compare.md"
+    lines = ["", "## Ours against the raw loops (benchmarks/gpu_compare.py)", "",
+             table.read_text().strip() if table.exists() else "(not run)", "",
+             "## Tensor, pipeline and context parallelism on 2 devices, beside ddp on 1 (20 steps, the same batches)", "",
+             "| layout | final loss | max relative gap vs ddp | median step (ms) |", "|---|---|---|---|"]
+    runs = {run.name: run for run in sorted((work / "axes").glob("*")) if (run / "metrics.json").exists()}
+    reference = _losses(runs["ddp"]) if "ddp" in runs else {}
+    for name, run in runs.items():
+        losses, summary = _losses(run), json.loads((run / "metrics.json").read_text())
+        gaps = [abs(losses[step] - loss) / abs(loss) for step, loss in reference.items() if step in losses]
+        gap = "reference" if name == "ddp" else f"{max(gaps):.2e}" if gaps else "-"
+        step_s = summary.get("median_step_time_s")
+        lines.append(f"| {name} | {losses[max(losses)]:.4f} | {gap} | {_number(step_s, '{:.1f}', 1e3)} |")
+    if not runs:
+        lines.append("| (not run: fewer than 2 devices) | | | |")
+    lines += ["", "## Parts", "", f"Failed or past their limits: {failed}." if failed else
+              "Every part ended within its limit."]
+    return "\n".join(lines) + "\n"
+
+
+def _losses(run: Path) -> dict[int, float]:
+    with open(run / "csv" / "metrics.csv") as handle:
+        return {int(row["step"]): float(row["train_loss"]) for row in csv.DictReader(handle) if row.get("train_loss")}
+
+
 def _number(value: float | None, form: str, scale: float = 1.0) -> str:
     return "-" if value is None else form.format(value * scale)
 
@@ -81,9 +112,11 @@ def versions() -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    path, output, summary = sys.argv[1], sys.argv[2], " ".join(sys.argv[3:])
+    path, output, summary = sys.argv[1:4]
     text = open(path).read() if os.path.exists(path) else ""
-    measured = json.loads(text) if text.strip() else {}  # empty: the suite stopped before writing
+    measured = json.loads(text) if text.strip() else {}  # empty: the suite stopped before writing, or did not run
     report = render(measured, versions(), summary)  # DeepSpeed's import logs to stdout: the report goes to a file
+    if len(sys.argv) > 4:
+        report += render_parts(Path(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else "")
     with open(output, "w") as handle:
         handle.write(report)
