@@ -24,9 +24,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = ("ddp", "fsdp", "fsdp_shard_grad_op", "fsdp_activation_checkpointing", "fsdp_cpu_offload", "fsdp_tp",
            "hsdp_tp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3",
-           "deepspeed_stage_3_offload", "fsdp_pp", "fsdp cp 2")
+           "deepspeed_stage_3_offload", "fsdp_pp", "fsdp_tp_pp", "fsdp cp 2")
 # What a run is, where it is more than `strategy=<preset>` on 2 ranks.
 OVERRIDES = {"hsdp_tp": ("strategy=hsdp_tp", "trainer.devices=4", "strategy.data_parallel_replicate_size=2"),
+             "fsdp_tp_pp": ("strategy=fsdp_tp_pp", "trainer.devices=4"),
              "fsdp cp 2": ("strategy=fsdp", "strategy.context_parallel_size=2")}
 FIRST_LOGGED_STEP = 4  # log_every_n_steps=5: steps 0-3 come before the first logged one
 

@@ -31,6 +31,7 @@ WARM_UP_READS = {  # name: (where, the steps before which it reads)
     "deepspeed_stage_3": ("deepspeed.runtime.zero.utils:", 3),  # recorded in step 1, checked at the end of step 2
     "deepspeed_stage_3_offload": ("deepspeed.runtime.zero.utils:", 3),
     "fsdp_pp": ("lightning_dist.strategies.torch.pipeline:run:", 1),
+    "fsdp_tp_pp": ("lightning_dist.strategies.torch.pipeline:run:", 1),
 }
 OFFLOAD_READS = {
     "deepspeed_stage_2_offload": "deepspeed.runtime.zero.stage_1_and_2:complete_grad_norm_calculation_for_cpu_offload:",
@@ -40,7 +41,8 @@ EXTRA_RUNS = {  # presets the acceptance runs leave out, and the precision a GPU
     "fsdp_tp": ("strategy=fsdp_tp",),
     "hsdp_tp": ("strategy=hsdp_tp", "trainer.devices=4", "strategy.data_parallel_replicate_size=2"),
     "deepspeed_stage_2 bf16-mixed": ("strategy=deepspeed_stage_2", "trainer.precision=bf16-mixed"),
-    "fsdp_pp": ("strategy=fsdp_pp",),  # 2 stages; fsdp_tp_pp's reads are the same code's
+    "fsdp_pp": ("strategy=fsdp_pp",),  # 2 stages
+    "fsdp_tp_pp": ("strategy=fsdp_tp_pp", "trainer.devices=4"),  # 2 stages x 2 tensor-parallel ranks
     "fsdp cp 2": ("strategy=fsdp", "strategy.context_parallel_size=2"),
 }
 
@@ -95,14 +97,14 @@ def test_no_host_reads_in_quiet_steps_of_the_acceptance_runs(strategy_run):
 @pytest.mark.parametrize("name", list(EXTRA_RUNS))
 def test_no_host_reads_in_quiet_steps_of_the_other_presets(extra_runs, name):
     reports = host_syncs_per_rank(extra_runs[name].run_dir)
-    assert len(reports) == (4 if name == "hsdp_tp" else 2)
+    assert len(reports) == (4 if name in ("hsdp_tp", "fsdp_tp_pp") else 2)
     for report in reports:
         assert len(report["quiet_steps"]) >= 8, report["steps"]
         assert unexplained(name.split()[0], report) == []
 
 
 def test_every_preset_is_counted():
-    assert set(STRATEGY_NAMES) | set(EXTRA_RUNS) | {"fsdp_tp_pp"} >= {
+    assert set(STRATEGY_NAMES) | set(EXTRA_RUNS) >= {
         p.stem for p in (Path(__file__).parents[2] / "conf" / "strategy").glob("*.yaml")
     } - {"deepspeed", "auto_fit", "deepspeed_stage_3_offload_nvme"}  # NVMe's: tests/strategies/test_nvme_offload.py
 
