@@ -57,8 +57,9 @@ def run_loops(names: list[str], directory, undone: str | None = None) -> dict:
 
 
 # CI's compatibility tier (another torch, .ci/compat_tier) runs one preset of each engine and layout: what differs
-# between torch releases is the engine's code, not the preset's options (every other preset trains there as typed),
-# and the NVMe preset, which trains there only here (its I/O op is not built for the tier's torch).
+# between torch releases is the engine's code, not the preset's options (tests/compat/test_runs_on_this_torch.py
+# trains those there as typed), and the NVMe preset, which trains there only here (its I/O op is not built for the
+# tier's torch).
 TIER_PRESETS = ["ddp", "deepspeed_stage_2_offload", "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", "fsdp",
                 "fsdp_cpu_offload", "fsdp_tp"]
 # Pipeline stages are not replayed on fake devices yet (the dry run refuses them in one line); they train for real in

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import REPO, documented_commands, run_documented
+from tests.conftest import REPO, documented_commands, in_the_suite, run_documented
 from tests.test_dry_run import rows
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,8 @@ def dry_run(nodes: int, schedule: str):
     return run
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+# The suite dry-runs the default schedule's; Interleaved1F1B's (two stages a rank) runs in the extended matrix.
+@pytest.mark.parametrize("schedule", in_the_suite(list(SCHEDULES), ["1F1B"]))
 def test_a_pipelined_70b_gpt_at_64_ranks_peaks_within_15_percent_of_its_plan(schedule):
     run = dry_run(8, schedule)
     assert "Dry run: fsdp_pp, bf16-mixed, 64 ranks (8 per node) on fake CUDA devices" in run.stdout
