@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import TQDMProgressBar
 import pytest
 import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
 
 from lightning_dist.callbacks import HostSyncs, RunSummary, StepProgressBar, TrainingMonitor
 from lightning_dist.data.pydoc_text import PydocTextDataModule
