@@ -324,3 +324,20 @@ class SwapParametersOnConversion(L.Callback):
         import torch
 
         torch.__future__.set_swap_module_params_on_conversion(True)
+
+
+class IdleExperts(L.Callback):
+    """The experts each mixture-of-experts layer left uncalled in each training step on this rank (no token chose
+    them), from the layers' `tokens_per_expert`: `<dir>/idle_experts_rank<N>.json`, [[step, layer, expert], ...]."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory, self.idle = Path(directory), []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        for name, module in pl_module.named_modules():
+            counts = getattr(module, "tokens_per_expert", None)
+            if counts is not None:
+                self.idle += [[trainer.global_step - 1, name, int(e)] for e in (counts == 0).nonzero().flatten()]
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        (self.directory / f"idle_experts_rank{trainer.global_rank}.json").write_text(json.dumps(self.idle))

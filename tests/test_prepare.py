@@ -124,3 +124,26 @@ def test_prepare_builds_or_finds_what_a_preset_needs_and_names_an_unknown_one(de
     assert unknown.returncode == 2
     assert unknown.stderr.splitlines()[-1].endswith(
         f"error: fused_adam: no such op or preset; choose an op (cpu_adam, async_io) or a preset ({', '.join(PRESETS)})")
+
+
+def test_ops_build_with_the_ninja_beside_this_python_whatever_path_finds_first(tmp_path):
+    """ninja 1.11 (a system's) and 1.13 (PyPI's, in the venv) each read the other's build log as out of date ("build
+    log version is too old; starting over") and compile the op again: an op prepared with one, then loaded by a run
+    whose PATH found the other, was compiled twice (CI's compatibility tier: cpu_adam again at test time, 2-3 minutes
+    a torch). A load under our strategies, or `prepare`, runs the ninja of this Python's environment."""
+    other = tmp_path / "system_bin"
+    other.mkdir()
+    (other / "ninja").write_text("#!/bin/sh\necho 1.11.1\n")
+    (other / "ninja").chmod(0o755)
+    code = ("import shutil; from lightning_dist.lifecycle.op_builds import announce_op_builds;"
+            " print(shutil.which('ninja')); announce_op_builds(print); announce_op_builds(print);"
+            " import os; print(shutil.which('ninja'), os.environ['PATH'].count(os.pathsep))")
+    own = Path(warm_python.REAL_PYTHON).parent / "ninja"
+    assert own.is_file()  # the `ninja` package, which DeepSpeed requires
+    done = subprocess.run([warm_python.REAL_PYTHON, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu",
+                               "PATH": f"{other}{os.pathsep}/usr/bin{os.pathsep}/bin"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = [line for line in done.stdout.splitlines() if "ninja" in line]
+    assert before == str(other / "ninja")
+    assert after == f"{own} 3"  # first on PATH, once

@@ -27,7 +27,10 @@ class TrainingMonitor(L.Callback):
     """Logs `monitor/step_time_s`, `monitor/samples_per_s`, `monitor/tokens_per_s`, `monitor/mfu`,
     `monitor/peak_memory_gb` and `monitor/grad_norm` at the steps the loggers write (every `log_every_n_steps`), and
     under pipeline stages `monitor/pipeline_bubble`, the idle share of a step the schedule implies, and
-    `monitor/pipeline_idle`, the share rank 0's stages measured over the steps since the last logged one.
+    `monitor/pipeline_idle`, the share rank 0's stages measured over the steps since the last logged one. A model
+    whose mixture-of-experts layers count their tokens per expert (`tokens_per_expert`, as `model=gpt_moe`'s do)
+    gets `monitor/expert_load/LAYER`, the most tokens an expert of that layer got over the mean, in rank 0's step (1:
+    an even load; the number of experts / top k: one expert took every token).
 
     check_finite: stop at the first non-finite loss or gradient norm. Values are checked on the device as they
         come (no host synchronisation); the ranks compare notes every `check_every_n_steps` steps and before every
@@ -59,6 +62,7 @@ class TrainingMonitor(L.Callback):
         self._batch_shape: tuple[int, ...] = ()
         self._watch: FiniteWatch | None = None
         self._hooks: list[Any] = []
+        self._expert_layers: list[tuple[str, nn.Module]] = []
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -71,6 +75,8 @@ class TrainingMonitor(L.Callback):
         if self._model_flops is None:  # built in configure_model: counted from its shards' full sizes
             self._model_flops = ModelFlops.of(pl_module)
         self._peak = device_peak_flops(trainer.strategy.root_device, str(trainer.precision), self.peak_tflops)
+        self._expert_layers = [(name.removeprefix("model."), module) for name, module in pl_module.named_modules()
+                               if hasattr(module, "tokens_per_expert")]
         if not self.check_finite:
             return
         every = self.check_every_n_steps or trainer.log_every_n_steps or 1  # type: ignore[attr-defined]
@@ -165,6 +171,11 @@ class TrainingMonitor(L.Callback):
         # copy each, every step) and read it back when writing the logs.
         host_values = {name: torch.tensor(value, dtype=torch.float64, device="cpu") for name, value in metrics.items()}
         pl_module.log_dict(host_values, on_step=True, on_epoch=False, rank_zero_only=True)
+        counts = {name: layer.tokens_per_expert for name, layer in self._expert_layers}
+        loads = {f"monitor/expert_load/{name}": tokens.max() / tokens.float().mean()
+                 for name, tokens in counts.items() if isinstance(tokens, torch.Tensor)}
+        if loads:  # on the device: read when the loggers write
+            pl_module.log_dict(loads, on_step=True, on_epoch=False, rank_zero_only=True)
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:

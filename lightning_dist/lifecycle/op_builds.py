@@ -9,6 +9,10 @@ and any wait on another process's build, said as it starts.
   compiled into `<env>/torch_extensions`. torch's default, one `~/.cache/torch_extensions` for the whole machine,
   holds build files that name one environment's include paths: a second venv rebuilt the first's `cpu_adam` there,
   and the first's next run then waited minutes, silent, on that build's lock.
+- Each environment builds with its own ninja (the `ninja` package beside its Python), whatever PATH says: ninja
+  1.11 (a system's) and 1.13 (PyPI's) read each other's build log as out of date and compile the whole op again,
+  so an op built ahead of time (`lightning-dist prepare` run without the venv activated, as CI's compatibility tier
+  did) was compiled again by the first run that had the venv on its PATH: 2-3 minutes of both cores, each time.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ def announce_op_builds(say: Callable[[str], None]) -> None:
     from lightning_dist._compat.deepspeed import around_op_loads
 
     keep_op_cache_in_this_environment()
+    build_with_this_environments_ninja()
     around_op_loads(lambda name: _said_around_load(name, say))
 
 
@@ -53,6 +58,22 @@ def keep_op_cache_in_this_environment() -> Path | None:
     directory = Path(sys.prefix) / "torch_extensions"
     os.environ["TORCH_EXTENSIONS_DIR"] = str(directory)
     return directory
+
+
+def build_with_this_environments_ninja() -> Path | None:
+    """Put the directory of this interpreter's `ninja` first on PATH (torch's extension builds run `ninja` from
+    PATH), where it has one and PATH would find another first; that directory, or None where nothing changed. The
+    ranks a process starts inherit it."""
+    import shutil
+
+    own = Path(sys.executable).parent / "ninja"
+    if not own.is_file() or not os.access(own, os.X_OK):
+        return None
+    found = shutil.which("ninja")
+    if found is not None and Path(found).resolve() == own.resolve():
+        return None
+    os.environ["PATH"] = os.pathsep.join([str(own.parent), os.environ.get("PATH", "")])
+    return own.parent
 
 
 @contextmanager

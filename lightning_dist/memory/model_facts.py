@@ -87,7 +87,16 @@ class ModelFacts:
         trained = [p for p in params if p.requires_grad]
         blocks = block_modules(module, block_classes)
         attention: list[tuple[int, int, int]] = []
-        traced = _trace_activations(module, batch, blocks, attention) if batch is not None else None
+        try:
+            traced = _trace_activations(module, batch, blocks, attention) if batch is not None else None
+        except NotImplementedError as error:
+            if "nonzero" not in str(error):
+                raise
+            # A mixture of experts picks each expert's tokens by their router's values, which meta tensors lack.
+            raise ValueError(f"{type(module).__name__} chooses tokens by value in its forward (torch.nonzero: a"
+                             " mixture of experts' routing), which the memory plan's trace on the meta device cannot"
+                             " follow; the plan, the dry run and strategy=auto_fit do not know such models yet"
+                             ) from None
         split, split_frozen = _split_by_tensor_parallelism(module, blocks)
         return cls(
             parameters=sum(p.numel() for p in trained),

@@ -76,13 +76,16 @@ class GPT(nn.Module):
         self.block_size = block_size
         self.token_embedding = nn.Embedding(vocab_size, d_model)
         self.position_embedding = nn.Embedding(block_size, d_model)
-        self.blocks = nn.ModuleList(TransformerBlock(d_model, n_head, dropout) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(self.make_block(d_model, n_head, dropout) for _ in range(n_layer))
         self.ln_out = nn.LayerNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self.lm_head.weight = self.token_embedding.weight  # weight tying, as in GPT-2
         # Module by module, seeded by name: a sharding strategy that built this on the meta device initialises
         # its shards with the same function later, and gets the same weights (lightning_dist/parallel/sharded_init.py).
         initialize_parameters(self)
+
+    def make_block(self, d_model: int, n_head: int, dropout: float) -> nn.Module:
+        return TransformerBlock(d_model, n_head, dropout)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -130,11 +133,15 @@ class GPTLanguageModel(ConfiguredOptimizers, L.LightningModule):
         # The factories are code, not data: kept out of the checkpoint's hyper-parameters, which load as data only.
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
-        self.model = GPT(vocab_size, block_size, n_layer, n_head, d_model, dropout)
+        self.model = self.build_model(vocab_size, block_size, n_layer, n_head, d_model, dropout)
         self.val_loss = MeanMetric()
         self.val_perplexity = Perplexity()
         self.test_loss = MeanMetric()
         self.test_perplexity = Perplexity()
+
+    def build_model(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, d_model: int,
+                    dropout: float) -> GPT:
+        return GPT(vocab_size, block_size, n_layer, n_head, d_model, dropout)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)

@@ -10,6 +10,7 @@ from torch import nn
 
 from lightning_dist.parallel.activation_checkpoint import CheckpointPlan, apply_activation_checkpointing
 from lightning_dist.parallel.classes import BlockClasses, block_classes_for, resolve_block_classes
+from lightning_dist.parallel.experts import every_expert_in_backward
 from lightning_dist.parallel.regional_compile import compile_blocks
 
 
@@ -41,7 +42,9 @@ class BlockOptions:
     def apply(self, model: nn.Module, classes: BlockClasses | None = None, hooks_outside: bool = False,
               device_type: str | None = None) -> None:
         """Checkpoint, then compile, the blocks of `model`, in place (each step idempotent); `hooks_outside` and
-        `device_type` (where the model will run): see regional_compile.py."""
+        `device_type` (where the model will run): see regional_compile.py. Layers with experts as modules give
+        every expert a gradient on every rank (parallel/experts.py), whatever the options."""
+        every_expert_in_backward(model)
         if not self.needed_by:
             return
         classes = classes if classes is not None else self.classes_in(model)

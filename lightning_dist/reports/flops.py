@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_dist.memory.hidden_size import hidden_size_of
 from lightning_dist.parallel.classes import block_modules
+from lightning_dist.parallel.experts import routed_shares
 
 # Device name fragment -> dense FLOP/s per device: (bf16/fp16 tensor cores, tf32 tensor cores, fp32 without them).
 # NVIDIA's datasheets; the first fragment the device's name contains wins (so H100 NVL and PCIe before H100 SXM).
@@ -62,13 +63,16 @@ def matmul_parameters(model: nn.Module) -> int:
     """Elements of the weights that multiply activations: every matrix-shaped parameter, counted once, except an
     embedding table only looked up (a table tied to an output layer multiplies, and counts). Vectors (biases, norm
     scales) do no matrix product. Sharded parameters count whole: DTensors report their global shape, and ZeRO-3
-    keeps each parameter's full size in `ds_numel`."""
+    keeps each parameter's full size in `ds_numel`. Of a mixture of experts, a token's share: top k / experts
+    (`routed_shares`), so that MFU counts the FLOPs a token costs, not those of every expert."""
     owners: dict[int, tuple[nn.Parameter, set[bool]]] = {}  # parameter -> (it, whether each owner is an embedding)
     for module in model.modules():
         for parameter in module.parameters(recurse=False):
             if len(getattr(parameter, "ds_shape", parameter.shape)) >= 2:
                 owners.setdefault(id(parameter), (parameter, set()))[1].add(isinstance(module, nn.Embedding))
-    return sum(getattr(p, "ds_numel", None) or p.numel() for p, embedding in owners.values() if False in embedding)
+    shares = routed_shares(model)
+    return round(sum((getattr(p, "ds_numel", None) or p.numel()) * shares.get(key, 1.0)
+                     for key, (p, embedding) in owners.items() if False in embedding))
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ safetensors shards with their index, as the Hub's checkpoints are.
 
     python -m recipes.finetune.make_pretrained pretrained/llama            # Llama, untied head
     python -m recipes.finetune.make_pretrained pretrained/qwen2 --model qwen2  # Qwen2, head tied to the embedding
+    python -m recipes.finetune.make_pretrained pretrained/mixtral --model mixtral  # Mixtral: 4 experts, 2 a token
 
 Its loss on counting sequences is far below a fresh model's (about 5.5), so a fine-tune's first loss shows which
 weights it started from.
@@ -20,7 +21,9 @@ VOCAB = 256
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
 CONFIGS = {"llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
-           "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True))}
+           "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+           # A mixture of experts whose `.loss` from `labels=` holds its router's load-balancing loss.
+           "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True))}
 
 
 def counting(rows: int, length: int, generator: torch.Generator) -> torch.Tensor:

@@ -47,6 +47,7 @@ from lightning_dist.strategies.deepspeed.engine import (
     say_the_host_where_there_is_no_cuda,
     use_deepspeed_accelerator,
 )
+from lightning_dist.strategies.deepspeed.experts import expert_layers_as_leaves, refuse_expert_layers_under_zero_1_2
 from lightning_dist.strategies.deepspeed.layout import zero_layout
 from lightning_dist.strategies.deepspeed.load import load_deepspeed_checkpoint
 from lightning_dist.strategies.deepspeed.offload import offload_device, optimizer_for_offload
@@ -258,6 +259,8 @@ class DeepSpeedStrategy(StrategyBase, SplitsSequences, _LightningDeepSpeedStrate
         """On the launching process: resolve the config with what is known before `setup`, and check it can run."""
         check_before_launch(self.resolution, trainer, fit_arguments)
         self.check_options()
+        if isinstance(model := fit_arguments.get("model"), nn.Module):
+            refuse_expert_layers_under_zero_1_2(model, self.zero.stage)
         super().preflight(trainer, fit_arguments)
 
     def check_options(self) -> None:
@@ -344,6 +347,9 @@ class DeepSpeedStrategy(StrategyBase, SplitsSequences, _LightningDeepSpeedStrate
 
             # Each compiled block gathers its parameters at once, in its own hook: no hooks inside the compiled code.
             set_z3_leaf_modules(self.model, list(self.blocks.classes_in(self.model)))
+        if self.zero_stage_3:
+            expert_layers_as_leaves(self.model)
+        refuse_expert_layers_under_zero_1_2(self.model, self.zero.stage)  # experts built in configure_model
         super().init_deepspeed()
         move_module_state(self.lightning_module, self.root_device)  # ZeRO-3 placed the parameters only
         if self.tensor_parallel_size > 1:

@@ -1,0 +1,96 @@
+"""Mixture-of-experts layers whose experts are modules of their own (an `nn.ModuleList` named `experts`: Mixtral's
+and Qwen2-MoE's layout before transformers fused them, DeepSeek's remote code, `model=gpt_moe`), under engines
+that expect every rank to use the same parameters each step.
+
+Such a layer calls only the experts its tokens chose, so on one rank an expert may run and on another not:
+- DDP's reducer waits for a gradient that never comes (unless `find_unused_parameters`, which walks the graph
+  every step);
+- FSDP2 reduce-scatters the gradients a rank has: the ranks' collectives differ in size (gloo: "Received data size
+  doesn't match expected size"; NCCL: a hang, or gradients added to the wrong ones);
+- ZeRO-3 gathers each expert's parameters when it is called: the ranks that call it wait forever for one that does
+  not (DeepSpeed #4808); made a leaf module, the layer gathers all of its experts at once (the DeepSpeed strategy
+  does that, `_compat.deepspeed.make_leaf_modules`).
+
+`every_expert_in_backward` makes each such layer give every expert a gradient on every rank: after its forward, the
+experts it did not call are added to its output times zero, so their gradients are zero where no token chose them,
+the same on every engine (DeepSpeed's flat buffers give an unused parameter a zero gradient too). The cost is a sum
+over the skipped experts' parameters, which the engines have gathered for the layer anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+# Set on a layer once hooked: a strategy set up again (fit, then test) hooks nothing twice.
+HOOKED = "lightning_dist_every_expert"
+
+
+def expert_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The (name, module) of `model`'s layers with experts as modules: an `nn.ModuleList` named `experts`."""
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(getattr(module, "experts", None), nn.ModuleList) and len(module.experts) > 1]
+
+
+def every_expert_in_backward(model: nn.Module) -> list[str]:
+    """Hooks each expert layer of `model` (`expert_layers`) so that every expert gets a gradient on every rank; the
+    names of the layers hooked."""
+    hooked = []
+    for name, layer in expert_layers(model):
+        if not getattr(layer, HOOKED, False):
+            _hook(layer)
+        hooked.append(name)
+    return hooked
+
+
+def _hook(layer: nn.Module) -> None:
+    experts: list[nn.Module] = list(getattr(layer, "experts"))
+    called: set[int] = set()
+
+    def record(expert: nn.Module, _: Any) -> None:
+        called.add(id(expert))
+
+    def start(_: nn.Module, __: Any) -> None:
+        called.clear()
+
+    def add_skipped(_: nn.Module, __: Any, output: Any) -> Any:
+        skipped = [parameter for expert in experts if id(expert) not in called
+                   for parameter in expert.parameters() if parameter.requires_grad]
+        called.clear()
+        if not skipped:
+            return None
+        first = output[0] if isinstance(output, tuple) else output
+        # A tensor-parallel expert's parameters are DTensors: each rank's own part, with no collective.
+        zero = sum(_local(parameter).sum() for parameter in skipped) * 0.0
+        first = first + zero.to(first.dtype)
+        return (first, *output[1:]) if isinstance(output, tuple) else first
+
+    for expert in experts:
+        expert.register_forward_pre_hook(record)
+    layer.register_forward_pre_hook(start)
+    layer.register_forward_hook(add_skipped)
+    setattr(layer, HOOKED, True)
+
+
+def _local(parameter: Any) -> Any:
+    return parameter.to_local() if hasattr(parameter, "to_local") else parameter
+
+
+def routed_shares(model: nn.Module) -> dict[int, float]:
+    """The share of each expert parameter (by id) that a token uses: top k / experts, for the experts of every layer
+    that says its k (`top_k`, or `num_experts_per_tok`, on the layer or its router `gate`), whether they are modules
+    of their own or fused into 3-D parameters (transformers' `MixtralExperts`, whose first dimension is the experts)."""
+    shares: dict[int, float] = {}
+    for layer in model.modules():
+        experts = getattr(layer, "experts", None)
+        if not isinstance(experts, nn.Module):
+            continue
+        k = next((value for owner in (layer, getattr(layer, "gate", None)) for name in ("top_k", "num_experts_per_tok")
+                  if isinstance(value := getattr(owner, name, None), int)), None)
+        count = len(experts) if isinstance(experts, nn.ModuleList) else getattr(experts, "num_experts", None)
+        if k is None or not isinstance(count, int) or not 0 < k <= count:
+            continue
+        for parameter in experts.parameters():
+            shares[id(parameter)] = k / count
+    return shares
