@@ -9,7 +9,7 @@ Such a layer calls only the experts its tokens chose, so on one rank an expert m
   doesn't match expected size"; NCCL: a hang, or gradients added to the wrong ones);
 - ZeRO-3 gathers each expert's parameters when it is called: the ranks that call it wait forever for one that does
   not (DeepSpeed #4808); made a leaf module, the layer gathers all of its experts at once (the DeepSpeed strategy
-  does that, `_compat.deepspeed.make_leaf_modules`).
+  does that: lightning_dist/strategies/deepspeed/experts.py, which also refuses ZeRO-1 and -2 for such layers).
 
 `every_expert_in_backward` makes each such layer give every expert a gradient on every rank: after its forward, the
 experts it did not call are added to its output times zero, so their gradients are zero where no token chose them,

@@ -40,4 +40,3 @@ def swap_in_each_parameter_once() -> None:
         return swap_in_once
 
     patch_swap_in(each_once)
-
