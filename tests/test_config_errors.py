@@ -36,8 +36,8 @@ def test_unknown_option_inside_a_sweep():
 def test_a_recipes_config_directory_adds_its_options():
     search = f"hydra.searchpath=[file://{REPO / 'recipes' / 'choose_a_strategy' / 'conf'}]"
     assert error_of([search, "model=gpt_7c"]) == (
-        "model=gpt_7c: no such option; did you mean gpt_7b? choose one of: gpt_70b, gpt_7b, gpt_medium, gpt_small,"
-        " gpt_tiny, hf_bart, hf_gpt2, hf_llama"
+        "model=gpt_7c: no such option; did you mean gpt_7b? choose one of: gpt_70b, gpt_7b, gpt_medium, gpt_moe,"
+        " gpt_small, gpt_tiny, hf_bart, hf_gpt2, hf_llama"
     )
     assert error_of(["model=hf_bart", "model.confg.d_model=8"]).startswith(
         "model.confg: no such key; did you mean model.config? valid keys under model: optimizer, _target_, block_class, model_type,"
@@ -271,7 +271,7 @@ REFUSED = [
     (["strategy=deepspeed", "strategy.config={inputs}/deep.json"],
      "strategy.config: {inputs}/deep.json nests deeper than 32 levels"),
     (["model=gpt_moe", "model.top_k=9"], "model.top_k=9: choose from 1 to model.n_experts=8"),
-    (["model=gpt_moe", "dry_run=true"], "GPTMoELanguageModel chooses tokens by value in its forward (torch.nonzero: a"
+    (["model=gpt_moe", "strategy=auto_fit"], "GPTMoELanguageModel chooses tokens by value in its forward (torch.nonzero: a"
      " mixture of experts' routing), which the memory plan's trace on the meta device cannot follow; the plan, the"
      " dry run and strategy=auto_fit do not know such models yet"),
 ]
