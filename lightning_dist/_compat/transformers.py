@@ -3,11 +3,12 @@
 of its causal LMs: `{"lm_head": (["hidden_states"], ["logits"])}`), read here and nowhere else. And a model's loss:
 the function its `loss_function` property gives (one the user set on the model, else `LOSS_MAPPING[loss_type]`, the
 causal LM's where the class name names no loss type), replaced for a step through the property's own setter.
-Checked on transformers 5.24. transformers is imported only where the user's model is one of its models."""
+And how its `from_pretrained` maps a checkpoint's names and tensors to a model's (below). Checked on transformers
+5.24 and 5.25. transformers is imported only where the user's model is one of its models."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -56,3 +57,64 @@ def loss_function_replaced(model: Any, make: Callable[[Callable[..., Any], str],
             del model._loss_function
         else:
             model._loss_function = own
+
+
+# A checkpoint's tensors as transformers converts them into a model's (`conversion_mapping`): renamed
+# (`.block_sparse_moe.` to `.mlp.`), or several made into one (Mixtral's experts' w1 and w3, one tensor each on the
+# Hub, stacked into the fused `experts.gate_up_proj`). Checked on transformers 5.25.
+FENCED += [Fenced("transformers.conversion_mapping", "get_model_conversion_mapping", ("model",)),
+           Fenced("transformers.core_model_loading", "rename_source_key",
+                  ("source_key", "weight_renamings", "weight_converters", "base_model_prefix", "meta_state_dict")),
+           Fenced("transformers.core_model_loading", "dot_natural_key", ("s",)),
+           Fenced("transformers.core_model_loading", "WeightConverter.add_tensor",
+                  ("self", "target_key", "source_key", "source_pattern", "future")),
+           Fenced("transformers.core_model_loading", "WeightConverter.convert", ("self", "layer_name"))]
+
+# Where one of a model's tensors comes from: (the converter's source pattern or None, the checkpoint's name), one
+# pair for a tensor saved under its own or another name, several for one made from several.
+Sources = tuple[tuple[str | None, str], ...]
+
+
+def conversion_mapping(model: Any) -> list[Any]:
+    """How transformers maps checkpoints' names and tensors to `model`'s ([] for a model not of transformers)."""
+    from transformers import PreTrainedModel
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    return get_model_conversion_mapping(model) if isinstance(model, PreTrainedModel) else []
+
+
+def checkpoint_sources(model: Any, mapping: list[Any], names: Iterable[str]) -> tuple[dict[str, Sources], list[str]]:
+    """({the model's name of a tensor: its sources among `names`}, the names that are no tensor of the model),
+    as transformers' `from_pretrained` maps them with `mapping` (`conversion_mapping(model)`)."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    state = model.state_dict(keep_vars=True)
+    renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
+    converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
+    prefix = getattr(model, "base_model_prefix", None) or None
+    sources: dict[str, list[tuple[str | None, str]]] = {}
+    unmatched = []
+    for name in sorted(names, key=dot_natural_key):  # transformers' order: experts 0, 1, ..., 10
+        renamed, pattern = rename_source_key(name, renamings, converters, prefix, state)
+        if renamed not in state and name in state:  # a name the mapping should have left alone
+            renamed, pattern = name, None
+        if renamed in state and (pattern is not None or renamed not in sources):  # one source unless converted
+            sources.setdefault(renamed, []).append((pattern, name))
+        else:
+            unmatched.append(name)
+    return {name: tuple(found) for name, found in sources.items()}, unmatched
+
+
+def converted(mapping: list[Any], name: str, sources: Sources, read: Callable[[str], Any]) -> Any:
+    """The value of the model's tensor `name`: `read(checkpoint name)` of its one source, or its sources made into
+    one by `mapping`'s converter (stacked, concatenated)."""
+    (pattern, first), *more = sources
+    if pattern is None and not more:
+        return read(first)
+    from copy import deepcopy
+
+    converter = deepcopy(next(c for c in mapping if pattern in getattr(c, "source_patterns", ())))
+    for source_pattern, source in sources:
+        converter.add_tensor(name, source, source_pattern, lambda source=source: read(source))  # read as converted
+    value = converter.convert(name)[name]
+    return value[0] if isinstance(value, list) else value

@@ -7,7 +7,6 @@ so that activation checkpointing's saving can be computed rather than guessed.
 
 from __future__ import annotations
 
-import math
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -149,7 +148,7 @@ def _optimizer_kind(module: nn.Module) -> str:
 def _largest_pretrained_tensor(module: nn.Module) -> int:
     bound = [weights for m in module.modules() if isinstance(weights := getattr(m, "pretrained_weights", None),
                                                               BoundWeights)]
-    return max((math.prod(b.folder.shapes[key]) for b in bound for key in set(b.keys.values())), default=0)
+    return max((b.largest() for b in bound), default=0)
 
 
 def _unique_parameters(module: nn.Module) -> list[nn.Parameter]:

@@ -9,17 +9,23 @@ two of its largest tensors each (BENCHMARKS.md). Reading only a rank's rows of e
 safetensors maps each file and reads a tensor without copying it; the file is opened for each tensor and closed
 once its value is copied out, so that the pages read do not stay mapped (counted in every rank's resident memory).
 One file (`model.safetensors`) or several shards with their index (`model.safetensors.index.json`), as
-transformers writes them; tied weights are saved once, under one of their names.
+transformers writes them; tied weights are saved once, under one of their names. Names are mapped as transformers'
+own `from_pretrained` maps them (its conversion mapping): a mixture of experts saved as the Hub has it, one tensor
+per expert (Mixtral's `block_sparse_moe.experts.3.w1.weight`), loads into transformers' fused experts
+(`mlp.experts.gate_up_proj`), the experts of a layer read and stacked when that tensor's shards are initialised.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
+
+from lightning_dist._compat.transformers import Sources, checkpoint_sources, conversion_mapping, converted
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -59,54 +65,76 @@ class PretrainedFolder:
     def attach(self, model: nn.Module) -> None:
         """Make `model` start from these weights (sharded initialisation reads them), after checking that they are
         the model's: ValueError naming the first mismatches. Persistent buffers are given their values now."""
-        keys = self.keys_for(model)
+        mapping = conversion_mapping(model)
+        bound = BoundWeights(self, mapping, self.sources_for(model, mapping))
         for name, buffer in model.named_buffers():
-            if name in keys:
-                buffer.copy_(self.read(keys[name], buffer.dtype))
-        model.pretrained_weights = BoundWeights(self, keys)  # type: ignore[assignment]
+            if name in bound.sources:
+                buffer.copy_(bound.value(name, buffer.dtype))
+        model.pretrained_weights = bound  # type: ignore[assignment]
 
-    def keys_for(self, model: nn.Module) -> dict[str, str]:
-        """The folder's name for each of `model`'s parameters and persistent buffers, by the model's names (each
-        name of a tied parameter maps to the one it was saved under); ValueError naming the first mismatches."""
-        prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    def sources_for(self, model: nn.Module, mapping: list[Any]) -> dict[str, Sources]:
+        """Where each of `model`'s parameters and persistent buffers is in the folder, by the model's names, as
+        transformers' `from_pretrained` finds them: under its name (or the base model's), renamed, or made from
+        several (a mixture of experts saved one tensor per expert); each name of a tied parameter maps to the one it
+        was saved under. ValueError naming the first mismatches."""
+        found, unexpected = checkpoint_sources(model, mapping, self.shapes)
         groups: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             groups.setdefault(id(param), []).append(name)
         tensors = model.state_dict(keep_vars=True)
         parameter_names = {name for names in groups.values() for name in names}
         persistent = [name for name in tensors if name not in parameter_names]
-        keys: dict[str, str] = {}
+        sources: dict[str, Sources] = {}
         missing, shapes = [], []
         for names in [*groups.values(), *([name] for name in persistent)]:
-            saved = next((found for name in names for found in (name, name.removeprefix(prefix))
-                          if found in self.shapes), None)
+            saved = next((found[name] for name in names if name in found), None)
             if saved is None:
                 missing.append(names[0])
                 continue
+            shape = self.shape_of(mapping, names[0], saved)
             expected = tuple(tensors[names[0]].shape)
-            if self.shapes[saved] != expected:
-                shapes.append(f"{saved} {self.shapes[saved]} in the folder, {expected} in the model")
-            keys.update({name: saved for name in names})
-        unexpected = sorted(set(self.shapes) - set(keys.values()))
-        problems = [f"{label} {_first(found)}" for label, found in
-                    (("missing", missing), ("unexpected", unexpected), ("shape", shapes)) if found]
+            if shape != expected:
+                shapes.append(f"{_named(saved)} {shape} in the folder, {expected} in the model")
+            sources.update({name: saved for name in names})
+        unexpected += sorted({key for saved in found.values() for _, key in saved}
+                             - {key for saved in sources.values() for _, key in saved})
+        problems = [f"{label} {_first(names)}" for label, names in
+                    (("missing", missing), ("unexpected", unexpected), ("shape", shapes)) if names]
         if problems:
             raise ValueError(f"{self.key}={self.folder}: its weights are not {type(model).__name__}'s: "
                              + "; ".join(problems))
-        return keys
+        return sources
+
+    def shape_of(self, mapping: list[Any], name: str, sources: Sources) -> tuple[int, ...]:
+        """The shape of what `sources` make (converted on the meta device: nothing read)."""
+        if len(sources) == 1 and sources[0][0] is None:
+            return self.shapes[sources[0][1]]
+        return tuple(converted(mapping, name, sources, lambda key: torch.empty(self.shapes[key], device="meta")).shape)
 
 
-@dataclass
 class BoundWeights:
     """A folder's weights by the names of the model they were attached to (`PretrainedFolder.attach`)."""
 
-    folder: PretrainedFolder
-    keys: dict[str, str]
+    def __init__(self, folder: PretrainedFolder, mapping: list[Any], sources: dict[str, Sources]) -> None:
+        self.folder, self.mapping, self.sources = folder, mapping, sources
 
     def read(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
         """The value of the model's parameter `name` in `dtype`, or None where the folder has none."""
-        key = self.keys.get(name)
-        return None if key is None else self.folder.read(key, dtype)
+        return self.value(name, dtype) if name in self.sources else None
+
+    def value(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The value of the model's tensor `name`, which the folder has, in `dtype`."""
+        return converted(self.mapping, name, self.sources[name], lambda key: self.folder.read(key, dtype))
+
+    def largest(self) -> int:
+        """Elements of the largest tensor read: one made from several holds them all beside itself."""
+        return max((sum(math.prod(self.folder.shapes[key]) for _, key in sources)
+                    for sources in self.sources.values()), default=0)
+
+
+def _named(sources: Sources) -> str:
+    """How a refusal names a tensor's sources: the one, or the first and how many more."""
+    return sources[0][1] + (f" (+{len(sources) - 1} more made into one)" if len(sources) > 1 else "")
 
 
 def _first(names: list[str]) -> str:

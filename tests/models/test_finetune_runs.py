@@ -41,9 +41,9 @@ LORA_DATA_PARALLEL = ["ld_fsdp", "ld_deepspeed_stage_2", "ld_deepspeed_stage_3",
 # The 2 ranks split each batch: one rank's losses.
 LORA_SPLIT = ["ld_fsdp_tp", "ld_fsdp_pp", "ld_fsdp:context_parallel_size=2"]
 SAVED_ADAPTERS = ["ld_fsdp", "ld_deepspeed_stage_3", "ld_fsdp_tp", "ld_fsdp_pp"]
-# Mixtral by transformers' own from_pretrained only: its files name each expert (w1, w2, w3), which transformers fuses
-# as it loads, and `lightning_dist.from_pretrained` does not yet (it refuses them, naming the keys).
-OTHER_MODELS_PLACES = {"qwen2": ["configure_model", "ours"], "mixtral": ["configure_model"]}
+# Mixtral by `lightning_dist.from_pretrained`: its files name each expert (w1, w2, w3), as the Hub's do, which
+# transformers' mapping fuses as each rank initialises its shards (transformers' own loader: llama's places).
+OTHER_MODELS_PLACES = {"qwen2": ["configure_model", "ours"], "mixtral": ["ours"]}
 
 
 @pytest.fixture(scope="module")
@@ -156,23 +156,21 @@ def test_the_sharded_engines_train_ddp_s_losses(runs, strategy, place):
 @pytest.mark.parametrize("strategy", ["ld_fsdp", "ld_deepspeed_stage_3"])
 def test_a_pretrained_mixture_of_experts_trains_from_its_weights_with_its_balancing_loss(runs, pretrained_folders,
                                                                                       strategy):
-    """Mixtral (transformers' fused experts), loaded in `configure_model`, its step's `.loss` holding the router's
-    load-balancing loss (`output_router_logits` in its config): the first loss is the folder's model's on that batch,
-    balancing loss included, and fsdp trains ddp's losses rank by rank (both keep the folder's bf16; ZeRO-3 trains
-    in its config's fp32)."""
-    run = runs[strategy, "mixtral"]["configure_model"]
+    """Mixtral (transformers' fused experts), loaded by `lightning_dist.from_pretrained` from a folder that holds each
+    expert's weights apart (the Hub's layout), its step's `.loss` holding the router's
+    load-balancing loss (`output_router_logits` in its config): the first loss is the folder's model's on that batch
+    (read into fp32, as transformers reads it), balancing loss included, and fsdp trains ddp's losses rank by rank."""
+    run = runs[strategy, "mixtral"]["ours"]
     if strategy == "ld_fsdp":
-        for ours, theirs in zip(run, runs["ld_ddp", "mixtral"]["configure_model"], strict=True):
+        for ours, theirs in zip(run, runs["ld_ddp", "mixtral"]["ours"], strict=True):
             assert len(ours["losses"]) == 3 and ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
     loss, batch = first_loss(run)
-    fp32 = strategy == "ld_deepspeed_stage_3"
-    model = AutoModelForCausalLM.from_pretrained(pretrained_folders["mixtral"],
-                                                 **({"dtype": torch.float32} if fp32 else {}))
+    model = AutoModelForCausalLM.from_pretrained(pretrained_folders["mixtral"], dtype=torch.float32)
     ids = torch.tensor(batch)
     with torch.no_grad():
         balanced = model(input_ids=ids, labels=ids)
         plain = model(input_ids=ids, labels=ids, output_router_logits=False).loss.item()
-    assert loss == pytest.approx(balanced.loss.item(), rel=1e-5 if fp32 else 2e-2) and balanced.aux_loss > 0
+    assert loss == pytest.approx(balanced.loss.item(), rel=1e-5) and balanced.aux_loss > 0
     assert balanced.loss.item() - plain == pytest.approx(model.config.router_aux_loss_coef * balanced.aux_loss.item(),
                                                          rel=1e-3)
 

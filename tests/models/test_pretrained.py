@@ -78,7 +78,9 @@ def test_an_adapter_never_seen_with_values_is_refused_not_drawn(pretrained_folde
         initialize_parameters(model, give_memory, params=[p for p in model.parameters() if p.is_meta])
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen2"])
+# Mixtral's folder holds each expert's w1, w2, w3 under `block_sparse_moe` (the Hub's layout), its model the
+# experts fused under `mlp`: read as transformers' own from_pretrained reads them.
+@pytest.mark.parametrize("model", ["llama", "qwen2", "mixtral"])
 def test_from_pretrained_reads_the_folder_into_the_run_s_dtype(pretrained_folders, model):
     folder = pretrained_folders[model]
     loaded = lightning_dist.from_pretrained(folder)  # eager: no strategy builds it empty here
@@ -91,8 +93,9 @@ def test_from_pretrained_reads_the_folder_into_the_run_s_dtype(pretrained_folder
     assert tied == (model == "qwen2")
 
 
-def test_under_sharded_initialisation_each_value_is_read_not_drawn(pretrained_folders):
-    folder = pretrained_folders["qwen2"]
+@pytest.mark.parametrize("model", ["qwen2", "mixtral"])
+def test_under_sharded_initialisation_each_value_is_read_not_drawn(pretrained_folders, model):
+    folder = pretrained_folders[model]
     with parameters_on_meta():
         model = lightning_dist.from_pretrained(folder)
     assert all(p.is_meta for p in model.parameters())
@@ -120,3 +123,17 @@ def test_a_folder_that_is_not_the_model_s_is_refused_naming_the_first_mismatches
     with pytest.raises(FileNotFoundError, match=r"^model.pretrained=.*: no model.safetensors or"
                                                 r" model.safetensors.index.json there"):
         PretrainedFolder(folder.parent, "model.pretrained")
+
+
+def test_a_mixture_of_experts_folder_with_other_experts_is_refused_naming_the_fused_tensor(pretrained_folders):
+    folder = pretrained_folders["mixtral"]  # 4 experts, each its own w1, w2, w3
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, num_local_experts=5))
+    with pytest.raises(ValueError) as refused:
+        PretrainedFolder(folder, "model.pretrained").attach(model)
+    assert str(refused.value) == (
+        f"model.pretrained={folder}: its weights are not MixtralForCausalLM's: shape"
+        " model.layers.0.block_sparse_moe.gate.weight (4, 64) in the folder, (5, 64) in the model,"
+        " model.layers.0.block_sparse_moe.experts.0.w1.weight (+7 more made into one) (4, 256, 64) in the folder,"
+        " (5, 256, 64) in the model, model.layers.0.block_sparse_moe.experts.0.w2.weight (+3 more made into one)"
+        " (4, 64, 128) in the folder, (5, 64, 128) in the model (and 9 more)")
