@@ -44,7 +44,7 @@ def refusal(arguments: list[str]) -> str | None:
         if sweep:
             check_launcher(overrides, config_name="train")
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("train", overrides=[o for o in overrides if "," not in o], return_hydra_config=True)
+            cfg = compose("train", overrides=[o for o in overrides if not _swept(o)], return_hydra_config=True)
         directory = cfg.hydra.sweep.dir if sweep else cfg.hydra.run.dir
         if why := unwritable_because(directory):
             return f"hydra.{'sweep' if sweep else 'run'}.dir: cannot write {directory} ({why})"
@@ -58,6 +58,12 @@ def refusal(arguments: list[str]) -> str | None:
     except PreflightError as error:
         return " ".join(str(error).split())
     return None
+
+
+def _swept(override: str) -> bool:
+    """Whether `override` gives a sweep's values (`strategy=ddp,fsdp`), not one value with commas (a dict, a list)."""
+    value = override.partition("=")[2]
+    return "," in value and not value.startswith(("{", "["))
 
 
 def main() -> int:

@@ -37,7 +37,7 @@ def test_a_recipes_config_directory_adds_its_options():
     search = f"hydra.searchpath=[file://{REPO / 'recipes' / 'choose_a_strategy' / 'conf'}]"
     assert error_of([search, "model=gpt_7c"]) == (
         "model=gpt_7c: no such option; did you mean gpt_7b? choose one of: gpt_70b, gpt_7b, gpt_medium, gpt_moe,"
-        " gpt_small, gpt_tiny, hf_bart, hf_gpt2, hf_llama"
+        " gpt_small, gpt_tiny, hf_bart, hf_gpt2, hf_llama, hf_mixtral"
     )
     assert error_of(["model=hf_bart", "model.confg.d_model=8"]).startswith(
         "model.confg: no such key; did you mean model.config? valid keys under model: optimizer, _target_, block_class, model_type,"
@@ -162,15 +162,15 @@ REFUSED = [
      " tensor parallelism splits each layer over ranks of one node, and a node runs 2 (trainer.devices)"),
     (["strategy=fsdp_tp", "model.n_head=1"], "strategy.tensor_parallel_size=2: model.blocks.0.attn.q has 1 attention"
      " head(s), which 2 ranks do not split evenly (and 11 more layers)"),
-    # transformers' Mixtral keeps its experts fused: its plan names parameters; the line says what to type instead
-    # (that plan trains: fsdp_tp's losses on 2 ranks equal ddp's on one, checked by hand).
-    (["model=hf_llama", "model.model_type=mixtral", "+model.config.num_local_experts=4",
-      "+model.config.num_experts_per_tok=2", "strategy=fsdp_tp"],
-     "MixtralForCausalLM.tp_plan: model.model.layers.*.mlp.experts.down_proj names a parameter of MixtralExperts (its"
-     " experts fused in one tensor), not a layer: tensor parallelism here splits nn.Linear layers; set"
-     " strategy.tensor_parallel_plan to the plan without the experts ({model.model.layers.*.self_attn.q_proj:colwise,"
-     "model.model.layers.*.self_attn.k_proj:colwise,model.model.layers.*.self_attn.v_proj:colwise,"
-     "model.model.layers.*.self_attn.o_proj:rowwise}), or train the model under fsdp"),
+    # transformers' Mixtral keeps its experts fused: a plan naming them names parameters (transformers 5.24's own
+    # did; 5.25's splits the attention only, which trains: fsdp_tp's losses on 2 ranks equal ddp's on one); the line
+    # says what to type instead.
+    (["model=hf_mixtral", "strategy=fsdp_tp", "strategy.tensor_parallel_plan={model.model.layers.*.self_attn.o_proj:"
+      "rowwise,model.model.layers.*.mlp.experts.down_proj:rowwise}"],
+     "strategy.tensor_parallel_plan: model.model.layers.*.mlp.experts.down_proj names a parameter of MixtralExperts"
+     " (its experts fused in one tensor), not a layer: tensor parallelism here splits nn.Linear layers; set"
+     " strategy.tensor_parallel_plan to the plan without the experts ({model.model.layers.*.self_attn.o_proj:"
+     "rowwise}), or train the model under fsdp"),
     (["model=hf_gpt2", "strategy=fsdp_tp"],
      "strategy.tensor_parallel_size=2: HFLanguageModel has no tensor-parallel plan (a `tp_plan` attribute); set"
      " strategy.tensor_parallel_plan"),

@@ -111,6 +111,13 @@ RUN_ELSEWHERE = {
     "python train.py model=hf_bart": ("tests/recipes/test_hf_causal_lm.py", '"model=hf_bart"'),
     "python train.py model=hf_gpt2 model.pretrained=": ("tests/recipes/test_hf_causal_lm.py", 'f"model.pretrained='),
     "lightning-dist export merged": ("tests/recipes/test_finetune.py", "documented_commands(RECIPE)"),
+    # recipes/moe (and docs/strategies.md's MoE command): its page's commands in order, by its own test
+    "python train.py model=gpt_moe strategy=deepspeed_stage_3 trainer.devices=2": (
+        "tests/recipes/test_moe.py", "documented_commands(RECIPE)"),
+    "python -m recipes.finetune.make_pretrained pretrained/mixtral": ("tests/recipes/test_moe.py", "documented_commands(RECIPE)"),
+    "python train.py model=hf_mixtral model.pretrained=pretrained/mixtral": (
+        "tests/recipes/test_moe.py", "documented_commands(RECIPE)"),
+    "lightning-dist export mixtral-tuned": ("tests/recipes/test_moe.py", "documented_commands(RECIPE)"),
     # docs/finetune.md: a LoRA model's plan and dry run
     "python train.py model=hf_llama +lora=default": (
         "tests/test_dry_run.py", 'command.startswith("python train.py model=hf_llama +lora=default ")'),

@@ -17,6 +17,7 @@ from lightning_dist._compat.lightning import logs_this_step
 from lightning_dist.callbacks.finite_watch import FiniteWatch, NonFiniteError
 from lightning_dist.callbacks.run_summary import input_shape, peak_memory, throughput
 from lightning_dist.parallel.dims import parallel_dims_of
+from lightning_dist.parallel.experts import count_routed_tokens
 from lightning_dist.parallel.grad_norm import total_norm
 from lightning_dist.reports.flops import ModelFlops, Utilisation, device_peak_flops
 
@@ -28,9 +29,10 @@ class TrainingMonitor(L.Callback):
     `monitor/peak_memory_gb` and `monitor/grad_norm` at the steps the loggers write (every `log_every_n_steps`), and
     under pipeline stages `monitor/pipeline_bubble`, the idle share of a step the schedule implies, and
     `monitor/pipeline_idle`, the share rank 0's stages measured over the steps since the last logged one. A model
-    whose mixture-of-experts layers count their tokens per expert (`tokens_per_expert`, as `model=gpt_moe`'s do)
-    gets `monitor/expert_load/LAYER`, the most tokens an expert of that layer got over the mean, in rank 0's step (1:
-    an even load; the number of experts / top k: one expert took every token).
+    whose mixture-of-experts layers count their tokens per expert (`tokens_per_expert`, as `model=gpt_moe`'s do, and
+    transformers' routers once hooked: parallel/experts.py) gets `monitor/expert_load/LAYER`, the most tokens an
+    expert of that layer got over the mean, in rank 0's step (1: an even load; the number of experts / top k: one
+    expert took every token).
 
     check_finite: stop at the first non-finite loss or gradient norm. Values are checked on the device as they
         come (no host synchronisation); the ranks compare notes every `check_every_n_steps` steps and before every
@@ -75,6 +77,7 @@ class TrainingMonitor(L.Callback):
         if self._model_flops is None:  # built in configure_model: counted from its shards' full sizes
             self._model_flops = ModelFlops.of(pl_module)
         self._peak = device_peak_flops(trainer.strategy.root_device, str(trainer.precision), self.peak_tflops)
+        count_routed_tokens(pl_module)  # transformers' routers count theirs too
         self._expert_layers = [(name.removeprefix("model."), module) for name, module in pl_module.named_modules()
                                if hasattr(module, "tokens_per_expert")]
         if not self.check_finite:

@@ -1,4 +1,4 @@
-"""A Hugging Face `transformers` language model as a LightningModule (`model=hf_gpt2|hf_llama|hf_bart`, with
+"""A Hugging Face `transformers` language model as a LightningModule (`model=hf_gpt2|hf_llama|hf_mixtral|hf_bart`, with
 `+lora=default`): built from its config (random init) or loaded from a local `save_pretrained` folder, trained on
 next-token prediction. A causal LM (GPT-2, Llama) predicts every next token; an encoder-decoder (BART, T5) reads
 the first half of each window and continues it.
@@ -101,9 +101,16 @@ class HFLanguageModel(ConfiguredOptimizers, L.LightningModule):
         if self.model.config.is_encoder_decoder:
             half = inputs.shape[1] // 2
             logits, targets = self(inputs[:, :half], inputs[:, half:]), targets[:, half:]
-        else:
-            logits = self(inputs)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        output = self.model(input_ids=inputs)
+        loss = F.cross_entropy(output.logits.flatten(0, 1).float(), targets.flatten())
+        # A mixture of experts asked for its routers' load-balancing loss (`output_router_logits`) returns it apart
+        # (Mixtral, Qwen2-MoE, OLMoE): weighed in as the model weighs it when given `labels=`.
+        balance = getattr(output, "aux_loss", None)
+        if balance is None and getattr(self.model.config, "output_router_logits", False):
+            raise ValueError("model.config.output_router_logits=true: the routers' balancing loss did not reach the"
+                             " step (pipeline stages each hold some of the routers); set it false to train without it")
+        return loss if balance is None else loss + self.model.config.router_aux_loss_coef * balance
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)

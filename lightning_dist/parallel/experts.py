@@ -73,6 +73,36 @@ def _hook(layer: nn.Module) -> None:
     setattr(layer, HOOKED, True)
 
 
+def count_routed_tokens(model: nn.Module) -> list[str]:
+    """Hooks each router of `model` written as transformers writes them (a module whose class name ends in `Router`,
+    with `num_experts`, returning (logits, weights, each token's experts): Mixtral's, Qwen2/3-MoE's, OLMoE's and 35
+    more models' `...TopKRouter`) so that it keeps its last forward's tokens per expert, `tokens_per_expert`, as
+    `model=gpt_moe`'s layers do, for the training monitor. Counted on the device (a scatter: no host read). A router
+    whose output is not that stops the step in one line. The names of the routers hooked."""
+    hooked = []
+    for name, router in model.named_modules():
+        if type(router).__name__.endswith("Router") and isinstance(getattr(router, "num_experts", None), int):
+            if not hasattr(router, "tokens_per_expert"):
+                router.tokens_per_expert = None
+                router.register_forward_hook(_count_tokens)
+            hooked.append(name)
+    return hooked
+
+
+def _count_tokens(router: nn.Module, _: Any, output: Any) -> None:
+    import torch
+
+    chosen = output[-1] if isinstance(output, tuple) else None
+    if not isinstance(chosen, torch.Tensor) or chosen.is_floating_point():
+        raise RuntimeError(f"{type(router).__name__} returned no experts' indices last (transformers' routers return"
+                           " logits, weights, indices), so the training monitor cannot count its tokens per expert"
+                           " (monitor/expert_load)")
+    chosen = chosen.detach().flatten()
+    experts: int = getattr(router, "num_experts")
+    counts = torch.zeros(experts, dtype=torch.long, device=chosen.device)
+    router.tokens_per_expert = counts.scatter_add_(0, chosen.long(), torch.ones_like(chosen, dtype=torch.long))
+
+
 def _local(parameter: Any) -> Any:
     return parameter.to_local() if hasattr(parameter, "to_local") else parameter
 

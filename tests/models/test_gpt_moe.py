@@ -78,6 +78,47 @@ def test_mfu_counts_the_experts_a_token_goes_through():
     assert matmul_parameters(mixtral) == 2 * (attention + router + experts * 2 / 8) + head
 
 
+def test_a_transformers_moe_step_adds_its_routers_balancing_loss_as_the_model_does_with_labels():
+    from lightning_dist.models.hf_language_model import HFLanguageModel
+
+    config = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True)
+    module = HFLanguageModel("mixtral", config)  # model=hf_mixtral's
+    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    inputs, targets = ids[:, :-1], ids[:, 1:].clone()
+    targets[:, -1] = -100  # the prediction `labels=` cannot ask for (the model shifts them itself): ignored
+    with torch.no_grad():
+        ours = module.training_step((inputs, targets), 0)
+        theirs = module.model(input_ids=inputs, labels=inputs)
+    assert theirs.aux_loss > 0 and ours.item() == pytest.approx(theirs.loss.item(), rel=1e-6)
+
+
+def test_transformers_routers_count_their_tokens_per_expert_for_the_monitor():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from lightning_dist.parallel.experts import count_routed_tokens
+
+    config = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    mixtral = MixtralForCausalLM(config)
+    assert count_routed_tokens(mixtral) == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        routed = mixtral(input_ids=ids, output_router_logits=True).router_logits  # each layer's (tokens, experts)
+    for layer, logits in zip(mixtral.model.layers, routed, strict=True):
+        chosen = logits.topk(2, dim=-1).indices
+        assert layer.mlp.gate.tokens_per_expert.tolist() == torch.bincount(chosen.flatten(), minlength=4).tolist()
+        assert layer.mlp.gate.tokens_per_expert.sum() == 32 * 2
+
+    class OtherRouter(torch.nn.Linear):  # a router by its name that returns logits only: its count cannot be taken
+        num_experts = 4
+
+    model = torch.nn.Sequential(OtherRouter(8, 4))
+    assert count_routed_tokens(model) == ["0"]
+    with pytest.raises(RuntimeError, match=r"^OtherRouter returned no experts' indices last \(transformers' routers"):
+        model(torch.ones(2, 8))
+
+
 # 16 tokens a rank, each to 1 of 8 experts: in most steps some expert of some layer gets none on some rank.
 MOE_RUN = ("model=gpt_moe", "data.batch_size=1", "data.block_size=16", "model.top_k=1", "trainer.devices=2",
            "trainer.max_steps=6", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=0", "test=false",
