@@ -74,14 +74,17 @@ def _hook(layer: nn.Module) -> None:
 
 
 def count_routed_tokens(model: nn.Module) -> list[str]:
-    """Hooks each router of `model` written as transformers writes them (a module whose class name ends in `Router`,
+    """Hooks each of transformers' routers in `model` (a class of a `transformers` module whose name ends in `Router`,
     with `num_experts`, returning (logits, weights, each token's experts): Mixtral's, Qwen2/3-MoE's, OLMoE's and 35
     more models' `...TopKRouter`) so that it keeps its last forward's tokens per expert, `tokens_per_expert`, as
     `model=gpt_moe`'s layers do, for the training monitor. Counted on the device (a scatter: no host read). A router
-    whose output is not that stops the step in one line. The names of the routers hooked."""
+    whose output is not that (transformers changed it) stops the step in one line. The names of the routers hooked;
+    routers of other code are left alone (their layers may count their own, as `model=gpt_moe`'s do)."""
     hooked = []
     for name, router in model.named_modules():
-        if type(router).__name__.endswith("Router") and isinstance(getattr(router, "num_experts", None), int):
+        kind = type(router)
+        if (kind.__module__.startswith("transformers.") and kind.__name__.endswith("Router")
+                and isinstance(getattr(router, "num_experts", None), int)):
             if not hasattr(router, "tokens_per_expert"):
                 router.tokens_per_expert = None
                 router.register_forward_hook(_count_tokens)

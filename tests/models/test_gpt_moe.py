@@ -110,9 +110,12 @@ def test_transformers_routers_count_their_tokens_per_expert_for_the_monitor():
         assert layer.mlp.gate.tokens_per_expert.tolist() == torch.bincount(chosen.flatten(), minlength=4).tolist()
         assert layer.mlp.gate.tokens_per_expert.sum() == 32 * 2
 
-    class OtherRouter(torch.nn.Linear):  # a router by its name that returns logits only: its count cannot be taken
+    class OtherRouter(torch.nn.Linear):  # a router of the user's own: left alone
         num_experts = 4
 
+    assert count_routed_tokens(torch.nn.Sequential(OtherRouter(8, 4))) == []
+    # One of transformers' that returned its logits only (its API changed): its count cannot be taken.
+    OtherRouter.__module__ = "transformers.models.other.modeling_other"
     model = torch.nn.Sequential(OtherRouter(8, 4))
     assert count_routed_tokens(model) == ["0"]
     with pytest.raises(RuntimeError, match=r"^OtherRouter returned no experts' indices last \(transformers' routers"):
