@@ -91,10 +91,14 @@ class HFLanguageModel(ConfiguredOptimizers, L.LightningModule):
         if self.hparams.get("lora"):  # on every rank: each holds a part of the adapters
             save_adapters(self.model, Path(self.trainer.default_root_dir) / ADAPTERS)
 
-    def forward(self, tokens: torch.Tensor, decoder_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, decoder_tokens: torch.Tensor | None = None,
+                whole_output: bool = False) -> Any:
+        """The logits; `whole_output`: the model's output (its `aux_loss` too, for a mixture of experts)."""
         if decoder_tokens is None:
-            return self.model(input_ids=tokens).logits
-        return self.model(input_ids=tokens, decoder_input_ids=decoder_tokens).logits
+            output = self.model(input_ids=tokens)
+        else:
+            output = self.model(input_ids=tokens, decoder_input_ids=decoder_tokens)
+        return output if whole_output else output.logits
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch  # targets are the inputs shifted by one token
@@ -102,7 +106,9 @@ class HFLanguageModel(ConfiguredOptimizers, L.LightningModule):
             half = inputs.shape[1] // 2
             logits, targets = self(inputs[:, :half], inputs[:, half:]), targets[:, half:]
             return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        output = self.model(input_ids=inputs)
+        # Through this module's call, not straight to the model's: the engines hook this module too (called past
+        # it, ZeRO-3's dry run of a LoRA model held 3x its sharded parameters: tests/test_dry_run.py).
+        output = self(inputs, whole_output=True)
         loss = F.cross_entropy(output.logits.flatten(0, 1).float(), targets.flatten())
         # A mixture of experts asked for its routers' load-balancing loss (`output_router_logits`) returns it apart
         # (Mixtral, Qwen2-MoE, OLMoE): weighed in as the model weighs it when given `labels=`.

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import REPO, TRAIN_ENV
+from tests.conftest import REPO, TRAIN_ENV, cpu_has_bf16
 
 pytestmark = pytest.mark.slow
 
@@ -197,12 +197,13 @@ def test_float32_adapters_train_on_a_bf16_base_keeping_both_dtypes(runs, strateg
 
 def test_zero_3_holds_a_bf16_base_in_its_config_s_dtype(runs):
     """DeepSpeed keeps every parameter in one dtype, its config's: zero.Init converts each as it is made. Under
-    32-true the bf16 base trains as float32 beside its float32 adapters (twice the base's memory), within 5e-4 of
-    ddp's bf16 base (measured 3.7e-4)."""
+    32-true the bf16 base trains as float32 beside its float32 adapters (twice the base's memory), close to ddp's
+    bf16 base: measured 3.7e-4 on a CPU with AVX512-BF16, 6.9e-4 on one without (an AMD EPYC without AVX-512,
+    whose bf16 arithmetic rounds through float32)."""
     reference = runs["ld_ddp", "llama"]["lora_bf16_base"]
     for result, theirs in zip(runs["ld_deepspeed_stage_3", "llama"]["lora_bf16_base"], reference):
         assert result["dtypes"] == {"adapters": ["torch.float32"], "base": ["torch.float32"]}
-        assert result["losses"] == pytest.approx(theirs["losses"], rel=5e-4)
+        assert result["losses"] == pytest.approx(theirs["losses"], rel=5e-4 if cpu_has_bf16() else 1e-3)
         assert result["losses"] != pytest.approx(theirs["losses"], rel=1e-6)  # not the bf16 base's arithmetic
         assert result["base_unchanged"] and result["adapters_changed"]
 
