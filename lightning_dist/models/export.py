@@ -1,4 +1,4 @@
-"""`lightning-dist export`: a checkpoint of a Hugging Face model (`model=hf_gpt2|hf_llama|hf_bart`, with or without
+"""`lightning-dist export`: a checkpoint of a Hugging Face model (`model=hf_*`, with or without
 `+lora=default`) as a `save_pretrained` folder, which `AutoModelForCausalLM.from_pretrained` (or Seq2SeqLM) loads:
 
     lightning-dist export OUT_DIR              # the newest run's checkpoints/last.ckpt (under ./logs)
