@@ -147,3 +147,18 @@ def test_ops_build_with_the_ninja_beside_this_python_whatever_path_finds_first(t
     before, after = [line for line in done.stdout.splitlines() if "ninja" in line]
     assert before == str(other / "ninja")
     assert after == f"{own} 3"  # first on PATH, once
+
+
+def test_the_environments_ninja_is_found_where_a_launcher_replaced_sys_executable(tmp_path, monkeypatch):
+    """The suite's own case: its warm Python's launcher, in a temporary directory, is `sys.executable`. Looked for
+    beside it, the venv's ninja was not found and the compatibility tier's first test compiled cpu_adam again with
+    the system's ninja (174 s)."""
+    other = tmp_path / "system_bin"
+    other.mkdir()
+    (other / "ninja").write_text("#!/bin/sh\necho 1.11.1\n")
+    (other / "ninja").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "launcher" / "python"))
+    monkeypatch.setenv("PATH", f"{other}{os.pathsep}/usr/bin")
+    own = Path(warm_python.REAL_PYTHON).parent
+    assert op_builds.build_with_this_environments_ninja() == own
+    assert os.environ["PATH"] == f"{own}{os.pathsep}{other}{os.pathsep}/usr/bin"

@@ -61,12 +61,13 @@ def keep_op_cache_in_this_environment() -> Path | None:
 
 
 def build_with_this_environments_ninja() -> Path | None:
-    """Put the directory of this interpreter's `ninja` first on PATH (torch's extension builds run `ninja` from
+    """Put the directory of this environment's `ninja` first on PATH (torch's extension builds run `ninja` from
     PATH), where it has one and PATH would find another first; that directory, or None where nothing changed. The
-    ranks a process starts inherit it."""
+    ranks a process starts inherit it. Found from the environment's prefix, not from `sys.executable`, which a
+    launcher may have replaced (our suite's warm Python did: its op builds then ran the system's ninja)."""
     import shutil
 
-    own = Path(sys.executable).parent / "ninja"
+    own = Path(sys.prefix) / "bin" / "ninja"
     if not own.is_file() or not os.access(own, os.X_OK):
         return None
     found = shutil.which("ninja")
