@@ -145,7 +145,13 @@ def _engine(args, module: GPTLanguageModel):
         import deepspeed
         from deepspeed.utils import set_z3_leaf_modules
 
+        from lightning_dist._compat.deepspeed import skip_shared_memory_comm_op
         from lightning_dist.strategies.deepspeed.offload import as_deepspeed_cpu_adam
+
+        # On the CPU, DeepSpeed's comm backend compiles a shared-memory op as it starts (a minute and a half of both
+        # cores on a first use) that only inference's all-reduce calls: no step of this loop, nor of ours, which skips
+        # it the same way. On a GPU it is never built.
+        skip_shared_memory_comm_op()
 
         config = json.loads(args.deepspeed_config.read_text())
         if args.compile and config["zero_optimization"].get("stage") == 3:
