@@ -141,10 +141,41 @@ MEMORY_HEAVY = {"tests.parallel.test_sharded_init": "memory-heavy", "tests.memor
                 "tests.models.test_pretrained_memory": "memory-heavy"}
 
 
-# The groups that take longest, handed to the workers first. xdist hands groups out by how many tests they hold,
-# most first: the memory-heavy group (few tests, over 10 minutes with the first async_io build) then started last,
-# while the other worker sat idle for its last 15 minutes (a clean CI run of 9d21a3d).
-LONGEST_FIRST = ("curve-runs", "memory-heavy")
+# The groups that take longest, handed to the workers first, longest first (a clean run's seconds on our 2-core
+# machines, 2026-12-03, each 60 s or more; the rest follow as xdist orders them). xdist hands groups out by how many
+# tests they hold, most first: modules of a few long tests (a recipe's runs, an op's first build, the notebooks) then
+# started last, while the other worker sat idle (15 minutes of a clean CI run of 9d21a3d, 5 of 0737d55's).
+LONGEST_FIRST = (
+    "trained-runs",  # 960 s
+    "curve-runs",  # 753
+    "tests.test_documented_commands",  # 513
+    "tests.models.test_finetune_runs",  # 464
+    "tests.deepspeed_config.test_preflight",  # 319: async_io's first build
+    "tests.strategies.test_pipeline_parallel",  # 292
+    "tests.strategies.test_context_parallel",  # 281
+    "tests.strategies.test_nvme_offload",  # 275, most of it waiting on that build
+    "memory-heavy",  # 264
+    "tests.recipes.test_long_context",  # 260
+    "tests.launch.test_two_nodes",  # 234
+    "tests.test_notebooks",  # 215
+    "tests.callbacks.test_model_checkpoint",  # 189
+    "tests.deepspeed_config.test_deepspeed_config_runs",  # 167
+    "tests.test_loop_on_cuda",  # 152
+    "tests.test_dry_run_on_cuda",  # 137
+    "tests.test_gpu_compare",  # 130
+    "tests.test_config_errors",  # 120
+    "tests.test_installed_package",  # 113
+    "tests.recipes.test_finetune",  # 98
+    "tests.strategies.test_plain_trainer",  # 93
+    "tests.conf.test_configs",  # 91
+    "tests.test_dry_run",  # 90
+    "tests.launch.test_kubernetes",  # 86
+    "tests.models.test_gpt_moe",  # 77
+    "tests.strategies.test_pipeline_dry_run",  # 72
+    "tests.parallel.test_hung_collective",  # 69
+    "tests.checkpoints.test_resume",  # 61
+    "tests.recipes.test_hf_causal_lm",  # 61
+)
 
 
 @pytest.hookimpl(optionalhook=True)
