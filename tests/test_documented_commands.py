@@ -143,13 +143,13 @@ RUN_ELSEWHERE = {
     "ip ": ("tests/launch/test_two_nodes.py", "documented_network_commands()"),
 }
 STEPS = "trainer.max_steps=3"  # a few steps: what is tested is that the command runs, not the training
+RESUMED_STEPS = "trainer.max_steps=6"  # past the checkpoint the resumed run starts from
+RUN_DIRS = "logs/*/runs/*"  # logs/train/runs/<time>, and logs/debug/runs/<time> for debug=...
 # The lines already run and checked in this session, as run: a page that shows a command another page showed (the
 # README's `python train.py` in getting-started.md, a recipe's command on its docs page) does not run it again, unless
 # its later commands read what that run left in their directory.
 RAN: set[str] = set()
 FIRST_RUN_READ = ("<run>", "CHECKPOINT", "<a deepspeed_stage_3 checkpoint", "<same overrides as before>")
-RESUMED_STEPS = "trainer.max_steps=6"  # past the checkpoint the resumed run starts from
-RUN_DIRS = "logs/*/runs/*"  # logs/train/runs/<time>, and logs/debug/runs/<time> for debug=...
 
 
 def all_commands() -> list[tuple[Path, str, str]]:
