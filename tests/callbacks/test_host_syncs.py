@@ -78,7 +78,7 @@ def extra_runs(request, tmp_path_factory, deepspeed_ops):
     for name in EXTRA_RUNS if extended_run(request.config) else EXTRA_IN_THE_SUITE:
         overrides = EXTRA_RUNS[name]
         run = run_train(tmp_path_factory.mktemp("host_syncs"), "trainer.devices=2", *overrides, "trainer.max_steps=12",
-                        "test=false", "callbacks=[default,host_syncs]")
+                        "test=false", "callbacks=[default,host_syncs]", "data.batch_size=4")  # as the acceptance runs
         assert run.process.returncode == 0, run.output[-3000:]
         runs[name] = run
     return runs

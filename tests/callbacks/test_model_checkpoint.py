@@ -98,9 +98,14 @@ def train_losses(run) -> dict[int, str]:
     return dict(rows)
 
 
+# 60 steps of the default config, 4 sequences a rank instead of 16 (a third of the arithmetic): the checkpoint
+# cadences, the stops and the resumed losses do not depend on the batch.
+SIXTY_STEPS = ("trainer.max_steps=60", "test=false", "data.batch_size=4")
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    run = run_train(tmp_path_factory.mktemp("uninterrupted"), "trainer.max_steps=60", "test=false")
+    run = run_train(tmp_path_factory.mktemp("uninterrupted"), *SIXTY_STEPS)
     assert run.process.returncode == 0, run.output[-3000:]
     return run.summary["curves"]["train_loss"], train_losses(run)
 
@@ -114,10 +119,10 @@ def uninterrupted(tmp_path_factory):
 ], ids=["SIGINT", "SIGKILL", "SIGTERM", "SIGUSR1"])
 def test_a_stop_before_the_first_validation_keeps_the_default_cadences_last_save(signum, code, saved_at, tmp_path,
                                                                                   uninterrupted):
-    """The default config as typed: a stop at step 53, before the first validation (step 100), keeps `last` of step
+    """The default config's checkpoint cadences: a stop at step 53, before the first validation (step 100), keeps `last` of step
     50 (or the preemption's), and `resume=run_dir` (a requeued job) continues from it with the uninterrupted run's
     losses; its metrics.csv then holds every logged step once, as the uninterrupted run's does."""
-    stopped = run_train(tmp_path, "trainer.max_steps=60", "test=false", "+callbacks.stop._target_=tests.probes.SignalAtStep",
+    stopped = run_train(tmp_path, *SIXTY_STEPS, "+callbacks.stop._target_=tests.probes.SignalAtStep",
                         "+callbacks.stop.global_step=53", f"+callbacks.stop.signal={signum.name}")
     assert stopped.process.returncode == code, stopped.output[-3000:]
     last = tmp_path / "checkpoints" / "last.ckpt"
@@ -126,7 +131,7 @@ def test_a_stop_before_the_first_validation_keeps_the_default_cadences_last_save
         assert stopped.process.stderr.strip().splitlines()[-1] == (
             f"error: stopped by SIGINT, and the ranks it started with it; kept: {last} at step 50 (resume=true"
             " continues from it)")
-    resumed = run_train(tmp_path, "trainer.max_steps=60", "test=false", "resume=run_dir")
+    resumed = run_train(tmp_path, *SIXTY_STEPS, "resume=run_dir")
     assert resumed.process.returncode == 0, resumed.output[-3000:]
     assert f"resume=run_dir: resuming from {last}" in resumed.output
     curve, uninterrupted_csv = resumed.summary["curves"]["train_loss"], uninterrupted[1]

@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.compat, pytest.mark.slow]
 COMMAND = "python train.py strategy={name} trainer.max_steps=6 trainer.val_check_interval=3"
 # hsdp_tp replicated twice: its data-parallel axis is the flattened replicate x shard (torch deprecates slicing it).
 WIDER = {"fsdp_tp": "trainer.devices=4", "hsdp_tp": "trainer.devices=4 strategy.data_parallel_replicate_size=2",
-         "fsdp_tp_pp": "trainer.devices=4"}  # 2 pipeline stages x 2 tensor-parallel ranks
+         "fsdp_tp_pp": "trainer.devices=4",  # 2 pipeline stages x 2 tensor-parallel ranks
+         "fsdp_activation_checkpointing": "strategy.cpu_offload=true"}
 
 
 def typed(command: str, cwd, *more: str) -> subprocess.CompletedProcess:
@@ -47,12 +48,14 @@ def logged_steps(run_dir) -> list[int]:
 # What differs between torch releases is the torch each engine and layout calls, not a preset's options: the tier
 # trains one preset for each (CI's hour holds two torches' tiers after the main suite), and resumes one for each
 # checkpoint format and mesh (DDP's whole state, DCP's shards on a 1-D, a replicated 3-D and a pipelined 2-D mesh,
-# ZeRO-1's and ZeRO-3's partitions). Left to the main suite's torch: deepspeed_stage_2 and deepspeed_stage_3 (their
-# engines train here with offload), fsdp_tp (hsdp_tp and fsdp_tp_pp hold its mesh and plan), fsdp_pp (fsdp_tp_pp's
-# stages, and the V schedule below).
+# ZeRO-1's and ZeRO-3's partitions). FSDP's two torch features beyond sharding, activation checkpointing's wrapper and
+# the host offload policy, train in one run. Left to the main suite's torch: deepspeed_stage_2 and its offload
+# (ZeRO-1 runs the same stage_1_and_2 engine here, ZeRO-3's offload the same CPU Adam), deepspeed_stage_3 (trains
+# here with offload), fsdp_shard_grad_op (an argument of the same fully_shard call, which every FSDP run
+# makes with it for the root module), fsdp_cpu_offload (in the checkpointing run), fsdp_tp (hsdp_tp and fsdp_tp_pp hold
+# its mesh and plan), fsdp_pp (fsdp_tp_pp's stages, and the V schedule below).
 RESUMED = ["ddp", "fsdp", "hsdp_tp", "fsdp_tp_pp", "deepspeed_stage_1", "deepspeed_stage_3_offload"]
-TRAINED = RESUMED + ["fsdp_shard_grad_op", "fsdp_activation_checkpointing", "fsdp_cpu_offload",
-                     "deepspeed_stage_2_offload"]
+TRAINED = RESUMED + ["fsdp_activation_checkpointing"]
 assert set(TRAINED) <= set(PRESET_NAMES)
 # torch 2.11 moves FSDP2's DTensor parameters by swapping them, which a weak reference to a parameter refuses: there
 # `trainer.test` after `trainer.fit` failed under the pipeline presets alone. The torch engine's runs swap every
