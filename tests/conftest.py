@@ -204,7 +204,8 @@ def pytest_collection_modifyitems(config, items):
     """GPU tests leave the run where fewer CUDA devices are visible than they need (`gpu(devices=N)`, 1 unless
     said): deselected, so they never count as passed; so do the extended matrix's (`in_the_suite`) unless asked for
     with `-m extended`. The rest are grouped for pytest-xdist (`--dist loadgroup`): a module stays in one worker
-    (its module fixtures are made once), and the modules reading one kind of shared session run form one group."""
+    (its module fixtures are made once) unless its tests share nothing, and the modules reading one kind of shared
+    session run form one group."""
     import torch
 
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -221,7 +222,10 @@ def pytest_collection_modifyitems(config, items):
                                  for name in item.fixturenames if name in SHARED_RUN_GROUPS}}
     for item in items:
         module = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(groups.get(module, module)))
+        # A module whose tests share nothing (`TESTS_SHARE_NOTHING = True`) spreads them over the workers: as one
+        # group, the compatibility tier's runs (320 s) kept one worker busy while the other sat idle.
+        alone = getattr(item.module, "TESTS_SHARE_NOTHING", False) and module not in groups
+        item.add_marker(pytest.mark.xdist_group(item.nodeid if alone else groups.get(module, module)))
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -1,9 +1,12 @@
 """The suite's own scheduling (tests/conftest.py): the groups it hands out first are groups that exist, so that a
-module renamed or moved does not silently fall back to the end of the queue."""
+module renamed or moved does not silently fall back to the end of the queue; a module's tests stay in one worker
+unless they share nothing."""
 
 from __future__ import annotations
 
-from tests.conftest import LONGEST_FIRST, MEMORY_HEAVY, REPO, SHARED_RUN_GROUPS
+from types import ModuleType, SimpleNamespace
+
+from tests.conftest import LONGEST_FIRST, MEMORY_HEAVY, REPO, SHARED_RUN_GROUPS, pytest_collection_modifyitems
 
 
 def test_every_group_handed_out_first_is_a_group_or_a_test_module():
@@ -11,3 +14,26 @@ def test_every_group_handed_out_first_is_a_group_or_a_test_module():
     modules = {".".join(path.relative_to(REPO).with_suffix("").parts) for path in (REPO / "tests").rglob("test_*.py")}
     assert [name for name in LONGEST_FIRST if name not in groups | modules] == []
     assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
+
+
+class CollectedTest:
+    """What the grouping reads of a collected test, and the markers it adds."""
+
+    def __init__(self, module: ModuleType, name: str) -> None:
+        self.module, self.nodeid, self.fixturenames, self.groups = module, f"{module.__name__}::{name}", [], []
+
+    def get_closest_marker(self, name: str) -> None:
+        return None
+
+    def add_marker(self, marker) -> None:
+        self.groups += marker.args
+
+
+def test_a_modules_tests_share_its_worker_unless_they_share_nothing():
+    together, apart = ModuleType("tests.test_together"), ModuleType("tests.test_apart")
+    apart.TESTS_SHARE_NOTHING = True
+    items = [CollectedTest(module, name) for module in (together, apart) for name in ("test_a", "test_b")]
+    config = SimpleNamespace(pluginmanager=SimpleNamespace(has_plugin=lambda name: True), getoption=lambda name: "")
+    pytest_collection_modifyitems(config, items)
+    assert [item.groups for item in items] == [["tests.test_together"], ["tests.test_together"],
+                                               ["tests.test_apart::test_a"], ["tests.test_apart::test_b"]]

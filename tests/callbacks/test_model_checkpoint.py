@@ -119,9 +119,9 @@ def uninterrupted(tmp_path_factory):
 ], ids=["SIGINT", "SIGKILL", "SIGTERM", "SIGUSR1"])
 def test_a_stop_before_the_first_validation_keeps_the_default_cadences_last_save(signum, code, saved_at, tmp_path,
                                                                                   uninterrupted):
-    """The default config's checkpoint cadences: a stop at step 53, before the first validation (step 100), keeps `last` of step
-    50 (or the preemption's), and `resume=run_dir` (a requeued job) continues from it with the uninterrupted run's
-    losses; its metrics.csv then holds every logged step once, as the uninterrupted run's does."""
+    """The default config's checkpoint cadences: a stop at step 53, before the first validation (step 100), keeps
+    `last` of step 50 (or the preemption's), and `resume=run_dir` (a requeued job) continues from it with the
+    uninterrupted run's losses; its metrics.csv then holds every logged step once, as the uninterrupted run's does."""
     stopped = run_train(tmp_path, *SIXTY_STEPS, "+callbacks.stop._target_=tests.probes.SignalAtStep",
                         "+callbacks.stop.global_step=53", f"+callbacks.stop.signal={signum.name}")
     assert stopped.process.returncode == code, stopped.output[-3000:]

@@ -16,6 +16,7 @@ from lightning_dist.reports.equivalence import read_train_losses
 from tests.conftest import PRESET_NAMES, REPO, TRAIN_ENV
 
 pytestmark = [pytest.mark.compat, pytest.mark.slow]
+TESTS_SHARE_NOTHING = True  # each its own runs in its own directory: spread over the tier's workers (tests/conftest.py)
 
 # The issue's acceptance command, as typed (tensor parallelism splits each layer over 2 of 4 ranks).
 COMMAND = "python train.py strategy={name} trainer.max_steps=6 trainer.val_check_interval=3"
@@ -51,9 +52,9 @@ def logged_steps(run_dir) -> list[int]:
 # ZeRO-1's and ZeRO-3's partitions). FSDP's two torch features beyond sharding, activation checkpointing's wrapper and
 # the host offload policy, train in one run. Left to the main suite's torch: deepspeed_stage_2 and its offload
 # (ZeRO-1 runs the same stage_1_and_2 engine here, ZeRO-3's offload the same CPU Adam), deepspeed_stage_3 (trains
-# here with offload), fsdp_shard_grad_op (an argument of the same fully_shard call, which every FSDP run
-# makes with it for the root module), fsdp_cpu_offload (in the checkpointing run), fsdp_tp (hsdp_tp and fsdp_tp_pp hold
-# its mesh and plan), fsdp_pp (fsdp_tp_pp's stages, and the V schedule below).
+# here with offload), fsdp_shard_grad_op (an argument of the same fully_shard call, which every FSDP run makes with
+# it for the root module), fsdp_cpu_offload (in the checkpointing run), fsdp_tp (hsdp_tp and fsdp_tp_pp hold its mesh
+# and plan), fsdp_pp (fsdp_tp_pp's stages, and the V schedule below).
 RESUMED = ["ddp", "fsdp", "hsdp_tp", "fsdp_tp_pp", "deepspeed_stage_1", "deepspeed_stage_3_offload"]
 TRAINED = RESUMED + ["fsdp_activation_checkpointing"]
 assert set(TRAINED) <= set(PRESET_NAMES)
