@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from types import ModuleType, SimpleNamespace
 
+import pytest
+
 from tests.conftest import LONGEST_FIRST, MEMORY_HEAVY, REPO, SHARED_RUN_GROUPS, pytest_collection_modifyitems
 
 
@@ -37,3 +39,20 @@ def test_a_modules_tests_share_its_worker_unless_they_share_nothing():
     pytest_collection_modifyitems(config, items)
     assert [item.groups for item in items] == [["tests.test_together"], ["tests.test_together"],
                                                ["tests.test_apart::test_a"], ["tests.test_apart::test_b"]]
+
+
+def test_a_compat_test_in_a_file_the_tier_does_not_pass_pytest_stops_the_collection(tmp_path, monkeypatch):
+    """.ci/compat_tier passes pytest the files whose text has `mark.compat`: a test marked otherwise would not run
+    on the tier's torches."""
+    monkeypatch.setattr("tests.conftest.REPO", tmp_path)
+    module = ModuleType("tests.test_marked_by_getattr")
+    item = CollectedTest(module, "test_a")
+    item.path = tmp_path / "tests" / "test_marked_by_getattr.py"
+    item.path.parent.mkdir()
+    item.path.write_text('import pytest\npytestmark = getattr(pytest.mark, "compat")\n')
+    item.get_closest_marker = lambda name: name == "compat" or None
+    config = SimpleNamespace(pluginmanager=SimpleNamespace(has_plugin=lambda name: False), getoption=lambda name: "")
+    with pytest.raises(pytest.exit.Exception, match=r"^tests/test_marked_by_getattr\.py: tests marked compat where"):
+        pytest_collection_modifyitems(config, [item])
+    item.path.write_text("import pytest\npytestmark = pytest.mark.compat\n")
+    pytest_collection_modifyitems(config, [item])  # the tier finds it: no stop
