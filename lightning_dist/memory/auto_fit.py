@@ -93,13 +93,13 @@ class AutoFit:
                 overrides["nvme_path"] = self.nvme_path
             strategy = registered_strategy(preset, **overrides)  # the preset, as `ld_<name>` names it
             layout = layout_of(strategy, name)
-            if layout.tensor_parallel > 1 and facts.tensor_parallel_parameters == facts.tensor_parallel_frozen == 0:
+            if layout.sizes.tensor > 1 and facts.tensor_parallel_parameters == facts.tensor_parallel_frozen == 0:
                 rejected.append((name, "the model has no tensor-parallel plan (a `tp_plan` attribute)"))
                 continue
-            if layout.context_parallel > 1 and (unsplit := _sequences_unsplit(facts, layout.context_parallel)):
+            if layout.sizes.context > 1 and (unsplit := _sequences_unsplit(facts, layout.sizes.context)):
                 rejected.append((name, unsplit))
                 continue
-            stages = layout.pipeline_parallel  # the ladder's fsdp_pp: one stage per rank
+            stages = layout.sizes.pipeline  # the ladder's fsdp_pp: one stage per rank
             if stages > 1 and (not facts.blocks or facts.blocks % stages):
                 undivided = f"the model's {facts.blocks} blocks do not divide into {stages} pipeline stages"
                 rejected.append((name, undivided))

@@ -12,6 +12,7 @@ from typing import Any
 
 from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
 from lightning_dist.parallel.dims import ParallelDims
+from lightning_dist.parallel.sizes import ParallelSizes
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,10 @@ class Layout:
     swap_pool_sizer: Callable[[Sequence[int], int, int, int, int], tuple[int, int] | None] | None = None
     parameters_in_host: int = 0
     optimizer_swap_buffers: int = 0
-    replicate_across_nodes: bool = False  # HSDP: sharded within a node, one copy of the shards per node
-    tensor_parallel: int = 1           # ranks that split each planned layer (FSDP + TP, DeepSpeed AutoTP)
-    data_parallel_replicate: int | None = None  # groups replicating the shards; unset: per node under HSDP
+    # The parallel axes' sizes: tensor (FSDP + TP, DeepSpeed AutoTP), context (each rank holds its shard of a
+    # sequence's activations), pipeline (stages, each on its own ranks, each holding its share of the blocks), HSDP's
+    # replication of the shards.
+    sizes: ParallelSizes = ParallelSizes()
     # How the engine keeps and moves its state, where engines differ (each slice's `memory_layout` says):
     fp32_master_weights: bool = False  # 16-bit parameters and gradients beside fp32 master weights (ZeRO)
     host_gradient_copies: bool = False  # an offloaded step keeps fp32 copies of the gradient partitions (ZeRO)
@@ -48,14 +50,12 @@ class Layout:
     autocast_weight_copies: bool = False  # autocast keeps a 16-bit copy of each whole weight used (DDP)
     bucket_rebuild: bool = False       # gradient buckets rebuilt at the second step, beside the old ones (DDP)
     reduce_scatter_per_block: bool = False  # a block's whole gradients reduce-scattered from their own buffer (FSDP2)
-    pipeline_parallel: int = 1         # pipeline stages, each on its own ranks, each holding its share of the blocks
     # The share of a batch's activations the busiest stage holds at once: the microbatches in flight there (GPipe
     # all of them, 1F1B at most one per stage) over the microbatches.
     pipeline_in_flight: float = 1.0
     # The buffers, each a batch's activations at a stage boundary, that the busiest rank's stages keep between steps:
     # one per microbatch for what a stage receives from the one before, one for the gradients from the one after.
     pipeline_receive_buffers: int = 0
-    context_parallel: int = 1          # ranks that split each sequence: each holds its shard's activations
 
     def parallel_dims(self, devices: int, num_nodes: int) -> ParallelDims:
         """How `devices` x `num_nodes` ranks hold this layout's state: replicated, sharded by all, HSDP's shards
@@ -63,8 +63,7 @@ class Layout:
         world = devices * num_nodes
         if not (self.shard_parameters or self.shard_gradients or self.shard_optimizer):
             return ParallelDims(dp_replicate=world)
-        return ParallelDims.of_sharding(world, num_nodes, self.tensor_parallel, self.data_parallel_replicate,
-                                        self.replicate_across_nodes, self.pipeline_parallel, self.context_parallel)
+        return self.sizes.dims(devices, num_nodes)
 
 
 def layout_of(strategy: Any, name: str | None = None) -> Layout:

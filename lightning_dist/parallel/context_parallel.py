@@ -139,11 +139,30 @@ class ContextParallel:
             stack.enter_context(self.logs_averaged(module))
             yield
 
-    # Set by the strategy once the model is known: its attention layers (one per block), and whether checkpointed
-    # blocks run their forward again in backward.
+    # Set by the strategy once the model is known (`expect_exchanges`): its attention layers (one per block), and
+    # whether checkpointed blocks run their forward again in backward.
     attention_layers: int = 0
     recomputes: bool = False
     model_name: str = "the model"
+
+    def expect_exchanges(self, model: Any, block_classes: tuple[type, ...], recomputes: bool) -> None:
+        """What each step's attention exchanges are checked against: one per block of `model` (instances of
+        `block_classes`: each decoder block attends once), and whether checkpointed blocks recompute them in
+        backward (`recomputes`)."""
+        self.attention_layers = (sum(isinstance(module, block_classes) for module in model.modules())
+                                 if block_classes else 0)
+        self.recomputes = recomputes
+        self.model_name = type(model).__name__
+
+    # The axis's part in each step (strategies/axis_steps.py).
+    def run_step(self, strategy: Any, kind: str, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        shard = self.shard(args[0])  # first: the shard's length is what ring attention is set up for
+        with self.step(strategy.lightning_module):
+            return run(shard, *args[1:], **kwargs)
+
+    def run_backward(self, strategy: Any, closure_loss: Any, run: Callable[[], Any]) -> Any:
+        with self.attention():  # checkpointed blocks run their attention again in backward
+            return run()
 
     @contextmanager
     def attention(self) -> Iterator[None]:
@@ -363,6 +382,9 @@ class RingContextParallel(ContextParallel):
         self.mesh = mesh
         self._orders: dict[int, Any] = {}
         self._length: int | None = None
+
+    def expect_exchanges(self, model: Any, block_classes: tuple[type, ...], recomputes: bool) -> None:
+        """Nothing to count: torch's own exchange, on CUDA."""
 
     def order(self, length: int) -> Any:
         """The positions of a `length`-token sequence this rank holds, in torch's order."""

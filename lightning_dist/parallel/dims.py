@@ -120,18 +120,6 @@ class ParallelDims:
             )
         return dims
 
-    @classmethod
-    def of_sharding(cls, world_size: int, num_nodes: int, tp: int = 1, dp_replicate: int | None = None,
-                    hybrid: bool = False, pp: int = 1, cp: int = 1) -> ParallelDims:
-        """FSDP's dimensions: `pp` pipeline stages, `tp` ranks split each layer, `cp` ranks split each sequence,
-        `dp_replicate` groups replicate the sharded state (unset: one per node under HYBRID_SHARD, else 1), and the
-        ranks that are left shard it. One of `tp` and `dp_replicate` may be -1, the ranks that are left; then
-        nothing else is left to shard over."""
-        if dp_replicate is None:
-            dp_replicate = num_nodes if hybrid else 1
-        dp_shard = 1 if -1 in (dp_replicate, tp) else -1
-        return cls.resolve(world_size, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
-
     @property
     def world_size(self) -> int:
         return math.prod(self.sizes.values())
@@ -226,25 +214,3 @@ def flatten_mesh_dims(*args: Any, **kwargs: Any) -> Any:
     from lightning_dist._compat.torch import flatten_mesh_dims as fenced
 
     return fenced(*args, **kwargs)
-
-
-def check_sharding_sizes(devices: int, num_nodes: int, tp: int, dp_replicate: int | None, hybrid: bool,
-                         pp: int = 1, cp: int = 1) -> ParallelDims:
-    """FSDP's dimensions for `devices` x `num_nodes` ranks, or ValueError in one line naming the keys: the sizes
-    must divide the ranks, and a tensor-parallel group must fit the ranks of one node."""
-    sizes = f"strategy.tensor_parallel_size={tp}"
-    if cp != 1:
-        sizes = f"strategy.context_parallel_size={cp}, {sizes}"
-    if pp != 1:
-        sizes = f"strategy.pipeline_parallel_size={pp}, {sizes}"
-    if dp_replicate is not None:
-        sizes += f", strategy.data_parallel_replicate_size={dp_replicate}"
-    try:
-        dims = ParallelDims.of_sharding(devices * num_nodes, num_nodes, tp, dp_replicate, hybrid, pp, cp)
-    except ValueError as error:
-        raise ValueError(f"{sizes}: the run's {devices * num_nodes} ranks (trainer.devices x trainer.num_nodes) do"
-                         " not divide into groups of these sizes") from error
-    if devices % dims.tp:
-        raise ValueError(f"strategy.tensor_parallel_size={dims.tp}: tensor parallelism splits each layer over ranks"
-                         f" of one node, and a node runs {devices} (trainer.devices); choose a size that divides it")
-    return dims

@@ -19,9 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_dist.parallel.context_parallel import check_context_parallel
-from lightning_dist.parallel.dims import check_sharding_sizes, sharding_layout
 from lightning_dist.parallel.pipeline_layout import check_pipeline
 from lightning_dist.parallel.pipeline_layout import dry_run_refusal as pipeline_dry_run_refusal
+from lightning_dist.parallel.sizes import ParallelSizes
 from lightning_dist.run.config_check import ConfigError
 from lightning_dist.run.launch_world import launch_world_refusal
 from lightning_dist.strategies.refusals import deepspeed_refusal
@@ -222,22 +222,19 @@ def check_combinations(cfg: DictConfig) -> None:
                 raise ConfigError(str(error)) from None
     elif target in (f"{_STRATEGIES}FSDPStrategy", f"{_STRATEGIES}fsdp.FSDPStrategy") and devices and ranks is not None:
         try:
-            hybrid = sharding_layout(strategy.get("sharding_strategy", "FULL_SHARD"))[1]
-            tp, replicate = strategy.get("tensor_parallel_size", 1), strategy.get("data_parallel_replicate_size")
-            pp = strategy.get("pipeline_parallel_size", 1)
-            cp = strategy.get("context_parallel_size", 1)
+            sizes = ParallelSizes.from_config(strategy)
             # Without other axes the sequence-parallel groups divide every rank: the sizes suggested divide them too.
-            alone = tp == 1 and pp == 1 and replicate in (None, 1) and not hybrid
-            check_context_parallel(cp, strategy.get("context_parallel", "all_to_all"),
+            alone = (sizes.tensor, sizes.pipeline) == (1, 1) and sizes.replicate in (None, 1) and not sizes.hybrid
+            check_context_parallel(sizes.context, strategy.get("context_parallel", "all_to_all"),
                                    _integer_or_none(_value(cfg, "model.n_head")),
                                    _integer_or_none(_value(cfg, "data.block_size")), _device_type(cfg),
-                                   tp if _is_integer(tp) else 1, world=ranks if alone else None)
-            if pp != 1:
+                                   sizes.tensor if _is_integer(sizes.tensor) else 1, world=ranks if alone else None)
+            if sizes.pipeline != 1:
                 _check_pipeline(cfg, strategy)
                 refusal = pipeline_dry_run_refusal(strategy.get("pipeline_schedule", "1F1B"))
                 if _value(cfg, "dry_run") is True and refusal:
                     raise ValueError(f"dry_run=true: {refusal}")
-            check_sharding_sizes(devices, nodes, tp, replicate, hybrid, pp, cp)
+            sizes.check(devices, nodes)
         except ValueError as error:
             raise ConfigError(str(error)) from None
 

@@ -46,6 +46,7 @@ from lightning_dist.parallel.precision import PrecisionSupport
 from lightning_dist.parallel.quantized import check_quantized_weights
 from lightning_dist.parallel.regional_compile import ReportsCompilation
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel
+from lightning_dist.strategies.axis_steps import StepsThroughAxes
 from lightning_dist.strategies.launcher import guarded
 
 if TYPE_CHECKING:
@@ -56,12 +57,14 @@ if TYPE_CHECKING:
     from lightning_dist.parallel.dims import ParallelDims
 
 
-class StrategyBase(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel):
+class StrategyBase(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel,
+                   StepsThroughAxes):
     """The base of every strategy of ours, before its engine's Lightning strategy in the bases.
 
     The mixins' hooks call on through `super()`, so their order is how they nest around Lightning's strategy: compile
     reports outermost; background saves hand their write to swapped saves, which put it in place whole; the logged
-    rows' step labels; a model never built is forgotten at teardown. tests/strategies/test_base_order.py pins it.
+    rows' step labels; a model never built is forgotten at teardown; each step runs through the parallel axes that
+    act on it (`step_axes()`), around Lightning's own. tests/strategies/test_base_order.py pins it.
     """
 
     precision_support = PrecisionSupport()

@@ -54,7 +54,7 @@ def test_checkpointed_blocks_recompute_by_name_calls_exchanged_and_refuse_aliase
     model, x = Stack("by name"), torch.randn(2, 8, 16, requires_grad=True)
     with context.counted_forward(), context.attention():
         loss = sum(checkpoint(block, x, use_reentrant=False).sum() for block in model.blocks)
-    with context.attention():  # as SplitsSequences.backward enters it
+    with context.attention():  # as the context-parallel axis enters it around backward
         loss.backward()
     assert len(exchanged) == 6  # 3 in forward, 3 again in backward's recomputation
     with pytest.raises(ValueError, match=r"^strategy.context_parallel_size=1: Stack calls"

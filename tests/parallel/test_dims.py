@@ -17,6 +17,7 @@ from lightning_dist.memory.model_facts import ModelFacts
 from lightning_dist.memory.planner import plan_memory
 from lightning_dist.models.gpt import GPTLanguageModel
 from lightning_dist.parallel.dims import ParallelDims, parallel_dims_of
+from lightning_dist.parallel.sizes import ParallelSizes
 from tests.conftest import REPO
 from tests.parallel.toy_axis import WithToyAxis
 
@@ -132,7 +133,7 @@ def test_the_planner_divides_state_by_the_ranks_that_hold_parts_of_it():
     facts = ModelFacts.of(GPTLanguageModel)
     n = facts.parameters
     replicated, sharded = Layout("ddp", "torch"), Layout("fsdp", "torch", True, True, True)
-    hybrid = Layout("hsdp", "torch", True, True, True, replicate_across_nodes=True)
+    hybrid = Layout("hsdp", "torch", True, True, True, sizes=ParallelSizes(hybrid=True))
     # 4 ranks: DDP holds everything; with tensor parallelism in pairs each rank holds half of each split layer
     # (the plan's: attention and MLP), and the rest (embeddings, norms, the MLP's second bias) whole.
     split = facts.tensor_parallel_parameters

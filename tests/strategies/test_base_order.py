@@ -15,19 +15,20 @@ BASE = ["lightning_dist.strategies.base.StrategyBase",
         "lightning_dist.checkpoints.background.BackgroundSaves",
         "lightning_dist.checkpoints.swap.SwappedSaves",
         "lightning_dist.checkpoints.logged_steps.LogsGlobalSteps",
-        "lightning_dist.parallel.sharded_init.ForgetsUnbuiltModel"]
+        "lightning_dist.parallel.sharded_init.ForgetsUnbuiltModel",
+        # Each step through the parallel axes set up on the rank (context parallelism's shard of each sequence,
+        # pipeline stages' schedule): inside the mixins above (compile's eager sanity check wraps it), around
+        # Lightning's step and backward.
+        "lightning_dist.strategies.axis_steps.StepsThroughAxes"]
 TORCH_REPLAY = "lightning_dist.strategies.torch.replay.ReplayedOnTorch"  # the dry run's replay of DDP and FSDP2
-# Context parallelism's step on the rank's shard of each sequence: inside the mixins above (compile's eager sanity
-# check wraps it), around Lightning's step and backward.
-SEQUENCE_SHARDS = "lightning_dist.strategies.sequence_shards.SplitsSequences"
 LIGHTNING = ["lightning.pytorch.strategies.parallel.ParallelStrategy", "lightning.pytorch.strategies.strategy.Strategy",
              "abc.ABC", "builtins.object"]
 ORDERS = {
     "DDPStrategy": ["lightning_dist.strategies.torch.ddp.DDPStrategy", TORCH_REPLAY, *BASE,
                     "lightning.pytorch.strategies.ddp.DDPStrategy", *LIGHTNING],
-    "FSDPStrategy": ["lightning_dist.strategies.torch.fsdp.FSDPStrategy", TORCH_REPLAY, *BASE, SEQUENCE_SHARDS,
+    "FSDPStrategy": ["lightning_dist.strategies.torch.fsdp.FSDPStrategy", TORCH_REPLAY, *BASE,
                      "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy", *LIGHTNING],
-    "DeepSpeedStrategy": ["lightning_dist.strategies.deepspeed.strategy.DeepSpeedStrategy", *BASE, SEQUENCE_SHARDS,
+    "DeepSpeedStrategy": ["lightning_dist.strategies.deepspeed.strategy.DeepSpeedStrategy", *BASE,
                           "lightning.pytorch.strategies.deepspeed.DeepSpeedStrategy",
                           "lightning.pytorch.strategies.ddp.DDPStrategy", *LIGHTNING],
 }

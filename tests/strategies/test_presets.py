@@ -11,12 +11,13 @@ from hydra.utils import instantiate
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_dist  # noqa: F401  (registers the presets)
+from lightning_dist.parallel.sizes import ParallelSizes
 from lightning_dist.strategies import PRESETS, REGISTRY_PREFIX, DeepSpeedStrategy, FSDPStrategy
 from tests.conftest import CONF_DIR, PRESET_NAMES, REPO
 
 # What distinguishes one preset from another, read off a built strategy.
 OBSERVED = {
-    FSDPStrategy: lambda s: (s.sharding_strategy, s.activation_checkpointing, s.cpu_offload, s.tensor_parallel_size),
+    FSDPStrategy: lambda s: (s.sharding_strategy, s.activation_checkpointing, s.cpu_offload, s.parallel_sizes),
     DeepSpeedStrategy: lambda s: (s.config["zero_optimization"]["stage"], s.config["zero_optimization"].get("offload_optimizer", {}).get("device"), s.config["zero_optimization"].get("offload_param", {}).get("device")),
 }
 
@@ -36,6 +37,8 @@ def test_yaml_and_registered_name_build_the_same_strategy(name):
     assert observe(from_yaml) == observe(from_registry)
     # A strategy travels by pickle: to a dry run's process with CUDA faked, and in Lightning's spawn launchers.
     assert observe(pickle.loads(pickle.dumps(from_yaml))) == observe(from_registry)
+    if isinstance(from_yaml, FSDPStrategy):  # the config check before launch reads the sizes the strategy holds
+        assert ParallelSizes.from_config(cfg.strategy) == from_yaml.parallel_sizes
 
 
 @pytest.mark.parametrize("name", PRESET_NAMES)

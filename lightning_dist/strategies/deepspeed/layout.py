@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_dist.memory.layout import Layout
+from lightning_dist.parallel.sizes import ParallelSizes
 from lightning_dist.strategies.deepspeed.config.resolve import HIDDEN_SIZE_RULES
 from lightning_dist.strategies.deepspeed.config.swap_buffers import DEFAULT_PERSISTENCE_THRESHOLD, parameter_swap_pool
 
@@ -53,8 +54,8 @@ def zero_layout(strategy: Any, name: str) -> Layout:
         parameters_in_host=0 if preset else int(param_swap["max_in_cpu"]),
         sub_group_size=int(zero.get("sub_group_size", _DEEPSPEED_SUB_GROUP_SIZE)) if stage >= 3 else 0,
         optimizer_swap_buffers=int(optimizer_swaps),
-        tensor_parallel=strategy.tensor_parallel_size,  # AutoTP
-        context_parallel=strategy.context_parallel_size,  # Ulysses
+        # AutoTP's tensor-parallel groups, Ulysses' sequence-parallel ones
+        sizes=ParallelSizes(tensor=strategy.tensor_parallel_size, context=strategy.context_parallel_size),
         activation_checkpointing=strategy.activation_checkpointing,
         fp32_master_weights=True,
         host_gradient_copies=True,

@@ -32,10 +32,12 @@ from lightning_dist._compat.lightning import validate_cuda_device_indices
 from lightning_dist.checkpoints.resume import group_names
 from lightning_dist.lifecycle.process_exit import forget_with_process_group
 from lightning_dist.memory.layout import Layout
+from lightning_dist.parallel.context_parallel import ContextParallel
 from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.module_state import move_module_state
 from lightning_dist.parallel.precision import PrecisionSupport
 from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
+from lightning_dist.strategies.axis_steps import StepAxis
 from lightning_dist.strategies.base import StrategyBase
 from lightning_dist.strategies.deepspeed.autotp import check_tensor_parallel_inputs, initialize_inference_engine
 from lightning_dist.strategies.deepspeed.config.for_run import Resolution, RunConfig, config_in_effect
@@ -55,7 +57,6 @@ from lightning_dist.strategies.deepspeed.outermost_forward import run_root_hooks
 from lightning_dist.strategies.deepspeed.ulysses import deepspeed_ulysses, sequence_parallel_group
 from lightning_dist.strategies.deepspeed.zero3_runtime import prepare_zero3_runtime
 from lightning_dist.strategies.refusals import deepspeed_refusal
-from lightning_dist.strategies.sequence_shards import SplitsSequences
 
 if TYPE_CHECKING:
     from lightning_dist.dry_run.ranks import RankView
@@ -74,7 +75,7 @@ def run_directory(trainer: Any) -> Path | None:
     return None
 
 
-class DeepSpeedStrategy(StrategyBase, SplitsSequences, _LightningDeepSpeedStrategy):
+class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     """DeepSpeed ZeRO that also runs on CPU, and takes Hugging Face-style configs with "auto" values.
 
     Args:
@@ -109,6 +110,7 @@ class DeepSpeedStrategy(StrategyBase, SplitsSequences, _LightningDeepSpeedStrate
         parallel_devices: list[torch.device]
 
     strategy_name = "ld_deepspeed"
+    context: ContextParallel | None = None  # this rank's part of its Ulysses group, once set up
     _sequence_group: Any = None  # Ulysses' group, formed with the process group
 
     def __init__(
@@ -356,7 +358,8 @@ class DeepSpeedStrategy(StrategyBase, SplitsSequences, _LightningDeepSpeedStrate
             check_tensor_parallel_inputs(self.deepspeed_engine, self.root_device)
         if self.context_parallel_size > 1 and self.context is None:  # fit, then test: the same group
             self.context = deepspeed_ulysses(self, self._sequence_group)
-            self.expect_exchanges(self.lightning_module)
+            self.context.expect_exchanges(self.lightning_module, self.blocks.classes_in(self.lightning_module),
+                                          recomputes=self.blocks.checkpointing is not None)
         run_root_hooks_once_per_forward(self.deepspeed_engine)  # timers, profiler, ZeRO-3 trace: once per step
 
     @override
@@ -369,6 +372,10 @@ class DeepSpeedStrategy(StrategyBase, SplitsSequences, _LightningDeepSpeedStrate
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:  # any format
         return load_deepspeed_checkpoint(self, checkpoint_path, weights_only, super().load_checkpoint)
+
+    @override
+    def step_axes(self) -> list[StepAxis]:
+        return [] if self.context is None else [self.context]
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -27,28 +27,23 @@ from lightning_dist.checkpoints.swap import write_then_swap
 from lightning_dist.memory.layout import Layout
 from lightning_dist.optim import require_shardable_optimizer
 from lightning_dist.parallel.classes import BlockClasses
-from lightning_dist.parallel.context_parallel import check_context_parallel, context_parallel_of
-from lightning_dist.parallel.dims import (
-    CONTEXT_PARALLEL,
-    TENSOR_PARALLEL,
-    ParallelDims,
-    check_sharding_sizes,
-    sharding_layout,
-)
+from lightning_dist.parallel.context_parallel import ContextParallel, check_context_parallel, context_parallel_of
+from lightning_dist.parallel.dims import CONTEXT_PARALLEL, TENSOR_PARALLEL, ParallelDims, sharding_layout
 from lightning_dist.parallel.grad_norm import clip_grad_norm_
 from lightning_dist.parallel.module_state import move_module_state
 from lightning_dist.parallel.pipeline_layout import dry_run_refusal as pipeline_dry_run_refusal
 from lightning_dist.parallel.pipeline_split import PipelineSplit
 from lightning_dist.parallel.precision import PrecisionSupport
 from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
+from lightning_dist.parallel.sizes import DEFAULT_SIZES, ParallelSizes
 from lightning_dist.parallel.tensor_parallel import (
     TensorParallelPlan,
     apply_tensor_parallel,
     check_plan,
     resolve_plan,
 )
+from lightning_dist.strategies.axis_steps import StepAxis
 from lightning_dist.strategies.base import StrategyBase
-from lightning_dist.strategies.sequence_shards import SplitsSequences
 from lightning_dist.strategies.torch.fully_shard import (
     apply_fully_shard,
     materialize_shards,
@@ -65,7 +60,7 @@ from lightning_dist.strategies.torch.replay import ReplayedOnTorch
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-class FSDPStrategy(ReplayedOnTorch, StrategyBase, SplitsSequences, ModelParallelStrategy):
+class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
     """Fully Sharded Data Parallel (FSDP2) on CPU (gloo) or CUDA (nccl).
 
     Args:
@@ -113,18 +108,18 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, SplitsSequences, ModelParallel
         activation_checkpointing: bool | str | int = False,
         cpu_offload: bool = False,
         save_distributed_checkpoint: bool = True,
-        tensor_parallel_size: int = 1,
-        data_parallel_replicate_size: int | None = None,
+        tensor_parallel_size: int = DEFAULT_SIZES.tensor,
+        data_parallel_replicate_size: int | None = DEFAULT_SIZES.replicate,
         tensor_parallel_plan: dict[str, str] | None = None,
         compile: bool = False,
         async_checkpoint: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
-        pipeline_parallel_size: int = 1,
+        pipeline_parallel_size: int = DEFAULT_SIZES.pipeline,
         pipeline_schedule: str = "1F1B",
         microbatches: int | None = None,
         stages_per_rank: int = 1,
-        context_parallel_size: int = 1,
+        context_parallel_size: int = DEFAULT_SIZES.context,
         context_parallel: str = "all_to_all",
     ) -> None:
         super().__init__(
@@ -146,6 +141,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, SplitsSequences, ModelParallel
             raise ValueError(f"strategy.context_parallel_size={context_parallel_size}: context parallelism does not"
                              " run beside pipeline stages yet; choose one of the two")
         self.context_parallel_size, self.context_parallel = context_parallel_size, context_parallel
+        self.context: ContextParallel | None = None  # this rank's part of its context-parallel group, once set up
         self.output_views = OutputViews()  # FSDP2's warning about views a sharded module returns, made a check
 
     @override
@@ -175,11 +171,16 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, SplitsSequences, ModelParallel
             return str(refusal)
         return None
 
+    @property
+    def parallel_sizes(self) -> ParallelSizes:
+        """The sizes this strategy was given, as the config check before launch reads them from its keys."""
+        return ParallelSizes(tensor=self.tensor_parallel_size, context=self.context_parallel_size,
+                             pipeline=self.pipeline.size, replicate=self.data_parallel_replicate_size,
+                             hybrid=self.hybrid)
+
     def check_parallel_sizes(self) -> None:
         """The sizes fit the ranks (trainer.devices x trainer.num_nodes), and a tensor-parallel group fits a node."""
-        check_sharding_sizes(self.num_processes, self.num_nodes, self.tensor_parallel_size,
-                             self.data_parallel_replicate_size, self.hybrid, self.pipeline.size,
-                             self.context_parallel_size)
+        self.parallel_sizes.check(self.num_processes, self.num_nodes)
 
     def tensor_parallel_plan_of(self, model: nn.Module) -> TensorParallelPlan:
         """The configured plan, or the model's own, checked against `model`."""
@@ -216,20 +217,16 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, SplitsSequences, ModelParallel
         return Layout(
             name, "torch", shard_parameters=True, shard_gradients=True, shard_optimizer=True,
             keep_gathered=not self.reshard_after_forward, offload_optimizer=offload, offload_parameters=offload,
-            activation_checkpointing=self.activation_checkpointing, replicate_across_nodes=self.hybrid,
-            tensor_parallel=self.tensor_parallel_size, data_parallel_replicate=self.data_parallel_replicate_size,
-            reduce_scatter_per_block=True, pipeline_parallel=self.pipeline.size,
-            pipeline_in_flight=self.pipeline.in_flight_share(),
-            pipeline_receive_buffers=self.pipeline.receive_buffers(), context_parallel=self.context_parallel_size,
+            activation_checkpointing=self.activation_checkpointing, sizes=self.parallel_sizes,
+            reduce_scatter_per_block=True, pipeline_in_flight=self.pipeline.in_flight_share(),
+            pipeline_receive_buffers=self.pipeline.receive_buffers(),
         )
 
     @property
     def parallel_dims(self) -> ParallelDims:
         """Every rank shards, or the ranks left by tensor parallelism; HYBRID_SHARD shards within a node and
         replicates across nodes."""
-        return ParallelDims.of_sharding(self.num_nodes * self.num_processes, self.num_nodes,
-                                        self.tensor_parallel_size, self.data_parallel_replicate_size, self.hybrid,
-                                        self.pipeline.size, self.context_parallel_size)
+        return self.parallel_sizes.dims(self.num_processes, self.num_nodes)
 
     @property
     @override
@@ -296,7 +293,8 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, SplitsSequences, ModelParallel
             cp_rank = self.parallel_dims.coordinates(self.global_rank)["cp"]
             self.context = context_parallel_of(self.context_parallel, self.device_mesh[CONTEXT_PARALLEL], cp_rank,
                                                self.parallel_dims.cp, self.root_device)
-            self.expect_exchanges(self.lightning_module)
+            self.context.expect_exchanges(self.lightning_module, self.blocks.classes_in(self.lightning_module),
+                                          recomputes=self.blocks.checkpointing is not None)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -341,40 +339,14 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, SplitsSequences, ModelParallel
         return roots
 
     @override
+    def step_axes(self) -> list[StepAxis]:
+        return [axis for axis in (self._pipeline_steps, self.context) if axis is not None]
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline_steps is None:
-            output = super().training_step(*args, **kwargs)
-            self.output_views.check_step()
-            return output
-        accumulate = self.lightning_module.trainer.accumulate_grad_batches
-        with self.precision_plugin.train_step_context():
-            return self._pipeline_steps.run("training_step", *args, train=True, accumulate=accumulate, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline_steps is None:
-            return super().validation_step(*args, **kwargs)
-        with self.precision_plugin.val_step_context():
-            return self._pipeline_steps.run("validation_step", *args, train=False, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline_steps is None:
-            return super().test_step(*args, **kwargs)
-        with self.precision_plugin.test_step_context():
-            return self._pipeline_steps.run("test_step", *args, train=False, **kwargs)
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self._pipeline_steps is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        # The schedule ran backward, microbatch by microbatch, in `training_step`; the hooks around it still run.
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self._pipeline_steps.add_step_gradients()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
+        output = super().training_step(*args, **kwargs)
+        self.output_views.check_step()  # what a pipeline's stages pass on is not watched: its schedule owns them
+        return output
 
     @property
     def pipeline_bubble(self) -> float | None:  # type: ignore[override]

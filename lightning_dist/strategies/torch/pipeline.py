@@ -273,6 +273,28 @@ class PipelineSteps:
             self._schedules[key] = schedule, forward_only, microbatches
         return self._schedules[key]
 
+    # The axis's part in each step (strategies/axis_steps.py): the user's step runs through the schedule instead of
+    # the step it is handed, and backward, which the schedule ran microbatch by microbatch, adds its gradients.
+    def run_step(self, strategy: Any, kind: str, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        precision = strategy.precision_plugin
+        if kind == "training_step":
+            accumulate = strategy.lightning_module.trainer.accumulate_grad_batches
+            with precision.train_step_context():
+                return self.run(kind, *args, train=True, accumulate=accumulate, **kwargs)
+        context = precision.val_step_context if kind == "validation_step" else precision.test_step_context
+        with context():
+            return self.run(kind, *args, train=False, **kwargs)
+
+    def run_backward(self, strategy: Any, closure_loss: Any, run: Callable[[], Any]) -> Any:
+        # Lightning's hooks around backward still run.
+        module = strategy.lightning_module
+        strategy.pre_backward(closure_loss)
+        closure_loss = strategy.precision_plugin.pre_backward(closure_loss, module)
+        self.add_step_gradients()
+        closure_loss = strategy.precision_plugin.post_backward(closure_loss, module)
+        strategy.post_backward(closure_loss)
+        return closure_loss
+
     def run(self, step_name: str, batch: Any, *rest: Any, train: bool, accumulate: int = 1) -> Any:
         """The user's step `step_name` on `batch` through the schedule; what it returns, averaged over the
         microbatches, on every rank (detached: backward has run)."""
