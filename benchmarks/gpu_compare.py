@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python benchmarks/gpu_compare.py`, from any directory
 
 from benchmarks.compare_raw import engine, machine  # noqa: E402
+
 ROWS = ("ddp", "fsdp", "fsdp_activation_checkpointing", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")
 COMPILED = "+compile"
 DEFAULT_ROWS = ("ddp", "fsdp", "deepspeed_stage_3", "ddp+compile", "fsdp+compile", "deepspeed_stage_2",

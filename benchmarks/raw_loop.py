@@ -39,7 +39,6 @@ import json
 import os
 import resource
 import sys
-import time
 from functools import partial
 from pathlib import Path
 

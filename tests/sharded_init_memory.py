@@ -28,10 +28,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
 import lightning_dist.strategies.deepspeed.strategy as deepspeed_strategy
-from lightning_dist.run.config_check import CONF_DIR
 from lightning_dist.models.gpt import GPT
-from lightning_dist.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from lightning_dist.run.compose import build
+from lightning_dist.run.config_check import CONF_DIR
+from lightning_dist.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (glibc malloc.h)
 ONE_MIB = 1 << 20

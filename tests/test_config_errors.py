@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from lightning_dist.run.config_check import ConfigError, check_overrides
 from lightning_dist.run.compose import build
-from tests.conftest import CONF_DIR, REPO, PRESET_NAMES
+from lightning_dist.run.config_check import ConfigError, check_overrides
+from tests.conftest import CONF_DIR, PRESET_NAMES, REPO
 
 
 def error_of(overrides: list[str]) -> str:

@@ -105,7 +105,6 @@ RUN_ELSEWHERE = {
     "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_7b plan=true trainer.devices=8 trainer.precision=bf16-mixed strategy=auto_fit": (
         "tests/recipes/test_choose_a_strategy.py", '"strategy.device_memory_gb=80"'),
     "python train.py -m strategy=ddp,fsdp,deepspeed_stage_2,deepspeed_stage_3": ("tests/recipes/test_choose_a_strategy.py", 'documented(README, "python train.py -m'),
-    "python -m lightning_dist.sweep_report logs/train/multiruns/<date>": ("tests/recipes/test_choose_a_strategy.py", '"python -m lightning_dist.sweep_report"'),
     "python train.py model=hf_gpt2 strategy=fsdp_activation_checkpointing": (
         "tests/recipes/test_hf_causal_lm.py", '"fsdp_activation_checkpointing"'),
     "python train.py model=hf_bart": ("tests/recipes/test_hf_causal_lm.py", '"model=hf_bart"'),

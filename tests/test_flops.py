@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_dist.models.gpt import GPTLanguageModel
 from lightning_dist.reports.flops import (
     Utilisation,
     device_peak_flops,
@@ -19,7 +20,6 @@ from lightning_dist.reports.flops import (
     measured_peak_flops,
     model_flops_per_token,
 )
-from lightning_dist.models.gpt import GPTLanguageModel
 
 
 def counted_by_torch(model: nn.Module, tokens: torch.Tensor) -> float:

@@ -131,7 +131,8 @@ def test_the_names_configs_and_commands_used_before_the_move_still_load():
     from hydra.utils import get_object
 
     from lightning_dist import equivalence, sweep_report
-    from lightning_dist.reports import equivalence as comparison, sweep_report as report
+    from lightning_dist.reports import equivalence as comparison
+    from lightning_dist.reports import sweep_report as report
     from lightning_dist.reports.csv_log import ContinuingCSVLogger
     from lightning_dist.run.run_dir import OneRunPerDirectory
 

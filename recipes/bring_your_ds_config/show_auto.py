@@ -11,8 +11,8 @@ import json
 from functools import reduce
 from pathlib import Path
 
-from lightning_dist.strategies.deepspeed.config.resolve import auto_keys
 from lightning_dist.reports.runs import RUNS, newest_run
+from lightning_dist.strategies.deepspeed.config.resolve import auto_keys
 
 EFFECTIVE = "deepspeed_config.effective.json"  # what a DeepSpeed run writes in its directory
 

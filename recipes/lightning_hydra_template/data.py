@@ -19,7 +19,7 @@ class ClustersDataModule(L.LightningDataModule):
         centres = torch.randn(hp.classes, hp.features, generator=generator)
         labels = torch.randint(0, hp.classes, (hp.samples,), generator=generator)
         points = centres[labels] + 1.5 * torch.randn(hp.samples, hp.features, generator=generator)
-        train, val, test = int(0.8 * hp.samples), int(0.1 * hp.samples), hp.samples
+        train, val = int(0.8 * hp.samples), int(0.1 * hp.samples)  # the rest: the test set
         self.train_set = TensorDataset(points[:train], labels[:train])
         self.val_set = TensorDataset(points[train:train + val], labels[train:train + val])
         self.test_set = TensorDataset(points[train + val:], labels[train + val:])

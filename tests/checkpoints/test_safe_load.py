@@ -171,7 +171,8 @@ def test_metadata_of_a_python_that_pickles_enums_by_getattr_is_data_and_getattr_
 
 def test_a_load_works_out_the_format_and_vets_once(tmp_path, monkeypatch):
     """One CheckpointSource per load: however many steps read it, the format is found and the pickles vetted once."""
-    from lightning_dist.checkpoints import formats, safe_load, source as source_module
+    from lightning_dist.checkpoints import formats, safe_load
+    from lightning_dist.checkpoints import source as source_module
     from lightning_dist.checkpoints.source import CheckpointSource
 
     path = tmp_path / "plain.ckpt"

@@ -3,14 +3,13 @@ the symbols they patch still exist)."""
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import os
 import subprocess
 import sys
 
 import cpuinfo
+import pytest
 
 from lightning_dist._compat.deepspeed import CPU_INFO_ENV, remember_cpu_info
 

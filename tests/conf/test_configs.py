@@ -17,9 +17,9 @@ from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogg
 from omegaconf import open_dict
 
 from lightning_dist.callbacks import StepProgressBar
-from lightning_dist.run.config_check import check_overrides, group_options
 from lightning_dist.reports.csv_log import ContinuingCSVLogger
 from lightning_dist.run.compose import build
+from lightning_dist.run.config_check import check_overrides, group_options
 from tests.conftest import CONF_DIR
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra") + ["hydra/launcher"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from lightning_dist.strategies.deepspeed.config.gathering import gathering_sized_by_model, largest_block
 from lightning_dist.models.gpt import GPTLanguageModel
+from lightning_dist.strategies.deepspeed.config.gathering import gathering_sized_by_model, largest_block
 
 
 def _gpt() -> GPTLanguageModel:

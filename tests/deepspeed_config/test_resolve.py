@@ -21,7 +21,6 @@ from tests.conftest import HF_ZERO2 as ZERO2
 from tests.conftest import HF_ZERO3 as ZERO3
 from tests.conftest import REPO
 
-
 FACTS = TrainingFacts(
     precision="bf16-mixed",
     world_size=2,

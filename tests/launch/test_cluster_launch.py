@@ -9,8 +9,8 @@ import sys
 
 import lightning as L
 import pytest
-from hydra import compose, initialize_config_dir
 import torch
+from hydra import compose, initialize_config_dir
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.trainer.call import _call_and_handle_interrupt
 from omegaconf import OmegaConf

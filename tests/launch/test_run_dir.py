@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_dist.run.config_check import ConfigError
 from lightning_dist.run import run_dir
+from lightning_dist.run.config_check import ConfigError
 from lightning_dist.run.run_dir import CLAIM_ENV, CLAIM_FILE, claim_run_dir, discard_refused_run
 from tests.conftest import REPO, TRAIN_ENV, run_train, train_command
 

@@ -44,7 +44,7 @@ def test_plan_prints_the_table_and_trains_nothing(tmp_path):
 def test_auto_fit_that_cannot_fit_is_one_line_before_anything_starts(tmp_path):
     run = run_train(tmp_path, "strategy=auto_fit", "strategy.device_memory_gb=0.001")
     assert run.process.returncode == 2
-    (line,) = [l for l in run.process.stderr.splitlines() if l.startswith("error:")]
+    (line,) = [each for each in run.process.stderr.splitlines() if each.startswith("error:")]
     assert line.startswith("error: strategy=auto_fit: nothing fits: ddp: needs 0.09 GB per device, 0.00 GB usable |")
     assert not (tmp_path / "metrics.json").exists()
 

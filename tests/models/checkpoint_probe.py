@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 from lightning.pytorch.strategies import DeepSpeedStrategy
+from torch.distributed.tensor import DTensor
 
 from lightning_dist.checkpoints import gather_full_state_dict
 from lightning_dist.models.gpt import GPTLanguageModel

@@ -3,7 +3,12 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 
 from lightning_dist.models.gpt import GPT, TransformerBlock
-from lightning_dist.parallel import infer_block_classes, require_classes_in_model, resolve_block_classes, resolve_module_class
+from lightning_dist.parallel import (
+    infer_block_classes,
+    require_classes_in_model,
+    resolve_block_classes,
+    resolve_module_class,
+)
 
 
 def test_resolves_dotted_path_and_class():
@@ -87,10 +92,10 @@ def test_a_list_mixing_classes_is_refused_naming_them():
 
 
 def test_one_definition_of_a_block_for_fsdp_zero3_and_the_planner():
-    from lightning_dist.strategies.deepspeed.config.gathering import largest_block
     from lightning_dist.memory.model_facts import ModelFacts
     from lightning_dist.models.gpt import GPTLanguageModel
     from lightning_dist.parallel.classes import block_modules
+    from lightning_dist.strategies.deepspeed.config.gathering import largest_block
 
     model = GPTLanguageModel()
     blocks = list(model.model.blocks)

@@ -5,19 +5,16 @@ from types import SimpleNamespace
 import hydra
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, OffloadPolicy
 
 from lightning_dist.models.gpt import TransformerBlock
-from lightning_dist.parallel import apply_activation_checkpointing, infer_block_classes, sharding_layout
-from lightning_dist.strategies.torch.fully_shard import apply_fully_shard, offload_policy
-
-from omegaconf import OmegaConf
-
 from lightning_dist.optim import require_shardable_optimizer
 from lightning_dist.optim.configured import WHOLE_PARAMETER_OPTIMIZERS
-
+from lightning_dist.parallel import apply_activation_checkpointing, infer_block_classes, sharding_layout
+from lightning_dist.strategies.torch.fully_shard import apply_fully_shard, offload_policy
 from tests.conftest import CONF_DIR, one_rank_world
 from tests.parallel.test_activation_checkpoint import tiny_gpt
 

@@ -6,8 +6,8 @@ GPU node.)"""
 from __future__ import annotations
 
 import re
-import tomllib
 
+import tomllib
 from packaging.specifiers import SpecifierSet
 
 from lightning_dist.strategies.presets import PRESETS

@@ -16,7 +16,6 @@ from lightning_dist.checkpoints.consolidate import load_consolidated
 from lightning_dist.reports.equivalence import run_strategy
 from tests.conftest import in_the_suite
 
-
 pytestmark = pytest.mark.slow
 
 SHORT = ("trainer.max_steps=4", "trainer.num_sanity_val_steps=0")

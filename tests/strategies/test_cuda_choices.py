@@ -11,9 +11,9 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.accelerators import CUDAAccelerator
 
 from lightning_dist.parallel import dims as dims_module
-from lightning_dist.strategies.deepspeed.engine import use_deepspeed_accelerator
 from lightning_dist.strategies import PRESETS
 from lightning_dist.strategies import deepspeed as deepspeed_module
+from lightning_dist.strategies.deepspeed.engine import use_deepspeed_accelerator
 from lightning_dist.strategies.torch import fsdp as fsdp_module
 from tests.conftest import PRESET_NAMES, STRATEGY_NAMES
 

@@ -30,7 +30,7 @@ def run_script(*args: str, expect_returncode: int = 0) -> list[dict] | str:
             return process.stderr
         # `import lightning_dist` silences the pinned libraries' warnings about their own code (ZeRO-3 printed 18
         # of torch's collective deprecations in 4 steps before), and leaves the script's own warnings be.
-        assert "site-packages" not in "".join(l for l in process.stderr.splitlines(True) if "FutureWarning" in l)
+        assert "site-packages" not in "".join(each for each in process.stderr.splitlines(True) if "FutureWarning" in each)
         return [json.loads(path.read_text()) for path in sorted(Path(out_dir).glob("rank*.json"))]
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_dist.reports.equivalence import run_strategy
 from lightning_dist.models.gpt import GPT, TransformerBlock
 from lightning_dist.parallel import apply_activation_checkpointing, block_classes_for
 from lightning_dist.parallel.regional_compile import compile_blocks
+from lightning_dist.reports.equivalence import run_strategy
 from tests.conftest import CURVE_OVERRIDES, in_the_suite
 
 COMPILED = ["ddp", "fsdp_activation_checkpointing", "deepspeed_stage_3"]

@@ -137,7 +137,7 @@ def test_an_autotp_checkpoint_resumes_under_its_size_and_is_refused_elsewhere_in
     for step, loss in losses["hf_llama ddp"].items():
         assert losses["hf_llama deepspeed_stage_2 autotp 2x2"][step] == pytest.approx(loss, rel=1e-5), step
 
-    refusal = (f"is a DeepSpeed AutoTP checkpoint (tensor-parallel size 2): it resumes under a DeepSpeed strategy with"
+    refusal = ("is a DeepSpeed AutoTP checkpoint (tensor-parallel size 2): it resumes under a DeepSpeed strategy with"
                " strategy.tensor_parallel_size=2; moving it to another layout or one file is not supported yet")
     elsewhere = run_train(tmp_path / "fsdp", *LLAMA, "strategy=fsdp", f"ckpt_path={checkpoint}")
     assert elsewhere.process.returncode == 2
@@ -153,8 +153,8 @@ def test_the_memory_plan_of_a_tensor_parallel_layout_is_within_15_percent_of_wha
 
     from lightning_dist.memory import ModelFacts, layout_of, plan_memory
     from lightning_dist.models.gpt import GPTLanguageModel
-    from lightning_dist.strategies.presets import PRESETS
     from lightning_dist.models.hf_language_model import HFLanguageModel
+    from lightning_dist.strategies.presets import PRESETS
 
     if layout.startswith("hf_llama"):
         llama = yaml.safe_load((REPO / "lightning_dist" / "conf" / "model" / "hf_llama.yaml").read_text())
