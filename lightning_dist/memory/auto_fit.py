@@ -22,6 +22,12 @@ from lightning_dist._compat.registry import registered_arguments, registered_str
 from lightning_dist.memory.layout import layout_of
 from lightning_dist.memory.model_facts import ModelFacts
 from lightning_dist.memory.planner import GB, MemoryPlan, plan_memory
+from lightning_dist.parallel import context_parallel, pipeline_layout, tensor_parallel
+
+# Each parallel axis's precondition on the model (its room's `model_unsplit`: why the model, as its facts describe
+# it, cannot be split over that many ranks of the axis, or None), checked for a rung whose layout has the axis.
+MODEL_SPLITS = (("tensor", tensor_parallel.model_unsplit), ("context", context_parallel.model_unsplit),
+                ("pipeline", pipeline_layout.model_unsplit))
 
 log = logging.getLogger(__name__)
 
@@ -93,16 +99,10 @@ class AutoFit:
                 overrides["nvme_path"] = self.nvme_path
             strategy = registered_strategy(preset, **overrides)  # the preset, as `ld_<name>` names it
             layout = layout_of(strategy, name)
-            if layout.sizes.tensor > 1 and facts.tensor_parallel_parameters == facts.tensor_parallel_frozen == 0:
-                rejected.append((name, "the model has no tensor-parallel plan (a `tp_plan` attribute)"))
-                continue
-            if layout.sizes.context > 1 and (unsplit := _sequences_unsplit(facts, layout.sizes.context)):
+            unsplit = next((why for axis, unfit in MODEL_SPLITS if (size := getattr(layout.sizes, axis)) > 1
+                            and (why := unfit(facts, size))), None)
+            if unsplit:
                 rejected.append((name, unsplit))
-                continue
-            stages = layout.sizes.pipeline  # the ladder's fsdp_pp: one stage per rank
-            if stages > 1 and (not facts.blocks or facts.blocks % stages):
-                undivided = f"the model's {facts.blocks} blocks do not divide into {stages} pipeline stages"
-                rejected.append((name, undivided))
                 continue
             try:
                 plan = plan_memory(facts, layout, precision, devices=devices, num_nodes=num_nodes)
@@ -120,20 +120,6 @@ class AutoFit:
                 return Choice(name, strategy, plan, rejected)
             rejected.append((name, why))
         raise NothingFits("strategy=auto_fit: nothing fits: " + " | ".join(f"{n}: {why}" for n, why in rejected))
-
-
-def _sequences_unsplit(facts: ModelFacts, cp: int) -> str | None:
-    """Why the model's sequences cannot be split over `cp` ranks (parallel/context_parallel.py), or None."""
-    if facts.attention is None:
-        return "the model makes no F.scaled_dot_product_attention call for context parallelism to exchange"
-    if not facts.positions:
-        return "the model has no position embedding or rotary table for a shard's positions"
-    queries, keys, tokens = facts.attention
-    if queries % cp or keys % cp:
-        return f"its attention's {queries} query and {keys} key/value heads do not divide by {cp}"
-    if tokens % (2 * cp):
-        return f"its {tokens}-token sequences do not split into {2 * cp} chunks"
-    return None
 
 
 def _shortfall(plan: MemoryPlan, device_budget: float, host_budget: float) -> str | None:

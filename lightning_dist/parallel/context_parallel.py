@@ -81,6 +81,21 @@ def _choices(world: int, style: str, heads: int | None, tensor_parallel: int) ->
         style != "all_to_all" or heads is None or heads % (n * tensor_parallel) == 0))
 
 
+def model_unsplit(facts: Any, cp: int) -> str | None:
+    """Why a model's sequences cannot be split over `cp` ranks, read from its facts (memory/model_facts.py: the
+    attention calls its trace saw, whether it has positions to shift), or None."""
+    if facts.attention is None:
+        return "the model makes no F.scaled_dot_product_attention call for context parallelism to exchange"
+    if not facts.positions:
+        return "the model has no position embedding or rotary table for a shard's positions"
+    queries, keys, tokens = facts.attention
+    if queries % cp or keys % cp:
+        return f"its attention's {queries} query and {keys} key/value heads do not divide by {cp}"
+    if tokens % (2 * cp):
+        return f"its {tokens}-token sequences do not split into {2 * cp} chunks"
+    return None
+
+
 def position_modules(model: Any) -> list[tuple[str, Any, str]]:
     """The modules that give `model` its positions, as (name, module, kind): "embedding" (called with positions)
     or "rotary" (called with hidden states and `position_ids`)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import re
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,14 @@ def check_pipeline(pp: int, stages_per_rank: int, schedule: str, microbatches: i
 # One action of a schedule file in torch's compute-only format (`_Action.from_str`): stage, F (forward), B (full
 # backward), I (input gradients) or W (weight gradients), microbatch; `2F0` is stage 2's forward of microbatch 0.
 _ACTION = re.compile(r"(\d+)(F|B|I|W)(\d+)")
+
+
+def model_unsplit(facts: Any, stages: int) -> str | None:
+    """Why a model's blocks cannot be split into `stages` pipeline stages of equal depth (one a rank: auto_fit's
+    fsdp_pp), read from its facts (memory/model_facts.py), or None."""
+    if not facts.blocks or facts.blocks % stages:
+        return f"the model's {facts.blocks} blocks do not divide into {stages} pipeline stages"
+    return None
 
 
 def check_schedule_file(path: str, layout: PipelineLayout, microbatches: int) -> None:

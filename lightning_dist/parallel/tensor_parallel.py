@@ -167,6 +167,14 @@ def with_lora_factors(model: nn.Module, plan: TensorParallelPlan, source: str) -
     return expanded
 
 
+def model_unsplit(facts: Any, tp: int) -> str | None:
+    """Why a model's layers cannot be split over `tp` ranks, read from its facts (memory/model_facts.py: the
+    parameters of the layers its plan splits), or None."""
+    if facts.tensor_parallel_parameters == facts.tensor_parallel_frozen == 0:
+        return "the model has no tensor-parallel plan (a `tp_plan` attribute)"
+    return None
+
+
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: TensorParallelPlan) -> None:
     """Split the layers `plan` names across `mesh` (1-D: the tensor-parallel axis). Before activation checkpointing
     and FSDP, as torchtitan orders them; on the meta device too (nothing is allocated)."""

@@ -117,3 +117,13 @@ def test_bad_options_are_named(option, message):
     with pytest.raises(ValueError, match=None) as error:
         AutoFit(**option)
     assert str(error.value) == message
+
+
+def test_each_axis_rung_is_passed_over_for_the_reason_its_axis_gives():
+    # No tensor-parallel plan, no attention call traced, 31 blocks for the preset's 2 stages.
+    facts = dataclasses.replace(LONG_CONTEXT_1B, blocks=31)
+    with pytest.raises(NothingFits) as error:
+        AutoFit(device_memory_gb=24, host_memory_gb=512, family="fsdp").choose(facts, "bf16-mixed", 8)
+    assert (" | fsdp_tp: the model has no tensor-parallel plan (a `tp_plan` attribute)"
+            " | fsdp_cp: the model makes no F.scaled_dot_product_attention call for context parallelism to exchange"
+            " | fsdp_pp: the model's 31 blocks do not divide into 2 pipeline stages | ") in str(error.value)
