@@ -29,10 +29,9 @@ from lightning_dist._compat.torch import tree_map
 from lightning_dist.dry_run.optimizer import configured_optimizer
 from lightning_dist.dry_run.ranks import RankView, as_rank, shards_of
 from lightning_dist.memory.attention_kernel import fused_attention
-from lightning_dist.parallel.context_parallel import ContextParallel, context_parallel_of
+from lightning_dist.parallel.context_parallel import ContextParallel
 from lightning_dist.parallel.device_check import OneDevicePerRank, collective_devices
 from lightning_dist.parallel.devices import process_group_backend
-from lightning_dist.parallel.dims import CONTEXT_PARALLEL
 from lightning_dist.parallel.sharded_init import parameters_on_meta
 from lightning_dist.strategies.torch.fully_shard import shard_device
 from lightning_dist.strategies.torch.pipeline_replay import PipelineReplay, stage_boundary
@@ -73,8 +72,7 @@ def rank_view(strategy: Any, build: Callable[[], nn.Module], batch: Any, precisi
                 replay = PipelineReplay(strategy, module, strategy.pipeline_views, batch, *boundary)
                 step = partial(replay.step, optimizer)
             elif sharded and strategy.parallel_dims.cp > 1:  # this rank's shard of each sequence, as training runs it
-                context = context_parallel_of(strategy.context_parallel, mesh[CONTEXT_PARALLEL], coordinates["cp"],
-                                              strategy.parallel_dims.cp, root)
+                context = strategy.context_axis(mesh, coordinates["cp"], root, module)
                 step = partial(_step_in_context, context, strategy, model, module, optimizer, context.shard(batch))
             else:
                 step = partial(_step, strategy, model, module, optimizer, batch)

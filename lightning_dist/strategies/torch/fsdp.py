@@ -289,12 +289,8 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         if self._pipeline_split is not None and self._pipeline_steps is None:
             self._pipeline_steps = self.pipeline.steps(self, self._pipeline_split, roots)
         if self.parallel_dims.cp > 1:
-            check_context_parallel(self.parallel_dims.cp, self.context_parallel, device_type=self.root_device.type)
             cp_rank = self.parallel_dims.coordinates(self.global_rank)["cp"]
-            self.context = context_parallel_of(self.context_parallel, self.device_mesh[CONTEXT_PARALLEL], cp_rank,
-                                               self.parallel_dims.cp, self.root_device)
-            self.context.expect_exchanges(self.lightning_module, self.blocks.classes_in(self.lightning_module),
-                                          recomputes=self.blocks.checkpointing is not None)
+            self.context = self.context_axis(self.device_mesh, cp_rank, self.root_device, self.lightning_module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -306,6 +302,15 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
 
     _pipeline_split: PipelineSplit | None = None
     _pipeline_views: list[nn.Module] = []
+
+    def context_axis(self, mesh: DeviceMesh, cp_rank: int, device: torch.device, model: nn.Module) -> ContextParallel:
+        """Context-parallel rank `cp_rank` of `mesh`'s context axis, its collectives' tensors on `device`, counting
+        one exchange per block of `model` in each step: the run's, and the dry run's (strategies/torch/dry_run.py)."""
+        check_context_parallel(self.parallel_dims.cp, self.context_parallel, device_type=device.type)
+        context = context_parallel_of(self.context_parallel, mesh[CONTEXT_PARALLEL], cp_rank, self.parallel_dims.cp,
+                                      device)
+        context.expect_exchanges(model, self.blocks.classes_in(model), recomputes=self.blocks.checkpointing is not None)
+        return context
 
     def parallelize(self, model: nn.Module) -> list[nn.Module]:
         """Pipeline stages outermost (each rank keeps its stages' part of the model), then tensor parallelism, then
