@@ -14,7 +14,7 @@ directory, at the same path). The checks a multi-node run needs that one node ca
 - `same_losses`: 2 nodes train as 1 node with as many ranks, loss for loss (float32: within 1e-5); strategy
   `fsdp_hybrid` is HYBRID_SHARD on 2 nodes x 2 ranks against FULL_SHARD on 1 node x 4.
 
-The suite runs a scaled-down version (tests/launch/test_two_nodes.py). Needs root for `unshare --mount` (own_disk).
+The suite runs a scaled-down version (tests/run/test_two_nodes.py). Needs root for `unshare --mount` (own_disk).
 """
 
 from __future__ import annotations

@@ -61,8 +61,8 @@ def in_the_suite(cases: list, kept: list | tuple, unpack: bool = False) -> list:
             for case in cases]
 
 
-# Real DeepSpeed configs copied unchanged from public projects (their sources: tests/deepspeed_config/configs/README.md).
-DS_CONFIGS = REPO / "tests" / "deepspeed_config" / "configs"
+# Real DeepSpeed configs copied unchanged from public projects (their sources: tests/strategies/deepspeed/config/configs/README.md).
+DS_CONFIGS = REPO / "tests" / "strategies" / "deepspeed" / "config" / "configs"
 HF_ZERO2 = DS_CONFIGS / "transformers_ds_config_zero2.json"
 HF_ZERO3 = DS_CONFIGS / "transformers_ds_config_zero3.json"
 
@@ -148,7 +148,7 @@ MEMORY_HEAVY = {"tests.parallel.test_sharded_init": "memory-heavy", "tests.memor
 LONGEST_FIRST = (
     # async_io's first build (654 s of one worker in a clean run on the slow kind, 306 on the other): first, so that
     # the other worker trains meanwhile and the NVMe runs, which load the op, find it built when their turn comes.
-    "tests.deepspeed_config.test_preflight",
+    "tests.strategies.deepspeed.config.test_preflight",
     "trained-runs",  # 960 s
     "curve-runs",  # 753
     "tests.test_documented_commands",  # 513
@@ -158,10 +158,10 @@ LONGEST_FIRST = (
     "tests.strategies.test_nvme_offload",  # 275, most of it waiting on that build
     "memory-heavy",  # 264
     "tests.recipes.test_long_context",  # 260
-    "tests.launch.test_two_nodes",  # 234
+    "tests.run.test_two_nodes",  # 234
     "tests.test_notebooks",  # 215
     "tests.callbacks.test_model_checkpoint",  # 189
-    "tests.deepspeed_config.test_deepspeed_config_runs",  # 167
+    "tests.strategies.deepspeed.config.test_deepspeed_config_runs",  # 167
     "tests.test_loop_on_cuda",  # 152
     "tests.test_dry_run_on_cuda",  # 137
     "tests.test_gpu_compare",  # 130
@@ -171,7 +171,7 @@ LONGEST_FIRST = (
     "tests.strategies.test_plain_trainer",  # 93
     "tests.conf.test_configs",  # 91
     "tests.test_dry_run",  # 90
-    "tests.launch.test_kubernetes",  # 86
+    "tests.run.test_kubernetes",  # 86
     "tests.models.test_gpt_moe",  # 77
     "tests.strategies.test_pipeline_dry_run",  # 72
     "tests.parallel.test_hung_collective",  # 69

@@ -243,7 +243,7 @@ REFUSED = [
      " the 2 ranks do not divide into tensor-parallel groups of that size; choose one of 1, 2"),
     (["strategy=deepspeed_stage_1", "strategy.tensor_parallel_size=0"], "strategy.tensor_parallel_size=0: must be null"
      " (DeepSpeed: the config file's), an integer >= 1, or -1 (the ranks that are left)"),
-    (["strategy=deepspeed", f"strategy.config={REPO}/tests/deepspeed_config/configs/llama_factory_ds_z2_autotp_config.json",
+    (["strategy=deepspeed", f"strategy.config={REPO}/tests/strategies/deepspeed/config/configs/llama_factory_ds_z2_autotp_config.json",
       "strategy.tensor_parallel_size=1"], "strategy.config (llama_factory_ds_z2_autotp_config.json): 1 problem:"
      " tensor_parallel.autotp_size=2 but strategy.tensor_parallel_size=1 (make them agree)"),
     # Overrides Hydra cannot parse, as a shell passes them unquoted.

@@ -86,19 +86,19 @@ RUN_ELSEWHERE = {
         "tests/recipes/test_long_context.py", 'documented_commands(RECIPE) if "auto_fit" in c'),
     "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_7b dry_run=true trainer=gpu trainer.devices=8 trainer.num_nodes=8 strategy=fsdp strategy.context_parallel_size=8 strategy.activation_checkpointing=true data.block_size=131072 data.batch_size=1 data.repeat=8": (
         "tests/recipes/test_long_context.py", 'documented_commands(RECIPE) if "dry_run=true" in c'),
-    "python train.py -m strategy=ddp,fsdp trainer.max_steps=20": ("tests/launch/test_multirun.py", "python train.py -m strategy="),
-    "python -m lightning_dist.sweep_report logs/train/multiruns/<date>": ("tests/launch/test_multirun.py", "python -m lightning_dist.sweep_report"),
-    "python train.py -m hparams_search=optuna": ("tests/launch/test_hparams_search.py", "python train.py -m hparams_search=optuna"),
+    "python train.py -m strategy=ddp,fsdp trainer.max_steps=20": ("tests/run/test_multirun.py", "python train.py -m strategy="),
+    "python -m lightning_dist.sweep_report logs/train/multiruns/<date>": ("tests/run/test_multirun.py", "python -m lightning_dist.sweep_report"),
+    "python train.py -m hparams_search=optuna": ("tests/run/test_hparams_search.py", "python train.py -m hparams_search=optuna"),
     # docs/deepspeed-configs.md: a ds_config file with the Trainer's precision, and NVMe offload, each run with the
     # same choices by the tests of what they do
-    "python train.py strategy=deepspeed strategy.config=tests/deepspeed_config/configs/transformers_ds_config_zero2.json trainer.precision=bf16-mixed": (
-        "tests/deepspeed_config/test_deepspeed_config_runs.py", 'zero2_runs("bf16-mixed")'),
+    "python train.py strategy=deepspeed strategy.config=tests/strategies/deepspeed/config/configs/transformers_ds_config_zero2.json trainer.precision=bf16-mixed": (
+        "tests/strategies/deepspeed/config/test_deepspeed_config_runs.py", 'zero2_runs("bf16-mixed")'),
     "mkdir -p /tmp/nvme && python train.py strategy=deepspeed_stage_3_offload_nvme strategy.nvme_path=/tmp/nvme": (
         "tests/strategies/test_nvme_offload.py", '"strategy=deepspeed_stage_3_offload_nvme", f"strategy.nvme_path={nvme}"'),
     # recipes/
-    "python train.py strategy=deepspeed strategy.config=tests/deepspeed_config/configs/transformers_ds_config_zero2.json": (
+    "python train.py strategy=deepspeed strategy.config=tests/strategies/deepspeed/config/configs/transformers_ds_config_zero2.json": (
         "tests/recipes/test_bring_your_ds_config.py", "strategy.config={HF_ZERO2}"),
-    "python -m recipes.bring_your_ds_config.show_auto tests/deepspeed_config/configs/transformers_ds_config_zero2.json": (
+    "python -m recipes.bring_your_ds_config.show_auto tests/strategies/deepspeed/config/configs/transformers_ds_config_zero2.json": (
         "tests/recipes/test_bring_your_ds_config.py", "show_auto(["),
     "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_7b plan=true strategy=deepspeed_stage_3": (
         "tests/recipes/test_choose_a_strategy.py", '"strategy=deepspeed_stage_3"'),
@@ -133,13 +133,13 @@ RUN_ELSEWHERE = {
     "sbatch recipes/multi_node/train.sbatch": ("tests/recipes/test_multi_node.py", "train.sbatch"),
     # two nodes on one machine: scripts/two_nodes.py starts torchrun's agents as these commands do
     "GLOO_SOCKET_IFNAME=ldv0 OMP_NUM_THREADS=1 torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d": (
-        "tests/launch/test_two_nodes.py", 'rendezvous="c10d"'),
+        "tests/run/test_two_nodes.py", 'rendezvous="c10d"'),
     "ip netns exec ld-node1 env GLOO_SOCKET_IFNAME=ldv1 OMP_NUM_THREADS=1 torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d": (
-        "tests/launch/test_two_nodes.py", 'local_addr={0: "10.77.0.1", 1: "10.77.0.2"}'),
-    "OMP_NUM_THREADS=1 torchrun --nnodes 2": ("tests/launch/test_two_nodes.py", "run_nodes("),
-    "GLOO_SOCKET_IFNAME=ldv0 OMP_NUM_THREADS=1 torchrun --nnodes 2": ("tests/launch/test_two_nodes.py", "GLOO_SOCKET_IFNAME"),
-    "ip netns exec ld-node1 env GLOO_SOCKET_IFNAME=ldv1": ("tests/launch/test_two_nodes.py", "GLOO_SOCKET_IFNAME"),
-    "ip ": ("tests/launch/test_two_nodes.py", "documented_network_commands()"),
+        "tests/run/test_two_nodes.py", 'local_addr={0: "10.77.0.1", 1: "10.77.0.2"}'),
+    "OMP_NUM_THREADS=1 torchrun --nnodes 2": ("tests/run/test_two_nodes.py", "run_nodes("),
+    "GLOO_SOCKET_IFNAME=ldv0 OMP_NUM_THREADS=1 torchrun --nnodes 2": ("tests/run/test_two_nodes.py", "GLOO_SOCKET_IFNAME"),
+    "ip netns exec ld-node1 env GLOO_SOCKET_IFNAME=ldv1": ("tests/run/test_two_nodes.py", "GLOO_SOCKET_IFNAME"),
+    "ip ": ("tests/run/test_two_nodes.py", "documented_network_commands()"),
 }
 STEPS = "trainer.max_steps=3"  # a few steps: what is tested is that the command runs, not the training
 RESUMED_STEPS = "trainer.max_steps=6"  # past the checkpoint the resumed run starts from

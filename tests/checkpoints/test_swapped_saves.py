@@ -86,7 +86,7 @@ def test_a_failed_save_removes_its_part_and_says_the_space_left(tmp_path, raised
 
 def test_only_global_rank_0_removes_a_cut_off_saves_leftover(tmp_path):
     # Node 1's local rank 0 on storage node 0 shares: were it to remove the leftover too, the two removals would
-    # race, and one would fail on the files the other removed first (tests/launch/test_two_nodes.py runs it).
+    # race, and one would fail on the files the other removed first (tests/run/test_two_nodes.py runs it).
     final = tmp_path / "last.ckpt"
     leftover = partial_path(final)
     leftover.mkdir()

@@ -47,7 +47,7 @@ README = REPO / "recipes" / "choose_a_strategy" / "README.md"
 
 
 # Four two-rank jobs (4 minutes of a loaded suite): in scripts/extended_checks.sh. The suite runs the README's own
-# sweep and report as written (tests/launch/test_multirun.py), the same launcher and report code.
+# sweep and report as written (tests/run/test_multirun.py), the same launcher and report code.
 @pytest.mark.extended
 def test_sweep_of_the_candidates_and_its_report_as_written(tmp_path, deepspeed_ops):
     sweep_command = documented(README, "python train.py -m")

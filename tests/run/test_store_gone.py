@@ -1,6 +1,6 @@
 """A torchrun worker whose node-0 agent is gone while the process group forms: the store it would read a refusal
 from went with that agent, and the rendezvous would wait on it for strategy.timeout (30 minutes by default). It ends
-once the store has been unreachable for `STORE_GONE_S`, in one line (two real nodes: tests/launch/test_two_nodes.py)."""
+once the store has been unreachable for `STORE_GONE_S`, in one line (two real nodes: tests/run/test_two_nodes.py)."""
 
 from __future__ import annotations
 
