@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from lightning_dist.memory.layout import Layout
 from lightning_dist.memory.model_facts import ModelFacts
+from lightning_dist.parallel import context_parallel, pipeline_layout, tensor_parallel
 from lightning_dist.parallel.dims import ParallelDims
 
 GB = 1e9  # decimal gigabytes, as in the ZeRO paper's and vendors' figures
@@ -103,6 +104,12 @@ class MemoryPlan:
             lines.append("(activations traced in fp32 and halved: autocast keeps norms' inputs and the loss in fp32;"
                          " CUDA's allocator rounding and cuBLAS/cuDNN workspaces are not included)")
         return "\n".join(lines)
+
+
+# Each parallel axis's share of a step's saved activations (its module's `activations_held`: what one of `ranks`
+# ranks of the axis saves of `activations`, under the layout), applied in turn.
+ACTIVATION_SHARES = (("tp", tensor_parallel.activations_held), ("cp", context_parallel.activations_held),
+                     ("pp", pipeline_layout.activations_held))
 
 
 def plan_memory(
@@ -202,18 +209,9 @@ def plan_memory(
     plan.device["buffers"] = facts.buffer_bytes
     activations: float | None = facts.activations_under(layout.activation_checkpointing)
     plan.activations_known = activations is not None
-    if activations and dims.tp > 1 and not layout.activation_checkpointing:
-        # Tensor parallelism splits what attention and the MLP save, not the residual stream and the norms' inputs:
-        # 10 + 24/t of a transformer block's 34 units (Korthikanti et al. 2022, "Reducing Activation Recomputation
-        # in Large Transformer Models", without sequence parallelism). A checkpointed block saves only its input.
-        activations = activations * (10 + 24 / dims.tp) / 34
-    if activations and dims.cp > 1:
-        # Each rank of a context-parallel group holds its shard of every sequence: its share of the activations
-        # (attention's whole-sequence query, key and value for its heads are transient).
-        activations = activations / dims.cp
-    if activations and dims.pp > 1:
-        # A stage saves its share of the layers' activations, for the microbatches in flight through it.
-        activations = activations / dims.pp * layout.pipeline_in_flight
+    for axis, held_by_a_rank in ACTIVATION_SHARES:  # each axis's share of what its group's ranks save
+        if activations and (ranks := getattr(dims, axis)) > 1:
+            activations = held_by_a_rank(activations, ranks, layout)
     # Traced in fp32; a 16-bit run saves (about) half.
     plan.device["activations"] = (activations or 0) * compute_bytes / 4
     if layout.reduce_scatter_per_block:

@@ -96,6 +96,12 @@ def model_unsplit(facts: Any, cp: int) -> str | None:
     return None
 
 
+def activations_held(activations: float, cp: int, layout: Any) -> float:
+    """What one of `cp` ranks saves of a step's `activations` (the memory planner's): its shard of every sequence
+    (attention's whole-sequence query, key and value for its heads are transient)."""
+    return activations / cp
+
+
 def position_modules(model: Any) -> list[tuple[str, Any, str]]:
     """The modules that give `model` its positions, as (name, module, kind): "embedding" (called with positions)
     or "rotary" (called with hidden states and `position_ids`)."""

@@ -153,6 +153,12 @@ def model_unsplit(facts: Any, stages: int) -> str | None:
     return None
 
 
+def activations_held(activations: float, pp: int, layout: Any) -> float:
+    """What one of `pp` stages saves of a step's `activations` (the memory planner's): its share of the layers'
+    activations, for the microbatches in flight through it (`layout.pipeline_in_flight`)."""
+    return activations / pp * layout.pipeline_in_flight
+
+
 def check_schedule_file(path: str, layout: PipelineLayout, microbatches: int) -> None:
     """ValueError in one line unless the CSV file at `path` is a schedule torch can run for `layout`: one row of
     actions per pipeline rank, each action of one of its stages and microbatches, and every stage's forward of every

@@ -175,6 +175,14 @@ def model_unsplit(facts: Any, tp: int) -> str | None:
     return None
 
 
+def activations_held(activations: float, tp: int, layout: Any) -> float:
+    """What one of `tp` ranks saves of a step's `activations` (the memory planner's): tensor parallelism splits
+    what attention and the MLP save, not the residual stream and the norms' inputs: 10 + 24/t of a transformer
+    block's 34 units (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+    without sequence parallelism). A checkpointed block saves only its input, which it does not split."""
+    return activations if layout.activation_checkpointing else activations * (10 + 24 / tp) / 34
+
+
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: TensorParallelPlan) -> None:
     """Split the layers `plan` names across `mesh` (1-D: the tensor-parallel axis). Before activation checkpointing
     and FSDP, as torchtitan orders them; on the meta device too (nothing is allocated)."""
