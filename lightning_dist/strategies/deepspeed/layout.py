@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_dist.memory.layout import Layout
-from lightning_dist.parallel.sizes import ParallelSizes
 from lightning_dist.strategies.deepspeed.config.resolve import HIDDEN_SIZE_RULES
 from lightning_dist.strategies.deepspeed.config.swap_buffers import DEFAULT_PERSISTENCE_THRESHOLD, parameter_swap_pool
 
@@ -54,8 +53,7 @@ def zero_layout(strategy: Any, name: str) -> Layout:
         parameters_in_host=0 if preset else int(param_swap["max_in_cpu"]),
         sub_group_size=int(zero.get("sub_group_size", _DEEPSPEED_SUB_GROUP_SIZE)) if stage >= 3 else 0,
         optimizer_swap_buffers=int(optimizer_swaps),
-        # AutoTP's tensor-parallel groups, Ulysses' sequence-parallel ones
-        sizes=ParallelSizes(tensor=strategy.tensor_parallel_size, context=strategy.context_parallel_size),
+        sizes=strategy.parallel_sizes,  # AutoTP's tensor-parallel groups, Ulysses' sequence-parallel ones
         activation_checkpointing=strategy.activation_checkpointing,
         fp32_master_weights=True,
         host_gradient_copies=True,

@@ -37,6 +37,7 @@ from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.module_state import move_module_state
 from lightning_dist.parallel.precision import PrecisionSupport
 from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
+from lightning_dist.parallel.sizes import ParallelSizes
 from lightning_dist.strategies.axis_steps import StepAxis
 from lightning_dist.strategies.base import StrategyBase
 from lightning_dist.strategies.deepspeed.autotp import check_tensor_parallel_inputs, initialize_inference_engine
@@ -178,14 +179,19 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         return size or (in_file if isinstance(in_file, int) and in_file > 1 else 1)
 
     @property
+    def parallel_sizes(self) -> ParallelSizes:
+        """AutoTP's tensor-parallel and Ulysses' sequence-parallel sizes, from its options or its config file."""
+        return ParallelSizes(tensor=self.tensor_parallel_size, context=self.context_parallel_size)
+
+    @property
     def parallel_dims(self) -> ParallelDims:
         """ZeRO partitions over every rank (DeepSpeed's hierarchical partitioning is not offered); under AutoTP the
         ranks of one tensor-parallel group (neighbours, as DeepSpeed groups them) share a batch, under Ulysses those of
         one sequence-parallel group (each holding a shard of its sequences)."""
-        tp, cp = self.tensor_parallel_size, self.context_parallel_size
-        if self.world_size % (tp * cp) or (tp > 1 and cp > 1):  # refused before launch
-            return ParallelDims(dp_shard=self.world_size)
-        return ParallelDims(dp_shard=self.world_size // (tp * cp), cp=cp, tp=tp)
+        sizes = self.parallel_sizes
+        if self.world_size % (sizes.tensor * sizes.context) or (sizes.tensor > 1 and sizes.context > 1):
+            return ParallelDims(dp_shard=self.world_size)  # refused before launch
+        return ParallelDims.resolve(self.world_size, cp=sizes.context, tp=sizes.tensor)
 
     @property
     @override
