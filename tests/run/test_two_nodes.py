@@ -215,15 +215,16 @@ def test_a_torchrun_worker_dies_with_its_agent_killed_by_sigkill(tmp_path):
 
 def test_a_configuration_one_node_refuses_ends_the_other_at_once(tmp_path):
     # Node 1's command line has a typo the checks before launch refuse; node 0's is fine and would wait for node 1
-    # in the rendezvous for strategy.timeout (+30 s): it stops at once, with node 1's reason (launch/job_store.py).
+    # in the rendezvous for strategy.timeout (+30 s): it stops at once, with node 1's reason (lifecycle/job_store.py).
+    # A timeout far beyond the bound below: on a loaded machine the two nodes' start-ups alone took 46 s.
     started = time.monotonic()
-    nodes = run_nodes(["strategy=ddp", "trainer.max_steps=4", "test=false", "strategy.timeout=60"], tmp_path / "run",
+    nodes = run_nodes(["strategy=ddp", "trainer.max_steps=4", "test=false", "strategy.timeout=600"], tmp_path / "run",
                       node_overrides={1: ["model.optimizer.lr=-1"]}, timeout=180)
     assert [node.code for node in nodes] == [1, 1], nodes[0].output[-3000:]  # torchrun's agent: a worker failed
     refused = "model.optimizer.lr=-1: must be a number > 0"
     assert error_lines(nodes[1].output) == [f"error: {refused}"]
     assert error_lines(nodes[0].output) == [f"error: rank 1 refused the run's configuration, so this rank stops too: {refused}"]
-    assert time.monotonic() - started < 45  # not 60 + 30
+    assert time.monotonic() - started < 120  # not 600 + 30
 
 
 def test_a_run_directory_node_0_refuses_ends_node_1_within_a_minute_naming_the_refusal(tmp_path):
