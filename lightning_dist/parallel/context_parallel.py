@@ -173,7 +173,9 @@ class ContextParallel:
         self.attention_layers = (sum(isinstance(module, block_classes) for module in model.modules())
                                  if block_classes else 0)
         self.recomputes = recomputes
-        self.model_name = type(model).__name__
+        # Sharded, the module's class is FSDP2's subclass of it (FSDP<name>): the user's is the first not torch's.
+        user_class = next(kind for kind in type(model).__mro__ if not kind.__module__.startswith("torch."))
+        self.model_name = user_class.__name__
 
     # The axis's part in each step (strategies/axis_steps.py).
     def run_step(self, strategy: Any, kind: str, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

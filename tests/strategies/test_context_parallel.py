@@ -167,3 +167,14 @@ def test_ring_attentions_dry_run_steps_each_rank_on_torchs_shard_with_cuda_faked
     assert abs(measured - planned) <= 0.05 * planned
     rank_0, rank_3, plan = (float(v) for v in table["peak"])
     assert rank_0 == rank_3 and abs(rank_0 - plan) / plan < 0.15
+
+
+def test_a_dry_run_of_attention_context_parallelism_cannot_exchange_stops_naming_the_model(tmp_path):
+    """The dry run steps each rank as the run does, its attention exchanges counted: attention written out (the
+    softmax of q k^T) would see only the rank's shard of each sequence."""
+    run = run_train(tmp_path / "run", "model._target_=tests.parallel.written_out_gpt.WrittenOutGPTLanguageModel",
+                    "strategy=fsdp", "strategy.context_parallel_size=2", "trainer.devices=4", "dry_run=true")
+    assert run.process.returncode != 0
+    assert ("strategy.context_parallel_size=2: WrittenOutGPTLanguageModel's forward called"
+            " torch.nn.functional.scaled_dot_product_attention 0 times for its 4 blocks, so the rest of its attention"
+            " (written out, or another kernel) saw only this rank's shard of the sequence") in run.process.stderr
