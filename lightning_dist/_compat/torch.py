@@ -532,13 +532,28 @@ def stage_reduce_gradients(stage: Any) -> None:
     stage.perform_reduce_grad(1)
 
 
-def all_to_all_with_gradients(chunks: torch.Tensor, group: Any) -> torch.Tensor:
+def all_to_all_with_gradients(chunks: torch.Tensor, group: Any, output_splits: list[int] | None = None,
+                              input_splits: list[int] | None = None) -> torch.Tensor:
     """Chunk i of `chunks`' first dimension to rank i of `group`, and theirs back, differentiable (backward sends
     the gradients the reverse way): torch's functional collective (`torch.distributed.nn.functional`'s is
-    deprecated). Waited for here: the next op needs it."""
+    deprecated). Equal chunks, or `input_splits[i]` rows to rank i and `output_splits[i]` from it. Waited for here:
+    the next op needs it."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-    return wait_tensor(all_to_all_single_autograd(chunks, None, None, group))
+    return wait_tensor(all_to_all_single_autograd(chunks, output_splits, input_splits, group))
+
+
+@contextmanager
+def own_parameters_as(module: nn.Module, values: dict[str, torch.Tensor]) -> Iterator[None]:
+    """`module`'s own parameters named in `values` read as those tensors (plain ones: a DTensor's local part) while
+    inside, then as they were. No public way: `torch.func.functional_call` would call the module, running its
+    hooks (FSDP's) a second time; transformers swaps them the same way (`_use_local_dtensor_params`)."""
+    held = {name: module._parameters[name] for name in values}
+    module._parameters.update(values)  # type: ignore[arg-type]  # plain tensors where Parameters are expected
+    try:
+        yield
+    finally:
+        module._parameters.update(held)
 
 
 def runs_v_schedules() -> bool:

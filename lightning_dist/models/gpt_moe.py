@@ -4,10 +4,10 @@ experts, as Mixtral, Qwen2-MoE and DeepSeek build theirs.
 - A linear router scores the experts for each token; the top k are chosen and their softmax probabilities,
   renormalised over the k, weigh their outputs (Mixtral's routing).
 - The experts are one module each (an `nn.ModuleList` of MLPs, the layout of most MoE code written before fused
-  expert kernels), and an expert no token chose is not called. That is the layout that hangs ZeRO-3 (DeepSpeed
-  #4808: a rank that skips an expert never gathers its parameters, which the ranks that call it wait for) and that
-  DDP refuses (a parameter without a gradient); the strategies handle it, not the model
-  (lightning_dist/parallel/experts.py).
+  expert kernels, called as transformers calls its fused experts), and an expert no token chose is not called. That
+  is the layout that hangs ZeRO-3 (DeepSpeed #4808: a rank that skips an expert never gathers its parameters, which
+  the ranks that call it wait for) and that DDP refuses (a parameter without a gradient); the strategies handle it,
+  not the model (lightning_dist/parallel/experts.py).
 - An optional shared expert, which every token goes through besides its routed ones (Qwen2-MoE, DeepSeek).
 - A load-balancing loss (Switch Transformer's: experts x the sum over experts of the share of tokens routed to each
   times its mean router probability; 1.0 when the load is even) whose gradient enters backward where it is computed
@@ -47,6 +47,22 @@ def expert_mlp(d_model: int) -> nn.Sequential:
     return mlp
 
 
+class RoutedExperts(nn.ModuleList):
+    """The experts of one layer, one module each, called as transformers calls its fused experts modules
+    (`MixtralExperts`): each token's hidden state, the experts it chose and their weights in, the weighted sum of
+    their outputs out. An expert no token chose is not called. Expert parallelism
+    (lightning_dist/parallel/expert_parallel) splits a layer's experts over ranks at this call."""
+
+    def forward(self, hidden: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        routed = torch.zeros_like(hidden)
+        for index, expert in enumerate(self):
+            token, slot = torch.where(chosen == index)
+            if token.numel() == 0:  # not called: the layout that hangs ZeRO-3 unless its MoE layers are leaves
+                continue
+            routed.index_add_(0, token, expert(hidden[token]) * weights[token, slot, None])
+        return routed
+
+
 class MixtureOfExperts(nn.Module):
     """Top-k routing over `n_experts` MLPs, an optional shared expert, and the load-balancing loss (its coefficient
     `balance`) whose gradient enters backward here."""
@@ -57,7 +73,7 @@ class MixtureOfExperts(nn.Module):
             raise ValueError(f"model.top_k={top_k}: choose from 1 to model.n_experts={n_experts}")
         self.top_k, self.balance = top_k, balance
         self.router = nn.Linear(d_model, n_experts, bias=False)
-        self.experts = nn.ModuleList(expert_mlp(d_model) for _ in range(n_experts))
+        self.experts = RoutedExperts(expert_mlp(d_model) for _ in range(n_experts))
         self.shared_expert = expert_mlp(d_model) if shared_expert else None
         self.tokens_per_expert: torch.Tensor | None = None
         self.balance_loss: torch.Tensor | None = None
@@ -67,12 +83,7 @@ class MixtureOfExperts(nn.Module):
         probabilities = self.router(flat).float().softmax(dim=-1)
         weights, chosen = probabilities.topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(flat.dtype)
-        routed = torch.zeros_like(flat)
-        for index, expert in enumerate(self.experts):
-            token, slot = torch.where(chosen == index)
-            if token.numel() == 0:  # not called: the layout that hangs ZeRO-3 unless its MoE layers are leaves
-                continue
-            routed.index_add_(0, token, expert(flat[token]) * weights[token, slot, None])
+        routed = self.experts(flat, chosen, weights)
         if self.shared_expert is not None:
             routed = routed + self.shared_expert(flat)
         counts = F.one_hot(chosen, len(self.experts)).sum(dim=(0, 1))
