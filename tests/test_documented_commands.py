@@ -110,6 +110,9 @@ RUN_ELSEWHERE = {
     "python train.py model=hf_bart": ("tests/recipes/test_hf_causal_lm.py", '"model=hf_bart"'),
     "python train.py model=hf_gpt2 model.pretrained=": ("tests/recipes/test_hf_causal_lm.py", 'f"model.pretrained='),
     "lightning-dist export merged": ("tests/recipes/test_finetune.py", "documented_commands(RECIPE)"),
+    # expert parallelism on 4 ranks: the same overrides, 5 steps, losses compared with ep 1's
+    "python train.py model=gpt_moe strategy=fsdp strategy.expert_parallel_size=2 trainer.devices=4": (
+        "tests/parallel/test_expert_parallel.py", '"gpt_moe ep 2": ("strategy=fsdp", "strategy.expert_parallel_size=2"'),
     # recipes/moe (and docs/strategies.md's MoE command): its page's commands in order, by its own test
     "python train.py model=gpt_moe strategy=deepspeed_stage_3 trainer.devices=2": (
         "tests/recipes/test_moe.py", "documented_commands(RECIPE)"),

@@ -33,6 +33,12 @@ CONTEXT_PARALLEL = "context_parallel"
 PIPELINE_PARALLEL = "pipeline_parallel"
 # What FSDP shards over once context parallelism folds its ranks in (torchtitan's `dp_shard_cp`).
 DATA_PARALLEL_SHARD_CP = "data_parallel_shard_cp"
+# Expert parallelism splits the shard axis in two (torchtitan's layout): the ranks left to each expert, which FSDP
+# shards its weights over (outer), and the ranks that split each layer's experts (inner), with the context-parallel
+# ranks when there are some (then the shard axis's part is `expert_parallel_shard`, flattened with them).
+EXPERT_SHARD = "expert_shard"
+EXPERT_PARALLEL = "expert_parallel"
+EXPERT_PARALLEL_SHARD = "expert_parallel_shard"
 
 
 @dataclass(frozen=True)
@@ -69,16 +75,18 @@ def sharding_layout(name: str) -> tuple[bool, bool]:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The sizes of a run's parallel dimensions, one field per row of `AXES`; their product is the world size."""
+    """The sizes of a run's parallel dimensions, one field per row of `AXES`; their product is the world size.
+    `ep` is not a row: expert parallelism re-partitions the ranks FSDP shards over (`dp_shard` x `cp`)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
     cp: int = 1
     pp: int = 1
+    ep: int = 1
 
-    # Outermost first: the order ranks are laid out in, and the device mesh's. Room for more (expert parallelism):
-    # a field and a row.
+    # Outermost first: the order ranks are laid out in, and the device mesh's. Room for more: a field and a row (an
+    # axis that re-partitions another's ranks, as `ep` does the shard axis's, is a field only).
     AXES: ClassVar[tuple[Axis, ...]] = (
         Axis("pp", PIPELINE_PARALLEL),
         Axis("dp_replicate", DATA_PARALLEL_REPLICATE, reads_data=True),
@@ -88,11 +96,15 @@ class ParallelDims:
     )
 
     def __post_init__(self) -> None:
-        if {axis.name for axis in self.AXES} != {field.name for field in fields(self)}:
-            raise TypeError(f"{type(self).__name__}: one field per axis of AXES")
-        for name, value in self.sizes.items():
+        if {axis.name for axis in self.AXES} | {"ep"} != {field.name for field in fields(self)}:
+            raise TypeError(f"{type(self).__name__}: one field per axis of AXES, and ep")
+        for name, value in {**self.sizes, "ep": self.ep}.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelDims.{name}={value!r}: give a whole number of ranks, at least 1")
+        if self.ep > 1 and (self.ep % self.cp or self.dp_shard % (self.ep // self.cp)):
+            raise ValueError(f"ParallelDims.ep={self.ep}: expert parallelism takes each context-parallel group"
+                             f" (cp={self.cp}) and some shard ranks (dp_shard={self.dp_shard}): a multiple of cp"
+                             " that divides dp_shard x cp")
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -105,6 +117,7 @@ class ParallelDims:
         the ranks that are left); one size may be -1: "the ranks that are left" (torchtitan's and Accelerate's
         convention). Raises ValueError naming the sizes when they do not multiply to the world."""
         sizes = {"dp_shard": -1, **sizes} if "dp_shard" not in sizes else dict(sizes)
+        ep = sizes.pop("ep", 1)  # it divides the shard axis, not the world
         unknown = [name for name, size in sizes.items() if size == -1]
         if len(unknown) > 1:
             raise ValueError(f"parallel sizes {sizes}: at most one may be -1 (the ranks that are left)")
@@ -113,7 +126,7 @@ class ParallelDims:
             if known < 1 or world_size % known:
                 raise ValueError(f"parallel sizes {sizes}: {world_size} ranks do not divide into groups of {known}")
             sizes[unknown[0]] = world_size // known
-        dims = cls(**sizes)
+        dims = cls(**sizes, ep=ep)
         if dims.world_size != world_size:
             raise ValueError(
                 f"parallel sizes {sizes} multiply to {dims.world_size} ranks, and the run has {world_size}"
@@ -145,6 +158,12 @@ class ParallelDims:
                 rank = rank * getattr(self, axis.name) + coordinates[axis.name]
         return rank
 
+    def expert_rank(self, global_rank: int) -> int:
+        """Where `global_rank` is on the expert-parallel axis: the inner part of its place on the shard axis, then
+        its place in its context-parallel group."""
+        coordinates = self.coordinates(global_rank)
+        return coordinates["dp_shard"] % (self.ep // self.cp) * self.cp + coordinates["cp"]
+
     def sampler_kwargs(self, global_rank: int) -> dict[str, int]:
         """`DistributedSampler`'s arguments: one share of the data per data-parallel rank."""
         return {"num_replicas": self.dp_size, "rank": self.dp_rank(global_rank)}
@@ -152,23 +171,35 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """A device mesh over every rank with Lightning's axes, `data_parallel` and `tensor_parallel`, and every other
         axis larger than 1. When the data-parallel state is both replicated and sharded (HSDP), or context
-        parallelism lends FSDP its ranks, the data axes are there by their own names and `data_parallel` is them
-        flattened; so is `data_parallel_shard_cp`, what FSDP shards over. Flattened meshes are kept with the mesh
-        (`flattened_mesh`): torch has deprecated slicing them from it."""
+        parallelism lends FSDP its ranks, or expert parallelism splits the shard axis, the data axes are there by
+        their own names and `data_parallel` is them flattened; so is `data_parallel_shard_cp`, what FSDP shards
+        over (and `expert_parallel`, the ranks that split the experts, under context parallelism). Flattened meshes
+        are kept with the mesh (`flattened_mesh`): torch has deprecated slicing them from it."""
         kept = [axis for axis in self.AXES if getattr(self, axis.name) > 1 or axis.name in ("dp_shard", "tp")]
-        one_data_axis = self.dp_replicate == 1 and self.cp == 1
-        names = [DATA_PARALLEL if one_data_axis and axis.name == "dp_shard" else axis.mesh_name for axis in kept]
-        mesh = init_device_mesh(
-            device_type, tuple(getattr(self, axis.name) for axis in kept), mesh_dim_names=tuple(names)
-        )
+        one_data_axis = self.dp_replicate == 1 and self.cp == 1 and self.ep == 1
+        dims = {axis.name: self._mesh_dims(axis, one_data_axis) for axis in kept}
+        mesh = init_device_mesh(device_type, tuple(size for parts in dims.values() for size in parts.values()),
+                                mesh_dim_names=tuple(name for parts in dims.values() for name in parts))
         if not one_data_axis:
-            data = tuple(axis.mesh_name for axis in kept if axis.reads_data)
+            data = tuple(name for axis in kept if axis.reads_data for name in dims[axis.name])
             flattened = {DATA_PARALLEL: flatten_mesh_dims(mesh, data, DATA_PARALLEL)}
             if self.cp > 1:
-                shards = tuple(axis.mesh_name for axis in kept if axis.shards_state)
+                shards = tuple(name for axis in kept if axis.shards_state for name in dims[axis.name])
                 flattened[DATA_PARALLEL_SHARD_CP] = flatten_mesh_dims(mesh, shards, DATA_PARALLEL_SHARD_CP)
+                if self.ep > 1:
+                    flattened[EXPERT_PARALLEL] = flatten_mesh_dims(mesh, (EXPERT_PARALLEL_SHARD, CONTEXT_PARALLEL),
+                                                                   EXPERT_PARALLEL)
             _FLATTENED[mesh] = flattened
         return mesh
+
+    def _mesh_dims(self, axis: Axis, one_data_axis: bool) -> dict[str, int]:
+        """The mesh's dimensions for `axis`, by name: the shard axis is two under expert parallelism."""
+        if axis.name == "dp_shard" and self.ep > 1:
+            inside = self.ep // self.cp
+            return {EXPERT_SHARD: self.dp_shard // inside, EXPERT_PARALLEL if self.cp == 1 else EXPERT_PARALLEL_SHARD:
+                    inside}
+        name = DATA_PARALLEL if one_data_axis and axis.name == "dp_shard" else axis.mesh_name
+        return {name: getattr(self, axis.name)}
 
     def sharding_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The part of `mesh` that FSDP shards over: 1-D, or 2-D (replicate, shard) for HSDP, as `fully_shard`
@@ -180,6 +211,14 @@ class ParallelDims:
         if self.dp_replicate == 1:
             return flattened_mesh(mesh, shard)
         return mesh[DATA_PARALLEL_REPLICATE, shard]
+
+    def expert_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The expert-parallel axis of `mesh` (1-D): the ranks that split each layer's experts."""
+        return flattened_mesh(mesh, EXPERT_PARALLEL)
+
+    def expert_sharding_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The part of `mesh` that FSDP shards the experts over: the ranks left to each expert."""
+        return mesh[EXPERT_SHARD]
 
 
 # The meshes `build_mesh` flattened, kept with the mesh they were flattened from (for as long as it lives).

@@ -17,7 +17,7 @@ def test_the_fsdp_strategy_takes_its_default_sizes_from_the_value():
     defaults = inspect.signature(FSDPStrategy).parameters
     assert {name: defaults[key.removeprefix("strategy.")].default for name, key in ParallelSizes.KEYS.items()} == {
         "pipeline": DEFAULT_SIZES.pipeline, "context": DEFAULT_SIZES.context, "tensor": DEFAULT_SIZES.tensor,
-        "replicate": DEFAULT_SIZES.replicate}
+        "replicate": DEFAULT_SIZES.replicate, "expert": DEFAULT_SIZES.expert}
     assert FSDPStrategy().parallel_sizes == DEFAULT_SIZES
     assert FSDPStrategy(sharding_strategy="hybrid_shard", tensor_parallel_size=2, context_parallel_size=2).parallel_sizes \
         == ParallelSizes(tensor=2, context=2, hybrid=True)

@@ -28,7 +28,14 @@ from lightning_dist.memory.layout import Layout
 from lightning_dist.optim import require_shardable_optimizer
 from lightning_dist.parallel.classes import BlockClasses
 from lightning_dist.parallel.context_parallel import ContextParallel, check_context_parallel, context_parallel_of
-from lightning_dist.parallel.dims import CONTEXT_PARALLEL, TENSOR_PARALLEL, ParallelDims, sharding_layout
+from lightning_dist.parallel.dims import (
+    CONTEXT_PARALLEL,
+    TENSOR_PARALLEL,
+    ParallelDims,
+    sharding_layout,
+)
+from lightning_dist.parallel.expert_parallel import ExpertParallel
+from lightning_dist.parallel.expert_parallel import refusal as experts_refusal
 from lightning_dist.parallel.grad_norm import clip_grad_norm_
 from lightning_dist.parallel.module_state import move_module_state
 from lightning_dist.parallel.pipeline_layout import dry_run_refusal as pipeline_dry_run_refusal
@@ -97,6 +104,9 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         context_parallel: how attention sees the whole sequence: "all_to_all" (Ulysses: heads exchanged for the
             sequence around attention; the heads must divide by the size) or "ring" (torch's ring attention, CUDA only:
             its SDPA kernels; each rank keeps every head).
+        expert_parallel_size: ranks, among those FSDP shards over, that split each mixture-of-experts layer's
+            experts (each holds experts / size; tokens go to their experts and back by all-to-all); the experts are
+            sharded over the ranks left to them (parallel/expert_parallel). 1: none.
     """
 
     strategy_name = "ld_fsdp"
@@ -121,6 +131,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         stages_per_rank: int = 1,
         context_parallel_size: int = DEFAULT_SIZES.context,
         context_parallel: str = "all_to_all",
+        expert_parallel_size: int = DEFAULT_SIZES.expert,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
@@ -142,6 +153,8 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
                              " run beside pipeline stages yet; choose one of the two")
         self.context_parallel_size, self.context_parallel = context_parallel_size, context_parallel
         self.context: ContextParallel | None = None  # this rank's part of its context-parallel group, once set up
+        self.expert_parallel_size = expert_parallel_size
+        self.experts: ExpertParallel | None = None  # this rank's experts, once split
         self.output_views = OutputViews()  # FSDP2's warning about views a sharded module returns, made a check
 
     @override
@@ -157,6 +170,8 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
                 self.pipeline.split(model, block_classes, pp_rank=0)
             if self.tensor_parallel_size != 1 and not is_overridden("configure_model", model, pl.LightningModule):
                 self.tensor_parallel_plan_of(model)  # a configure_model may split the model itself
+            if self.expert_parallel_size > 1 and (why := experts_refusal(model, self.expert_parallel_size)):
+                raise ValueError(why)
 
     @override
     def model_refusal(self, model: nn.Module, parallel_dims: ParallelDims) -> str | None:
@@ -169,14 +184,14 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
                 resolve_plan(model, self.tensor_parallel_plan, parallel_dims.tp)  # else it may split itself
         except ValueError as refusal:
             return str(refusal)
-        return None
+        return experts_refusal(model, parallel_dims.ep) if parallel_dims.ep > 1 else None
 
     @property
     def parallel_sizes(self) -> ParallelSizes:
         """The sizes this strategy was given, as the config check before launch reads them from its keys."""
         return ParallelSizes(tensor=self.tensor_parallel_size, context=self.context_parallel_size,
                              pipeline=self.pipeline.size, replicate=self.data_parallel_replicate_size,
-                             hybrid=self.hybrid)
+                             hybrid=self.hybrid, expert=self.expert_parallel_size)
 
     def check_parallel_sizes(self) -> None:
         """The sizes fit the ranks (trainer.devices x trainer.num_nodes), and a tensor-parallel group fits a node."""
@@ -325,6 +340,9 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         if self.parallel_dims.tp > 1 and not any(isinstance(p, DTensor) for p in model.parameters()):
             # Split first (a configure_model that split the model itself is left as it is), as torchtitan orders it.
             apply_tensor_parallel(model, self.device_mesh[TENSOR_PARALLEL], self.tensor_parallel_plan_of(model))
+        dims = self.parallel_dims
+        if dims.ep > 1 and (self.experts is None or not self.experts.holds(model)):
+            self.experts = ExpertParallel(model, dims.expert_mesh(self.device_mesh), dims.expert_rank(self.global_rank))
         self.blocks.apply(model, block_classes, device_type=self.root_device.type)  # checkpointing, then compilation
         if self._pipeline_split is not None and not self._pipeline_views:  # fit, then test: the same stages
             self._pipeline_views = list(self._pipeline_split.views(model))
@@ -338,6 +356,8 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
                 offload=offload_policy(self.cpu_offload, self.root_device),
                 mixed_precision=mixed_precision_policy(self.precision_plugin.precision),
                 forward_methods=[m for m in _STEP_METHODS if hasattr(root, m)],
+                experts=[] if self.experts is None else self.experts.modules,
+                experts_mesh=self.parallel_dims.expert_sharding_mesh(self.device_mesh) if self.experts else None,
             )
             if self._pipeline_split is None:  # a pipeline's stages pass activations on: its schedule owns them
                 self.output_views.watch(fully_sharded_units(root))
@@ -345,7 +365,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
 
     @override
     def step_axes(self) -> list[StepAxis]:
-        return [axis for axis in (self._pipeline_steps, self.context) if axis is not None]
+        return [axis for axis in (self._pipeline_steps, self.context, self.experts) if axis is not None]
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -62,8 +62,12 @@ def apply_fully_shard(
     offload: OffloadPolicy,
     mixed_precision: MixedPrecisionPolicy | None = None,
     forward_methods: Iterable[str] = (),
+    experts: Iterable[nn.Module] = (),
+    experts_mesh: DeviceMesh | None = None,
 ) -> int:
     """Shard each submodule of one of `block_classes` as its own unit, then the root; returns the number of FSDP units.
+    Under expert parallelism, each of `experts` (a layer's experts modules) is a unit first, over `experts_mesh`: the
+    ranks left to its experts (their gradients come scaled for that mesh: parallel/expert_parallel/dispatch.py).
 
     Blocks go first because `fully_shard` claims the parameters not yet claimed by a sharded descendant: the root
     is left with what lies outside the blocks (embeddings, head). Already-sharded modules are left alone, so calling
@@ -73,6 +77,9 @@ def apply_fully_shard(
     kwargs: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
     if mixed_precision is not None:
         kwargs["mp_policy"] = mixed_precision
+    for unit in experts:
+        if not isinstance(unit, FSDPModule):
+            fully_shard(unit, **{**kwargs, "mesh": experts_mesh})
     for unit in _block_units(model, block_classes):
         if not isinstance(unit, FSDPModule):
             fully_shard(unit, **kwargs)
