@@ -180,6 +180,29 @@ def test_a_checkpoint_moves_in_and_out_of_expert_parallelism_with_the_uninterrup
                        range(SAVED_AT, STEPS))
 
 
+@pytest.mark.slow
+@pytest.mark.extended
+def test_an_ep_2_checkpoint_exports_the_hub_layout_with_ep_1_s_logits(ep_runs, tmp_path):
+    """`lightning-dist export` of a Mixtral trained at ep 2 writes each expert's w1, w2, w3 apart, as ep 1's export
+    does, and the two give the same logits (the runs' weights agree to about 1e-5 after 3 steps; an expert written
+    in another's place moves them by tenths)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from lightning_dist.models.export import main as export
+
+    folders = {ep: tmp_path / f"ep{ep}" for ep in (1, 2)}
+    for ep, folder in folders.items():
+        checkpoint = ep_runs(f"hf_mixtral ep {ep}").run_dir / "checkpoints" / f"step{SAVED_AT:06d}.ckpt"
+        assert export([str(checkpoint), str(folder)]) == 0
+    names = [sorted(load_file(folder / "model.safetensors")) for folder in folders.values()]
+    assert names[0] == names[1] and "model.layers.1.block_sparse_moe.experts.7.w3.weight" in names[1]
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = [AutoModelForCausalLM.from_pretrained(folder)(ids).logits for folder in folders.values()]
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4)
+
+
 # Beside tensor and context parallelism (tp 2 or cp 2, x dp 2): ddp on the 2 data-parallel ranks' batches. The
 # balancing loss is over a context-parallel shard's tokens: off for all three.
 SPLIT_RUN = (*MODELS["gpt_moe"], "model.balance=0", *EP_RUN)

@@ -28,12 +28,7 @@ from lightning_dist.memory.layout import Layout
 from lightning_dist.optim import require_shardable_optimizer
 from lightning_dist.parallel.classes import BlockClasses
 from lightning_dist.parallel.context_parallel import ContextParallel, check_context_parallel, context_parallel_of
-from lightning_dist.parallel.dims import (
-    CONTEXT_PARALLEL,
-    TENSOR_PARALLEL,
-    ParallelDims,
-    sharding_layout,
-)
+from lightning_dist.parallel.dims import CONTEXT_PARALLEL, TENSOR_PARALLEL, ParallelDims, sharding_layout
 from lightning_dist.parallel.expert_parallel import ExpertParallel
 from lightning_dist.parallel.expert_parallel import refusal as experts_refusal
 from lightning_dist.parallel.grad_norm import clip_grad_norm_
@@ -357,7 +352,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
                 mixed_precision=mixed_precision_policy(self.precision_plugin.precision),
                 forward_methods=[m for m in _STEP_METHODS if hasattr(root, m)],
                 experts=[] if self.experts is None else self.experts.modules,
-                experts_mesh=self.parallel_dims.expert_sharding_mesh(self.device_mesh) if self.experts else None,
+                experts_mesh=dims.expert_sharding_mesh(self.device_mesh) if self.experts else None,
             )
             if self._pipeline_split is None:  # a pipeline's stages pass activations on: its schedule owns them
                 self.output_views.watch(fully_sharded_units(root))
