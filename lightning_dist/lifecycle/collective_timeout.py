@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+from lightning_dist.lifecycle.error_line import say_error
 from lightning_dist.lifecycle.exits import undo_refused_run
 from lightning_dist.lifecycle.job_store import RefusedElsewhere, agent_store, refusal
 from lightning_dist.lifecycle.peer_exits import first_ended, first_stopped, ranks_on_this_node, said_leaving
@@ -134,19 +134,18 @@ def forming_process_group(timeout: timedelta, rank: Callable[[], int]) -> Iterat
             except Exception:  # noqa: BLE001  unreachable: node 0's agent ended, or the connection is slow
                 store, said = None, None
             if said is not None:
-                print(f"error: {RefusedElsewhere(said)}", file=sys.stderr, flush=True)
+                say_error(str(RefusedElsewhere(said)))
                 undo_refused_run()  # a run refused leaves nothing in its directory (the edge's claim)
                 os._exit(2)
             if torchrun and time.monotonic() - reached > STORE_GONE_S:
-                print(f"error: rank {rank()}: the job's store (torchrun's agent on node 0, at"
-                      f" {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}) is gone, and with it node 0,"
-                      " before the process group formed (set-up); its own output says why", file=sys.stderr, flush=True)
+                say_error(f"rank {rank()}: the job's store (torchrun's agent on node 0, at"
+                          f" {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}) is gone, and with it"
+                          " node 0, before the process group formed (set-up); its own output says why")
                 os._exit(1)
             if time.monotonic() > deadline:
-                print(f"error: rank {rank()} waited longer than strategy.timeout={timeout.total_seconds():g} s (and"
-                      f" {SETUP_GRACE_S:g} s more) for every rank to join the process group (set-up, before the"
-                      " first step): another rank exited before joining (its own output says why), or is stuck",
-                      file=sys.stderr, flush=True)
+                say_error(f"rank {rank()} waited longer than strategy.timeout={timeout.total_seconds():g} s (and"
+                          f" {SETUP_GRACE_S:g} s more) for every rank to join the process group (set-up, before the"
+                          " first step): another rank exited before joining (its own output says why), or is stuck")
                 os._exit(1)
 
     threading.Thread(target=end_unless_formed, name="process-group-set-up", daemon=True).start()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+from lightning_dist.lifecycle.error_line import say_error
+
 # A run's exit codes (docs/faults.md, "Exit codes of train.py"); a preemption's and a stop's are stop_signals.py's.
 FINISHED, FAILED, REFUSED = 0, 1, 2
 
@@ -31,7 +33,7 @@ def exit_with(error: Exception, code: int = REFUSED) -> None:
 
     if (stop := stopped()) is not None:
         raise stop from error
-    print(f"error: {error}", file=sys.stderr)
+    say_error(str(error))
     if code == REFUSED:  # refused before launch: a torchrun job's other ranks stop too, not after their timeout
         from lightning_dist.lifecycle.job_store import tell_refusal
 

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
+from lightning_dist.lifecycle.error_line import say_error
+
 # Exit codes: 75 is sysexits.h EX_TEMPFAIL, as for a preemption (callbacks/preemption.py); 130 is a shell's code for
 # a process ended by Ctrl-C.
 STOP_CODES = {signal.SIGTERM: 75, signal.SIGUSR1: 75, signal.SIGUSR2: 75, signal.SIGINT: 130}
@@ -263,5 +265,5 @@ def end_now(signum: int) -> None:
     wait for): the line first, flushed, as nothing else will be."""
     stopped = Stopped(signum)
     if stopped.code:
-        print(f"error: {stopped}", file=sys.stderr, flush=True)
+        say_error(str(stopped))
     os._exit(int(stopped.code or 0))

@@ -17,6 +17,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
+from lightning_dist.lifecycle.error_line import say_error
 from lightning_dist.lifecycle.exits import exit_with
 from lightning_dist.run.config_check import CONF_DIR, ConfigError, check_launcher, check_overrides
 from lightning_dist.run.config_values import check_values
@@ -56,7 +57,7 @@ def _main() -> None:
             _check_and_run(args)
     except Stopped as stop:
         if stop.code:
-            print(f"error: {stop}", file=sys.stderr)
+            say_error(str(stop))
         raise
 
 

@@ -22,6 +22,7 @@ from lightning_dist._compat.lightning import (
     WorkerOutput,
     end_job_as_its_failed_rank,
 )
+from lightning_dist.lifecycle.error_line import say_error
 from lightning_dist.lifecycle.peer_exits import first_failed, first_stopped, rank_ended, ranks_on_this_node
 from lightning_dist.lifecycle.stop_signals import end_now, passing_signals_to, stopped
 
@@ -49,7 +50,7 @@ def end_as_failed_rank(processes: list) -> None:
             process.kill()
     if (stop := stopped()) is not None:
         end_now(stop.signum)
-    print(f"error: {said}; the job's other ranks were stopped with it", file=sys.stderr)
+    say_error(f"{said}; the job's other ranks were stopped with it")
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(returncode if returncode > 0 else 128 - returncode)

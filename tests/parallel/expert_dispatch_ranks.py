@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
+from lightning_dist.lifecycle.process_exit import close_process_group
 from lightning_dist.models.gpt_moe import RoutedExperts, expert_mlp
 from lightning_dist.parallel.expert_parallel.layers import split_experts
 
@@ -78,7 +79,10 @@ def main(rank: int, directory: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     results = {kind: largest_differences(kind, rank) for kind in ("module_list", "fused")}
     Path(directory, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    # Not dist.destroy_process_group alone: the backward's all-to-alls leave gloo workers that abort the process if
+    # the interpreter finalizes before they finish (seen in CI: SIGABRT, "terminate called without an active
+    # exception"); close_process_group waits for them, as a training run's exit does.
+    close_process_group()
 
 
 if __name__ == "__main__":
