@@ -61,8 +61,11 @@ class PydocTextDataModule(L.LightningDataModule):
             )
         self.save_hyperparameters()
         self.batch_size = batch_size
-        self._resume = {"epoch": 0, "samples_done": 0}  # where a checkpoint said the epoch got to
-        self._counted_from = (0, 0)  # (epoch, batches processed) when this process's loader started counting
+        # Where a checkpoint said the data got to: its epoch (the data's, sample_position.py), the samples of it
+        # done, and how far Lightning's epoch number had run ahead of the data's.
+        self._resume = {"epoch": 0, "samples_done": 0, "epoch_offset": 0}
+        self._counted_from = (0, 0)  # (the data's epoch, batches processed) when this process's loader started
+        self._sampler: ResumableDistributedSampler | None = None
 
     def setup(self, stage: str | None = None) -> None:
         # Repeated end to end: windows longer than the held-out tail of one copy (a long context's) can be cut.
@@ -83,16 +86,18 @@ class PydocTextDataModule(L.LightningDataModule):
         # One share of the data per data-parallel rank (the ranks of a tensor-parallel group read the same batches).
         shares = parallel_dims_of(trainer.strategy).sampler_kwargs(trainer.global_rank) if trainer is not None else {}
         if trainer is not None:  # called after Lightning restored its loops: their count is the checkpoint's
-            self._counted_from = (trainer.current_epoch, _batches_processed(trainer))
-        sampler = ResumableDistributedSampler(
+            self._counted_from = (self._resume["epoch"], _batches_processed(trainer))
+        self._sampler = sampler = ResumableDistributedSampler(
             self.train_set,
             num_replicas=shares.get("num_replicas", 1),
             rank=shares.get("rank", 0),
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
             skip_epoch=self._resume["epoch"],
             skip=self._resume["samples_done"],
+            epoch_offset=self._resume["epoch_offset"],
         )
-        sampler.set_epoch(self._resume["epoch"])  # as Lightning sets it when the epoch starts; its length asked before
+        # As Lightning sets it when the epoch starts (in its numbering); the loader's length is asked before.
+        sampler.set_epoch(self._resume["epoch"] + self._resume["epoch_offset"])
         return PositionedLoader(
             self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.hparams["num_workers"],
             batches_before=self._counted_from[1],
@@ -101,23 +106,29 @@ class PydocTextDataModule(L.LightningDataModule):
     def state_dict(self) -> dict[str, int]:
         # `processed` counts the batches whose training step ran, whether the checkpoint is written at the end of
         # a batch or after a validation that followed it; batches run before a resume ran at another world size.
+        # The epoch is the one the loader reads, not Lightning's: a run stopped by max_steps mid-epoch has its
+        # last checkpoint written after Lightning counted the epoch completed, while its data is not.
         trainer = self.trainer
         assert trainer is not None, "a data module's state is saved by its trainer"
-        epoch, processed = trainer.current_epoch, _batches_processed(trainer)
+        offset = self._resume["epoch_offset"]
+        epoch = self._sampler.epoch if self._sampler is not None else trainer.current_epoch - offset
+        processed = _batches_processed(trainer)
         counted_epoch, counted_processed = self._counted_from
         if epoch == counted_epoch and epoch == self._resume["epoch"]:
             before = self._resume["samples_done"]
             processed -= counted_processed
         else:
             before = 0
-        return {"epoch": epoch, "samples_done": before + processed * self.batch_size * _data_parallel_size(trainer)}
+        return {"epoch": epoch, "samples_done": before + processed * self.batch_size * _data_parallel_size(trainer),
+                "trainer_epoch": trainer.current_epoch}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         if "samples_done" not in state_dict:  # written before positions were samples: batches, at the same world size
             state_dict = {"epoch": self.trainer.current_epoch if self.trainer is not None else 0,
                           "samples_done": state_dict.get("train_batches_done_in_epoch", 0) * self.batch_size
                           * _data_parallel_size(self.trainer)}
-        self._resume = {"epoch": state_dict["epoch"], "samples_done": state_dict["samples_done"]}
+        self._resume = {"epoch": state_dict["epoch"], "samples_done": state_dict["samples_done"],
+                        "epoch_offset": state_dict.get("trainer_epoch", state_dict["epoch"]) - state_dict["epoch"]}
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.evaluated_once(self.val_set), shuffle=False)

@@ -18,13 +18,23 @@ class ResumableDistributedSampler(DistributedSampler):
     """DistributedSampler's shuffled order (identical when nothing is skipped), starting `skip` samples into the
     order of epoch `skip_epoch`; other epochs start at their beginning. Global step k of a run with W ranks and
     batch size B reads samples [k·B·W, (k+1)·B·W) of the epoch's order, so skipping k·B·W samples continues
-    exactly there, at W or at any other number of ranks."""
+    exactly there, at W or at any other number of ranks.
+
+    Epochs here are the data's: Lightning's epoch `e` (`set_epoch`) reads the data's `e - epoch_offset`. They part
+    when a run stopped by `max_steps` in the middle of an epoch is continued: Lightning counted that epoch as
+    completed before its last checkpoint, and goes on with the next epoch's number where the data goes on with
+    the rest of the unfinished epoch."""
 
     def __init__(
-        self, dataset: Dataset, num_replicas: int, rank: int, seed: int, skip_epoch: int = 0, skip: int = 0
+        self, dataset: Dataset, num_replicas: int, rank: int, seed: int, skip_epoch: int = 0, skip: int = 0,
+        epoch_offset: int = 0,
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
-        self.skip_epoch, self.skip = skip_epoch, skip
+        self.skip_epoch, self.skip, self.epoch_offset = skip_epoch, skip, epoch_offset
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning's epoch number; the data's is `epoch - epoch_offset`."""
+        super().set_epoch(epoch - self.epoch_offset)
 
     def _samples(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]  # a sampled dataset is sized; torch types it unsized
