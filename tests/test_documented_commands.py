@@ -113,6 +113,8 @@ RUN_ELSEWHERE = {
     # expert parallelism on 4 ranks: the same overrides, 5 steps, losses compared with ep 1's
     "python train.py model=gpt_moe strategy=fsdp strategy.expert_parallel_size=2 trainer.devices=4": (
         "tests/parallel/test_expert_parallel.py", '"gpt_moe ep 2": ("strategy=fsdp", "strategy.expert_parallel_size=2"'),
+    "python train.py model=hf_mixtral strategy=deepspeed_stage_3 strategy.expert_parallel_size=2 trainer.devices=2": (
+        "tests/strategies/test_deepspeed_expert_parallel.py", 'ZERO_3 = ("model=hf_mixtral", "strategy=deepspeed_stage_3")'),
     # recipes/moe (and docs/strategies.md's MoE command): its page's commands in order, by its own test
     "python train.py model=gpt_moe strategy=deepspeed_stage_3 trainer.devices=2": (
         "tests/recipes/test_moe.py", "documented_commands(RECIPE)"),

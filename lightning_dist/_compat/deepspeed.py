@@ -73,6 +73,9 @@ FENCED = [
     Fenced("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.update_offload_overflow_tracker", ("self",)),
     # The groups DeepSpeed keeps after the process group is gone (forget_process_groups).
     Fenced("deepspeed.utils.groups", "_release_process_group_references", ("group",)),
+    # What AutoEP asks of transformers' registry of recorded outputs (autoep_reads_transformers_outputs).
+    Fenced("deepspeed.module_inject.auto_ep_presets.base", "_install_instance_transformers_output_recorders",
+           ("model", "registry_entries", "output_capturing", "remove_output_capture_hooks")),
 ]
 
 _NORM_TESTERS = ("deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3")
@@ -509,3 +512,26 @@ def zero3_gradient_partitions(optimizer: Any) -> list[torch.Tensor]:
     if not isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
         return []
     return [t for t in getattr(optimizer, _ZERO3_GRADIENT_PARTITIONS).values() if t is not None]
+
+
+@contextmanager
+def autoep_reads_transformers_outputs() -> Iterator[None]:
+    """While inside, transformers' registry of the outputs a model records answers `get(key, default)` as the dict
+    it is. DeepSpeed 0.19.8's AutoEP, when it swaps a MoE block, re-points the router-logits recorder (the
+    load-balancing loss reads it) by saving and restoring registry entries with `registry.get(key, default)`;
+    transformers 5 gave the registry a `get(model)` of its own, so the swap failed on every MoE model ("TypeError:
+    _CanRecordRegistry.get() takes 2 positional arguments but 3 were given"). A key given as a string, or a default,
+    is the dict's lookup; a model is transformers' own. Checked on DeepSpeed 0.19.8 with transformers 5.25."""
+    from transformers.utils import output_capturing
+
+    registry = type(output_capturing._CAN_RECORD_REGISTRY)
+    own_get = registry.get
+
+    def get(self: dict, key: Any, *default: Any) -> Any:
+        return dict.get(self, key, *default) if default or isinstance(key, str) else own_get(self, key)
+
+    registry.get = get
+    try:
+        yield
+    finally:
+        registry.get = own_get

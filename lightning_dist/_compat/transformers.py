@@ -15,7 +15,10 @@ from typing import Any
 from lightning_dist._compat.fenced import Fenced
 
 FENCED = [Fenced("transformers.loss.loss_utils", "LOSS_MAPPING"),
-          Fenced("transformers.modeling_utils", "PreTrainedModel.loss_function")]
+          Fenced("transformers.modeling_utils", "PreTrainedModel.loss_function"),
+          # What DeepSpeed's AutoEP reads (_compat/deepspeed.py, autoep_reads_transformers_outputs).
+          Fenced("transformers.utils.output_capturing", "_CAN_RECORD_REGISTRY"),
+          Fenced("transformers.utils.output_capturing", "_CanRecordRegistry.get", ("self", "model"))]
 
 CAUSAL_LM = "ForCausalLM"  # the loss type that shifts the labels by one token itself
 
@@ -118,3 +121,15 @@ def converted(mapping: list[Any], name: str, sources: Sources, read: Callable[[s
         converter.add_tensor(name, source, source_pattern, lambda source=source: read(source))  # read as converted
     value = converter.convert(name)[name]
     return value[0] if isinstance(value, list) else value
+
+
+def recapture_outputs_after_hooks_removed(module: Any) -> None:
+    """transformers models in `module` install their output-capturing hooks again at their next forward. Lightning
+    removes every module hook before it builds DeepSpeed's engine for a test after fit (`remove_module_hooks`),
+    the ones transformers records router logits with included, while each model keeps its mark that they are
+    installed: Mixtral's load-balancing loss then read no router logits ("IndexError: tuple index out of range" in
+    `load_balancing_loss_func`). The mark is what transformers' own `maybe_install_capturing_hooks` reads; DeepSpeed's
+    AutoEP clears it the same way when it swaps a MoE block. Checked on transformers 5.25."""
+    for model in module.modules():
+        if getattr(model, "_output_capturing_hooks_installed", False):
+            model._output_capturing_hooks_installed = False

@@ -143,3 +143,32 @@ def autotp_refusal(path: Path, size: int, key: str = "ckpt_path") -> str:
         f" strategy with strategy.tensor_parallel_size={size}; moving it to another layout or one file is not"
         " supported yet"
     )
+
+
+# DeepSpeed's AutoEP names a mixture-of-experts layer's router its own way (strategies/deepspeed/autoep.py); its
+# experts go to files of their own.
+_AUTOEP_NAMES = (".router.gate.weight", ".gate.gate.weight")  # its router, kept under both names
+
+
+def saved_by_autoep(path: str | Path | CheckpointSource, key: str = "ckpt_path", trusted: bool = False) -> bool:
+    """Whether the checkpoint holds layers DeepSpeed's AutoEP swapped in (their names, not the model's)."""
+    names = state_dict_shapes(path, key, trusted)
+    return all(any(name.endswith(suffix) for name in names) for suffix in _AUTOEP_NAMES)
+
+
+def check_autoep_layout(path: str | Path | CheckpointSource, autoep_size: int, key: str = "ckpt_path") -> bool:
+    """Whether the checkpoint was saved under DeepSpeed's AutoEP (its layer names, which DeepSpeed reads as they
+    are, not the model's); CheckpointError unless that and the run's AutoEP (`autoep_size`, 1: none) go together."""
+    source = path if isinstance(path, CheckpointSource) else CheckpointSource.of(path, key=key)
+    autoep = saved_by_autoep(source, key, source.trusted)
+    if autoep and autoep_size == 1:
+        raise CheckpointError(f"{key}: {source.path} was saved under DeepSpeed's expert parallelism (AutoEP), whose"
+                              " layers name the router and experts their own way (router.gate, experts.w1, w2, w3):"
+                              " it resumes under the DeepSpeed strategy and strategy.expert_parallel_size it was"
+                              " saved with; moving it to another layout is not supported yet")
+    if not autoep and autoep_size > 1:
+        raise CheckpointError(f"{key}: {source.path} holds the experts under the model's own names, and DeepSpeed's"
+                              f" AutoEP (strategy.expert_parallel_size={autoep_size}) resumes only checkpoints it"
+                              " saved; resume it at strategy.expert_parallel_size=1, or under fsdp's expert"
+                              " parallelism (strategy=fsdp), which keeps the model's names")
+    return autoep

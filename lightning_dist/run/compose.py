@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from lightning_dist.checkpoints.contents import check_autotp_layout, check_checkpoint_matches
+from lightning_dist.checkpoints.contents import check_autoep_layout, check_autotp_layout, check_checkpoint_matches
 from lightning_dist.checkpoints.formats import CheckpointError, cannot_read
 from lightning_dist.checkpoints.source import CheckpointSource
 from lightning_dist.checkpoints.whole import check_whole
@@ -100,7 +100,7 @@ def build(cfg: DictConfig, resuming: bool = False) -> dict[str, Any]:
             require_classes_in_model(model, classes, "model.block_class")
         shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}  # meta tensors have them
         if resuming:
-            cfg.ckpt_path = checkpoint_to_resume(cfg, shapes)
+            cfg.ckpt_path = checkpoint_to_resume(cfg, shapes, getattr(strategy, "autoep_size", 1))
         checkpoint = _checked_checkpoint(cfg, shapes, strategy) if cfg.get("ckpt_path") else None
         # `callbacks.<name>=null` switches one off.
         configs = {name: c for name, c in (cfg.get("callbacks") or {}).items() if c is not None}
@@ -122,7 +122,8 @@ def _checked_checkpoint(cfg: DictConfig, shapes: dict[str, tuple[int, ...]], str
     try:
         source = CheckpointSource.of(cfg.ckpt_path, trusted=cfg.get("trust_checkpoint", False))
         check_whole(source)
-        check_checkpoint_matches(source, shapes)
+        if not check_autoep_layout(source, getattr(strategy, "autoep_size", 1)):  # AutoEP's names are its own
+            check_checkpoint_matches(source, shapes)
         check_autotp_layout(source, getattr(strategy, "checkpoint_tensor_parallel", None))
         return source.vet()
     except OSError as error:  # a file that vanished, or could not be read, after it was opened once

@@ -21,7 +21,7 @@ from lightning_dist.checkpoints.autoresume import (
     newest_whole_checkpoint_among,
     newest_whole_checkpoint_in,
 )
-from lightning_dist.checkpoints.contents import another_model, saved_step
+from lightning_dist.checkpoints.contents import another_model, check_autoep_layout, saved_step
 from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.lifecycle.exits import FINISHED
 from lightning_dist.lifecycle.job_store import shared_choice
@@ -47,9 +47,10 @@ class NothingLeftToTrain(Exception):
 RESUME_ENV = "LIGHTNING_DIST_RESUME_FROM"
 
 
-def checkpoint_to_resume(cfg: DictConfig, shapes: dict[str, tuple[int, ...]]) -> str | None:
-    """`resume=true`: the newest whole checkpoint of this command that holds this model's weights (`shapes`), each
-    one passed over named with why; the user's own `ckpt_path` when given."""
+def checkpoint_to_resume(cfg: DictConfig, shapes: dict[str, tuple[int, ...]], autoep_size: int = 1) -> str | None:
+    """`resume=true`: the newest whole checkpoint of this command that holds this model's weights (`shapes`; under
+    DeepSpeed's AutoEP, `autoep_size` > 1, the names of its own layers), each one passed over named with why; the
+    user's own `ckpt_path` when given."""
     if cfg.get("ckpt_path") or not cfg.get("resume"):
         return cfg.get("ckpt_path")
     if RESUME_ENV in os.environ:
@@ -64,6 +65,8 @@ def checkpoint_to_resume(cfg: DictConfig, shapes: dict[str, tuple[int, ...]]) ->
 
     def another_models(checkpoint: Path) -> str | None:
         try:
+            if check_autoep_layout(checkpoint, autoep_size, "resume"):  # its names are AutoEP's, read by DeepSpeed
+                return None
             return another_model(checkpoint, shapes, "resume", trusted=cfg.get("trust_checkpoint", False))
         except CheckpointError as error:  # not a Lightning checkpoint at all
             return " ".join(str(error).removeprefix(f"resume: {checkpoint} ").split())

@@ -29,6 +29,7 @@ from lightning_dist._compat.deepspeed import (
     zero3_partitions,
 )
 from lightning_dist._compat.lightning import validate_cuda_device_indices
+from lightning_dist._compat.transformers import recapture_outputs_after_hooks_removed
 from lightning_dist.checkpoints.resume import group_names
 from lightning_dist.lifecycle.process_exit import forget_with_process_group
 from lightning_dist.memory.layout import Layout
@@ -40,6 +41,8 @@ from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters
 from lightning_dist.parallel.sizes import ParallelSizes
 from lightning_dist.strategies.axis_steps import StepAxis
 from lightning_dist.strategies.base import StrategyBase
+from lightning_dist.strategies.deepspeed.autoep import autoep_finds_the_blocks, autoep_size, experts_to_split
+from lightning_dist.strategies.deepspeed.autoep import model_refusal as autoep_model_refusal
 from lightning_dist.strategies.deepspeed.autotp import check_tensor_parallel_inputs, initialize_inference_engine
 from lightning_dist.strategies.deepspeed.config.for_run import Resolution, RunConfig, config_in_effect
 from lightning_dist.strategies.deepspeed.config.preflight import check_before_launch
@@ -104,6 +107,9 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
             from the embedding to the loss, attention exchanged by DeepSpeed's `DistributedAttention` (the heads must
             divide by the size); ZeRO partitions over every rank. The config's `sequence_parallel_size`. Unset: the
             config file's size, else 1.
+        expert_parallel_size: DeepSpeed's AutoEP: ranks that split each mixture-of-experts layer's experts (a
+            transformers MoE model AutoEP has a preset for; strategies/deepspeed/autoep.py). The config's
+            `expert_parallel` section. Unset: the config file's, else 1.
     """
 
     if TYPE_CHECKING:  # Lightning's types, for a strategy not yet set up; ours reads them once it is
@@ -129,11 +135,12 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         block_class: str | type[nn.Module] | Sequence[str | type[nn.Module]] | None = None,
         async_checkpoint: bool = False,
         context_parallel_size: int | None = None,
+        expert_parallel_size: int | None = None,
     ) -> None:
         say_the_host_where_there_is_no_cuda()  # before Lightning's constructor has DeepSpeed look for a device
         self.run_config = RunConfig.of(
             stage, offload_optimizer, offload_parameters, nvme_path, config, tensor_parallel_size,
-            context_parallel_size,
+            context_parallel_size, expert_parallel_size,
         )
         super().__init__(
             stage=2 if stage is None else stage, config=self.run_config.user_config, sub_group_size=OPTIMIZER_TILE,
@@ -179,9 +186,22 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         return size or (in_file if isinstance(in_file, int) and in_file > 1 else 1)
 
     @property
+    def expert_parallel_size(self) -> int:
+        """AutoEP's size: the option, else the file's (the two agree, or the run was refused before launch)."""
+        return self.run_config.zero_options.expert_parallel_size or autoep_size(self.base_config)
+
+    @property
+    def autoep_size(self) -> int:
+        """The expert-parallel size of DeepSpeed's AutoEP, whose checkpoints name the experts its own way (the
+        check of a checkpoint to resume reads it)."""
+        return self.expert_parallel_size
+
+    @property
     def parallel_sizes(self) -> ParallelSizes:
-        """AutoTP's tensor-parallel and Ulysses' sequence-parallel sizes, from its options or its config file."""
-        return ParallelSizes(tensor=self.tensor_parallel_size, context=self.context_parallel_size)
+        """AutoTP's tensor-parallel, Ulysses' sequence-parallel and AutoEP's expert-parallel sizes, from its options
+        or its config file."""
+        return ParallelSizes(tensor=self.tensor_parallel_size, context=self.context_parallel_size,
+                             expert=self.expert_parallel_size)
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -191,7 +211,8 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         sizes = self.parallel_sizes
         if self.world_size % (sizes.tensor * sizes.context) or (sizes.tensor > 1 and sizes.context > 1):
             return ParallelDims(dp_shard=self.world_size)  # refused before launch
-        return ParallelDims.resolve(self.world_size, cp=sizes.context, tp=sizes.tensor)
+        ep = sizes.expert if (self.world_size // sizes.tensor) % sizes.expert == 0 else 1  # else refused before launch
+        return ParallelDims.resolve(self.world_size, cp=sizes.context, tp=sizes.tensor, ep=ep)
 
     @property
     @override
@@ -269,7 +290,14 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         self.check_options()
         if isinstance(model := fit_arguments.get("model"), nn.Module):
             refuse_expert_layers_under_zero_1_2(model, self.zero.stage)
+            if self.expert_parallel_size > 1 and next(model.parameters(), None) is not None:
+                if why := autoep_model_refusal(model, self.expert_parallel_size):  # else built in configure_model
+                    raise ValueError(why)
         super().preflight(trainer, fit_arguments)
+
+    @override
+    def model_refusal(self, model: nn.Module, parallel_dims: ParallelDims) -> str | None:
+        return autoep_model_refusal(model, parallel_dims.ep) if parallel_dims.ep > 1 else None
 
     def check_options(self) -> None:
         plan = self.blocks.checkpointing
@@ -332,6 +360,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
 
     @override
     def init_deepspeed(self) -> None:
+        expected_experts = experts_to_split(self.config, self.model)  # before ZeRO-3 partitions their parameters
         if has_meta_parameters(self.model):
             if self.lightning_module.trainer.training and "optimizer" not in self.config:
                 # configure_optimizers must see the parameters' shapes: once partitioned, each one reads (0,).
@@ -358,7 +387,8 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         if self.zero_stage_3:
             expert_layers_as_leaves(self.model)
         refuse_expert_layers_under_zero_1_2(self.model, self.zero.stage)  # experts built in configure_model
-        super().init_deepspeed()
+        with autoep_finds_the_blocks(self.config, self.model, expected_experts):
+            super().init_deepspeed()
         move_module_state(self.lightning_module, self.root_device)  # ZeRO-3 placed the parameters only
         if self.tensor_parallel_size > 1:
             check_tensor_parallel_inputs(self.deepspeed_engine, self.root_device)
@@ -374,6 +404,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
             super()._initialize_deepspeed_inference(model)
         else:
             self.model = initialize_inference_engine(self, model)
+        recapture_outputs_after_hooks_removed(model)  # both removed every module hook first
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:  # any format

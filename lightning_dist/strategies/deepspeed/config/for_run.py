@@ -30,7 +30,8 @@ class RunConfig:
     @classmethod
     def of(cls, stage: int | None, offload_optimizer: str | None, offload_parameters: str | None,
            nvme_path: str | Path | None, config: str | Path | dict[str, Any] | None,
-           tensor_parallel_size: int | None = None, context_parallel_size: int | None = None) -> RunConfig:
+           tensor_parallel_size: int | None = None, context_parallel_size: int | None = None,
+           expert_parallel_size: int | None = None) -> RunConfig:
         """Raises ValueError naming the first option that cannot be (before any rank starts)."""
         nvme = str(nvme_path) if nvme_path else None
         problems = option_problems(stage, offload_optimizer, offload_parameters, nvme, with_config=config is not None)
@@ -43,11 +44,14 @@ class RunConfig:
         cp = context_parallel_size
         if cp is not None and (isinstance(cp, bool) or not isinstance(cp, int) or cp < 1):
             raise ValueError(f"strategy.context_parallel_size={cp!r}: give a whole number of ranks, at least 1")
+        ep = expert_parallel_size
+        if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep < 1):
+            raise ValueError(f"strategy.expert_parallel_size={ep!r}: give a whole number of ranks, at least 1")
         if config is None:  # the ZeRO options become Lightning's config; the parallel sizes are merged into it
-            return cls(ZeroOptions(tensor_parallel_size=size, context_parallel_size=cp))
+            return cls(ZeroOptions(tensor_parallel_size=size, context_parallel_size=cp, expert_parallel_size=ep))
         user_config, source = load_user_config(config)
         # The options are merged into the file when the run starts, where conflicts are reported with the rest.
-        return cls(ZeroOptions(stage, offload_optimizer, offload_parameters, nvme, size, cp), user_config, source)
+        return cls(ZeroOptions(stage, offload_optimizer, offload_parameters, nvme, size, cp, ep), user_config, source)
 
     @property
     def is_preset(self) -> bool:

@@ -57,6 +57,7 @@ class ZeroOptions:
     nvme_path: str | None = None
     tensor_parallel_size: int | None = None  # DeepSpeed AutoTP: tensor_parallel.autotp_size
     context_parallel_size: int | None = None  # Ulysses: sequence_parallel_size
+    expert_parallel_size: int | None = None  # AutoEP: expert_parallel.autoep_size
 
 
 def buckets_sized_by_model(config: dict[str, Any]) -> dict[str, Any]:
@@ -118,6 +119,7 @@ def resolve(
     resolver.merge_zero_options(options)
     resolver.check_tensor_parallel(options.tensor_parallel_size)
     resolver.check_sequence_parallel(options.context_parallel_size)
+    resolver.check_expert_parallel(options.expert_parallel_size)
     resolver.fill_precision()
     resolver.fill_batch_sizes()
     resolver.fill_clipping()
@@ -406,14 +408,54 @@ class _Resolver:
         if size in (None, 1):
             return
         said = f"strategy.context_parallel_size={option}" if option == size else f"{key}={_show(size)}"
-        world = self.facts.world_size
-        if not _is_size(size) or world % size:
-            divisors = [n for n in range(1, world + 1) if world % n == 0]
-            self.problems.append(f"{said}: the {world} ranks do not divide into sequence-parallel groups of that size;"
-                                 f" choose one of {', '.join(map(str, divisors))}")
-        elif self.get("tensor_parallel.autotp_size", 0) not in (0, 1):
+        divides = self.divides_the_ranks(size, said, "sequence-parallel")
+        if divides and self.get("tensor_parallel.autotp_size", 0) not in (0, 1):
             self.problems.append(f"{said}: DeepSpeed's AutoTP (tensor_parallel.autotp_size) does not run beside"
                                  " sequence parallelism here; choose one of the two")
+
+    def divides_the_ranks(self, size: Any, said: str, groups: str) -> bool:
+        """Whether `size` divides the ranks into groups; a problem naming the sizes that would where it does not."""
+        world = self.facts.world_size
+        if _is_size(size) and world % size == 0:
+            return True
+        divisors = [n for n in range(1, world + 1) if world % n == 0]
+        self.problems.append(f"{said}: the {world} ranks do not divide into {groups} groups of that size; choose one"
+                             f" of {', '.join(map(str, divisors))}")
+        return False
+
+    def check_expert_parallel(self, option: int | None) -> None:
+        """AutoEP: `strategy.expert_parallel_size` and the file's `expert_parallel` section agree (the option turns
+        the section on); the size divides the ranks; neither AutoTP nor sequence parallelism is beside it."""
+        key = "expert_parallel.autoep_size"
+        enabled = self.get("expert_parallel.enabled", False) is True
+        if option is not None and (option > 1 or enabled):
+            said = f"strategy.expert_parallel_size={option}"
+            self.fill_match(key, option, said, fix="make them agree")
+            if self.get("expert_parallel.enabled", _ABSENT) is _ABSENT:
+                self.set("expert_parallel.enabled", True)
+            elif not enabled:
+                self.problems.append(f"expert_parallel.enabled=false but {said} (make them agree)")
+                return
+        if self.get("expert_parallel.enabled", False) is not True:
+            return
+        size = self.get(key, 1)
+        said = f"strategy.expert_parallel_size={option}" if option == size else f"{key}={_show(size)}"
+        if not self.divides_the_ranks(size, said, "expert-parallel") or size == 1:
+            return
+        if self.get("tensor_parallel.autotp_size", 0) not in (0, 1):
+            self.problems.append(f"{said}: DeepSpeed's AutoTP (tensor_parallel.autotp_size) does not run beside"
+                                 " expert parallelism here yet; choose one of the two")
+        elif self.sequence_parallel_size > 1:
+            self.problems.append(f"{said}: DeepSpeed's sequence parallelism (sequence_parallel_size) does not run"
+                                 " beside expert parallelism here yet; choose one of the two")
+        elif self.get("zero_optimization.stage", 0) in (1, 2) and "optimizer" not in self.config:
+            # Measured on 0.19.8: "The model has moe layers, but None of the param groups are marked as MoE".
+            stage = self.get("zero_optimization.stage")
+            self.problems.append(f"{said}: DeepSpeed's ZeRO-{stage} steps AutoEP's experts only in parameter groups"
+                                 " of their own, which the optimizer of configure_optimizers, built before AutoEP"
+                                 " makes the experts, cannot have; use ZeRO-3 (strategy=deepspeed_stage_3), or an"
+                                 " optimizer block in the DeepSpeed config (strategy.config), from which DeepSpeed"
+                                 " builds them")
 
     def report_unfillable_autos(self) -> None:
         for key in auto_keys(self.config):

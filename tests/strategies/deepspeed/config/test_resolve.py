@@ -149,6 +149,10 @@ MISMATCHES = {
     "sequence parallel vs strategy.context_parallel_size": ({"sequence_parallel_size": 2}, {"world_size": 4}, ["sequence_parallel_size=2 but strategy.context_parallel_size=4 (make them agree)"]),
     "sequence parallel beside AutoTP": ({"sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}}, {"world_size": 4}, ["sequence_parallel_size=2: DeepSpeed's AutoTP (tensor_parallel.autotp_size) does not run beside sequence parallelism here; choose one of the two"]),
     "train_batch_size under sequence parallelism": ({"sequence_parallel_size": 2, "train_batch_size": 32}, {"world_size": 4}, ["train_batch_size=32 but micro batch x accumulation x (world size / sequence_parallel_size) = 8 x 1 x 2 = 16"]),
+    "an expert-parallel size that does not divide": ({"expert_parallel": {"enabled": True, "autoep_size": 3}, "zero_optimization": {"stage": 3}}, {"world_size": 4}, ["expert_parallel.autoep_size=3: the 4 ranks do not divide into expert-parallel groups of that size; choose one of 1, 2, 4"]),
+    "expert parallel vs strategy.expert_parallel_size": ({"expert_parallel": {"enabled": True, "autoep_size": 2}, "zero_optimization": {"stage": 3}}, {"world_size": 4}, ["expert_parallel.autoep_size=2 but strategy.expert_parallel_size=4 (make them agree)"]),
+    "expert parallel beside AutoTP": ({"expert_parallel": {"enabled": True, "autoep_size": 2}, "tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 3}}, {"world_size": 4}, ["expert_parallel.autoep_size=2: DeepSpeed's AutoTP (tensor_parallel.autotp_size) does not run beside expert parallelism here yet; choose one of the two"]),
+    "expert parallel under ZeRO-2 with the module's optimizer": ({"expert_parallel": {"enabled": True, "autoep_size": 2}, "zero_optimization": {"stage": 2}}, {}, ["expert_parallel.autoep_size=2: DeepSpeed's ZeRO-2 steps AutoEP's experts only in parameter groups of their own, which the optimizer of configure_optimizers, built before AutoEP makes the experts, cannot have; use ZeRO-3 (strategy=deepspeed_stage_3), or an optimizer block in the DeepSpeed config (strategy.config), from which DeepSpeed builds them"]),
     "auto where we fill nothing": ({"steps_per_print": "auto"}, {}, ['steps_per_print="auto" is not a value we fill']),
     "stage vs strategy.stage": ({"zero_optimization": {"stage": 2}}, {}, ["zero_optimization.stage=2 but strategy.stage=3"]),
 }
@@ -160,6 +164,7 @@ def test_each_mismatch_is_reported_by_key(case):
     options = {"stage vs strategy.stage": ZeroOptions(stage=3),
                "tensor parallel vs strategy.tensor_parallel_size": ZeroOptions(tensor_parallel_size=1),
                "sequence parallel vs strategy.context_parallel_size": ZeroOptions(context_parallel_size=4),
+               "expert parallel vs strategy.expert_parallel_size": ZeroOptions(expert_parallel_size=4),
                }.get(case, ZeroOptions())
     problems = problems_of(change, facts(**fact_changes), options)
     for fragment in expected:
@@ -274,3 +279,14 @@ def test_deepspeed_autotp_takes_the_strategys_size_and_every_rank_when_it_is_min
     assert resolve_config({}, FACTS, ZeroOptions(tensor_parallel_size=-1))["tensor_parallel"] == {"autotp_size": 2}
     assert resolve_config({"tensor_parallel": {"autotp_size": 2}}, FACTS)["tensor_parallel"] == {"autotp_size": 2}
     assert "tensor_parallel" not in resolve_config({}, FACTS)
+
+
+def test_the_expert_parallel_option_turns_autoep_on_and_an_optimizer_block_lets_zero_2_run_it():
+    section = resolve_config({"zero_optimization": {"stage": 3}}, facts(world_size=4),
+                             ZeroOptions(expert_parallel_size=2))["expert_parallel"]
+    assert section == {"enabled": True, "autoep_size": 2}
+    with_optimizer = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    assert resolve_config(with_optimizer, facts(world_size=4), ZeroOptions(expert_parallel_size=2))["expert_parallel"]
+    assert problems_of({"expert_parallel": {"enabled": False}}, facts(world_size=4),
+                       ZeroOptions(expert_parallel_size=2)) == [
+        "expert_parallel.enabled=false but strategy.expert_parallel_size=2 (make them agree)"]
