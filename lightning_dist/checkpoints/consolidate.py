@@ -23,7 +23,7 @@ import torch
 
 from lightning_dist._compat.deepspeed import merge_zero_partitions
 from lightning_dist._compat.lightning import WRAPPED_MODULE_PREFIX
-from lightning_dist.checkpoints.contents import autotp_refusal, autotp_size
+from lightning_dist.checkpoints.contents import autoep_refusal, autotp_refusal, autotp_size, saved_by_autoep
 from lightning_dist.checkpoints.formats import DEEPSPEED, FILE, CheckpointError, command_exit, deepspeed_tag_dir
 from lightning_dist.checkpoints.safe_load import load_file
 from lightning_dist.checkpoints.save_id import SAVE_ID
@@ -98,6 +98,8 @@ def _load_deepspeed(path: Path) -> dict[str, Any]:
     tag_dir = deepspeed_tag_dir(path)
     if (size := autotp_size(path)) > 1:  # each file holds one tensor-parallel rank's part of the split layers
         raise CheckpointError(autotp_refusal(path, size, "checkpoint"))
+    if saved_by_autoep(path, "checkpoint"):  # DeepSpeed's reader refuses it with a traceback
+        raise CheckpointError(autoep_refusal(path, "checkpoint"))
     # DeepSpeed's reader prints its progress (each merge three times over); a failure raises, with its own message.
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         state_dict = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag_dir.name)

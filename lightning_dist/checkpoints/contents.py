@@ -156,16 +156,20 @@ def saved_by_autoep(path: str | Path | CheckpointSource, key: str = "ckpt_path",
     return all(any(name.endswith(suffix) for name in names) for suffix in _AUTOEP_NAMES)
 
 
+def autoep_refusal(path: Path, key: str = "ckpt_path") -> str:
+    return (f"{key}: {path} was saved under DeepSpeed's expert parallelism (AutoEP), whose layers name the router and"
+            " experts their own way (router.gate, experts.w1, w2, w3): it resumes under the DeepSpeed strategy and"
+            " strategy.expert_parallel_size it was saved with; moving it to another layout or one file is not"
+            " supported yet")
+
+
 def check_autoep_layout(path: str | Path | CheckpointSource, autoep_size: int, key: str = "ckpt_path") -> bool:
     """Whether the checkpoint was saved under DeepSpeed's AutoEP (its layer names, which DeepSpeed reads as they
     are, not the model's); CheckpointError unless that and the run's AutoEP (`autoep_size`, 1: none) go together."""
     source = path if isinstance(path, CheckpointSource) else CheckpointSource.of(path, key=key)
     autoep = saved_by_autoep(source, key, source.trusted)
     if autoep and autoep_size == 1:
-        raise CheckpointError(f"{key}: {source.path} was saved under DeepSpeed's expert parallelism (AutoEP), whose"
-                              " layers name the router and experts their own way (router.gate, experts.w1, w2, w3):"
-                              " it resumes under the DeepSpeed strategy and strategy.expert_parallel_size it was"
-                              " saved with; moving it to another layout is not supported yet")
+        raise CheckpointError(autoep_refusal(source.path, key))
     if not autoep and autoep_size > 1:
         raise CheckpointError(f"{key}: {source.path} holds the experts under the model's own names, and DeepSpeed's"
                               f" AutoEP (strategy.expert_parallel_size={autoep_size}) resumes only checkpoints it"

@@ -5,6 +5,9 @@ line before any rank starts."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -98,13 +101,19 @@ def test_an_ep_2_checkpoint_resumes_under_ep_2_and_elsewhere_is_one_line(zero_3_
     ours, uninterrupted = read_train_losses(resumed.run_dir), read_train_losses(zero_3_runs[2].run_dir)
     assert sorted(ours) == [3, 4, 5]
     assert ours == pytest.approx({step: uninterrupted[step] for step in ours}, abs=1e-6)
+    assert f"Last checkpoint: {resumed.run_dir / 'checkpoints' / 'last.ckpt'} (shards, DeepSpeed AutoEP's: they" \
+        " resume under the same strategy and strategy.expert_parallel_size)" in resumed.output
     elsewhere = run_train(tmp_path / "ddp", *RUN, "model=hf_mixtral", "strategy=ddp", f"ckpt_path={checkpoint}")
     assert elsewhere.process.returncode == 2
     assert elsewhere.process.stderr.strip().splitlines()[-1] == (
         f"error: ckpt_path: {checkpoint} was saved under DeepSpeed's expert parallelism (AutoEP), whose layers name"
         " the router and experts their own way (router.gate, experts.w1, w2, w3): it resumes under the DeepSpeed"
-        " strategy and strategy.expert_parallel_size it was saved with; moving it to another layout is not supported"
-        " yet")
+        " strategy and strategy.expert_parallel_size it was saved with; moving it to another layout or one file is not"
+        " supported yet")
+    one_file = subprocess.run([sys.executable, "-m", "lightning_dist.commands", "consolidate", str(checkpoint),
+                               str(tmp_path / "model.ckpt")], capture_output=True, text=True, timeout=300)
+    assert one_file.returncode == 2 and one_file.stderr.strip().splitlines()[-1].startswith(
+        f"error: checkpoint: {checkpoint} was saved under DeepSpeed's expert parallelism (AutoEP)")
 
 
 @pytest.mark.slow
