@@ -21,8 +21,10 @@ from omegaconf import open_dict
 from lightning_dist.lifecycle.writable import unwritable_because
 from lightning_dist.reports.console import quiet_console
 from lightning_dist.run.compose import build
+from lightning_dist.run.compose import compose as compose_run
 from lightning_dist.run.config_check import ConfigError, check_launcher, check_overrides
 from lightning_dist.run.config_values import check_values
+from lightning_dist.run.simulate import refuse_what_a_dry_run_cannot_follow
 from lightning_dist.strategies.launcher import PreflightError, preflight
 from tests.conftest import CONF_DIR
 from tests.test_config_errors import REFUSED, write_inputs
@@ -51,6 +53,9 @@ def refusal(arguments: list[str]) -> str | None:
         with open_dict(cfg):
             cfg.hydra.runtime.output_dir = tempfile.mkdtemp()  # what Hydra sets when it runs the job
         HydraConfig.instance().set_config(cfg)
+        if cfg.get("dry_run") is True:  # train.py's dry run checks what it can follow, then steps on fake tensors
+            refuse_what_a_dry_run_cannot_follow(compose_run(cfg, choose=False))
+            return None
         parts = build(cfg)
         preflight(parts["trainer"], model=parts["model"], datamodule=parts["datamodule"])  # as train.py, before launch
     except ConfigError as error:

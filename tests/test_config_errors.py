@@ -271,9 +271,9 @@ REFUSED = [
     (["strategy=deepspeed", "strategy.config={inputs}/deep.json"],
      "strategy.config: {inputs}/deep.json nests deeper than 32 levels"),
     (["model=gpt_moe", "model.top_k=9"], "model.top_k=9: choose from 1 to model.n_experts=8"),
-    (["model=gpt_moe", "strategy=auto_fit"], "GPTMoELanguageModel chooses tokens by value in its forward (torch.nonzero: a"
-     " mixture of experts' routing), which the memory plan's trace on the meta device cannot follow; the plan, the"
-     " dry run and strategy=auto_fit do not know such models yet"),
+    (["model=gpt_moe", "dry_run=true"], "dry_run=true: model.blocks.0.moe.experts runs each expert on the tokens its"
+     " router chose, found by value, which the dry run's fake tensors cannot follow yet (a mixture of experts);"
+     " plan=true gives its memory"),
 ]
 
 

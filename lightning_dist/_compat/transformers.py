@@ -133,3 +133,30 @@ def recapture_outputs_after_hooks_removed(module: Any) -> None:
     for model in module.modules():
         if getattr(model, "_output_capturing_hooks_installed", False):
             model._output_capturing_hooks_installed = False
+
+
+# What the memory plan's trace runs transformers' fused experts with on the meta device (grouped_experts_on_meta).
+FENCED += [Fenced("transformers.integrations.moe", "_can_use_grouped_mm", ("input", "weight", "offs")),
+           Fenced("transformers.integrations.moe", "grouped_mm_experts_forward",
+                  ("self", "hidden_states", "top_k_index", "top_k_weights"))]
+
+
+@contextmanager
+def grouped_experts_on_meta(experts: Any) -> Iterator[None]:
+    """Within: a transformers fused experts module runs its grouped implementation ("grouped_mm": the (token, expert)
+    pairs sorted by expert, one product per expert over its rows), through the per-expert loop it falls back to,
+    which has a shape rule for meta tensors; the eager one finds each expert's tokens with `nonzero`, which meta
+    tensors cannot answer. The module's config (shared by the model's layers) is put back as it was. Checked on
+    transformers 5.25."""
+    from unittest import mock
+
+    from transformers.integrations import moe
+
+    config = experts.config
+    chosen = config._experts_implementation
+    config._experts_implementation = "grouped_mm"
+    try:
+        with mock.patch.object(moe, "_can_use_grouped_mm", lambda *args: False):
+            yield
+    finally:
+        config._experts_implementation = chosen

@@ -18,6 +18,7 @@ from torch import nn
 from lightning_dist._compat.torch import TorchDispatchMode, storage_identity, storage_owner, tree_map
 from lightning_dist.memory.attention_kernel import fused_attention
 from lightning_dist.memory.hidden_size import hidden_size_of
+from lightning_dist.memory.routed_experts import RoutedExperts, experts_traced_on_meta
 from lightning_dist.parallel.activation_checkpoint import KEPT_OPS, CheckpointPlan
 from lightning_dist.parallel.classes import block_modules
 from lightning_dist.parallel.context_parallel import position_modules
@@ -61,6 +62,9 @@ class ModelFacts:
     # Elements of the largest tensor the model reads from a pretrained folder as it is set up (0: none): each rank
     # holds about two of them beside its shards while it loads (parallel/pretrained_weights.py).
     pretrained_largest: int = 0
+    # Of `parameters`, those one token's step uses: a mixture of experts' top-k of each layer's experts, and the rest
+    # (routed_experts.py). None for a model without experts.
+    active_parameters: int | None = None
 
     def activations_under(self, plan: CheckpointPlan | None) -> int | None:
         """Bytes saved for backward by one micro-batch with `plan`'s blocks checkpointed (None: none are). Each
@@ -86,19 +90,25 @@ class ModelFacts:
         trained = [p for p in params if p.requires_grad]
         blocks = block_modules(module, block_classes)
         attention: list[tuple[int, int, int]] = []
+        routed = RoutedExperts([])
         try:
-            traced = _trace_activations(module, batch, blocks, attention) if batch is not None else None
+            if batch is not None:
+                with experts_traced_on_meta(module) as routed:
+                    traced = _trace_activations(module, batch, blocks, attention)
+            else:
+                traced = None
         except NotImplementedError as error:
             if "nonzero" not in str(error):
                 raise
-            # A mixture of experts picks each expert's tokens by their router's values, which meta tensors lack.
-            raise ValueError(f"{type(module).__name__} chooses tokens by value in its forward (torch.nonzero: a"
-                             " mixture of experts' routing), which the memory plan's trace on the meta device cannot"
-                             " follow; the plan, the dry run and strategy=auto_fit do not know such models yet"
-                             ) from None
+            # Tokens chosen by their values (a routing of its own, not an experts module's call), which meta lacks.
+            raise ValueError(f"{type(module).__name__} chooses tokens by value in its forward (torch.nonzero), which"
+                             " the memory plan's trace on the meta device cannot follow; the plan, the dry run and"
+                             " strategy=auto_fit do not know such models yet") from None
+        trainable = sum(p.numel() for p in trained)
         split, split_frozen = _split_by_tensor_parallelism(module, blocks)
         return cls(
-            parameters=sum(p.numel() for p in trained),
+            parameters=trainable,
+            active_parameters=trainable - routed.inactive_parameters() if routed.modules and traced else None,
             frozen_parameters=sum(p.numel() for p in params if not p.requires_grad),
             largest_block=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
             blocks=len(blocks),
@@ -156,10 +166,11 @@ def _unique_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 def _trace_activations(
-    module: nn.Module, batch: Any, blocks: list[nn.Module], attention: list[tuple[int, int, int]]
+    module: nn.Module, batch: Any, blocks: list[nn.Module], attention: list[tuple[int, int, int]], device: str = "meta"
 ) -> tuple[int, int, tuple[BlockActivations, ...]]:
     """(bytes saved for backward, bytes saved with each block checkpointed, what each block saves) by one training
-    step on meta; each attention call's heads and length into `attention`."""
+    step on meta (`device`: a module there, to check the trace against a real step); each attention call's heads and
+    length into `attention`."""
     parameters = {id(p) for p in module.parameters()}
     seen: set[int] = set()
     per_block = {id(b): [0, 0, 0] for b in blocks}  # saved, inputs, products
@@ -192,7 +203,7 @@ def _trace_activations(
     def leave(block: nn.Module, args: tuple, output: Any) -> None:
         current.pop()
 
-    meta_batch = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, batch)
+    meta_batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
     with ExitStack() as stack:
         for block in blocks:
             stack.callback(block.register_forward_pre_hook(enter).remove)

@@ -12,7 +12,8 @@ from lightning_dist.dry_run import RankView, dry_run_configured, dry_run_devices
 from lightning_dist.dry_run import table as dry_run_table
 from lightning_dist.memory import MemoryPlan, layout_of, plan_memory
 from lightning_dist.parallel.device_check import DeviceMismatch
-from lightning_dist.run.compose import CONFIG_MISTAKES, compose, config_error, device_count, module_config
+from lightning_dist.parallel.expert_parallel import experts_modules
+from lightning_dist.run.compose import CONFIG_MISTAKES, Composed, compose, config_error, device_count, module_config
 from lightning_dist.run.config_check import ConfigError
 from lightning_dist.run.preset_table import compare_presets
 
@@ -33,15 +34,23 @@ def plan(cfg: DictConfig) -> MemoryPlan:
     return memory_plan
 
 
+def refuse_what_a_dry_run_cannot_follow(composed: Composed) -> None:
+    """ConfigError in one line where the dry run cannot run this strategy or model."""
+    if refusal := dry_run_refusal(composed.strategy):
+        raise ConfigError(f"dry_run=true: strategy={composed.strategy_name}: {refusal}; plan=true gives its memory")
+    if experts := experts_modules(composed.model_on_meta()):
+        raise ConfigError(f"dry_run=true: {experts[0][0]} runs each expert on the tokens its router chose, found by"
+                          " value, which the dry run's fake tensors cannot follow yet (a mixture of experts); plan=true"
+                          " gives its memory")
+
+
 def dry_run(cfg: DictConfig) -> list[RankView]:
     """`dry_run=true`: the strategy's set-up and two steps at the configured world size, seen from the first and the
     last rank (or `dry_run_ranks`), under a fake process group and fake tensors; printed beside the plan."""
     try:
         composed = compose(cfg, choose=False)  # the strategy travels as its config (below): auto_fit's is not one
         name = composed.strategy_name
-        refusal = dry_run_refusal(composed.strategy)
-        if refusal:
-            raise ConfigError(f"dry_run=true: strategy={name}: {refusal}; plan=true gives its memory")
+        refuse_what_a_dry_run_cannot_follow(composed)
         devices, num_nodes = device_count(cfg)
         world = devices * num_nodes
         ranks = tuple(cfg.get("dry_run_ranks") or (0, world - 1))

@@ -297,6 +297,10 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
 
     @override
     def model_refusal(self, model: nn.Module, parallel_dims: ParallelDims) -> str | None:
+        try:
+            refuse_expert_layers_under_zero_1_2(model, self.zero.stage)
+        except ValueError as refusal:
+            return str(refusal)
         return autoep_model_refusal(model, parallel_dims.ep) if parallel_dims.ep > 1 else None
 
     def check_options(self) -> None:

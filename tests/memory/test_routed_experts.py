@@ -1,0 +1,85 @@
+"""The memory plan's trace of a mixture of experts on the meta device (lightning_dist/memory/routed_experts.py): each
+layer's experts run on `tokens x top_k` rows without the routing's values, which saves what a real step with real
+routing saves; the plan says how many parameters a token uses."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dist.memory.model_facts import ModelFacts, _trace_activations
+from lightning_dist.models.gpt_moe import GPTMoELanguageModel, RoutedExperts, expert_mlp
+from lightning_dist.parallel.classes import block_modules
+from tests.conftest import REPO
+
+BATCH = (torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0)),
+         torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1)))
+
+
+def gpt_moe() -> GPTMoELanguageModel:
+    return GPTMoELanguageModel(block_size=32, n_layer=2)
+
+
+def hf_mixtral() -> nn.Module:
+    from lightning_dist.models.hf_language_model import HFLanguageModel
+
+    return HFLanguageModel("mixtral", {"vocab_size": 256, "max_position_embeddings": 32, "hidden_size": 64,
+                                       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                       "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                       "output_router_logits": True, "tie_word_embeddings": False})
+
+
+@pytest.mark.parametrize(("build", "within"), [(gpt_moe, 0.0), (hf_mixtral, 1e-4)], ids=["gpt_moe", "hf_mixtral"])
+def test_the_meta_trace_saves_what_a_real_step_with_real_routing_saves(build, within):
+    planned = ModelFacts.of(build, BATCH)
+    torch.manual_seed(0)
+    model = build()
+    saved, checkpointed, _ = _trace_activations(model, BATCH, block_modules(model, ()), [], device="cpu")
+    assert planned.activation_bytes == pytest.approx(saved, rel=within)
+    assert planned.checkpointed_activation_bytes == pytest.approx(checkpointed, rel=within)
+
+
+def test_a_token_uses_its_top_k_of_each_layer_s_experts_and_everything_else():
+    facts = ModelFacts.of(gpt_moe, BATCH)
+    model = gpt_moe()
+    experts = sum(p.numel() for block in model.model.blocks for p in block.moe.experts.parameters())
+    assert facts.parameters == sum(p.numel() for p in model.parameters())
+    assert facts.active_parameters == facts.parameters - experts * (8 - 2) // 8
+    assert ModelFacts.of(lambda: GPTMoELanguageModel(block_size=32, n_layer=2, top_k=1), BATCH).active_parameters \
+        == facts.parameters - experts * 7 // 8
+    assert ModelFacts.of(gpt_moe).active_parameters is None  # nothing traced without a batch
+
+
+class LoopsOverItsRoutedExperts(nn.Module):
+    """Holds experts that can be called with the routing, and calls each itself instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+        self.experts = RoutedExperts(expert_mlp(8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(expert(x) for expert in self.experts) + self.router(x).sum()
+
+
+def test_an_experts_module_the_step_did_not_call_with_the_routing_stops_the_plan_in_one_line():
+    with pytest.raises(ValueError) as refused:
+        ModelFacts.of(LoopsOverItsRoutedExperts, torch.randn(2, 8))
+    assert str(refused.value) == (
+        "LoopsOverItsRoutedExperts's traced step did not call experts as experts(hidden_states, top_k_index,"
+        " top_k_weights), so the memory plan cannot count what its experts save; call the experts module that way")
+
+
+def test_the_plan_says_the_parameters_a_token_uses_as_typed(tmp_path):
+    plan = subprocess.run([sys.executable, str(REPO / "train.py"), "model=gpt_moe", "plan=true"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert ("(a mixture of experts: 4,534,528 parameters trained and held, 1,373,440 used by each token: each layer's"
+            " top-k experts and the rest; activations traced with the tokens spread evenly over the experts)"
+            in plan.stdout)
+    # ZeRO-1/2 cannot run its experts (their gradients reach the buckets in different orders): marked, not planned.
+    assert "| deepspeed_stage_2 | cannot run this model (below) | - | - | - |" in plan.stdout
