@@ -22,6 +22,7 @@ from lightning_dist.memory.routed_experts import RoutedExperts, experts_traced_o
 from lightning_dist.parallel.activation_checkpoint import KEPT_OPS, CheckpointPlan
 from lightning_dist.parallel.classes import block_modules
 from lightning_dist.parallel.context_parallel import position_modules
+from lightning_dist.parallel.expert_parallel.layers import experts_modules
 from lightning_dist.parallel.pretrained_weights import BoundWeights
 
 
@@ -41,6 +42,7 @@ class ModelFacts:
     # and no optimizer state. Counted apart, or a LoRA fine-tune's plan would leave out the whole base model.
     frozen_parameters: int = 0
     largest_block: int = 0                     # elements of the largest repeated block: the unit gathered at once
+    largest_block_experts: int = 0             # of those, its experts': expert parallelism gathers 1 / ep of them
     blocks: int = 0                            # how many blocks: pipeline stages divide them
     buffer_bytes: int = 0
     activation_bytes: int | None = None        # saved for backward by one micro-batch, fp32
@@ -105,12 +107,14 @@ class ModelFacts:
                              " the memory plan's trace on the meta device cannot follow; the plan, the dry run and"
                              " strategy=auto_fit do not know such models yet") from None
         trainable = sum(p.numel() for p in trained)
+        largest = max(((sum(p.numel() for p in b.parameters()), _experts_elements(b)) for b in blocks), default=(0, 0))
         split, split_frozen = _split_by_tensor_parallelism(module, blocks)
         return cls(
             parameters=trainable,
             active_parameters=trainable - routed.inactive_parameters() if routed.modules and traced else None,
             frozen_parameters=sum(p.numel() for p in params if not p.requires_grad),
-            largest_block=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
+            largest_block=largest[0],
+            largest_block_experts=largest[1],
             blocks=len(blocks),
             buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
             activation_bytes=traced[0] if traced else None,
@@ -126,6 +130,10 @@ class ModelFacts:
             positions=bool(position_modules(module)),
             pretrained_largest=_largest_pretrained_tensor(module),
         )
+
+
+def _experts_elements(block: nn.Module) -> int:
+    return sum(p.numel() for _, experts in experts_modules(block) for p in experts.parameters())
 
 
 def _fewest(calls: list[tuple[int, int, int]]) -> tuple[int, int, int] | None:

@@ -193,7 +193,7 @@ def plan_memory(
     if layout.shard_parameters or layout.offload_parameters:
         # Whole parameters exist only while used: one block and the next, prefetched; all of them under
         # SHARD_GRAD_OP, which keeps them from forward to backward.
-        gathered = held if layout.keep_gathered else 2 * (math.ceil(facts.largest_block / dims.tp) or held)
+        gathered = held if layout.keep_gathered else 2 * (math.ceil(_gathered_unit(facts, dims) / dims.tp) or held)
         plan.device["gathered_parameters"] = min(gathered, held) * compute_bytes
     if layout.autocast_weight_copies and precision in ("bf16-mixed", "16-mixed"):
         # Autocast casts each fp32 weight to 16 bits as forward uses it and keeps the copy: matrix products save
@@ -225,7 +225,8 @@ def plan_memory(
     if layout.reduce_scatter_per_block:
         # FSDP2 reduce-scatters each block's whole gradients from a buffer of their own, while the next block
         # computes; its sharded gradients appear block by block as backward frees the activations.
-        plan.device["reduce_scatter_buffer"] = (math.ceil(facts.largest_block / dims.tp) or trained) * size.gradient
+        plan.device["reduce_scatter_buffer"] = (math.ceil(_gathered_unit(facts, dims) / dims.tp) or trained) \
+            * size.gradient
         _never_together(plan, ("activations",), ("gradients",))
     if dims.pp > 1:
         _pipeline_stage_state(plan, facts, layout, held, trained, size.gradient, compute_bytes)
@@ -254,6 +255,13 @@ def _elements_per_rank(facts: ModelFacts, dims: ParallelDims) -> tuple[int, int]
             trained = min(trained, math.ceil(stage * trained / held))
         held = stage
     return held, trained
+
+
+def _gathered_unit(facts: ModelFacts, dims: ParallelDims) -> int:
+    """Elements of the largest block as it is gathered: under expert parallelism its experts are a unit of their own,
+    of which each rank gathers the experts it holds, 1 / ep of them."""
+    experts = facts.largest_block_experts
+    return facts.largest_block - experts + math.ceil(experts / dims.ep)
 
 
 def _pipeline_stage_state(plan: MemoryPlan, facts: ModelFacts, layout: Layout, held: int, trained: int,

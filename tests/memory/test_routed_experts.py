@@ -83,3 +83,19 @@ def test_the_plan_says_the_parameters_a_token_uses_as_typed(tmp_path):
             in plan.stdout)
     # ZeRO-1/2 cannot run its experts (their gradients reach the buckets in different orders): marked, not planned.
     assert "| deepspeed_stage_2 | cannot run this model (below) | - | - | - |" in plan.stdout
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_expert_parallelism_gathers_each_block_with_its_share_of_the_experts(ep):
+    """FSDP gathers a block, and under expert parallelism its experts as a unit of their own: the experts this rank
+    holds, 1 / ep of them (the gradients' reduce-scatter buffer likewise)."""
+    from lightning_dist.memory import layout_of, plan_memory
+    from lightning_dist.strategies import FSDPStrategy
+
+    facts = ModelFacts.of(gpt_moe, BATCH)
+    experts = sum(p.numel() for p in gpt_moe().model.blocks[0].moe.experts.parameters())
+    assert facts.largest_block_experts == experts
+    plan = plan_memory(facts, layout_of(FSDPStrategy(expert_parallel_size=ep), "fsdp"), devices=4)
+    unit = facts.largest_block - experts + experts // ep
+    assert plan.device["gathered_parameters"] == 2 * unit * 4  # this block and the next, fp32
+    assert plan.device["reduce_scatter_buffer"] == unit * 4
