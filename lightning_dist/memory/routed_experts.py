@@ -69,10 +69,11 @@ def experts_traced_on_meta(model: nn.Module) -> Iterator[RoutedExperts]:
     routed = RoutedExperts(experts_modules(model))
     with ExitStack() as stack:
         for name, module in routed.modules:
-            def record(module: nn.Module, args: tuple, name: str = name) -> None:
-                routed.top_k[name] = args[1].shape[-1] if len(args) > 1 else 0
+            def record(module: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
+                routing = [*args, *kwargs.values()]  # (hidden states, top-k indices, top-k weights), by name or not
+                routed.top_k[name] = routing[1].shape[-1] if len(routing) > 1 else 0
 
-            stack.callback(module.register_forward_pre_hook(record).remove)
+            stack.callback(module.register_forward_pre_hook(record, with_kwargs=True).remove)
             if isinstance(module, nn.ModuleList):
                 module.forward = _in_equal_shares(module)
                 stack.callback(module.__dict__.pop, "forward")
