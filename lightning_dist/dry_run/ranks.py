@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -29,6 +30,7 @@ from torch import nn
 
 from lightning_dist._compat.fake_cuda import FakeCudaUnavailable, run_with_fake_cuda, shim_library
 from lightning_dist.memory.auto_fit import AutoFit
+from lightning_dist.memory.routed_experts import experts_traced_on_meta
 from lightning_dist.parallel.classes import block_modules
 
 log = logging.getLogger(__name__)
@@ -136,8 +138,17 @@ def dry_run(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision
 def dry_run_ranks(strategy: Any, build: Callable[[], nn.Module], batch: Any, precision: str, devices: int,
                   num_nodes: int, ranks: tuple[int, ...], device_type: str = "cpu") -> list[RankView]:
     """Each of `ranks` (global ranks of devices x num_nodes) set up by `strategy` and trained two steps on `batch`,
-    on fake `device_type` devices (`cuda` needs CUDA, real or faked: `_compat/fake_cuda.py`)."""
-    return [strategy.dry_run_rank(build, batch, precision, devices, num_nodes, rank, device_type) for rank in ranks]
+    on fake `device_type` devices (`cuda` needs CUDA, real or faked: `_compat/fake_cuda.py`). A mixture of experts'
+    layers run their experts on their rows without the routing's values, which fake tensors do not have, as the
+    plan's trace does (memory/routed_experts.py)."""
+    with ExitStack() as routed:
+        def built() -> nn.Module:
+            model = build()
+            routed.enter_context(experts_traced_on_meta(model))
+            return model
+
+        return [strategy.dry_run_rank(built, batch, precision, devices, num_nodes, rank, device_type)
+                for rank in ranks]
 
 
 class FakeRankEnvironment(LightningEnvironment):

@@ -64,7 +64,8 @@ def _in_equal_shares(experts: nn.ModuleList) -> Callable[[torch.Tensor, torch.Te
 
 @contextmanager
 def experts_traced_on_meta(model: nn.Module) -> Iterator[RoutedExperts]:
-    """Within: `model`'s experts modules run on meta tensors as the module docstring says, each call's top-k recorded.
+    """Within: `model`'s experts modules run on meta (or fake) tensors as the module docstring says, each call's top-k
+    recorded (the plan's trace, and the dry run's steps).
     After: ValueError in one line naming an experts module the step did not call that way."""
     routed = RoutedExperts(experts_modules(model))
     with ExitStack() as stack:

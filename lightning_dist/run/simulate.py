@@ -12,7 +12,6 @@ from lightning_dist.dry_run import RankView, dry_run_configured, dry_run_devices
 from lightning_dist.dry_run import table as dry_run_table
 from lightning_dist.memory import MemoryPlan, layout_of, plan_memory
 from lightning_dist.parallel.device_check import DeviceMismatch
-from lightning_dist.parallel.expert_parallel import experts_modules
 from lightning_dist.run.compose import CONFIG_MISTAKES, Composed, compose, config_error, device_count, module_config
 from lightning_dist.run.config_check import ConfigError
 from lightning_dist.run.preset_table import compare_presets
@@ -38,9 +37,9 @@ def refuse_what_a_dry_run_cannot_follow(composed: Composed) -> None:
     """ConfigError in one line where the dry run cannot run this strategy or model."""
     if refusal := dry_run_refusal(composed.strategy):
         raise ConfigError(f"dry_run=true: strategy={composed.strategy_name}: {refusal}; plan=true gives its memory")
-    if experts := experts_modules(composed.model_on_meta()):
-        raise ConfigError(f"dry_run=true: {experts[0][0]} runs each expert on the tokens its router chose, found by"
-                          " value, which the dry run's fake tensors cannot follow yet (a mixture of experts); plan=true"
+    if (size := getattr(composed.strategy, "expert_parallel_size", 1)) > 1:
+        raise ConfigError(f"dry_run=true: strategy.expert_parallel_size={size}: the dispatch to each expert's rank"
+                          " reads how many tokens go where, which the dry run's fake tensors cannot say yet; plan=true"
                           " gives its memory")
 
 
