@@ -495,3 +495,10 @@ def memory_categories(tracker: Any) -> dict[str, dict[str, int]]:
     at that device's peak."""
     return {str(device): {str(getattr(key, "name", key)): int(value) for key, value in categories.items()}
             for device, categories in tracker.get_tracker_snapshot("peak").items()}
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a fake tensor (a dry run's): a shape and a device, no values to read."""
+    from torch._subclasses.fake_tensor import is_fake as torch_is_fake
+
+    return bool(torch_is_fake(tensor))

@@ -9,7 +9,8 @@ without looking at the routing's values:
 - transformers' fused experts through its own grouped implementation (the pairs sorted by expert, one product per
   expert over its rows), which runs on meta tensors with the per-expert loop it falls back to
   (`_compat/transformers.py`);
-- a list of one module per expert (`model=gpt_moe`) on the pairs in equal shares, each expert its share.
+- a list of one module per expert (`model=gpt_moe`) on the pairs in equal shares, each expert (of those the rank
+  holds, under expert parallelism) its share.
 
 Each experts module is counted as it is called, so the plan can say how many parameters a token uses (`top_k` of
 each layer's experts, and everything else) beside how many the model holds; a module the traced step did not reach
@@ -50,12 +51,15 @@ def _in_equal_shares(experts: nn.ModuleList) -> Callable[[torch.Tensor, torch.Te
     """A forward for a list of experts that gives each expert an equal share of the (token, expert) pairs."""
 
     def forward(hidden: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # The experts this rank holds: under expert parallelism the others' places hold no parameters, and what
+        # arrives here is for its own (parallel/expert_parallel/layers.py).
+        held = [expert for expert in experts if next(expert.parameters(), None) is not None]
         order = chosen.reshape(-1).argsort(stable=True)
         token = order // chosen.shape[-1]
-        rows, count = order.numel(), len(experts)
-        share = -(-rows // count)
+        rows = order.numel()
+        share = -(-rows // len(held))
         picked = hidden[token]
-        outputs = torch.cat([expert(picked[e * share:(e + 1) * share]) for e, expert in enumerate(experts)])
+        outputs = torch.cat([expert(picked[e * share:(e + 1) * share]) for e, expert in enumerate(held)])
         weighed = outputs[:rows] * weights.reshape(-1)[order, None].to(outputs.dtype)
         return torch.zeros_like(hidden).index_add(0, token, weighed.to(hidden.dtype))
 

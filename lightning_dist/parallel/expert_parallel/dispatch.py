@@ -23,7 +23,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from lightning_dist._compat.fake_tensors import is_fake
 from lightning_dist._compat.torch import all_to_all_with_gradients
 
 # Runs the tokens that arrived through this rank's experts: (hidden states, each row's expert of this rank's, the
@@ -44,6 +46,14 @@ class ScaleGradient(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+def _even_split(pairs: int, ranks: int, local: int, rank: int) -> tuple[list[int], list[int]]:
+    """(pairs this rank sends each expert, pairs it receives for each of its experts from each rank) when every
+    rank's `pairs` (token, expert) pairs spread evenly over the `ranks x local` experts."""
+    experts = ranks * local
+    even = [pairs // experts + (1 if expert < pairs % experts else 0) for expert in range(experts)]
+    return even, [even[rank * local + expert] for _ in range(ranks) for expert in range(local)]
+
+
 def dispatch_and_combine(hidden: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, *, group: Any,
                          ranks: int, local: int, run_local: RunLocal) -> torch.Tensor:
     """The weighted sum, per token of `hidden` (tokens x features), of the outputs of the experts `chosen` for it
@@ -52,15 +62,20 @@ def dispatch_and_combine(hidden: torch.Tensor, chosen: torch.Tensor, weights: to
     flat = chosen.reshape(-1)
     order = flat.argsort(stable=True)  # the (token, expert) pairs by expert: each destination's pairs in one run
     token = order // chosen.shape[-1]
-    counts = torch.bincount(flat, minlength=ranks * local)
+    # How many pairs for each expert (bincount's shape depends on the values: a fake tensor has none)
+    counts = flat.new_zeros(ranks * local).scatter_add_(0, flat, torch.ones_like(flat))
     arriving = all_to_all_with_gradients(counts, group)  # from each rank, how many for each of my experts
-    sent_per_expert, arrived_per_expert = torch.stack([counts, arriving]).tolist()  # the one host read
+    if is_fake(counts):  # a dry run's: no counts to read; its tokens spread evenly over the experts, on every rank
+        sent_per_expert, arrived_per_expert = _even_split(flat.numel(), ranks, local, dist.get_rank(group))
+    else:
+        sent_per_expert, arrived_per_expert = torch.stack([counts, arriving]).tolist()  # the one host read
     sent = [sum(sent_per_expert[r * local:(r + 1) * local]) for r in range(ranks)]
     arrived = [sum(arrived_per_expert[r * local:(r + 1) * local]) for r in range(ranks)]
     received = all_to_all_with_gradients(hidden[token], group, arrived, sent)
     # What arrived is ordered by source rank, then by expert: each row's expert (of this rank's, from 0).
+    # The counts made on the host, then copied: a dry run's fake devices make no tensor from data on a device.
     expert_of_row = torch.repeat_interleave(torch.arange(local, device=hidden.device).repeat(ranks),
-                                            torch.tensor(arrived_per_expert, device=hidden.device),
+                                            torch.tensor(arrived_per_expert).to(hidden.device),
                                             output_size=sum(arrived))
     rows_per_expert = [sum(arrived_per_expert[r * local + e] for r in range(ranks)) for e in range(local)]
     outputs = run_local(ScaleGradient.apply(received, float(ranks)), expert_of_row, rows_per_expert)
