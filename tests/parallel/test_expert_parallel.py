@@ -118,13 +118,18 @@ EP_RUN = ("data.batch_size=2", "data.block_size=16", "trainer.devices=4", f"trai
           f"callbacks.model_checkpoint.every_n_train_steps={SAVED_AT}", "callbacks.model_checkpoint.save_top_k=-1",
           "callbacks.model_checkpoint.monitor=null")
 MODELS = {"gpt_moe": ("model=gpt_moe", "model.n_layer=2"), "hf_mixtral": ("model=hf_mixtral",
-                                                                           "model.config.num_hidden_layers=2")}
+                                                                           "model.config.num_hidden_layers=2"),
+          # 1 expert a rank and 2 ranks left to shard it: FSDP cuts the fused experts on their second dimension.
+          "hf_mixtral 2 experts": ("model=hf_mixtral", "model.config.num_hidden_layers=2",
+                                   "model.config.num_local_experts=2")}
 RUNS = {
     "gpt_moe ep 1": ("strategy=fsdp", *MODELS["gpt_moe"]),
     "gpt_moe ep 2": ("strategy=fsdp", "strategy.expert_parallel_size=2", *MODELS["gpt_moe"]),  # the docs' command
     "hf_mixtral ep 1": ("strategy=fsdp", *MODELS["hf_mixtral"]),
     "hf_mixtral ep 2": ("strategy=fsdp_activation_checkpointing", "strategy.expert_parallel_size=2",
                         *MODELS["hf_mixtral"]),
+    "hf_mixtral 2 experts ep 1": ("strategy=fsdp", *MODELS["hf_mixtral 2 experts"]),
+    "hf_mixtral 2 experts ep 2": ("strategy=fsdp", "strategy.expert_parallel_size=2", *MODELS["hf_mixtral 2 experts"]),
 }
 
 
@@ -149,7 +154,7 @@ def assert_same_losses(ours: dict[int, float], reference: dict[int, float], step
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", in_the_suite(list(MODELS), ["gpt_moe", "hf_mixtral"]))
 def test_ep_2_trains_ep_1_s_losses(model, ep_runs):
     assert_same_losses(read_train_losses(ep_runs(f"{model} ep 2").run_dir),
                        read_train_losses(ep_runs(f"{model} ep 1").run_dir))
