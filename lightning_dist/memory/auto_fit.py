@@ -22,12 +22,12 @@ from lightning_dist._compat.registry import registered_arguments, registered_str
 from lightning_dist.memory.layout import layout_of
 from lightning_dist.memory.model_facts import ModelFacts
 from lightning_dist.memory.planner import GB, MemoryPlan, plan_memory
-from lightning_dist.parallel import context_parallel, pipeline_layout, tensor_parallel
+from lightning_dist.parallel import context_parallel, expert_parallel, pipeline_layout, tensor_parallel
 
 # Each parallel axis's precondition on the model (its room's `model_unsplit`: why the model, as its facts describe
 # it, cannot be split over that many ranks of the axis, or None), checked for a rung whose layout has the axis.
 MODEL_SPLITS = (("tensor", tensor_parallel.model_unsplit), ("context", context_parallel.model_unsplit),
-                ("pipeline", pipeline_layout.model_unsplit))
+                ("pipeline", pipeline_layout.model_unsplit), ("expert", expert_parallel.model_unsplit))
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +39,13 @@ LADDERS = {
         "deepspeed_stage_3_offload",
         "deepspeed_stage_3_offload_nvme",
     ),
-    "fsdp": ("ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_tp", "fsdp_cp", "fsdp_pp", "fsdp_cpu_offload",
+    "fsdp": ("ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_ep", "fsdp_tp", "fsdp_cp", "fsdp_pp", "fsdp_cpu_offload",
              "deepspeed_stage_3_offload_nvme"),
 }
-# Rungs that are a preset with options rather than a preset of their own: (preset, its options).
-RUNGS: dict[str, tuple[str, dict[str, Any]]] = {"fsdp_cp": ("fsdp", {"context_parallel_size": 2})}
+# Rungs that are a preset with options rather than a preset of their own: (preset, its options). fsdp_ep: a mixture
+# of experts whose layer, gathered whole, is what does not fit (each rank gathers half of its experts).
+RUNGS: dict[str, tuple[str, dict[str, Any]]] = {"fsdp_cp": ("fsdp", {"context_parallel_size": 2}),
+                                                "fsdp_ep": ("fsdp", {"expert_parallel_size": 2})}
 
 
 class NothingFits(ValueError):

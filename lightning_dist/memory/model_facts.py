@@ -22,7 +22,7 @@ from lightning_dist.memory.routed_experts import RoutedExperts, experts_traced_o
 from lightning_dist.parallel.activation_checkpoint import KEPT_OPS, CheckpointPlan
 from lightning_dist.parallel.classes import block_modules
 from lightning_dist.parallel.context_parallel import position_modules
-from lightning_dist.parallel.expert_parallel.layers import experts_modules
+from lightning_dist.parallel.expert_parallel.layers import experts_count, experts_modules
 from lightning_dist.parallel.pretrained_weights import BoundWeights
 
 
@@ -67,6 +67,7 @@ class ModelFacts:
     # Of `parameters`, those one token's step uses: a mixture of experts' top-k of each layer's experts, and the rest
     # (routed_experts.py). None for a model without experts.
     active_parameters: int | None = None
+    fewest_experts: int = 0  # the fewest experts of a mixture-of-experts layer (0: none): expert parallelism divides it
 
     def activations_under(self, plan: CheckpointPlan | None) -> int | None:
         """Bytes saved for backward by one micro-batch with `plan`'s blocks checkpointed (None: none are). Each
@@ -112,6 +113,7 @@ class ModelFacts:
         return cls(
             parameters=trainable,
             active_parameters=trainable - routed.inactive_parameters() if routed.modules and traced else None,
+            fewest_experts=min((experts_count(m) for _, m in experts_modules(module)), default=0),
             frozen_parameters=sum(p.numel() for p in params if not p.requires_grad),
             largest_block=largest[0],
             largest_block_experts=largest[1],

@@ -39,20 +39,20 @@ TINY = ModelFacts(parameters=842_496, largest_block=198_272, activation_bytes=88
     # more sharded state (4 data-parallel ranks, not 8), half the gathered blocks and the reduce-scatter buffer, and
     # two thirds of the activations. 21.7 GB x 0.85 = 18.4 GB usable.
     (SEVEN_B_PLANNED, AutoFit(device_memory_gb=21.7, host_memory_gb=512, family="fsdp"), "fsdp_tp",
-     ["ddp", "fsdp_shard_grad_op", "fsdp"]),
+     ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_ep"]),
     (dataclasses.replace(SEVEN_B_PLANNED, tensor_parallel_parameters=0), AutoFit(device_memory_gb=21.7, host_memory_gb=512, family="fsdp"),
-     "fsdp_cpu_offload", ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_tp", "fsdp_cp", "fsdp_pp"]),
+     "fsdp_cpu_offload", ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_ep", "fsdp_tp", "fsdp_cp", "fsdp_pp"]),
     # Long sequences: activations outweigh the model. FSDP on 8 devices holds all 30 GB of one micro-batch's bf16
     # activations; 2 pipeline stages hold half each (1F1B: 2 micro-batches of half the batch in flight), beside
     # their stage's 0.5B parameters gathered (1 GB) and its gradients accumulated in fp32 (2 GB): 19.7 of 20.4 GB.
     # (Facts given without an attention trace: the sequences cannot be split, fsdp_cp is passed over.)
     (LONG_CONTEXT_1B, AutoFit(device_memory_gb=24, host_memory_gb=512, family="fsdp"), "fsdp_pp",
-     ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_tp", "fsdp_cp"]),
+     ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_ep", "fsdp_tp", "fsdp_cp"]),
     # The same model as traced (16 heads, 32,768 tokens, rotary positions): each sequence split over 2 ranks holds
     # half the activations, 15 GB, beside its 1.5 GB of sharded state (16.7 of 20.4 GB): the weights stay sharded over
     # all 8 ranks.
     (LONG_CONTEXT_1B_TRACED, AutoFit(device_memory_gb=24, host_memory_gb=512, family="fsdp"), "fsdp_cp",
-     ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_tp"]),
+     ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp_ep", "fsdp_tp"]),
 ])
 def test_auto_fit_picks_the_least_sharded_strategy_that_fits(facts, fit, chosen, rejected, caplog):
     devices = 2 if facts is TINY else 4 if facts is SEVEN_B else 8

@@ -135,3 +135,18 @@ def test_the_dry_run_steps_the_experts_on_fake_tensors_within_15_percent_of_the_
     assert len(ranks) == 2 and all(abs(rank / planned - 1) < 0.15 for rank in ranks), (ranks, planned)
     *held, planned_state = row("optimizer state")
     assert all(abs(state / planned_state - 1) < 0.01 for state in held), (held, planned_state)
+
+
+def test_auto_fit_splits_the_experts_where_the_gathered_experts_are_what_does_not_fit():
+    """The fsdp ladder's rung after fsdp: a layer gathered whole does not fit, with half its experts it does."""
+    from lightning_dist.memory import AutoFit
+
+    facts = ModelFacts.of(gpt_moe, BATCH)
+    choice = AutoFit(device_memory_gb=0.033, host_memory_gb=100, family="fsdp").choose(facts, "32-true", devices=2)
+    assert choice.name == "fsdp_ep" and choice.strategy.expert_parallel_size == 2
+    assert [name for name, _ in choice.rejected] == ["ddp", "fsdp_shard_grad_op", "fsdp"]
+    dense = ModelFacts(parameters=facts.parameters, largest_block=facts.largest_block,
+                       activation_bytes=facts.activation_bytes)
+    rejected = dict(AutoFit(device_memory_gb=0.033, host_memory_gb=100, family="fsdp").choose(
+        dense, "32-true", devices=2).rejected)
+    assert rejected["fsdp_ep"] == "the model has no mixture-of-experts layers to split"
