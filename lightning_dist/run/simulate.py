@@ -37,7 +37,7 @@ def refuse_what_a_dry_run_cannot_follow(composed: Composed) -> None:
     """ConfigError in one line where the dry run cannot run this strategy or model."""
     if refusal := dry_run_refusal(composed.strategy):
         raise ConfigError(f"dry_run=true: strategy={composed.strategy_name}: {refusal}; plan=true gives its memory")
-    if (size := getattr(composed.strategy, "expert_parallel_size", 1)) > 1 and hasattr(composed.strategy, "zero"):
+    if (size := getattr(composed.strategy, "autoep_size", 1)) > 1:  # DeepSpeed's expert parallelism
         raise ConfigError(f"dry_run=true: strategy.expert_parallel_size={size}: DeepSpeed's AutoEP is not dry-run yet"
                           " (FSDP's expert parallelism is: strategy=fsdp); plan=true gives its memory")
 
