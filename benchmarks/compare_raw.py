@@ -139,8 +139,14 @@ def run_raw(strategy: str, model: Model, out: Path) -> dict:
     return {"iterations": [rank["iteration_s"] for rank in ranks], "peaks": [rank["peak_rss"] for rank in ranks]}
 
 
+def child_pythonpath() -> str:
+    """This checkout first, then the caller's path: where packages were installed with `--target` (a lent GPU machine
+    lacks deepspeed and Hydra, scripts/gpu_check.sh), the runs import them from there."""
+    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+
+
 def _run(command: list[str], **env: str) -> None:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", **env}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": child_pythonpath(), "PYTHONWARNINGS": "ignore", **env}
     process = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if process.returncode:
         raise SystemExit(f"failed ({process.returncode}): {' '.join(command)}\n{process.stderr[-3000:]}")

@@ -42,7 +42,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python benchmarks/gpu_compare.py`, from any directory
 
-from benchmarks.compare_raw import engine, machine  # noqa: E402
+from benchmarks.compare_raw import child_pythonpath, engine, machine  # noqa: E402
 
 ROWS = ("ddp", "fsdp", "fsdp_activation_checkpointing", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")
 COMPILED = "+compile"
@@ -177,7 +177,7 @@ def run_raw(row: str, shape: Shape, args: argparse.Namespace, precision: str) ->
 
 
 def run(command: list[str], device: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "PYTHONWARNINGS": "ignore"}
     if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
     process = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)

@@ -8,6 +8,7 @@ runs across devices, and the parts that failed or ran past their limits.
 from __future__ import annotations
 
 import csv
+import importlib.metadata
 import json
 import os
 import sys
@@ -101,11 +102,9 @@ def versions() -> dict[str, str]:
     found = {"GPU": f"{visible} x {torch.cuda.get_device_name(0)}" if visible else "none",
              "driver": _driver(), "torch": torch.__version__, "CUDA": str(torch.version.cuda),
              "lightning": lightning.__version__}
-    try:
-        import deepspeed
-
-        found["deepspeed"] = deepspeed.__version__
-    except ImportError:
+    try:  # read, not imported: on the H200 of 2026-12-04 the report's process hung at exit after DeepSpeed's import
+        found["deepspeed"] = importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
         found["deepspeed"] = "missing"
     found["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-"
     return found
@@ -115,7 +114,7 @@ if __name__ == "__main__":
     path, output, summary = sys.argv[1:4]
     text = open(path).read() if os.path.exists(path) else ""
     measured = json.loads(text) if text.strip() else {}  # empty: the suite stopped before writing, or did not run
-    report = render(measured, versions(), summary)  # DeepSpeed's import logs to stdout: the report goes to a file
+    report = render(measured, versions(), summary)
     if len(sys.argv) > 4:
         report += render_parts(Path(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else "")
     with open(output, "w") as handle:

@@ -36,10 +36,12 @@ def native_ops_needed(config: dict[str, Any]) -> list[str]:
 def check_offload_ready(config: dict[str, Any]) -> None:
     """Raise ValueError naming every NVMe directory that cannot be written and every native op that does not load."""
     problems = [problem for key, path in nvme_paths(config).items() if (problem := _directory_problem(key, path))]
-    # A first build takes minutes: with a directory to fix first, only whether the ops can be built is checked.
-    problems += [
-        problem for name in native_ops_needed(config) if (problem := _native_op_problem(name, build=not problems))
-    ]
+    builders = [_op_builder(name) for name in native_ops_needed(config)]
+    problems += [problem for builder in builders if (problem := _unbuildable(builder))]
+    # A first build takes minutes: only once nothing else is left to fix (the H200 of 2026-12-04 built CPU Adam for
+    # a run that then stopped for want of libaio's headers).
+    if not problems:
+        problems += [problem for builder in builders if (problem := _build_problem(builder))]
     if problems:
         raise ValueError("offload cannot start: " + " | ".join(problems))
 
@@ -54,28 +56,38 @@ def _directory_problem(key: str, path: str | None) -> str | None:
     return None
 
 
-def _native_op_problem(builder_name: str, build: bool = True) -> str | None:
+def _op_builder(builder_name: str) -> tuple[str, Any]:
     from deepspeed.accelerator import get_accelerator
 
-    from lightning_dist._compat.deepspeed import remember_cpu_info, say_on_local_rank_zero
-    from lightning_dist.lifecycle.op_builds import announce_op_builds
+    from lightning_dist._compat.deepspeed import remember_cpu_info
 
     remember_cpu_info()  # asked here once, for this process and the ranks it starts
-    builder = get_accelerator().create_op_builder(builder_name)
-    hint = INSTALL_HINTS[builder_name]
+    return builder_name, get_accelerator().create_op_builder(builder_name)
+
+
+def _unbuildable(named_builder: tuple[str, Any]) -> str | None:
+    from deepspeed.accelerator import get_accelerator
+
+    builder_name, builder = named_builder
     if builder is None:
         return f"DeepSpeed has no {builder_name} for the {get_accelerator().device_name()} accelerator"
     if not builder.is_compatible(verbose=False):
-        return f"DeepSpeed's {builder.NAME} op cannot be built here: {hint}"
-    if not build:
-        return None
+        return f"DeepSpeed's {builder.NAME} op cannot be built here: {INSTALL_HINTS[builder_name]}"
+    return None
+
+
+def _build_problem(named_builder: tuple[str, Any]) -> str | None:
+    from lightning_dist._compat.deepspeed import say_on_local_rank_zero
+    from lightning_dist.lifecycle.op_builds import announce_op_builds
+
+    builder_name, builder = named_builder
     announce_op_builds(say_on_local_rank_zero)  # a first build takes minutes: say so before it starts
     try:
         builder.load(verbose=False)
     except Exception as error:  # noqa: BLE001 - a compiler or linker failure; its text goes into the message
         return (
             f"DeepSpeed's {builder.NAME} op failed to build ({type(error).__name__}: "
-            f"{' '.join(str(error).split())[:300]}): {hint}"
+            f"{' '.join(str(error).split())[:300]}): {INSTALL_HINTS[builder_name]}"
         )
     return None
 
