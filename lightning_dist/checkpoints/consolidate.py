@@ -23,7 +23,8 @@ import torch
 
 from lightning_dist._compat.deepspeed import merge_zero_partitions
 from lightning_dist._compat.lightning import WRAPPED_MODULE_PREFIX
-from lightning_dist.checkpoints.contents import autoep_refusal, autotp_refusal, autotp_size, saved_by_autoep
+from lightning_dist.checkpoints.autoep_names import AUTOEP_NAMES, model_named_state
+from lightning_dist.checkpoints.contents import autotp_refusal, autotp_size, saved_by_autoep
 from lightning_dist.checkpoints.formats import DEEPSPEED, FILE, CheckpointError, command_exit, deepspeed_tag_dir
 from lightning_dist.checkpoints.safe_load import load_file
 from lightning_dist.checkpoints.save_id import SAVE_ID
@@ -98,26 +99,38 @@ def _load_deepspeed(path: Path) -> dict[str, Any]:
     tag_dir = deepspeed_tag_dir(path)
     if (size := autotp_size(path)) > 1:  # each file holds one tensor-parallel rank's part of the split layers
         raise CheckpointError(autotp_refusal(path, size, "checkpoint"))
-    if saved_by_autoep(path, "checkpoint"):  # DeepSpeed's reader refuses it with a traceback
-        raise CheckpointError(autoep_refusal(path, "checkpoint"))
+    # Lightning keeps its own state (loops, callbacks, hyper-parameters) in rank 0's model-states file.
+    client_state = load_file(get_model_state_files(str(tag_dir))[0], trusted=True)  # vetted above
+    if saved_by_autoep(path, "checkpoint"):  # AutoEP's layers, back in the model's names
+        state_dict, state_by_name = model_named_state(tag_dir, client_state, path)
+        return _lightning_checkpoint(client_state, state_dict, state_by_name, client_state[AUTOEP_NAMES])
     # DeepSpeed's reader prints its progress (each merge three times over); a failure raises, with its own message.
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         state_dict = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag_dir.name)
-    # Lightning keeps its own state (loops, callbacks, hyper-parameters) in rank 0's model-states file.
-    client_state = load_file(get_model_state_files(str(tag_dir))[0], trusted=True)  # vetted above
+        state_by_name = _deepspeed_adam_state(tag_dir)
+    return _lightning_checkpoint(client_state, state_dict, state_by_name)
+
+
+def _lightning_checkpoint(
+    client_state: dict[str, Any], state_dict: dict[str, torch.Tensor], state_by_name: dict[str, dict],
+    autoep_blocks: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Lightning's checkpoint from rank 0's DeepSpeed client state and the weights and Adam state gathered apart."""
     deepspeed_keys = {"module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "skipped_steps",
                       "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
                       "buffer_names", "param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments",
-                      "sparse_tensor_module_names", "data_sampler", "random_ltd"}
+                      "sparse_tensor_module_names", "data_sampler", "random_ltd", "checkpoint_parallel_dimensions",
+                      "num_experts", "ds_autoep_layers", "universal_checkpoint_info", AUTOEP_NAMES}
     # zero_to_fp32 rebuilds trainable weights from the optimizer's fp32 partitions and, for ZeRO-1, silently
     # drops frozen ones; those never change, so the module's own (unpartitioned below ZeRO-3) copy is exact.
+    # (AutoEP's layers hold their own names and, below ZeRO-3, each rank's share of the experts: not the model's.)
+    autoep_layers = tuple(f"{block}." for block in autoep_blocks or {})
     for name, tensor in client_state.get("module", {}).items():
-        if name not in state_dict and tensor.numel() > 0:
+        if name not in state_dict and tensor.numel() > 0 and not name.startswith(autoep_layers):
             state_dict[name] = tensor.float() if tensor.is_floating_point() else tensor
     checkpoint = {k: v for k, v in client_state.items() if k not in deepspeed_keys}
     checkpoint["state_dict"] = {k.removeprefix(WRAPPED_MODULE_PREFIX): v for k, v in state_dict.items()}
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        return _with_state_by_name(checkpoint, _deepspeed_adam_state(tag_dir))
+    return _with_state_by_name(checkpoint, {k.removeprefix(WRAPPED_MODULE_PREFIX): v for k, v in state_by_name.items()})
 
 
 def _deepspeed_adam_state(ds_dir: Path) -> dict[str, dict[str, torch.Tensor]]:

@@ -100,7 +100,7 @@ def build(cfg: DictConfig, resuming: bool = False) -> dict[str, Any]:
             require_classes_in_model(model, classes, "model.block_class")
         shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}  # meta tensors have them
         if resuming:
-            cfg.ckpt_path = checkpoint_to_resume(cfg, shapes, getattr(strategy, "autoep_size", 1))
+            cfg.ckpt_path = checkpoint_to_resume(cfg, shapes, getattr(strategy, "autoep_size", None))
         checkpoint = _checked_checkpoint(cfg, shapes, strategy) if cfg.get("ckpt_path") else None
         # `callbacks.<name>=null` switches one off.
         configs = {name: c for name, c in (cfg.get("callbacks") or {}).items() if c is not None}
@@ -122,7 +122,7 @@ def _checked_checkpoint(cfg: DictConfig, shapes: dict[str, tuple[int, ...]], str
     try:
         source = CheckpointSource.of(cfg.ckpt_path, trusted=cfg.get("trust_checkpoint", False))
         check_whole(source)
-        if not check_autoep_layout(source, getattr(strategy, "autoep_size", 1)):  # AutoEP's names are its own
+        if not check_autoep_layout(source, getattr(strategy, "autoep_size", None)):  # AutoEP's names are its own
             check_checkpoint_matches(source, shapes)
         check_autotp_layout(source, getattr(strategy, "checkpoint_tensor_parallel", None))
         return source.vet()

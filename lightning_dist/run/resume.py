@@ -47,9 +47,11 @@ class NothingLeftToTrain(Exception):
 RESUME_ENV = "LIGHTNING_DIST_RESUME_FROM"
 
 
-def checkpoint_to_resume(cfg: DictConfig, shapes: dict[str, tuple[int, ...]], autoep_size: int = 1) -> str | None:
+def checkpoint_to_resume(cfg: DictConfig, shapes: dict[str, tuple[int, ...]], autoep_size: int | None = None,
+                         ) -> str | None:
     """`resume=true`: the newest whole checkpoint of this command that holds this model's weights (`shapes`; under
-    DeepSpeed's AutoEP, `autoep_size` > 1, the names of its own layers), each one passed over named with why; the
+    DeepSpeed's AutoEP, `autoep_size` > 1, the names of its own layers; None: a strategy that reads DeepSpeed's
+    checkpoints consolidated, contents.check_autoep_layout), each one passed over named with why; the
     user's own `ckpt_path` when given."""
     if cfg.get("ckpt_path") or not cfg.get("resume"):
         return cfg.get("ckpt_path")

@@ -121,9 +121,6 @@ def _report(cfg: DictConfig, trainer: L.Trainer, metrics: dict[str, float]) -> N
     last = Path(saved) if saved else None
     if last is not None and last.is_file():
         print(f"Last checkpoint: {last}")
-    elif last is not None and last.is_dir() and getattr(trainer.strategy, "autoep_size", 1) > 1:  # no one-file form
-        print(f"Last checkpoint: {last} (shards, DeepSpeed AutoEP's: they resume under the same strategy and"
-              " strategy.expert_parallel_size)")
     elif last is not None and last.is_dir():  # a sharded strategy's: a directory of shards
         print(f"Last checkpoint: {last} (shards; one file: lightning-dist consolidate {last}"
               " model.ckpt)")

@@ -1,7 +1,7 @@
 """DeepSpeed's expert parallelism (AutoEP) as `strategy.expert_parallel_size` (strategies/deepspeed/autoep.py): a
 transformers Mixtral (its load-balancing loss in `.loss`) trains under ZeRO-3 at ep 2 the losses of ep 1, tests
-after fit as ddp does, and resumes its own checkpoints with the uninterrupted losses; what AutoEP cannot take is one
-line before any rank starts."""
+after fit as ddp does, and its checkpoints resume with the uninterrupted losses under the same size as they are and
+under any other layout in the model's names; what AutoEP cannot take is one line before any rank starts."""
 
 from __future__ import annotations
 
@@ -93,27 +93,43 @@ def test_zero_3_at_ep_2_trains_and_tests_ep_1_s_losses(zero_3_runs):
 
 
 @pytest.mark.slow
-def test_an_ep_2_checkpoint_resumes_under_ep_2_and_elsewhere_is_one_line(zero_3_runs, tmp_path):
+def test_an_ep_2_checkpoint_resumes_under_ep_2_and_in_the_model_s_names_anywhere_else(zero_3_runs, tmp_path):
+    """AutoEP's layers name the router and experts their own way (router.gate, experts.w1/w2/w3, each rank its share
+    of the experts): under the same size DeepSpeed reads the checkpoint as it is; ddp reads it consolidated in the
+    model's names; a DeepSpeed strategy without AutoEP resumes the consolidated file. Each continues the uninterrupted
+    losses, Adam's moments included (without them step 4 differs)."""
     checkpoint = zero_3_runs[2].run_dir / "checkpoints" / "step000003.ckpt"
+    uninterrupted = read_train_losses(zero_3_runs[2].run_dir)
+
+    def continues_the_uninterrupted_run(run) -> None:
+        assert run.process.returncode == 0, run.output[-3000:]
+        ours = read_train_losses(run.run_dir)
+        assert sorted(ours) == [3, 4, 5]
+        assert ours == pytest.approx({step: uninterrupted[step] for step in ours}, abs=1e-6)
+
     resumed = run_train(tmp_path / "resumed", *RUN, *ZERO_3, "strategy.expert_parallel_size=2", "test=false",
                         f"ckpt_path={checkpoint}")
-    assert resumed.process.returncode == 0, resumed.output[-3000:]
-    ours, uninterrupted = read_train_losses(resumed.run_dir), read_train_losses(zero_3_runs[2].run_dir)
-    assert sorted(ours) == [3, 4, 5]
-    assert ours == pytest.approx({step: uninterrupted[step] for step in ours}, abs=1e-6)
-    assert f"Last checkpoint: {resumed.run_dir / 'checkpoints' / 'last.ckpt'} (shards, DeepSpeed AutoEP's: they" \
-        " resume under the same strategy and strategy.expert_parallel_size)" in resumed.output
-    elsewhere = run_train(tmp_path / "ddp", *RUN, "model=hf_mixtral", "strategy=ddp", f"ckpt_path={checkpoint}")
-    assert elsewhere.process.returncode == 2
-    assert elsewhere.process.stderr.strip().splitlines()[-1] == (
+    continues_the_uninterrupted_run(resumed)
+    last = resumed.run_dir / "checkpoints" / "last.ckpt"
+    assert f"Last checkpoint: {last} (shards; one file: lightning-dist consolidate {last} model.ckpt)" in resumed.output
+    continues_the_uninterrupted_run(run_train(tmp_path / "ddp", *RUN, "model=hf_mixtral", "strategy=ddp", "test=false",
+                                              f"ckpt_path={checkpoint}"))
+    unsplit = run_train(tmp_path / "zero_3", *RUN, *ZERO_3, f"ckpt_path={checkpoint}")
+    assert unsplit.process.returncode == 2
+    assert unsplit.process.stderr.strip().splitlines()[-1] == (
         f"error: ckpt_path: {checkpoint} was saved under DeepSpeed's expert parallelism (AutoEP), whose layers name"
-        " the router and experts their own way (router.gate, experts.w1, w2, w3): it resumes under the DeepSpeed"
-        " strategy and strategy.expert_parallel_size it was saved with; moving it to another layout or one file is not"
-        " supported yet")
+        " the router and experts their own way (router.gate, experts.w1, w2, w3): DeepSpeed resumes it under the"
+        " strategy.expert_parallel_size it was saved with; for any other, write it in the model's names first"
+        f" (lightning-dist consolidate {checkpoint} OUT.ckpt) and resume OUT.ckpt")
     one_file = subprocess.run([sys.executable, "-m", "lightning_dist.commands", "consolidate", str(checkpoint),
                                str(tmp_path / "model.ckpt")], capture_output=True, text=True, timeout=300)
-    assert one_file.returncode == 2 and one_file.stderr.strip().splitlines()[-1].startswith(
-        f"error: checkpoint: {checkpoint} was saved under DeepSpeed's expert parallelism (AutoEP)")
+    assert one_file.returncode == 0, one_file.stderr[-3000:]
+    saved = torch.load(tmp_path / "model.ckpt", map_location="cpu", weights_only=True)
+    experts = "model.model.layers.0.mlp.experts"
+    assert {name: tuple(saved["state_dict"][name].shape) for name in (f"{experts}.gate_up_proj", f"{experts}.down_proj")} \
+        == {f"{experts}.gate_up_proj": (8, 512, 128), f"{experts}.down_proj": (8, 128, 256)}  # all 8 experts, fused
+    continues_the_uninterrupted_run(run_train(tmp_path / "from_one_file", *RUN, *ZERO_3, "test=false",
+                                              f"ckpt_path={tmp_path / 'model.ckpt'}"))
 
 
 @pytest.mark.slow

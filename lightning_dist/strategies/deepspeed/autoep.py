@@ -86,6 +86,33 @@ def experts_to_split(config: dict[str, Any], module: nn.Module) -> list[str]:
     return [name for name, _ in experts_modules(module)]
 
 
+def model_names(module: nn.Module, experts: list[str]) -> dict[str, dict[str, Any]]:
+    """Where AutoEP's layers keep what each block held, read before it swaps them (experts_to_split's `experts`):
+    per block, the model's names of its router, experts (AutoEP's w1, w2, w3) and shared experts, and every parameter
+    the block holds with its shape. Saved with each checkpoint (checkpoints/autoep_names.py reads it back into the
+    model's names); {} where AutoEP is off."""
+    found = transformers_moe_model(module) if experts else None
+    if found is None:
+        return {}
+    from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
+
+    preset = PRESET_MODELS[preset_of(found[1].config.model_type)]
+    patterns = {"router": preset.router_pattern, "shared_experts": preset.shared_experts_pattern,
+                "shared_experts_gate": preset.shared_experts_gate_pattern}
+    names = {}
+    for experts_name in experts:
+        block_name, experts_child = experts_name.rsplit(".", 1)
+        block = module.get_submodule(block_name)
+        children = [name for name, _ in block.named_children()]
+        names[block_name] = {
+            **{role: next((child for child in children if pattern and re.fullmatch(pattern, child)), None)
+               for role, pattern in patterns.items()},
+            "experts": experts_child, "w1": preset.expert_w1, "w2": preset.expert_w2, "w3": preset.expert_w3,
+            "parameters": {name: list(parameter.shape) for name, parameter in block.named_parameters()},
+        }
+    return names
+
+
 @contextmanager
 def autoep_finds_the_blocks(config: dict[str, Any], module: nn.Module, expected: list[str]) -> Iterator[None]:
     """While the engine is built from `config` around `module` (the LightningModule): AutoEP's layer pattern

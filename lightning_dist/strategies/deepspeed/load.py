@@ -47,7 +47,10 @@ def load_into_engine(strategy: DeepSpeedRanks, checkpoint: dict[str, Any], stric
     weights = checkpoint.pop("state_dict", None)
     for key in OPTIMIZER_KEYS:
         checkpoint.pop(key, None)
-    tensors = [(plain_name(n), t) for n, t in (*module.named_parameters(), *module.named_buffers())]
+    # Buffers a module keeps out of its state dict (transformers' rotary inv_freq) are rebuilt, never saved.
+    saved = {plain_name(name) for name in module.state_dict(keep_vars=True)}
+    tensors = [(plain_name(n), t) for n, t in (*module.named_parameters(), *module.named_buffers())
+               if plain_name(n) in saved]
     absent = _absent_on_rank_zero(strategy, weights, [name for name, _ in tensors], strict)
     optimizer = engine.optimizer if strategy.lightning_module.trainer.training else None
     adam_states = bool(states) and all("exp_avg" in state for state in (states or {}).values())

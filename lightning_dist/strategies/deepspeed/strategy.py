@@ -30,6 +30,7 @@ from lightning_dist._compat.deepspeed import (
 )
 from lightning_dist._compat.lightning import validate_cuda_device_indices
 from lightning_dist._compat.transformers import recapture_outputs_after_hooks_removed
+from lightning_dist.checkpoints.autoep_names import AUTOEP_NAMES
 from lightning_dist.checkpoints.resume import group_names
 from lightning_dist.lifecycle.process_exit import forget_with_process_group
 from lightning_dist.memory.layout import Layout
@@ -41,7 +42,12 @@ from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters
 from lightning_dist.parallel.sizes import ParallelSizes
 from lightning_dist.strategies.axis_steps import StepAxis
 from lightning_dist.strategies.base import StrategyBase
-from lightning_dist.strategies.deepspeed.autoep import autoep_finds_the_blocks, autoep_size, experts_to_split
+from lightning_dist.strategies.deepspeed.autoep import (
+    autoep_finds_the_blocks,
+    autoep_size,
+    experts_to_split,
+    model_names,
+)
 from lightning_dist.strategies.deepspeed.autoep import model_refusal as autoep_model_refusal
 from lightning_dist.strategies.deepspeed.autotp import check_tensor_parallel_inputs, initialize_inference_engine
 from lightning_dist.strategies.deepspeed.config.for_run import Resolution, RunConfig, config_in_effect
@@ -333,6 +339,8 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
         # Lightning warns, at ZeRO-3's first save, that the checkpoint is a directory and points at its conversion
         # to one file: here any strategy loads the directory as it is (lightning_dist.load_from_checkpoint).
+        if names := getattr(self, "autoep_model_names", None):  # AutoEP's layers, read back in the model's names
+            checkpoint = {**checkpoint, AUTOEP_NAMES: names}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="When saving the DeepSpeed Stage 3 checkpoint")
             super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -365,6 +373,8 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     @override
     def init_deepspeed(self) -> None:
         expected_experts = experts_to_split(self.config, self.model)  # before ZeRO-3 partitions their parameters
+        if expected_experts:  # not again for a test after fit, whose engine is built around AutoEP's layers
+            self.autoep_model_names = model_names(self.model, expected_experts)
         if has_meta_parameters(self.model):
             if self.lightning_module.trainer.training and "optimizer" not in self.config:
                 # configure_optimizers must see the parameters' shapes: once partitioned, each one reads (0,).

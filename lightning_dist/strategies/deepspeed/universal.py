@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
 import sys
 from contextlib import contextmanager
 from functools import partial
@@ -30,6 +29,7 @@ from lightning_dist.checkpoints.formats import (
 from lightning_dist.checkpoints.ranks import Ranks
 from lightning_dist.checkpoints.safe_load import load_file
 from lightning_dist.checkpoints.source import CheckpointSource
+from lightning_dist.checkpoints.universal_form import convert_to_universal
 
 LATEST_UNIVERSAL = "latest_universal"  # written last by ds_to_universal: its presence means a finished conversion
 
@@ -56,15 +56,10 @@ def ensure_universal(path: str | Path | CheckpointSource) -> Path:
         return output
     if output.exists():
         shutil.rmtree(output)  # a conversion that was cut off
-    # In a process of its own: the converter forks worker processes, and forking a training rank (gloo's and
-    # BLAS's threads holding locks) can deadlock them. Our models carry no Megatron-style
-    # `universal_checkpoint_info`: DeepSpeed injects the plain default.
-    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
-               "--output_folder", str(output), "--inject_missing_state"]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode or not (path / LATEST_UNIVERSAL).is_file():
-        last_line = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
-        raise CheckpointError(f"ckpt_path: DeepSpeed could not convert {path} to its universal format: {last_line}")
+    convert_to_universal(tag_dir, output)
+    if not (path / LATEST_UNIVERSAL).is_file():
+        raise CheckpointError(f"ckpt_path: DeepSpeed could not convert {path} to its universal format: it wrote no"
+                              f" {LATEST_UNIVERSAL}")
     return output
 
 
