@@ -109,3 +109,35 @@ def _experts_in_model_names(block: str, held: dict[str, torch.Tensor], layout: d
                 down_name: down.transpose(1, 2).contiguous()}
     raise CheckpointError(f"checkpoint: AutoEP's experts of {block} ({count} x {ffn} x {hidden}) fit neither fused"
                           f" layout of the model's {gate_name} {fused_shape} and {down_name} {down_shape}")
+
+
+def in_autoep_names(tensors: dict[str, torch.Tensor], blocks: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The inverse of `in_model_names`: `tensors` in the model's names (a checkpoint of another strategy or layout)
+    in the names of AutoEP's layers, each expert stack whole ([experts, ...]: a rank takes its own experts)."""
+    named = {name: tensor for name, tensor in tensors.items() if not any(name.startswith(f"{b}.") for b in blocks)}
+    for block, layout in blocks.items():
+        held = {name.removeprefix(f"{block}."): tensor for name, tensor in tensors.items()
+                if name.startswith(f"{block}.")}
+        renames = {layout["router"]: "router.gate", layout["shared_experts"]: "shared_experts",
+                   layout["shared_experts_gate"]: "shared_experts_gate"}
+        found = {w: held.pop(f"{layout['experts']}.{layout[w]}", None) for w in ("w1", "w2", "w3") if layout[w]}
+        if all(tensor is not None for tensor in found.values()):  # else absent: the strict load names them
+            experts = {w: tensor for w, tensor in found.items() if tensor is not None}
+            named.update({f"{block}.experts.{w}": tensor for w, tensor in _expert_stacks(experts, layout).items()})
+        for name, tensor in held.items():
+            ours = next((model for model in renames if model and name.startswith(f"{model}.")), None)
+            autoep = name if ours is None else f"{renames[ours]}.{name.removeprefix(f'{ours}.')}"
+            named[f"{block}.{autoep}"] = tensor
+    return named
+
+
+def _expert_stacks(experts: dict[str, torch.Tensor], layout: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """AutoEP's w1, w2, w3 ([experts, ffn, hidden], [experts, hidden, ffn]) from the model's experts."""
+    if layout["w3"]:
+        return {"w1": experts["w1"], "w2": experts["w2"], "w3": experts["w3"]}
+    fused, down = experts["w1"], experts["w2"]
+    if fused.shape[1] == 2 * down.shape[2] and fused.shape[2] == down.shape[1]:  # [E, 2 ffn, hidden]
+        gate, up = fused.chunk(2, dim=1)
+        return {"w1": gate.contiguous(), "w3": up.contiguous(), "w2": down}
+    gate, up = fused.transpose(1, 2).chunk(2, dim=1)  # [E, hidden, 2 ffn], down [E, ffn, hidden]
+    return {"w1": gate.contiguous(), "w3": up.contiguous(), "w2": down.transpose(1, 2).contiguous()}

@@ -157,32 +157,20 @@ def saved_by_autoep(path: str | Path | CheckpointSource, key: str = "ckpt_path",
     return all(any(name.endswith(suffix) for name in names) for suffix in _AUTOEP_NAMES)
 
 
-def autoep_refusal(path: Path, key: str = "ckpt_path") -> str:
-    return (f"{key}: {path} was saved under DeepSpeed's expert parallelism (AutoEP), whose layers name the router and"
-            " experts their own way (router.gate, experts.w1, w2, w3): DeepSpeed resumes it under the"
-            " strategy.expert_parallel_size it was saved with; for any other, write it in the model's names first"
-            f" (lightning-dist consolidate {path} OUT.ckpt) and resume OUT.ckpt")
-
-
 def check_autoep_layout(path: str | Path | CheckpointSource, autoep_size: int | None, key: str = "ckpt_path") -> bool:
-    """Whether the checkpoint was saved under DeepSpeed's AutoEP (its layer names, not the model's); CheckpointError
-    unless the run can take it. `autoep_size`: the run's AutoEP size under a DeepSpeed strategy (1: none), which
-    reads DeepSpeed's checkpoints as they are; None under one that reads them consolidated (ddp, fsdp), which turns
-    AutoEP's names back into the model's (checkpoints/autoep_names.py) where the run recorded them."""
+    """Whether the checkpoint was saved under DeepSpeed's AutoEP (its layer names, not the model's, checked against
+    the model after loading rather than before). `autoep_size`: the run's AutoEP size under a DeepSpeed strategy (1:
+    none), None under another. DeepSpeed reads an AutoEP checkpoint of its own size as it is; every other run reads
+    it in the model's names (checkpoints/autoep_names.py), for which the run that saved it must have recorded them:
+    CheckpointError in one line where it did not."""
     source = path if isinstance(path, CheckpointSource) else CheckpointSource.of(path, key=key)
-    autoep = saved_by_autoep(source, key, source.trusted)
-    if autoep and autoep_size is None:
-        saved = load_file(sorted(deepspeed_tag_dir(source.path).glob("*model_states.pt"))[0], key, mmap=True,
-                          trusted=source.trusted)
-        if not saved.get(AUTOEP_NAMES):
-            raise CheckpointError(f"{key}: {source.path} was saved under DeepSpeed's expert parallelism (AutoEP) by a"
-                                  " lightning-dist that did not record the model's names of its layers; it resumes"
-                                  " under the DeepSpeed strategy and strategy.expert_parallel_size it was saved with")
-    if autoep and autoep_size == 1:
-        raise CheckpointError(autoep_refusal(source.path, key))
-    if not autoep and autoep_size not in (1, None):
-        raise CheckpointError(f"{key}: {source.path} holds the experts under the model's own names, and DeepSpeed's"
-                              f" AutoEP (strategy.expert_parallel_size={autoep_size}) resumes only checkpoints it"
-                              " saved; resume it at strategy.expert_parallel_size=1, or under fsdp's expert"
-                              " parallelism (strategy=fsdp), which keeps the model's names")
-    return autoep
+    if not saved_by_autoep(source, key, source.trusted):
+        return False
+    saved = load_file(sorted(deepspeed_tag_dir(source.path).glob("*model_states.pt"))[0], key, mmap=True,
+                      trusted=source.trusted)
+    saved_size = int(((saved.get("ds_config") or {}).get("expert_parallel") or {}).get("autoep_size", 1))
+    if autoep_size != saved_size and not saved.get(AUTOEP_NAMES):
+        raise CheckpointError(f"{key}: {source.path} was saved under DeepSpeed's expert parallelism (AutoEP) by a"
+                              " lightning-dist that did not record the model's names of its layers; it resumes only"
+                              f" under a DeepSpeed strategy with strategy.expert_parallel_size={saved_size}")
+    return True

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_dist.checkpoints.autoep_names import in_model_names
+from lightning_dist.checkpoints.autoep_names import in_autoep_names, in_model_names
 from lightning_dist.checkpoints.formats import CheckpointError
 
 BLOCK = "model.model.layers.0.mlp"
@@ -66,6 +66,17 @@ def test_separate_gate_and_up_and_shared_experts_keep_their_own_names():
                                           "shared_expert.up.weight": [FFN, HIDDEN]}, w3="up_proj", shared="shared_expert"))
     assert torch.equal(named[f"{BLOCK}.experts.up_proj"], saved[f"{BLOCK}.experts.w3"])
     assert torch.equal(named[f"{BLOCK}.shared_expert.up.weight"], shared)
+
+
+@pytest.mark.parametrize("fused, down", [([EXPERTS, 2 * FFN, HIDDEN], [EXPERTS, HIDDEN, FFN]),
+                                         ([EXPERTS, HIDDEN, 2 * FFN], [EXPERTS, FFN, HIDDEN])],
+                         ids=["ffn_first", "hidden_first"])
+def test_the_model_s_names_go_back_into_autoep_s_exactly(fused, down):
+    """A checkpoint of another strategy resumed under AutoEP: the inverse, in both fused layouts."""
+    blocks = layout({"gate.weight": [EXPERTS, HIDDEN], "experts.gate_up_proj": fused, "experts.down_proj": down})
+    saved = autoep_tensors()
+    back = in_autoep_names(in_model_names(saved, blocks), blocks)
+    assert back.keys() == saved.keys() and all(torch.equal(back[name], saved[name]) for name in saved)
 
 
 def test_what_does_not_come_back_whole_is_one_line():

@@ -74,6 +74,15 @@ def swapped_layers(module: nn.Module) -> list[str]:
     return [name for name, layer in module.named_modules() if isinstance(layer, AutoEPMoELayer)]
 
 
+def local_experts(module: nn.Module) -> dict[str, list[int]]:
+    """{name of each layer AutoEP swapped in `module`: the experts this rank holds, in the order of its stacks}."""
+    from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    return {name: list(autoep_experts_for_rank(layer.expert_placement_descriptor, layer.ep_rank))
+            for name, layer in module.named_modules() if isinstance(layer, AutoEPMoELayer)}
+
+
 def experts_to_split(config: dict[str, Any], module: nn.Module) -> list[str]:
     """The experts modules AutoEP is to take over in `module` under `config` ([] where it is off), read before ZeRO-3
     partitions their parameters; ValueError in one line where it cannot (a model built in configure_model, which
@@ -86,7 +95,7 @@ def experts_to_split(config: dict[str, Any], module: nn.Module) -> list[str]:
     return [name for name, _ in experts_modules(module)]
 
 
-def model_names(module: nn.Module, experts: list[str]) -> dict[str, dict[str, Any]]:
+def model_names(config: dict[str, Any], module: nn.Module, experts: list[str]) -> dict[str, dict[str, Any]]:
     """Where AutoEP's layers keep what each block held, read before it swaps them (experts_to_split's `experts`):
     per block, the model's names of its router, experts (AutoEP's w1, w2, w3) and shared experts, and every parameter
     the block holds with its shape. Saved with each checkpoint (checkpoints/autoep_names.py reads it back into the
@@ -96,7 +105,7 @@ def model_names(module: nn.Module, experts: list[str]) -> dict[str, dict[str, An
         return {}
     from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
 
-    preset = PRESET_MODELS[preset_of(found[1].config.model_type)]
+    preset = PRESET_MODELS[(config.get(SECTION) or {}).get("preset_model") or preset_of(found[1].config.model_type)]
     patterns = {"router": preset.router_pattern, "shared_experts": preset.shared_experts_pattern,
                 "shared_experts_gate": preset.shared_experts_gate_pattern}
     names = {}

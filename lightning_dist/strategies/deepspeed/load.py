@@ -21,6 +21,7 @@ from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.checkpoints.ranks import Ranks
 from lightning_dist.checkpoints.resume import OPTIMIZER_KEYS, load_for_resume, optimizer_state_by_name
 from lightning_dist.checkpoints.source import CheckpointSource
+from lightning_dist.strategies.deepspeed.autoep import autoep_size, local_experts
 from lightning_dist.strategies.deepspeed.config.zero import ZeroSection
 from lightning_dist.strategies.deepspeed.universal import convert_on_rank_zero, loading_universal, saved_run
 
@@ -47,6 +48,9 @@ def load_into_engine(strategy: DeepSpeedRanks, checkpoint: dict[str, Any], stric
     weights = checkpoint.pop("state_dict", None)
     for key in OPTIMIZER_KEYS:
         checkpoint.pop(key, None)
+    experts = _local_experts(module)  # under AutoEP: each rank takes its own experts of every stack
+    if experts and strategy.is_global_zero:
+        weights, states = _in_autoep_names(weights, states, getattr(strategy, "autoep_model_names", {}))
     # Buffers a module keeps out of its state dict (transformers' rotary inv_freq) are rebuilt, never saved.
     saved = {plain_name(name) for name in module.state_dict(keep_vars=True)}
     tensors = [(plain_name(n), t) for n, t in (*module.named_parameters(), *module.named_buffers())
@@ -62,14 +66,15 @@ def load_into_engine(strategy: DeepSpeedRanks, checkpoint: dict[str, Any], stric
     for name, tensor in tensors:
         if name in absent:
             continue
-        value = _from_rank_zero(strategy, weights.get(name) if weights else None, tensor)
+        own = experts.get(name.rsplit(".", 2)[0]) if ".experts.w" in name else None  # an AutoEP stack's
+        value = _whole_or_own(strategy, weights.get(name) if weights else None, tensor, own)
         _set_weight(tensor, value)
         if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad and optimizer is not None:
             safe_set_full_fp32_param(tensor, value.float())
             if with_moments:
                 for key in _MOMENTS:
                     state = states[name][key] if states else None
-                    safe_set_full_optimizer_state(tensor, _from_rank_zero(strategy, state, tensor).float(), key)
+                    safe_set_full_optimizer_state(tensor, _whole_or_own(strategy, state, tensor, own).float(), key)
     if with_moments:
         step = strategy.broadcast(_step_of(states or {}) if strategy.is_global_zero else 0.0)
         _set_step(optimizer, step)
@@ -79,10 +84,13 @@ def engine_reads_natively(saved_config: dict[str, Any], config: dict[str, Any]) 
     """Whether DeepSpeed's own loader takes a checkpoint written under `saved_config` into an engine configured by
     `config`. It does not across ZeRO-3 and ZeRO-1/2, which write different files (a model-states file per rank, or
     one for all), nor into an offloaded optimizer (DeepSpeedCPUAdam) from a torch one, whose param groups lack its
-    `bias_correction`. Those checkpoints load like foreign ones: consolidated, then partitioned (load_into_engine).
+    `bias_correction`, nor across AutoEP sizes, whose layers hold the experts by its names and each rank its share.
+    Those checkpoints load like foreign ones: consolidated, then partitioned (load_into_engine).
     """
     if not saved_config:  # written by a DeepSpeed that did not record its config
         return True
+    if autoep_size(saved_config) != autoep_size(config):
+        return False
     saved, ours = ZeroSection.of(saved_config), ZeroSection.of(config)
     if saved.partitions_parameters != ours.partitions_parameters:
         return False
@@ -99,18 +107,49 @@ def _absent_on_rank_zero(strategy: Ranks, weights: dict | None, names: list[str]
     return set(absent)
 
 
+def _local_experts(module: torch.nn.Module) -> dict[str, list[int]]:
+    return {plain_name(name): own for name, own in local_experts(module).items()}
+
+
+def _in_autoep_names(weights: dict | None, states: dict | None, blocks: dict[str, Any],
+                     ) -> tuple[dict | None, dict | None]:
+    """Rank 0's checkpoint, in the model's names (another strategy's, or AutoEP's of another size consolidated), in
+    the names of AutoEP's layers."""
+    from lightning_dist.checkpoints.autoep_names import in_autoep_names
+
+    if not weights or not blocks:
+        return weights, states
+    weights = in_autoep_names(weights, blocks)
+    if states:
+        moments = {key: in_autoep_names({n: s[key] for n, s in states.items() if key in s}, blocks) for key in _MOMENTS}
+        step = next(iter(states.values())).get("step")
+        states = {name: {"step": step, **{key: moments[key][name] for key in _MOMENTS}} for name in moments["exp_avg"]}
+    return weights, states
+
+
 def _full_shape(tensor: torch.Tensor) -> torch.Size:
     return getattr(tensor, "ds_shape", tensor.shape)  # a ZeRO-3 parameter's own shape reads (0,)
 
 
-def _from_rank_zero(strategy: Ranks, value: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    # Collectives take tensors on the root device (nccl refuses host tensors); every rank gets the full tensor.
+def _whole_or_own(strategy: Ranks, value: torch.Tensor | None, like: torch.Tensor, own: list[int] | None,
+                  ) -> torch.Tensor:
+    """Rank 0's `value` on every rank: whole, or where `own` names this rank's experts of an AutoEP stack, those."""
+    if own is None:
+        return _from_rank_zero(strategy, value, like)
+    every_expert = strategy.broadcast(None if value is None else tuple(value.shape))
+    return _from_rank_zero(strategy, value, like, every_expert)[own]
+
+
+def _from_rank_zero(strategy: Ranks, value: torch.Tensor | None, like: torch.Tensor,
+                    shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    # Collectives take tensors on the root device (nccl refuses host tensors); every rank gets the full tensor
+    # (`shape` where it is not `like`'s: every expert of an AutoEP stack, of which a rank holds some).
     device = strategy.root_device
     if strategy.is_global_zero:
         assert value is not None, "rank 0 sends what its checkpoint holds"
         buffer = value.to(device=device, dtype=like.dtype).contiguous()
     else:
-        buffer = torch.empty(_full_shape(like), dtype=like.dtype, device=device)
+        buffer = torch.empty(shape or _full_shape(like), dtype=like.dtype, device=device)
     dist.broadcast(buffer, src=0)
     return buffer
 
@@ -119,8 +158,9 @@ def _set_weight(tensor: torch.Tensor, value: torch.Tensor) -> None:
     if hasattr(tensor, "ds_id"):  # a ZeRO-3 partition: gather, set on rank 0, and partition again from there
         import deepspeed
 
+        # Rank 0 of the parameter's own group (an AutoEP expert's: the ranks that hold those experts).
         with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0):
-            if dist.get_rank() == 0:
+            if dist.get_rank(group=getattr(tensor, "ds_process_group", None)) == 0:
                 tensor.data.copy_(value.view(_full_shape(tensor)))
         return
     with torch.no_grad():

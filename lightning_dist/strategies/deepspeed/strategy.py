@@ -374,7 +374,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     def init_deepspeed(self) -> None:
         expected_experts = experts_to_split(self.config, self.model)  # before ZeRO-3 partitions their parameters
         if expected_experts:  # not again for a test after fit, whose engine is built around AutoEP's layers
-            self.autoep_model_names = model_names(self.model, expected_experts)
+            self.autoep_model_names = model_names(self.config, self.model, expected_experts)
         if has_meta_parameters(self.model):
             if self.lightning_module.trainer.training and "optimizer" not in self.config:
                 # configure_optimizers must see the parameters' shapes: once partitioned, each one reads (0,).
