@@ -27,8 +27,9 @@ by one differentiable all-to-all each, runs SDPA (causal) and exchanges the outp
 hooks, which the compiler cannot trace, gather the block's parameters around the compiled code; `block.compile()`
 there splits each block at every submodule's hook). torch._dynamo's counters after each iteration are written too.
 
-On a GPU (`--device cuda`: nccl, each rank its own GPU; `--precision bf16-mixed`: autocast, as Lightning's; under
-DeepSpeed its config says) iterations are timed by CUDA events, so that the clock never waits for the device, and
+On a GPU (`--device cuda`: nccl, each rank its own GPU; `--precision bf16-mixed`: autocast, as Lightning's, and
+under FSDP also its bf16 gathers with fp32 reductions, as our strategy's `MixedPrecisionPolicy`; under DeepSpeed its
+config says) iterations are timed by CUDA events, so that the clock never waits for the device, and
 the CUDA peak (`max_memory_allocated`) is reported beside the peak resident set.
 """
 
@@ -185,12 +186,15 @@ def _engine(args, module: GPTLanguageModel):
     else:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         tp = args.tensor_parallel
         meshes = init_device_mesh(next(module.parameters()).device.type, (dist.get_world_size() // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
         mesh = meshes["data_parallel"]
         offload = CPUOffloadPolicy(pin_memory=False) if args.cpu_offload else OffloadPolicy()
+        # bf16-mixed as our FSDP strategy runs it (until 2026-12-04 this loop autocast fp32 parameters only).
+        bf16 = args.precision == "bf16-mixed"
+        precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
         blocks = module.model.blocks
         for index, block in enumerate(blocks):
             if tp > 1:
@@ -199,8 +203,9 @@ def _engine(args, module: GPTLanguageModel):
                 block = blocks[index] = checkpoint_wrapper(block)
             if args.compile:
                 block.compile()
-            fully_shard(block, mesh=mesh, offload_policy=offload)
-        model = fully_shard(module.model, mesh=mesh, reshard_after_forward=False, offload_policy=offload)
+            fully_shard(block, mesh=mesh, offload_policy=offload, mp_policy=precision)
+        model = fully_shard(module.model, mesh=mesh, reshard_after_forward=False, offload_policy=offload,
+                            mp_policy=precision)
     optimizer = module.configure_optimizers()
 
     def step(inputs, targets):
