@@ -26,7 +26,9 @@ Each place is a way users load the weights, trained in turn (a Trainer each):
   PEFT makes the adapters float32 on the bf16 base (its `autocast_adapter_dtype`; accelerate #3985: FSDP2 refused
   that); the dtypes each kind of parameter ends in are written too.
 - qlora: QLoRA as users write it, in `__init__`: the folder loaded in 4 bits (bitsandbytes' NF4, float32 storage),
-  `prepare_model_for_kbit_training`, then LoRA; what `lora` writes is written. qlora_configure_model: the same in
+  `prepare_model_for_kbit_training`, then LoRA; what `lora` writes is written, and the bytes of 4-bit weights the
+  rank holds. qlora_bf16: the same in bf16 storage and compute, trained bf16-mixed; qlora_uint8: in bitsandbytes'
+  default storage (uint8). qlora_configure_model: as qlora, in
   `configure_model`.
 - resume=<folder>: adapters that `save_adapters` wrote, loaded onto the pretrained base by PEFT's own
   `PeftModel.from_pretrained(..., is_trainable=True)` in `configure_model`, and trained on: at another world size
@@ -56,10 +58,15 @@ def lora_config() -> LoraConfig:  # a new one each time: PEFT writes into the co
     return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
-def quantized_with_lora(folder: str):
-    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
-                             bnb_4bit_quant_storage=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=nf4, dtype=torch.float32)
+QLORA_STORAGE = {"qlora": torch.float32, "qlora_configure_model": torch.float32, "qlora_bf16": torch.bfloat16,
+                 "qlora_uint8": torch.uint8}
+
+
+def quantized_with_lora(folder: str, storage: torch.dtype = torch.float32):
+    compute = torch.bfloat16 if storage == torch.bfloat16 else torch.float32
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute,
+                             bnb_4bit_quant_storage=storage)
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=nf4, dtype=compute)
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return get_peft_model(model, lora_config())
 
@@ -69,8 +76,8 @@ class FineTune(L.LightningModule):
         super().__init__()
         self.folder, self.place = folder, place
         self.model = AutoModelForCausalLM.from_pretrained(folder) if place in ("init", "init_module") else None
-        if place == "qlora":
-            self.model = quantized_with_lora(folder)
+        if place in ("qlora", "qlora_bf16", "qlora_uint8"):
+            self.model = quantized_with_lora(folder, QLORA_STORAGE[place])
         self.losses: list[float] = []
         self.first_batch: list | None = None
 
@@ -133,6 +140,7 @@ class FineTune(L.LightningModule):
         self.gathered_after_backward: list[int] = []
         if "lora" in self.place or self.place.startswith("resume="):
             self.start = gather_full_state_dict(self)
+            self.quantized_bytes_held = quantized_bytes_held(self)
 
     def on_train_end(self) -> None:
         if "lora" not in self.place and not self.place.startswith("resume="):
@@ -153,6 +161,7 @@ class FineTune(L.LightningModule):
                                      and end[n].is_floating_point()}) for kind in ("adapters", "base")},
             "optimizer_state_elements": optimizer_state_elements(self.trainer.optimizers[0]),
             "gathered_after_backward": self.gathered_after_backward,
+            "quantized_bytes_held": self.quantized_bytes_held,
         }
 
 
@@ -162,6 +171,20 @@ QUANTIZATION_STATE = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_
 def bits(tensor: torch.Tensor) -> torch.Tensor:
     # Bit for bit: a 4-bit weight's packed bytes, read as float32, include NaNs, which equal nothing.
     return tensor.reshape(-1).view(torch.uint8)
+
+
+def quantized_bytes_held(module) -> int:
+    """The bytes of 4-bit weights this rank holds: its shard's where FSDP2 (a DTensor) or ZeRO-3 (`ds_tensor`) shards
+    them."""
+    from bitsandbytes.nn import Linear4bit
+
+    held = 0
+    for layer in module.modules():
+        if isinstance(layer, Linear4bit):
+            weight = layer.weight
+            local = weight.ds_tensor if hasattr(weight, "ds_tensor") else getattr(weight, "to_local", lambda: weight)()
+            held += local.numel() * local.element_size()
+    return held
 
 
 def optimizer_state_elements(optimizer) -> int:
@@ -193,6 +216,7 @@ def main(out_dir: str, folder: str, strategy: str, places: str, devices: str = "
     for place in places.split(","):
         L.seed_everything(0)
         trainer = L.Trainer(strategy=strategy_of(strategy), accelerator=accelerator, devices=int(devices), max_steps=3,
+                            precision="bf16-mixed" if place == "qlora_bf16" else "32-true",
                             accumulate_grad_batches=2 if place == "lora_checkpointed" else 1, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         if place == "init_module":

@@ -43,7 +43,7 @@ from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
 from lightning_dist.parallel.block_options import BlockOptions
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
 from lightning_dist.parallel.precision import PrecisionSupport
-from lightning_dist.parallel.quantized import check_quantized_weights
+from lightning_dist.parallel.quantized import QuantizedSupport, check_quantized_weights, keep_quantized_layout
 from lightning_dist.parallel.regional_compile import ReportsCompilation
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel
 from lightning_dist.strategies.axis_steps import StepsThroughAxes
@@ -70,7 +70,6 @@ class StrategyBase(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobal
     precision_support = PrecisionSupport()
     dry_run_refusal: str | None = None  # why the dry run cannot replay this strategy (as configured), or None
     strategy_name: str  # its name in Lightning's registry (ld_ddp, ld_fsdp, ld_deepspeed)
-    keeps_weights_whole = False  # every rank holds each weight whole, as built, never sharded or recast (ddp)
     checkpoint_tensor_parallel: int | None = None
 
     def __init__(
@@ -175,13 +174,24 @@ class StrategyBase(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobal
 
     @override
     def setup(self, trainer: Any) -> None:
-        self.check_quantized_weights(self.lightning_module)  # a model built in `configure_model`
+        self.hold_quantized_weights(self.lightning_module)  # a model built in `configure_model`
         super().setup(trainer)
 
     def check_quantized_weights(self, model: nn.Module) -> None:
         """A quantized base (QLoRA's) only where this strategy keeps it as bitsandbytes made it (quantized.py)."""
-        check_quantized_weights(model, self.strategy_name, self.keeps_weights_whole,
+        check_quantized_weights(model, self.strategy_name, self.quantized_support,
                                 getattr(self.precision_plugin, "precision", None))
+
+    def hold_quantized_weights(self, model: nn.Module) -> None:
+        """On each rank, as it sets the model up: the check, then each 4-bit weight kept in its layout."""
+        self.check_quantized_weights(model)
+        keep_quantized_layout(model, sharded=self.quantized_support.shards)
+
+    @property
+    def quantized_support(self) -> QuantizedSupport:
+        """How this strategy, as configured, holds a quantized base; each engine's says."""
+        return QuantizedSupport(refusal="which this strategy would shard or cast as numbers and train silently wrong"
+                                        " (accelerate #3983); train a quantized base under ld_ddp")
 
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
         """On the launching process, before any rank starts: a model to checkpoint or compile block by block must

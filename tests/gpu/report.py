@@ -46,10 +46,13 @@ def render(measured: dict, versions: dict[str, str], summary: str) -> str:
     if not measured.get("tensor_parallel"):
         lines.append("| (fewer than 2 GPUs visible: not run) | | | |")
     qlora = measured.get("qlora")
-    lines += ["", "## QLoRA (a 4-bit NF4 base, LoRA) under ld_ddp, 3 steps", "",
-              "| losses | the 4-bit model's first loss in one plain process |", "|---|---|",
-              f"| {', '.join(f'{loss:.4f}' for loss in qlora['losses'])} | {qlora['plain_first_loss']:.4f} |" if qlora
-              else "| (not run: bitsandbytes missing, scripts/gpu_wheels.sh hf) | |"]
+    lines += ["", "## QLoRA (a 4-bit NF4 base, LoRA), 3 steps", "",
+              "| strategy | float32 storage, 32-true | bf16 storage, bf16-mixed |", "|---|---|---|"]
+    for strategy, places in (qlora or {}).get("losses", {}).items():
+        lines.append(f"| {strategy} | " + " | ".join(", ".join(f"{loss:.4f}" for loss in places[place])
+                                                    for place in ("qlora", "qlora_bf16")) + " |")
+    lines.append(f"\nThe 4-bit model's first loss in one plain process: {qlora['plain_first_loss']:.4f}" if qlora
+                 else "| (not run: bitsandbytes missing, scripts/gpu_wheels.sh hf) | | |")
     return "\n".join(lines) + "\n"
 
 

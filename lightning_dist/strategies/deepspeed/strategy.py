@@ -38,6 +38,7 @@ from lightning_dist.parallel.context_parallel import ContextParallel
 from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.module_state import move_module_state
 from lightning_dist.parallel.precision import PrecisionSupport
+from lightning_dist.parallel.quantized import QuantizedSupport, data_parallel_support
 from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
 from lightning_dist.parallel.sizes import ParallelSizes
 from lightning_dist.strategies.axis_steps import StepAxis
@@ -208,6 +209,23 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         or its config file."""
         return ParallelSizes(tensor=self.tensor_parallel_size, context=self.context_parallel_size,
                              expert=self.expert_parallel_size)
+
+    @property
+    @override
+    def quantized_support(self) -> QuantizedSupport:
+        """DeepSpeed holds every parameter in its config's dtype (its engine casts the module, zero.Init each
+        parameter as it is made); ZeRO-3 shards a 4-bit weight's float storage as flat numbers."""
+        return data_parallel_support(self.parallel_sizes, shards=self.zero_stage_3, holds_in=self.parameter_dtype)
+
+    @property
+    def parameter_dtype(self) -> torch.dtype:
+        """The dtype DeepSpeed holds the parameters in: its config's, else the one Lightning will give it."""
+        for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            if ((self.config or {}).get(key) or {}).get("enabled") is True:
+                return dtype
+        precision = self.precision_plugin.precision
+        return torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else (
+            torch.float32)
 
     @property
     def parallel_dims(self) -> ParallelDims:

@@ -15,6 +15,7 @@ from lightning_dist.checkpoints.formats import FILE
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
 from lightning_dist.memory.layout import Layout
 from lightning_dist.parallel.dims import ParallelDims
+from lightning_dist.parallel.quantized import QuantizedSupport
 from lightning_dist.strategies.base import StrategyBase
 from lightning_dist.strategies.torch.replay import ReplayedOnTorch
 
@@ -41,7 +42,7 @@ class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
     """
 
     strategy_name = "ld_ddp"
-    keeps_weights_whole = True  # a quantized base (QLoRA's) trains here
+    quantized_support = QuantizedSupport()  # every rank holds a quantized base (QLoRA's) whole, as bitsandbytes made it
 
     def __init__(
         self,

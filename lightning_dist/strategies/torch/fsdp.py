@@ -36,6 +36,7 @@ from lightning_dist.parallel.module_state import move_module_state
 from lightning_dist.parallel.pipeline_layout import dry_run_refusal as pipeline_dry_run_refusal
 from lightning_dist.parallel.pipeline_split import PipelineSplit
 from lightning_dist.parallel.precision import PrecisionSupport
+from lightning_dist.parallel.quantized import QuantizedSupport, data_parallel_support
 from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
 from lightning_dist.parallel.sizes import DEFAULT_SIZES, ParallelSizes
 from lightning_dist.parallel.tensor_parallel import (
@@ -188,6 +189,13 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
                              pipeline=self.pipeline.size, replicate=self.data_parallel_replicate_size,
                              hybrid=self.hybrid, expert=self.expert_parallel_size)
 
+    @property
+    @override
+    def quantized_support(self) -> QuantizedSupport:
+        """FSDP2 shards a 4-bit weight's float storage as flat numbers, and gathers it in its mixed-precision dtype."""
+        policy = mixed_precision_policy(self.precision_plugin.precision)
+        return data_parallel_support(self.parallel_sizes, shards=True, holds_in=policy.param_dtype if policy else None)
+
     def check_parallel_sizes(self) -> None:
         """The sizes fit the ranks (trainer.devices x trainer.num_nodes), and a tensor-parallel group fits a node."""
         self.parallel_sizes.check(self.num_processes, self.num_nodes)
@@ -284,7 +292,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
-        self.check_quantized_weights(self.model)  # this setup replaces Lightning's, and StrategyBase's with it
+        self.hold_quantized_weights(self.model)  # this setup replaces Lightning's, and StrategyBase's with it
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         if has_meta_parameters(self.model):
