@@ -36,6 +36,7 @@ the CUDA peak (`max_memory_allocated`) is reported beside the peak resident set.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import resource
@@ -48,7 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-from benchmarks.timing import PROFILED_STEPS, StepClock, dynamo_counters, profiler_table
+from benchmarks.timing import PROFILED_STEPS, StepClock, cprofile_path, dynamo_counters, profiler_table
 from lightning_dist.data.pydoc_text import PydocTextDataModule
 from lightning_dist.models.gpt import GPTLanguageModel
 from lightning_dist.optim.configured import DEFAULT_OPTIMIZER
@@ -73,6 +74,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=("32-true", "bf16-mixed"), default="32-true")
     parser.add_argument("--block-size", type=int, default=128, help="tokens per sample, as train.py's data.block_size")
     parser.add_argument("--profile", type=Path, help="torch.profiler's operator table of rank 0's PROFILED_STEPS")
+    parser.add_argument("--cprofile", type=Path, help="cProfile of every rank's PROFILED_STEPS: <path>_rank<N>.prof")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -111,6 +113,13 @@ def main() -> None:
             else:
                 profiler.__exit__(None, None, None)
                 profiler_table(profiler, args.profile)
+        if args.cprofile and index in (PROFILED_STEPS.start, PROFILED_STEPS.stop):
+            if index == PROFILED_STEPS.start:
+                cprofile = cProfile.Profile()
+                cprofile.enable()
+            else:
+                cprofile.disable()
+                cprofile.dump_stats(cprofile_path(args.cprofile, rank))
         if index == args.steps:
             break
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)

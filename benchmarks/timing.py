@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import cProfile
 import json
 import time
 from pathlib import Path
@@ -124,3 +125,25 @@ class StepProfiler(L.Callback):
             self.profiler.__exit__(None, None, None)
             profiler_table(self.profiler, self.path)
             self.profiler = None
+
+
+def cprofile_path(path: Path, rank: int) -> Path:
+    return path.with_name(f"{path.stem}_rank{rank}.prof")
+
+
+class StepCProfile(L.Callback):
+    """cProfile over `PROFILED_STEPS` on every rank, written to `<path>_rank<N>.prof`: where a rank's time goes
+    between Python, operators and waiting (`benchmarks/time_split.py`; `raw_loop.py --cprofile` writes the same)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.profile: cProfile.Profile | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == PROFILED_STEPS.start:
+            self.profile = cProfile.Profile()
+            self.profile.enable()
+        elif self.profile is not None and batch_idx == PROFILED_STEPS.stop:
+            self.profile.disable()
+            self.profile.dump_stats(cprofile_path(self.path, trainer.global_rank))
+            self.profile = None
