@@ -63,6 +63,30 @@ def find_plan(model: nn.Module, configured: TensorParallelPlan | None) -> tuple[
     return None
 
 
+def _partial_gradient_layers(model: nn.Module) -> tuple[str, str] | None:
+    """The class of a module whose own plan keeps layers of `model` replicated with their gradients summed over the
+    ranks (Qwen3's per-head q and k norms), and the first such pattern; None where there are none."""
+    for name, module in model.named_modules():
+        plan = _own_plan(module)
+        if isinstance(plan, dict):
+            prefix = f"{name}." if name else ""
+            summed = [prefix + pattern for pattern, style in plan.items() if style == "replicated_with_grad_allreduce"]
+            present = [pattern for pattern in summed if pattern not in unmatched_patterns(model, {pattern: ""})]
+            if present:
+                return type(module).__name__, present[0]
+    return None
+
+
+def _plan_in_other_styles(model: nn.Module) -> tuple[str, list[str]] | None:
+    """The class and styles of a module's own plan that names none of `STYLES` (OLMoE's attention, whose norm over
+    every head needs the whole projection: `colwise_gather_output`, `rowwise_split_input`)."""
+    for module in model.modules():
+        plan = _own_plan(module)
+        if isinstance(plan, dict) and plan:
+            return type(module).__name__, sorted(set(map(str, plan.values())))
+    return None
+
+
 def _own_plan(module: nn.Module) -> Any:
     """The `tp_plan` that `module`'s class or the module itself defines, not one a wrapper hands on from inside."""
     if "tp_plan" in vars(module) or any("tp_plan" in vars(klass) for klass in type(module).__mro__):
@@ -118,6 +142,19 @@ def resolve_plan(model: nn.Module, configured: TensorParallelPlan | None, size: 
     """The plan for `model` (`configured`, or its own), checked: every pattern names a layer, and `size` ranks split
     each layer and its attention heads evenly. ValueError, in one line naming the key, otherwise."""
     found = find_plan(model, configured)
+    if configured is None and (partial := _partial_gradient_layers(model)):
+        raise ValueError(
+            f"strategy.tensor_parallel_size={size}: {partial[0]}.tp_plan keeps {partial[1]} whole on every rank with"
+            " its gradients summed over the tensor-parallel ranks (replicated_with_grad_allreduce: a norm over each"
+            " rank's own heads), which this split does not do, so those copies would drift apart; set"
+            " strategy.tensor_parallel_plan to a plan that leaves the attention whole (its MLP's colwise and rowwise"
+            " layers), or train the model without tensor parallelism")
+    if found is None and (other := _plan_in_other_styles(model)):
+        raise ValueError(
+            f"strategy.tensor_parallel_size={size}: {other[0]}.tp_plan splits its layers in styles this tensor"
+            f" parallelism does not run ({', '.join(other[1])}: it splits layers {' and '.join(STYLES)});"
+            " set strategy.tensor_parallel_plan (module-name patterns mapped to colwise or rowwise), or train the"
+            " model without tensor parallelism")
     if found is None:
         raise ValueError(
             f"strategy.tensor_parallel_size={size}: {type(model).__name__} has no tensor-parallel plan (a `tp_plan`"
@@ -125,7 +162,14 @@ def resolve_plan(model: nn.Module, configured: TensorParallelPlan | None, size: 
             " split the model yourself in configure_model"
         )
     source, plan = found
-    if unmatched := unmatched_patterns(model, plan):
+    unmatched = unmatched_patterns(model, plan)
+    if source != "strategy.tensor_parallel_plan" and not _parameter_patterns(model, unmatched) and (
+            len(unmatched) < len(plan)):
+        # A model's own plan covers every layer its config can build: Qwen2-MoE's and Qwen3-MoE's name the dense
+        # MLP of their `mlp_only_layers`, which a model whose every layer has experts does not have. Those entries
+        # split nothing here, as transformers skips them; a plan that names none of the model's layers is refused.
+        plan, unmatched = {pattern: style for pattern, style in plan.items() if pattern not in unmatched}, []
+    if unmatched:
         if fused := _parameter_patterns(model, unmatched):
             # transformers' mixture-of-experts models keep their experts fused (one tensor of every expert's
             # weights, `experts.down_proj`); their plans split those by their own styles, which this split lacks.

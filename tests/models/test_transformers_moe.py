@@ -1,0 +1,100 @@
+"""transformers' own mixture-of-experts models beside Mixtral (tests/models/test_finetune_runs.py,
+tests/parallel/test_expert_parallel.py): Qwen2-MoE (with its shared expert) and OLMoE, config-built from
+`model=hf_mixtral`'s group as users override it, train under every engine with ddp's per-step losses, their routers'
+balancing loss in the step's, and under the axes with one rank's. What cannot run is refused in one line: OLMoE's own
+tensor-parallel plan is in styles this split does not run (tests/test_config_errors.py), and it has no pipeline plan.
+"""
+
+from __future__ import annotations
+
+import pytest
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from lightning_dist.parallel.tensor_parallel import resolve_plan
+from lightning_dist.reports.equivalence import read_train_losses
+from tests.conftest import in_the_suite, run_train
+
+MODELS = {
+    "qwen2_moe": ("model=hf_mixtral", "model.model_type=qwen2_moe", "~model.config.num_local_experts",
+                  "+model.config.num_experts=8", "+model.config.moe_intermediate_size=64",
+                  "+model.config.shared_expert_intermediate_size=128", "+model.config.decoder_sparse_step=1"),
+    "olmoe": ("model=hf_mixtral", "model.model_type=olmoe", "~model.config.num_local_experts",
+              "+model.config.num_experts=8"),
+}
+RUN = ("data.batch_size=2", "data.block_size=32", "trainer.max_steps=4", "trainer.log_every_n_steps=1",
+       "trainer.limit_val_batches=0", "test=false")
+ENGINES = [(model, engine) for model in MODELS
+           for engine in ("fsdp_activation_checkpointing", "deepspeed_stage_2", "deepspeed_stage_3_offload")]
+# The axes split one batch over 2 ranks: one rank's losses. The balancing loss is over each forward's tokens (a
+# microbatch, a shard), so pipeline and context parallelism are compared with it off, as for model=gpt_moe.
+AXES = {"fsdp_tp": ("strategy=fsdp_tp",), "fsdp_pp": ("strategy=fsdp_pp",),
+        "cp 2": ("strategy=fsdp", "strategy.context_parallel_size=2")}
+AXIS_CASES = [("qwen2_moe", "fsdp_tp"), ("qwen2_moe", "fsdp_pp"), ("qwen2_moe", "cp 2"), ("olmoe", "cp 2")]
+
+
+def test_a_model_s_own_plan_leaves_out_the_dense_layers_its_config_did_not_build():
+    """Qwen2-MoE's plan names the dense MLP of its `mlp_only_layers`; with experts in every layer there is none, and
+    its fsdp_tp run was refused ("names no module"). A plan the user wrote is still held to every pattern."""
+    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                               moe_intermediate_size=16, shared_expert_intermediate_size=32))
+    assert resolve_plan(model, None, 2) == {f"model.layers.*.self_attn.{name}": style for name, style in
+                                            (("q_proj", "colwise"), ("k_proj", "colwise"), ("v_proj", "colwise"),
+                                             ("o_proj", "rowwise"))}
+    with pytest.raises(ValueError, match=r"^strategy.tensor_parallel_plan: model.layers.\*.mlp.up_proj names no module"):
+        resolve_plan(model, {"model.layers.*.self_attn.o_proj": "rowwise", "model.layers.*.mlp.up_proj": "colwise"}, 2)
+
+
+def test_a_plan_that_sums_a_replicated_layer_s_gradients_is_refused_in_one_line():
+    """Qwen3's q and k norms act on each head (head_dim wide): with the heads split, each rank's norm weights get the
+    gradient of its own heads only, and its plan asks for them to be summed over the ranks, which this split does not
+    do. Measured before the refusal: Qwen3-MoE under fsdp_tp drifted from one rank's losses (5.553639 against
+    5.553559 at step 2), silently."""
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                               moe_intermediate_size=16, head_dim=8))
+    with pytest.raises(ValueError, match=r"^strategy.tensor_parallel_size=2: Qwen3MoeForCausalLM.tp_plan keeps"
+                                         r" model.layers.\*.self_attn.q_norm whole on every rank with its gradients"
+                                         r" summed over the tensor-parallel ranks .* leaves the attention whole"):
+        resolve_plan(model, None, 2)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """ddp's losses, made on first use: {(model, ranks, balancing loss on): {step: loss}}."""
+
+    class References(dict):
+        def __missing__(self, key):
+            model, ranks, balance = key
+            run = run_train(tmp_path_factory.mktemp(f"{model}_ddp"), *MODELS[model], *RUN, "strategy=ddp",
+                            f"trainer.devices={ranks}", f"model.config.output_router_logits={balance}")
+            assert run.process.returncode == 0, run.output[-3000:]
+            self[key] = read_train_losses(run.run_dir)
+            return self[key]
+
+    return References()
+
+
+def assert_same_losses(ours: dict, reference: dict) -> None:
+    assert sorted(ours) == sorted(reference) == list(range(4))
+    for step, loss in reference.items():
+        assert ours[step] == pytest.approx(loss, rel=1e-5), (step, ours[step], loss)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "engine"), in_the_suite(ENGINES, [("qwen2_moe", "deepspeed_stage_2")], unpack=True))
+def test_each_engine_trains_ddp_s_losses_with_the_balancing_loss(model, engine, references, tmp_path, deepspeed_ops):
+    """Fused experts give every expert a gradient on every rank: ZeRO-1/2, refused for model=gpt_moe's experts as
+    modules, train these (measured: equal to ddp's to the 6th decimal under each engine)."""
+    run = run_train(tmp_path, *MODELS[model], *RUN, f"strategy={engine}", "trainer.devices=2")
+    assert run.process.returncode == 0, run.output[-3000:]
+    assert_same_losses(read_train_losses(run.run_dir), references[model, 2, "true"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "axis"), in_the_suite(AXIS_CASES, [("qwen2_moe", "fsdp_tp")], unpack=True))
+def test_the_axes_train_one_rank_s_losses(model, axis, references, tmp_path):
+    run = run_train(tmp_path, *MODELS[model], *RUN, *AXES[axis], "trainer.devices=2",
+                    "model.config.output_router_logits=false")
+    assert run.process.returncode == 0, run.output[-3000:]
+    assert_same_losses(read_train_losses(run.run_dir), references[model, 1, "false"])
