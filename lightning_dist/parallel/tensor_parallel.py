@@ -63,9 +63,9 @@ def find_plan(model: nn.Module, configured: TensorParallelPlan | None) -> tuple[
     return None
 
 
-def _partial_gradient_layers(model: nn.Module) -> tuple[str, str] | None:
+def _partial_gradient_layers(model: nn.Module) -> tuple[str, list[str]] | None:
     """The class of a module whose own plan keeps layers of `model` replicated with their gradients summed over the
-    ranks (Qwen3's per-head q and k norms), and the first such pattern; None where there are none."""
+    ranks (Qwen3's per-head q and k norms), and those patterns; None where there are none."""
     for name, module in model.named_modules():
         plan = _own_plan(module)
         if isinstance(plan, dict):
@@ -73,8 +73,13 @@ def _partial_gradient_layers(model: nn.Module) -> tuple[str, str] | None:
             summed = [prefix + pattern for pattern, style in plan.items() if style == "replicated_with_grad_allreduce"]
             present = [pattern for pattern in summed if pattern not in unmatched_patterns(model, {pattern: ""})]
             if present:
-                return type(module).__name__, present[0]
+                return type(module).__name__, present
     return None
+
+
+def _beside(pattern: str, others: list[str]) -> str | None:
+    """The first of `others` in the same module as `pattern` (q_norm beside q_proj), else None."""
+    return next((other for other in others if other.rpartition(".")[0] == pattern.rpartition(".")[0]), None)
 
 
 def _plan_in_other_styles(model: nn.Module) -> tuple[str, list[str]] | None:
@@ -142,13 +147,18 @@ def resolve_plan(model: nn.Module, configured: TensorParallelPlan | None, size: 
     """The plan for `model` (`configured`, or its own), checked: every pattern names a layer, and `size` ranks split
     each layer and its attention heads evenly. ValueError, in one line naming the key, otherwise."""
     found = find_plan(model, configured)
-    if configured is None and (partial := _partial_gradient_layers(model)):
-        raise ValueError(
-            f"strategy.tensor_parallel_size={size}: {partial[0]}.tp_plan keeps {partial[1]} whole on every rank with"
-            " its gradients summed over the tensor-parallel ranks (replicated_with_grad_allreduce: a norm over each"
-            " rank's own heads), which this split does not do, so those copies would drift apart; set"
-            " strategy.tensor_parallel_plan to a plan that leaves the attention whole (its MLP's colwise and rowwise"
-            " layers), or train the model without tensor parallelism")
+    if partial := _partial_gradient_layers(model):
+        owner, summed = partial
+        why = (f"{owner}.tp_plan keeps {{}} whole on every rank with its gradients summed over the tensor-parallel"
+               " ranks (replicated_with_grad_allreduce: a norm over each rank's own heads), which this split does not"
+               " do, so those copies would drift apart; set strategy.tensor_parallel_plan to a plan that leaves the"
+               " attention whole (its MLP's colwise and rowwise layers), or train the model without tensor"
+               " parallelism")
+        if configured is None:
+            raise ValueError(f"strategy.tensor_parallel_size={size}: " + why.format(summed[0]))
+        if split_beside := next((p for p in configured if _beside(p, summed)), None):
+            raise ValueError(f"strategy.tensor_parallel_plan: {split_beside} splits the heads that "
+                             + why.format(_beside(split_beside, summed)))
     if found is None and (other := _plan_in_other_styles(model)):
         raise ValueError(
             f"strategy.tensor_parallel_size={size}: {other[0]}.tp_plan splits its layers in styles this tensor"

@@ -8,7 +8,14 @@ tensor-parallel plan is in styles this split does not run (tests/test_config_err
 from __future__ import annotations
 
 import pytest
-from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from lightning_dist.parallel.tensor_parallel import resolve_plan
 from lightning_dist.reports.equivalence import read_train_losses
@@ -57,6 +64,16 @@ def test_a_plan_that_sums_a_replicated_layer_s_gradients_is_refused_in_one_line(
                                          r" model.layers.\*.self_attn.q_norm whole on every rank with its gradients"
                                          r" summed over the tensor-parallel ranks .* leaves the attention whole"):
         resolve_plan(model, None, 2)
+    # The same split written by hand, and a plan that leaves the attention whole.
+    with pytest.raises(ValueError, match=r"^strategy.tensor_parallel_plan: model.layers.\*.self_attn.q_proj splits the"
+                                         r" heads that Qwen3MoeForCausalLM.tp_plan keeps model.layers.\*.self_attn."
+                                         r"q_norm whole on every rank"):
+        resolve_plan(model, {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"},
+                     2)
+    dense = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    whole_attention = {"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise"}
+    assert resolve_plan(dense, whole_attention, 2) == whole_attention
 
 
 @pytest.fixture(scope="module")
