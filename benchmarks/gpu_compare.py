@@ -21,6 +21,12 @@ device); the median leaves out the first step. After the timed steps ours runs 6
 the host reads of each step that neither logs nor refreshes the bar (counting slows every op, so those steps are
 not timed). A compiled row (`+compile`) compiles each block, on both sides, and reports torch._dynamo's counters.
 
+A row whose ours/raw is above `--split-above` (1.03) is run once more on each side under cProfile over the same
+10 steps (benchmarks/timing.StepCProfile, `raw_loop.py --cprofile`) before the next row, budget allowing: the table
+is followed by where each side's host time went (Python, operators, the autograd engine, collectives) and the
+functions whose own time ours exceeds raw's by the most (benchmarks/time_split.py), so that a gap found on a lent GPU
+comes back explained.
+
 Writes `<out>/gpu_compare.md` (the table) and `<out>/gpu_compare.json` (every figure). No GPU: `--device cpu`.
 """
 
@@ -43,6 +49,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python benchmarks/gpu_compare.py`, from any directory
 
 from benchmarks.compare_raw import child_pythonpath, engine, machine  # noqa: E402
+from benchmarks.time_split import BUCKETS, own_time_gap, rank_file, split  # noqa: E402
+from benchmarks.timing import PROFILED_STEPS  # noqa: E402
 
 ROWS = ("ddp", "fsdp", "fsdp_activation_checkpointing", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")
 COMPILED = "+compile"
@@ -84,6 +92,8 @@ def main() -> None:
     parser.add_argument("--precision", default=None, help="default: bf16-mixed on a GPU, 32-true on a CPU")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_compare")
     parser.add_argument("--budget", type=float, default=None, help="seconds: start no row that would not end in them")
+    parser.add_argument("--split-above", type=float, default=1.03,
+                        help="profile the rows whose ours/raw is above this (cProfile, both sides), budget allowing")
     args = parser.parse_args()
     shape = SHAPES[args.shape]
     precision = args.precision or ("bf16-mixed" if args.device == "cuda" else "32-true")
@@ -96,7 +106,7 @@ def main() -> None:
 
     results: dict[str, dict] = {}
     report = {"machine": machine(), "shape": asdict(shape), "precision": precision, "device": args.device,
-              "steps": args.steps, "rows": results, "not_run": []}
+              "steps": args.steps, "rows": results, "not_run": [], "time_split": {}}
     started, slowest = time.monotonic(), 0.0
     for index, row in enumerate(rows):
         expected = slowest * (2 if row.endswith(COMPILED) else 1)
@@ -112,8 +122,29 @@ def main() -> None:
         results[row]["plan_bytes"] = planned_peak(configured(row, shape, args, precision))
         slowest = max(slowest, time.monotonic() - row_started)
         write(report, shape, args.out)
+        # A gap is explained before the next row is measured: its profile is worth more than a row of less value.
+        fits = args.budget is None or time.monotonic() - started + slowest <= args.budget
+        if ratio(results[row]) > args.split_above and fits:
+            report["time_split"][row] = time_split(row, shape, args, precision)
+            write(report, shape, args.out)
     table = write(report, shape, args.out)
     print(table)
+
+
+def ratio(sides: dict) -> float:
+    return statistics.median(sides["ours"]["step_s"]) / statistics.median(sides["raw"]["step_s"])
+
+
+def time_split(row: str, shape: Shape, args: argparse.Namespace, precision: str) -> dict:
+    """Both sides of `row` once more, each under cProfile over PROFILED_STEPS: seconds by kind, and the functions
+    whose own time ours exceeds raw's by the most."""
+    profiled = argparse.Namespace(**{**vars(args), "steps": max(args.steps, PROFILED_STEPS.stop + 1)})
+    prefixes = {side: args.out / f"cprofile_{side}_{row}.prof" for side in ("ours", "raw")}
+    run_ours(row, shape, profiled, precision, cprofile=prefixes["ours"])
+    run_raw(row, shape, profiled, precision, cprofile=prefixes["raw"])
+    files = {side: rank_file(prefix, 0) for side, prefix in prefixes.items()}
+    return {**{side: split(path)[0] for side, path in files.items()},
+            "gap": own_time_gap(files["ours"], files["raw"])}
 
 
 def write(report: dict, shape: Shape, out: Path) -> str:
@@ -134,8 +165,8 @@ def configured(row: str, shape: Shape, args: argparse.Namespace, precision: str)
     ]
 
 
-def run_ours(row: str, shape: Shape, args: argparse.Namespace, precision: str) -> dict:
-    run_dir = args.out / f"ours_{row}"
+def run_ours(row: str, shape: Shape, args: argparse.Namespace, precision: str, cprofile: Path | None = None) -> dict:
+    run_dir = args.out / (f"ours_{row}" if cprofile is None else f"ours_{row}_cprofile")
     command = [
         sys.executable, str(REPO / "train.py"), *configured(row, shape, args, precision), f"hydra.run.dir={run_dir}",
         "+callbacks.iteration_timer._target_=benchmarks.timing.IterationTimer",
@@ -144,6 +175,8 @@ def run_ours(row: str, shape: Shape, args: argparse.Namespace, precision: str) -
         f"+callbacks.host_syncs.path={run_dir}/host_syncs.json", f"+callbacks.host_syncs.from_step={args.steps}",
         "+callbacks.dynamo._target_=benchmarks.timing.DynamoCounters", f"+callbacks.dynamo.path={run_dir}/dynamo.json",
     ]
+    if cprofile is not None:
+        command += ["+callbacks.cprofile._target_=benchmarks.timing.StepCProfile", f"+callbacks.cprofile.path={cprofile}"]
     run(command, args.device)
     summary = json.loads((run_dir / "metrics.json").read_text())
     syncs = json.loads((run_dir / "host_syncs.json").read_text())
@@ -156,8 +189,8 @@ def run_ours(row: str, shape: Shape, args: argparse.Namespace, precision: str) -
     }
 
 
-def run_raw(row: str, shape: Shape, args: argparse.Namespace, precision: str) -> dict:
-    result = args.out / f"raw_{row}.json"
+def run_raw(row: str, shape: Shape, args: argparse.Namespace, precision: str, cprofile: Path | None = None) -> dict:
+    result = args.out / (f"raw_{row}.json" if cprofile is None else f"raw_{row}_cprofile.json")
     preset = row.removesuffix(COMPILED)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                str(REPO / "benchmarks" / "raw_loop.py"), "--strategy", engine(preset), "--steps", str(args.steps),
@@ -170,6 +203,8 @@ def run_raw(row: str, shape: Shape, args: argparse.Namespace, precision: str) ->
         command.append("--compile")
     if engine(preset) == "deepspeed":  # the config ours ran with (its compiled twin's is the same)
         command += ["--deepspeed-config", str(args.out / f"ours_{row}" / "deepspeed_config.effective.json")]
+    if cprofile is not None:
+        command += ["--cprofile", str(cprofile)]
     run(command, args.device)
     rank = json.loads(result.read_text())[0]
     return {"step_s": rank["iteration_s"][1:], "peak_bytes": rank["cuda_peak"] or rank["peak_rss"],
@@ -230,6 +265,14 @@ def markdown(report: dict, shape: Shape) -> str:
                       f" ({zero3 / fsdp:.3f}x)."]
     if report.get("not_run"):
         lines += ["", f"Not run, past the time budget: {', '.join(report['not_run'])}."]
+    for row, found in report.get("time_split", {}).items():
+        lines += ["", f"Where {row}'s host time went, rank 0, steps {PROFILED_STEPS.start}-{PROFILED_STEPS.stop - 1}"
+                      " under cProfile (seconds):", "",
+                  "| side | " + " | ".join(BUCKETS) + " |", "|---|" + "---:|" * len(BUCKETS)]
+        lines += [f"| {side} | " + " | ".join(f"{found[side][name]:.3f}" for name in BUCKETS) + " |"
+                  for side in ("ours", "raw")]
+        lines += ["", "Own time ours spent beyond raw's: "
+                  + "; ".join(f"{name} {gap:+.3f} s" for gap, name in found["gap"]) + "."]
     return "\n".join(lines)
 
 

@@ -49,10 +49,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-from benchmarks.timing import PROFILED_STEPS, StepClock, cprofile_path, dynamo_counters, profiler_table
-from lightning_dist.data.pydoc_text import PydocTextDataModule
-from lightning_dist.models.gpt import GPTLanguageModel
-from lightning_dist.optim.configured import DEFAULT_OPTIMIZER
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `torchrun benchmarks/raw_loop.py`, from any directory
+
+from benchmarks.timing import PROFILED_STEPS, StepClock, cprofile_path, dynamo_counters, profiler_table  # noqa: E402
+from lightning_dist.data.pydoc_text import PydocTextDataModule  # noqa: E402
+from lightning_dist.models.gpt import GPTLanguageModel  # noqa: E402
+from lightning_dist.optim.configured import DEFAULT_OPTIMIZER  # noqa: E402
 
 
 def main() -> None:

@@ -48,6 +48,19 @@ def split(path: Path) -> tuple[dict[str, float], list[tuple[float, str]]]:
     return seconds, sorted(python, reverse=True)
 
 
+def own_time_gap(ours: Path, raw: Path, top: int = 8) -> list[tuple[float, str]]:
+    """The functions whose own time ours exceeds raw's by the most (seconds, name), Python and C alike: where
+    ours' extra time goes, function by function."""
+    def own(path: Path) -> dict[str, float]:
+        stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+        return {f"{Path(key[0]).name}:{key[1]}({key[2]})" if key[0] != "~" else key[2]: row[2]
+                for key, row in stats.items()}
+
+    ours_own, raw_own = own(ours), own(raw)
+    gaps = [(seconds - raw_own.get(name, 0.0), name) for name, seconds in ours_own.items()]
+    return sorted(gaps, reverse=True)[:top]
+
+
 def rank_file(prefix: Path, rank: int) -> Path:
     return prefix.with_name(f"{prefix.stem}_rank{rank}.prof")
 
@@ -71,6 +84,9 @@ def main() -> None:
         print(f"\nRank 0, {side}: Python functions by own time")
         for own, name in python[:args.top]:
             print(f"  {own:7.3f} s  {name}")
+    print("\nRank 0: own time ours spent beyond raw's, by function")
+    for gap, name in own_time_gap(rank_file(args.ours, 0), rank_file(args.raw, 0), args.top):
+        print(f"  {gap:+7.3f} s  {name}")
 
 
 if __name__ == "__main__":

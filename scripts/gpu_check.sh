@@ -12,13 +12,14 @@
 #      unused, and part 4's where it does not run (one GPU: about 250 in all). ddp, fsdp and ZeRO-3 eager, then ddp
 #      and fsdp compiled, ZeRO-2 and ZeRO-1; a row that would not end in the time left is not started (a run takes
 #      about 45 s on an H200, most of it start-up). Each row's step time, MFU, CUDA peak against the plan, host reads
-#      per quiet step; ZeRO-3 against FSDP2
+#      per quiet step; ZeRO-3 against FSDP2. A row above 1.03 is run again on both sides under cProfile before the
+#      next (where the host time went; about 90 s)
 #   4. tensor, pipeline and context parallelism, 60: each on 2 GPUs (nccl) beside ddp on 1, 20 steps, the same
 #      batches; where fewer than 2 are visible, not run
 #   5. the report, 20: GPU.md, every part's figures and the parts that failed or ran past their limits
 # --cpu: the suite's tests need a GPU (none runs); gpu_compare runs the tiny GPT on 6 steps
-# ($LD_GPU_CHECK_ROWS, default ddp); part 4 runs on 2 CPU ranks (gloo); every limit is 4 times as long (2 CPU cores
-# shared with a test suite). tests/test_gpu_compare.py runs it so, keeping its work in $LD_GPU_CHECK_WORK.
+# ($LD_GPU_CHECK_ROWS, default ddp), unprofiled (tests/test_gpu_compare.py profiles a row on its own); part 4 runs
+# on 2 CPU ranks (gloo); every limit is 4 times as long (2 CPU cores shared with a test suite). tests/test_gpu_compare.py runs it so, keeping its work in $LD_GPU_CHECK_WORK.
 # Exit status: 1 where a part failed or ran past its limit (the report says which), else 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -99,7 +100,7 @@ if [ "$device" = cuda ]; then
 else
     # shellcheck disable=SC2086  # the rows are words
     part "ours against raw" $compare_limit $python benchmarks/gpu_compare.py --device cpu --shape tiny --steps 6 \
-        --budget $(((compare_limit - 25) * scale)) --rows ${LD_GPU_CHECK_ROWS:-ddp} --out "$work/compare"
+        --budget $(((compare_limit - 25) * scale)) --rows ${LD_GPU_CHECK_ROWS:-ddp} --split-above inf --out "$work/compare"
 fi
 
 # 4. The parallel axes across 2 devices, each with 1 data-parallel rank: the batches of ddp on one device, and its losses.

@@ -3,12 +3,13 @@ collectives, from the cProfile files `benchmarks.timing.StepCProfile` writes on 
 
 from __future__ import annotations
 
+import cProfile
 import pstats
 
 import lightning as L
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from benchmarks.time_split import bucket, rank_file, split
+from benchmarks.time_split import bucket, own_time_gap, rank_file, split
 from benchmarks.timing import PROFILED_STEPS, StepCProfile
 
 
@@ -38,3 +39,25 @@ def test_the_callback_profiles_the_same_steps_on_each_rank_and_the_split_reads_t
     calls = {key[2]: value[1] for key, value in stats.items() if key[0] == __file__}
     assert calls == {"training_step": len(PROFILED_STEPS)}
     assert any(name.endswith("(training_step)") for _, name in python)
+
+
+def _squares(n: int) -> int:
+    return sum(i * i for i in range(n))
+
+
+def _only_ours() -> int:
+    return sum(i * i for i in range(300_000))
+
+
+def test_the_gap_names_the_functions_ours_spends_its_extra_time_in(tmp_path):
+    for side, calls in (("ours", [_squares, _only_ours]), ("raw", [_squares])):
+        profile = cProfile.Profile()
+        profile.enable()
+        for call in calls:
+            call(100_000) if call is _squares else call()
+        profile.disable()
+        profile.dump_stats(tmp_path / f"{side}.prof")
+    gaps = own_time_gap(tmp_path / "ours.prof", tmp_path / "raw.prof", top=3)
+    names = [name for _, name in gaps]
+    assert any(name.endswith("(<genexpr>)") for name in names) and any(name.endswith("(_only_ours)") for name in names)
+    assert gaps[0][0] > 0.005 and all(gap >= later for (gap, _), (later, _) in zip(gaps, gaps[1:]))

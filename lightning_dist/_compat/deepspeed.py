@@ -12,6 +12,7 @@ import re
 import socket
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,11 @@ FENCED = [
         "_get_fp32_state_dict_from_zero3_checkpoint",
         ("world_size", "fp32_flat_groups", "zero_model_states", "exclude_frozen_parameters"),
     ),
-    Fenced("deepspeed.runtime.zero.partition_parameters", "Init._convert_to_zero_parameters", ("self", "param_list")),
+    # A parameter made a ZeRO-3 one and partitioned, each rank writing only its partition (partition below).
+    Fenced("deepspeed.runtime.zero.partition_parameters", "Init._convert_to_deepspeed_param", ("self", "param")),
+    Fenced("deepspeed.runtime.zero.partition_parameters", "Init._aligned_size", ("self", "param")),
+    Fenced("deepspeed.runtime.zero.partition_parameters", "Init._partition_world_size", ("self", "param")),
+    Fenced("deepspeed.runtime.zero.partition_parameters", "Init._partition_rank", ("self", "param")),
     Fenced("deepspeed.runtime.zero.partition_parameters", "InsertPostInitMethodToModuleSubClasses"),
     Fenced("deepspeed.runtime.zero.linear", "zero3_linear_wrap"),
     Fenced(
@@ -167,10 +172,34 @@ def merge_zero_partitions(
     return zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(world_size, flat_groups, model_states, True)
 
 
-def partitioner(init: Any) -> Callable[[list[torch.nn.Parameter]], None]:
-    """What `deepspeed.zero.Init` does to each parameter at the end of a module's constructor (partition it, keep
-    this rank's part), without entering the context, which would patch every module class's constructor."""
-    return init._convert_to_zero_parameters
+def partition_elements(init: Any, param: torch.nn.Parameter) -> tuple[int, int]:
+    """The elements [start, end) of `param`, flattened, that this rank's ZeRO-3 partition will hold, as
+    `deepspeed.zero.Init` lays them out (`_convert_to_deepspeed_param`'s group, `_partition_param`'s padded even
+    split), known before the parameter holds any memory. Checked against DeepSpeed's own by `partition`."""
+    import torch.distributed as dist
+
+    group = getattr(param, "ds_zero_partition_process_group", init.ds_process_group)
+    ranks, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+    size = -(-param.numel() // ranks)  # the numel padded to a multiple of the ranks, split evenly
+    return min(size * rank, param.numel()), min(size * (rank + 1), param.numel())
+
+
+def partition(init: Any, param: torch.nn.Parameter, elements: tuple[int, int]) -> None:
+    """What `deepspeed.zero.Init` does to a parameter at the end of its module's constructor (make it a ZeRO-3
+    parameter and keep this rank's partition), without entering the context, which would patch every module class's
+    constructor, and without its broadcast from rank 0: every rank holds the same values (read from the same files,
+    or drawn from the same seed), and here only the `elements` (`partition_elements`) it keeps. RuntimeError where
+    DeepSpeed's own layout put other elements in this rank's partition."""
+    param.data = param.data.to(init.local_device)
+    init._convert_to_deepspeed_param(param)
+    size = init._aligned_size(param) // init._partition_world_size(param)
+    start = size * init._partition_rank(param)
+    if (min(start, param.ds_numel), min(start + size, param.ds_numel)) != elements:
+        raise RuntimeError(f"DeepSpeed {version('deepspeed')} puts elements {start}-{start + size} of a"
+                           f" {tuple(param.ds_shape)} parameter in this rank's ZeRO-3 partition, where lightning_dist"
+                           f" wrote {elements[0]}-{elements[1]}: its layout changed, and"
+                           " lightning_dist/_compat/deepspeed.py needs the new one")
+    param.partition()
 
 
 def use_zero3_linear() -> None:

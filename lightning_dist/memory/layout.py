@@ -50,6 +50,7 @@ class Layout:
     autocast_weight_copies: bool = False  # autocast keeps a 16-bit copy of each whole weight used (DDP)
     bucket_rebuild: bool = False       # gradient buckets rebuilt at the second step, beside the old ones (DDP)
     reduce_scatter_per_block: bool = False  # a block's whole gradients reduce-scattered from their own buffer (FSDP2)
+    pretrained_read_by_shard: bool = False  # each rank reads its rows of a pretrained tensor alone (FSDP2, ZeRO-3)
     # The share of a batch's activations the busiest stage holds at once: the microbatches in flight there (GPipe
     # all of them, 1F1B at most one per stage) over the microbatches.
     pipeline_in_flight: float = 1.0

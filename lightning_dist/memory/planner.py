@@ -172,11 +172,14 @@ def plan_memory(
             (plan.host if offload == "cpu" else plan.nvme)[name] = value * devices
     plan.host.update(_swap_buffers(facts, layout, size, shards, devices))
     if facts.pretrained_largest:
-        # Each rank reads one tensor at a time out of the folder, in the run's dtype, and keeps its shard: beside
-        # its shards it holds about two of the largest (the copy, and the file's pages it was read from; measured
-        # 1.5-1.9 under fsdp, BENCHMARKS.md). Not counted: each process's own (0.46 GB measured) and, under ZeRO-3,
-        # what DeepSpeed's engine allocates as it is set up.
-        plan.loading["pretrained_tensors"] = 2 * facts.pretrained_largest * size.parameter * devices
+        # Each rank reads one tensor at a time out of the folder, in the run's dtype: under FSDP2 and ZeRO-3 only
+        # its rows of it (its shard, or those that hold its partition), elsewhere the whole tensor. Beside what it
+        # keeps it holds them at most twice (measured: once under FSDP2, twice under ZeRO-3 on CPU ranks, where the
+        # parameter DeepSpeed partitions is in host memory; BENCHMARKS.md). Not counted: each process's own memory
+        # (0.46 GB measured, and 0.03 GB of set-up).
+        largest = facts.pretrained_largest
+        read = math.ceil(largest / shards) if layout.pretrained_read_by_shard else largest
+        plan.loading["pretrained_tensors"] = 2 * read * size.parameter * devices
     if layout.offload_staging_buffer and gradients_offload:
         # ZeRO-1/2 move each gradient to the host through a buffer the size of the largest parameter, one on the
         # device and one pinned in host memory.

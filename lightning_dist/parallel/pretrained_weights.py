@@ -2,9 +2,11 @@
 
 A model built empty (sharded initialisation) carries the folder it should start from (`attach`); when a strategy
 initialises the model's shards (sharded_init.py), each parameter's value is read from the folder instead of drawn,
-in the parameter's dtype, and the rank keeps its shard of it. So a rank holds at most one full tensor besides its
-shards, and the weights are never whole on any rank: a node's ranks together hold one copy of the model and about
-two of its largest tensors each (BENCHMARKS.md). Reading only a rank's rows of each tensor would save the second.
+in the parameter's dtype, and the rank keeps its shard of it. Where the strategy says which part of a tensor the
+rank keeps (FSDP's and tensor parallelism's shards), only that region is read from the file; where it keeps a
+partition of the whole (ZeRO-3) or all of it, the tensor is read whole, one at a time. So the weights are never whole
+on any rank: a node's ranks together hold one copy of the model, plus under ZeRO-3 a full tensor each at a time
+(BENCHMARKS.md).
 
 safetensors maps each file and reads a tensor without copying it; the file is opened for each tensor and closed
 once its value is copied out, so that the pages read do not stay mapped (counted in every rank's resident memory).
@@ -26,6 +28,9 @@ import torch
 from torch import nn
 
 from lightning_dist._compat.transformers import Sources, checkpoint_sources, conversion_mapping, converted
+
+# Where a rank's part of a tensor lies in it, a slice per dimension (the leading ones; the rest whole).
+Region = tuple[slice, ...]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -54,13 +59,15 @@ class PretrainedFolder:
             with safe_open(file, "pt") as opened:
                 self.shapes.update({name: tuple(opened.get_slice(name).get_shape()) for name in opened.keys()})
 
-    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """Tensor `name`, copied out of the file in `dtype` (on the CPU)."""
+    def read(self, name: str, dtype: torch.dtype, region: Region | None = None) -> torch.Tensor:
+        """Tensor `name`, or its `region` alone, copied out of the file in `dtype` (on the CPU)."""
         from safetensors import safe_open
 
         with safe_open(self.files[name], "pt") as opened:
-            stored = opened.get_tensor(name)
-            return stored.to(dtype if stored.is_floating_point() else stored.dtype, copy=True)
+            # A region is copied out of the file's pages that hold it alone; a whole tensor is those pages until
+            # copied.
+            stored = opened.get_tensor(name) if region is None else opened.get_slice(name)[region]
+            return stored.to(dtype if stored.is_floating_point() else stored.dtype, copy=region is None)
 
     def attach(self, model: nn.Module) -> None:
         """Make `model` start from these weights (sharded initialisation reads them), after checking that they are
@@ -118,13 +125,20 @@ class BoundWeights:
     def __init__(self, folder: PretrainedFolder, mapping: list[Any], sources: dict[str, Sources]) -> None:
         self.folder, self.mapping, self.sources = folder, mapping, sources
 
-    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
-        """The value of the model's parameter `name` in `dtype`, or None where the folder has none."""
-        return self.value(name, dtype) if name in self.sources else None
+    def read(self, name: str, dtype: torch.dtype, region: Region | None = None) -> torch.Tensor | None:
+        """The value of the model's parameter `name` (or its `region`) in `dtype`, or None where the folder has
+        none."""
+        return self.value(name, dtype, region) if name in self.sources else None
 
-    def value(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """The value of the model's tensor `name`, which the folder has, in `dtype`."""
-        return converted(self.mapping, name, self.sources[name], lambda key: self.folder.read(key, dtype))
+    def value(self, name: str, dtype: torch.dtype, region: Region | None = None) -> torch.Tensor:
+        """The value of the model's tensor `name`, which the folder has, in `dtype`: its `region` alone, read as such
+        where the folder holds the tensor as it is (one made from several, or renamed by a conversion, is made whole
+        first)."""
+        sources = self.sources[name]
+        if len(sources) == 1 and sources[0][0] is None:
+            return self.folder.read(sources[0][1], dtype, region)
+        whole = converted(self.mapping, name, sources, lambda key: self.folder.read(key, dtype))
+        return whole if region is None else whole[region]
 
     def largest(self) -> int:
         """Elements of the largest tensor read: one made from several holds them all beside itself."""

@@ -41,10 +41,12 @@ from lightning_dist._compat.torch import (
     parameter_initialiser,
     parameter_registration,
 )
-from lightning_dist.parallel.pretrained_weights import BoundWeights
+from lightning_dist.parallel.pretrained_weights import BoundWeights, Region
 
-# What to keep of an initialised full tensor (on the CPU, in the parameter's dtype): a shard, a partition, all.
+# What to keep of an initialised tensor (on the CPU, in the parameter's dtype): a shard, a partition, all. It is given
+# the region of the full tensor that `RegionKept` names for the parameter, or the whole tensor.
 Keep = Callable[[nn.Parameter, torch.Tensor], None]
+RegionKept = Callable[[nn.Parameter], Region | None]
 
 # Module names that wrappers (activation checkpointing) insert between a model and its layers; a layer's seed must
 # not depend on them.
@@ -147,12 +149,15 @@ def draw_init_seed() -> int:
 
 
 def initialize_parameters(
-    model: nn.Module, keep: Keep | None = None, seed: int = 0, params: Iterable[nn.Parameter] | None = None
+    model: nn.Module, keep: Keep | None = None, seed: int = 0, params: Iterable[nn.Parameter] | None = None,
+    region: RegionKept | None = None,
 ) -> int:
     """Initialise `params` module by module; returns how many were initialised.
 
-    Each full value goes to `keep`; without one it is copied into the parameter (eager construction), and `params`
-    defaults to those that hold memory (a model built on the meta device, e.g. to plan its memory, is left alone).
+    Each value goes to `keep`: the full tensor, or where `region` names a part of it for a parameter, that part
+    alone (pretrained weights are then read from their file by that region only). Without `keep` it is copied into
+    the parameter (eager construction), and `params` defaults to those that hold memory (a model built on the meta
+    device, e.g. to plan its memory, is left alone).
     A parameter shared by two modules is initialised by the first. Where an enclosing module carries pretrained
     weights (pretrained_weights.py), a parameter's value is read from them rather than drawn. A parameter that no
     initialiser writes is an error, not uninitialised memory; so is a PEFT adapter left on the meta device.
@@ -167,23 +172,30 @@ def initialize_parameters(
         if not todo:
             continue
         owner = _initialiser_of(model, name, seed)
-        full = {**owner.read(todo), **_adapter_values(module, todo)}
-        if owner.adapter_of is not None and len(full) < len(todo):
+        regions = {n: region(p) if region is not None else None for n, p in todo.items()}
+        values = {**owner.read(todo, regions), **_part(_adapter_values(module, todo), regions)}
+        if owner.adapter_of is not None and len(values) < len(todo):
             raise ValueError(f"model: {name} is an adapter of PEFT's {type(owner.adapter_of).__name__} on the meta"
                              " device, whose initial values (LoRA's B = 0) were never seen; apply PEFT inside"
                              " init_module or configure_model, or outside both")
-        if owner.weights is not None and len(full) < len(todo):
-            unread = ", ".join(f"{owner.weights_name}.{n}".lstrip(".") for n in todo if n not in full)
+        if owner.weights is not None and len(values) < len(todo):
+            unread = ", ".join(f"{owner.weights_name}.{n}".lstrip(".") for n in todo if n not in values)
             raise ValueError(f"model: {name} ({type(module).__name__}) is part of a model built to start from"
                              f" {owner.weights.folder.folder}, which has no {unread}; its names changed after"
                              " from_pretrained (a wrapper we do not know), so its values would be drawn afresh")
-        if len(full) < len(todo):
-            full = {**_drawn(model, name, module, params_here, owner), **full}
+        if len(values) < len(todo):
+            # Drawn whole (a generator's values depend on the shape it fills), then each rank's part taken.
+            values = {**_part(_drawn(model, name, module, params_here, owner), regions), **values}
         with torch.no_grad():  # a DTensor's to_local() is a copy, not a view, where autograd records it
             for n, param in todo.items():
-                (keep or _copy_into)(param, full[n].to(param.dtype))
+                (keep or _copy_into)(param, values[n].to(param.dtype))
                 done.add(id(param))
     return len(done)
+
+
+def _part(values: dict[str, torch.Tensor], regions: dict[str, Region | None]) -> dict[str, torch.Tensor]:
+    """Each full value's region (all of it where none is named)."""
+    return {n: value if regions.get(n) is None else value[regions[n]] for n, value in values.items()}
 
 
 def _adapter_values(module: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
@@ -247,12 +259,13 @@ class _Initialiser:
     weights_name: str
     adapter_of: nn.Module | None
 
-    def read(self, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
-        """The values of those of `params` (the module's own, by name) that the pretrained weights hold."""
+    def read(self, params: dict[str, nn.Parameter], regions: dict[str, Region | None]) -> dict[str, torch.Tensor]:
+        """The values (each its region) of those of `params` (the module's own, by name) that the pretrained
+        weights hold."""
         if self.weights is None:
             return {}
         prefix = f"{self.weights_name}." if self.weights_name else ""
-        found = {n: self.weights.read(prefix + n, p.dtype) for n, p in params.items()}
+        found = {n: self.weights.read(prefix + n, p.dtype, regions[n]) for n, p in params.items()}
         return {n: value for n, value in found.items() if value is not None}
 
 

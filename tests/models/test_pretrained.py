@@ -107,6 +107,33 @@ def test_under_sharded_initialisation_each_value_is_read_not_drawn(pretrained_fo
         assert torch.equal(model.state_dict()[name], value), name
 
 
+@pytest.mark.parametrize("model", ["llama", "mixtral"])
+def test_a_rank_that_keeps_rows_of_each_weight_reads_those_rows_alone(pretrained_folders, model, monkeypatch):
+    # FSDP's shards are rows of each weight: the file is read by the region a rank keeps, so that no rank holds a
+    # whole tensor it does not keep (BENCHMARKS.md, "Loading a pretrained model"). A tensor made from several
+    # (Mixtral's experts, one per file entry) is made whole and then cut.
+    folder = pretrained_folders[model]
+    reads = []
+    plain_read = PretrainedFolder.read
+    monkeypatch.setattr(PretrainedFolder, "read", lambda self, name, dtype, region=None: (
+        reads.append((name, region)), plain_read(self, name, dtype, region))[1])
+    with parameters_on_meta():
+        built = lightning_dist.from_pretrained(folder)
+    rows = (slice(1, 3),)
+    kept = {}
+    names = {id(p): name for name, p in built.named_parameters()}
+    initialize_parameters(built, lambda p, part: kept.setdefault(names[id(p)], part), seed=5,
+                          params=list(built.parameters()), region=lambda p: rows if p.dim() > 1 else None)
+    expected = as_float32(folder)
+    assert len(kept) == len(list(built.parameters()))
+    for name, part in kept.items():
+        assert torch.equal(part, expected[name][rows] if expected[name].dim() > 1 else expected[name]), name
+    whole = [name for name, region in reads if region is None and name.endswith(".weight")
+             and "norm" not in name and "experts" not in name]
+    assert not whole  # every matrix read by its rows, the experts' excepted
+    assert ("experts" in str(reads)) == (model == "mixtral")
+
+
 def test_a_folder_that_is_not_the_model_s_is_refused_naming_the_first_mismatches(pretrained_folders):
     folder = pretrained_folders["llama"]
     deeper = AutoConfig.from_pretrained(folder, num_hidden_layers=5, vocab_size=300)
@@ -137,3 +164,21 @@ def test_a_mixture_of_experts_folder_with_other_experts_is_refused_naming_the_fu
         " model.layers.0.block_sparse_moe.experts.0.w1.weight (+7 more made into one) (4, 256, 64) in the folder,"
         " (5, 256, 64) in the model, model.layers.0.block_sparse_moe.experts.0.w2.weight (+3 more made into one)"
         " (4, 64, 128) in the folder, (5, 64, 128) in the model (and 9 more)")
+
+
+
+def test_a_region_read_from_the_file_is_that_region_of_the_tensor(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    saved = {"bf16": torch.randn(7, 5).to(torch.bfloat16), "vector": torch.randn(6), "ids": torch.arange(12).view(3, 4),
+             "cube": torch.randn(4, 3, 2)}
+    save_file(saved, tmp_path / "model.safetensors")
+    folder = PretrainedFolder(tmp_path)
+    cases = [("bf16", (slice(2, 5),)), ("bf16", (slice(0, 7), slice(1, 3))), ("vector", (slice(1, 4),)),
+             ("ids", (slice(1, 3), slice(0, 4))), ("cube", (slice(3, 4),)), ("bf16", (slice(7, 7),)), ("cube", None)]
+    for name, region in cases:
+        expected = saved[name] if region is None else saved[name][region]
+        value = folder.read(name, torch.float32, region)
+        assert torch.equal(value, expected.float() if expected.is_floating_point() else expected), (name, region)
+        assert value.dtype == (torch.int64 if name == "ids" else torch.float32)

@@ -5,7 +5,9 @@ measurement of docs/strategies.md is the same script at 8 blocks: its default)."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+from importlib.metadata import version
 
 import pytest
 import torch
@@ -36,6 +38,20 @@ def test_meta_construction_then_initialisation_equals_eager_construction():
     # The scaled residual init and the biases are what GPT's own _init_weights gives, not torch's defaults.
     assert abs(deferred.blocks[0].attn.proj.weight.std().item() - 0.02 / 2) < 2e-3
     assert deferred.blocks[0].mlp[0].bias.abs().max().item() == 0
+
+
+def test_a_rank_given_a_region_of_each_parameter_keeps_that_region_of_eager_construction_s_values():
+    # FSDP's shards: each rank is handed its rows alone, the same values whatever the rows (drawn whole, then cut).
+    torch.manual_seed(7)
+    eager = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=0.0)
+    deferred = gpt_on_meta(7)
+    names = {id(p): name for name, p in deferred.named_parameters()}
+    kept = {}
+    initialize_parameters(deferred, lambda p, part: kept.setdefault(names[id(p)], part), seed=0,
+                          params=list(deferred.parameters()), region=lambda p: (slice(3, 7),))
+    assert kept.keys() == dict(eager.named_parameters()).keys()
+    for name, expected in eager.named_parameters():
+        assert torch.equal(kept[name], expected.detach()[3:7]), name
 
 
 def test_adapters_loaded_by_peft_on_the_meta_device_keep_the_loaded_values():
@@ -134,3 +150,24 @@ def test_zero3_builds_its_partitions_without_the_whole_model(setup_memory, path)
     assert all(growth < 0.75 * FULL_COPY_BYTES for growth in figures["at_init"])
     # What deepspeed.initialize adds afterwards (printed above as "end of setup") is optimizer state, not the model:
     # its fp32 master copy of the partitions, a defragmented copy of them, and its reduce buckets (issue 16).
+
+
+@pytest.mark.slow
+def test_zero3_partitions_written_from_each_rank_s_rows_alone_gather_to_eager_construction_s_values(tmp_path):
+    out = tmp_path / "zero3.json"
+    command = ["torchrun", "--nproc_per_node", "3", f"--master_port={free_port()}", "-m", "tests.zero3_partition_check",
+               str(out)]
+    process = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    assert process.returncode == 0, process.stderr[-3000:]
+    found = json.loads(out.read_text())
+    assert found["gathered"] == {"matrix": 0.0, "cube": 0.0, "vector": 0.0, "one": 0.0, "scalar": 0.0}
+    # 35 elements over 3 ranks: 12, 12 and 11, rows of 5; a parameter of one element is rank 0's alone.
+    assert [rows["matrix"] for rows in found["rows"]] == [[0, 3], [2, 5], [4, 7]]
+    assert [rows["cube"] for rows in found["rows"]] == [[0, 1], [1, 2], [2, 3]]
+    assert [rows["vector"] for rows in found["rows"]] == [[0, 2], [2, 4], [4, 5]]
+    assert [rows["one"] for rows in found["rows"]] == [[0, 1], [0, 0], [0, 0]]
+    assert [rows["scalar"] for rows in found["rows"]] == [None, None, None]
+    assert found["refusal"] == (f"DeepSpeed {version('deepspeed')} puts elements 0-12 of a (7, 5) parameter in this"
+                                " rank's ZeRO-3 partition, where lightning_dist wrote 1-13: its layout changed, and"
+                                " lightning_dist/_compat/deepspeed.py needs the new one")

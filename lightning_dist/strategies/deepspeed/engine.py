@@ -3,19 +3,22 @@ model built without weights gets them (each rank initialises its ZeRO-3 partitio
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
 import torch
 
 from lightning_dist._compat.deepspeed import (
-    partitioner,
+    partition,
+    partition_elements,
     remember_cpu_info,
     say_on_local_rank_zero,
     skip_shared_memory_comm_op,
 )
 from lightning_dist.lifecycle.op_builds import announce_op_builds
-from lightning_dist.parallel.sharded_init import Keep, give_memory, initialize_parameters
+from lightning_dist.parallel.pretrained_weights import Region
+from lightning_dist.parallel.sharded_init import Keep, RegionKept, give_memory, initialize_parameters
 from lightning_dist.strategies.deepspeed.config.zero import ZeroSection
 
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
@@ -54,10 +57,11 @@ def use_deepspeed_accelerator(device: torch.device) -> str:
     return get_accelerator().device_name()
 
 
-def zero3_partitioner(config: dict[str, Any]) -> Keep:
+def zero3_partitioner(config: dict[str, Any]) -> tuple[Keep, RegionKept]:
     """Hands each initialised parameter to ZeRO-3, which keeps this rank's partition (on the device, the host or
     NVMe, as the config's `offload_param` says) and frees the rest: what `deepspeed.zero.Init` does at the end of
-    each module's constructor."""
+    each module's constructor. With it, the rows of each parameter that hold this rank's partition: all a rank reads
+    of a pretrained tensor (the rest of the parameter is never written, so never resident)."""
     import deepspeed
 
     # Not entered: only its conversion is used, not its patching of every module class's constructor. DeepSpeed's
@@ -65,15 +69,26 @@ def zero3_partitioner(config: dict[str, Any]) -> Keep:
     if "train_batch_size" not in config and "train_micro_batch_size_per_gpu" not in config:
         config = {**config, "train_micro_batch_size_per_gpu": 1}
     zero_init = deepspeed.zero.Init(config_dict_or_path=config, remote_device=ZeroSection.of(config).parameters.device)
-    to_zero_parameters = partitioner(zero_init)
 
-    def partition(param: torch.nn.Parameter, full: torch.Tensor) -> None:
+    def rows(param: torch.nn.Parameter) -> Region | None:
+        if param.dim() == 0:
+            return None
+        start, end = partition_elements(zero_init, param)
+        row = math.prod(param.shape[1:])
+        return (slice(start // row, -(-end // row)) if end > start else slice(0, 0),)
+
+    def keep(param: torch.nn.Parameter, part: torch.Tensor) -> None:
         # In the config's dtype (bf16, fp16), as a module built under zero.Init would be: DeepSpeed's own cast of the
-        # module cannot reach partitions.
-        give_memory(param, full.to(zero_init.dtype) if full.is_floating_point() else full)
-        to_zero_parameters([param])
+        # module cannot reach partitions. Made on the device DeepSpeed moves a parameter to before partitioning it.
+        dtype = zero_init.dtype if part.is_floating_point() else part.dtype
+        whole = torch.empty(param.shape, dtype=dtype, device=zero_init.local_device)
+        read = rows(param)
+        offset = read[0].start * math.prod(param.shape[1:]) if read is not None else 0
+        whole.view(-1)[offset:offset + part.numel()].copy_(part.reshape(-1))
+        give_memory(param, whole)
+        partition(zero_init, param, partition_elements(zero_init, param))
 
-    return partition
+    return keep, rows
 
 
 def whole_on(device: torch.device) -> Keep:
@@ -89,5 +104,8 @@ def initialize_deferred_parameters(
     """Each rank initialises the parameters still on the meta device (the same `seed` on every rank gives the same
     values) and keeps its ZeRO-3 partition of each, or, below stage 3, the whole parameter on `device`."""
     meta = [p for p in model.parameters() if p.is_meta]
-    keep = zero3_partitioner(config) if ZeroSection.of(config).partitions_parameters else whole_on(device)
-    initialize_parameters(model, keep, seed, params=meta)
+    if ZeroSection.of(config).partitions_parameters:
+        keep, rows = zero3_partitioner(config)
+        initialize_parameters(model, keep, seed, params=meta, region=rows)
+    else:
+        initialize_parameters(model, whole_on(device), seed, params=meta)

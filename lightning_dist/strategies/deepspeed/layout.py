@@ -35,6 +35,7 @@ def zero_layout(strategy: Any, name: str) -> Layout:
         name,
         "deepspeed",
         shard_parameters=stage >= 3,
+        pretrained_read_by_shard=stage >= 3,  # the rows that hold a rank's partition (engine.zero3_partitioner)
         shard_gradients=stage >= 2 or (stage == 1 and overlap),
         shard_optimizer=stage >= 1,
         offload_optimizer=section.optimizer.device,

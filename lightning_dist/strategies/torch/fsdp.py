@@ -236,7 +236,8 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
             name, "torch", shard_parameters=True, shard_gradients=True, shard_optimizer=True,
             keep_gathered=not self.reshard_after_forward, offload_optimizer=offload, offload_parameters=offload,
             activation_checkpointing=self.activation_checkpointing, sizes=self.parallel_sizes,
-            reduce_scatter_per_block=True, pipeline_in_flight=self.pipeline.in_flight_share(),
+            reduce_scatter_per_block=True, pretrained_read_by_shard=True,
+            pipeline_in_flight=self.pipeline.in_flight_share(),
             pipeline_receive_buffers=self.pipeline.receive_buffers(),
         )
 

@@ -139,10 +139,10 @@ def materialize_shards(model: nn.Module, device: torch.device, seed: int, roots:
     for root in [*roots, model]:
         apply_to_tensors(root, lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
 
-    def keep_local_shard(param: nn.Parameter, full: torch.Tensor) -> None:
-        if not isinstance(param, DTensor):  # a parameter outside every FSDP unit
-            param.data.copy_(full)
-            return
-        param.to_local().copy_(full[local_shard_region(param)])
+    def shard_region(param: nn.Parameter) -> tuple[slice, ...] | None:
+        return local_shard_region(param) if isinstance(param, DTensor) else None  # else: outside every FSDP unit
 
-    return initialize_parameters(model, keep_local_shard, seed, params=meta)
+    def keep_local_shard(param: nn.Parameter, shard: torch.Tensor) -> None:
+        (param.to_local() if isinstance(param, DTensor) else param.data).copy_(shard)
+
+    return initialize_parameters(model, keep_local_shard, seed, params=meta, region=shard_region)
