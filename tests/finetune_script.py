@@ -132,12 +132,18 @@ class FineTune(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     def on_after_backward(self) -> None:
-        gathered = [p for p in self.parameters() if hasattr(p, "ds_status") and not p.ds_persist
-                    and p.ds_status.name != "NOT_AVAILABLE"]
+        zero3 = [p for p in self.parameters() if hasattr(p, "ds_status")]
+        gathered = [p for p in zero3 if not p.ds_persist and p.ds_status.name != "NOT_AVAILABLE"]
         self.gathered_after_backward.append(len(gathered))
+        # The bytes ZeRO-3's parameters hold whole on this rank: those it keeps whole (persistent) and any left
+        # gathered; the same after every microbatch where nothing is left behind.
+        self.held_after_backward.append(sum(p.data.numel() * p.data.element_size() for p in zero3))
+        self.persistent_bytes = sum(p.ds_numel * p.element_size() for p in zero3 if p.ds_persist)
 
     def on_train_start(self) -> None:
         self.gathered_after_backward: list[int] = []
+        self.held_after_backward: list[int] = []
+        self.persistent_bytes = 0
         if "lora" in self.place or self.place.startswith("resume="):
             self.start = gather_full_state_dict(self)
             self.quantized_bytes_held = quantized_bytes_held(self)
@@ -161,6 +167,7 @@ class FineTune(L.LightningModule):
                                      and end[n].is_floating_point()}) for kind in ("adapters", "base")},
             "optimizer_state_elements": optimizer_state_elements(self.trainer.optimizers[0]),
             "gathered_after_backward": self.gathered_after_backward,
+            "held_after_backward": self.held_after_backward, "persistent_bytes": self.persistent_bytes,
             "quantized_bytes_held": self.quantized_bytes_held,
         }
 

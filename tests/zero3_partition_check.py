@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import lightning_dist._compat.deepspeed as compat
 import lightning_dist.strategies.deepspeed.engine as engine
 from lightning_dist._compat.deepspeed import skip_shared_memory_comm_op
 from lightning_dist.parallel.sharded_init import initialize_parameters, parameters_on_meta
@@ -66,8 +67,10 @@ def main(out: str) -> None:
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         gathered = {name: (param.detach() - eager.get_parameter(name).detach()).abs().max().item()
                     for name, param in model.named_parameters()}
+    # What lightning_dist would do if DeepSpeed laid its partitions out otherwise than it expects.
     real = engine.partition_elements
-    engine.partition_elements = lambda init, param: tuple(min(e + 1, param.numel()) for e in real(init, param))
+    engine.partition_elements = compat.partition_elements = lambda init, param: tuple(  # type: ignore[assignment]
+        min(e + 1, param.numel()) for e in real(init, param))
     try:
         partitioned()
         refusal = None

@@ -184,12 +184,15 @@ def partition_elements(init: Any, param: torch.nn.Parameter) -> tuple[int, int]:
     return min(size * rank, param.numel()), min(size * (rank + 1), param.numel())
 
 
-def partition(init: Any, param: torch.nn.Parameter, elements: tuple[int, int]) -> None:
+def partition(init: Any, param: torch.nn.Parameter, value: torch.Tensor, value_start: int) -> None:
     """What `deepspeed.zero.Init` does to a parameter at the end of its module's constructor (make it a ZeRO-3
     parameter and keep this rank's partition), without entering the context, which would patch every module class's
     constructor, and without its broadcast from rank 0: every rank holds the same values (read from the same files,
-    or drawn from the same seed), and here only the `elements` (`partition_elements`) it keeps. RuntimeError where
-    DeepSpeed's own layout put other elements in this rank's partition."""
+    or drawn from the same seed). `param` holds memory of its full size, unwritten; `value` is its elements from
+    `value_start` on (flattened), at least those of this rank's partition (`partition_elements`), which go straight
+    into the partition, so that a rank never writes the rest. RuntimeError where DeepSpeed's own layout put other
+    elements in this rank's partition."""
+    elements = partition_elements(init, param)
     param.data = param.data.to(init.local_device)
     init._convert_to_deepspeed_param(param)
     size = init._aligned_size(param) // init._partition_world_size(param)
@@ -197,9 +200,20 @@ def partition(init: Any, param: torch.nn.Parameter, elements: tuple[int, int]) -
     if (min(start, param.ds_numel), min(start + size, param.ds_numel)) != elements:
         raise RuntimeError(f"DeepSpeed {version('deepspeed')} puts elements {start}-{start + size} of a"
                            f" {tuple(param.ds_shape)} parameter in this rank's ZeRO-3 partition, where lightning_dist"
-                           f" wrote {elements[0]}-{elements[1]}: its layout changed, and"
+                           f" expects {elements[0]}-{elements[1]}: its layout changed, and"
                            " lightning_dist/_compat/deepspeed.py needs the new one")
-    param.partition()
+    if value_start > elements[0] or value_start + value.numel() < elements[1]:
+        raise RuntimeError(f"elements {value_start}-{value_start + value.numel()} of a {tuple(param.ds_shape)}"
+                           f" parameter were read for a ZeRO-3 partition of elements {elements[0]}-{elements[1]}")
+    kept = value.reshape(-1)[elements[0] - value_start:elements[1] - value_start]
+    # Into the partition once made, unless it leaves the rank's memory as it is made (NVMe) or is stored quantized:
+    # then through the parameter's own memory first.
+    if init.remote_device == "nvme" or init.quantized_nontrainable_weights:
+        param.data.view(-1)[elements[0]:elements[1]].copy_(kept)
+        param.partition()
+    else:
+        param.partition()
+        param.ds_tensor.narrow(0, 0, len(kept)).copy_(kept)
 
 
 def use_zero3_linear() -> None:

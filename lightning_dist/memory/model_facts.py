@@ -62,7 +62,7 @@ class ModelFacts:
     attention: tuple[int, int, int] | None = None
     positions: bool = False
     # Elements of the largest tensor the model reads from a pretrained folder as it is set up (0: none): each rank
-    # holds its rows of it (all of it where it keeps it whole) twice at most while it loads (memory/planner.py).
+    # holds its rows of it while it loads, or twice all of it where it keeps it whole (memory/planner.py).
     pretrained_largest: int = 0
     # Of `parameters`, those one token's step uses: a mixture of experts' top-k of each layer's experts, and the rest
     # (routed_experts.py). None for a model without experts.

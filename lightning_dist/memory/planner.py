@@ -173,13 +173,12 @@ def plan_memory(
     plan.host.update(_swap_buffers(facts, layout, size, shards, devices))
     if facts.pretrained_largest:
         # Each rank reads one tensor at a time out of the folder, in the run's dtype: under FSDP2 and ZeRO-3 only
-        # its rows of it (its shard, or those that hold its partition), elsewhere the whole tensor. Beside what it
-        # keeps it holds them at most twice (measured: once under FSDP2, twice under ZeRO-3 on CPU ranks, where the
-        # parameter DeepSpeed partitions is in host memory; BENCHMARKS.md). Not counted: each process's own memory
-        # (0.46 GB measured, and 0.03 GB of set-up).
+        # its rows of it (its shard, or those that hold its partition), which it holds once beside what it keeps;
+        # elsewhere the whole tensor, about twice (the copy, and the file's pages it was read from). Measured in
+        # BENCHMARKS.md. Not counted: each process's own memory (0.46 GB measured, and 0.03 GB of set-up).
         largest = facts.pretrained_largest
-        read = math.ceil(largest / shards) if layout.pretrained_read_by_shard else largest
-        plan.loading["pretrained_tensors"] = 2 * read * size.parameter * devices
+        read = math.ceil(largest / shards) if layout.pretrained_read_by_shard else 2 * largest
+        plan.loading["pretrained_tensors"] = read * size.parameter * devices
     if layout.offload_staging_buffer and gradients_offload:
         # ZeRO-1/2 move each gradient to the host through a buffer the size of the largest parameter, one on the
         # device and one pinned in host memory.

@@ -3,10 +3,10 @@
 A model built empty (sharded initialisation) carries the folder it should start from (`attach`); when a strategy
 initialises the model's shards (sharded_init.py), each parameter's value is read from the folder instead of drawn,
 in the parameter's dtype, and the rank keeps its shard of it. Where the strategy says which part of a tensor the
-rank keeps (FSDP's and tensor parallelism's shards), only that region is read from the file; where it keeps a
-partition of the whole (ZeRO-3) or all of it, the tensor is read whole, one at a time. So the weights are never whole
-on any rank: a node's ranks together hold one copy of the model, plus under ZeRO-3 a full tensor each at a time
-(BENCHMARKS.md).
+rank keeps (FSDP's and tensor parallelism's shards, the rows that hold a ZeRO-3 partition), only that region is read
+from the file; where it keeps all of it, the tensor is read whole, one at a time. So the weights are never whole on
+any rank: a node's ranks together hold one copy of the model, and each its part of the tensor being read
+(BENCHMARKS.md, "Loading a pretrained model").
 
 safetensors maps each file and reads a tensor without copying it; the file is opened for each tensor and closed
 once its value is copied out, so that the pages read do not stay mapped (counted in every rank's resident memory).

@@ -39,8 +39,8 @@ def compare_presets(facts: ModelFacts, precision: str, devices: int, num_nodes: 
                      f"{plan.host_peak / GB:.3f} | {nvme / GB:.3f} |")
     if facts.pretrained_largest:
         lines.append("(host: the larger of what the step offloads and what the ranks hold while they read the"
-                     " pretrained weights, at most twice their rows of its largest tensor (fsdp, ZeRO-3; elsewhere"
-                     " all of it) each; each process's own memory not included)")
+                     " pretrained weights, their rows of its largest tensor each (fsdp, ZeRO-3; elsewhere twice all"
+                     " of it); each process's own memory not included)")
     lines += [f"{name} cannot run this model: {refusal}" for name, refusal in refusals.items()]
     return "\n".join(lines)
 

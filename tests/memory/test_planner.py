@@ -207,8 +207,8 @@ def test_plan_true_counts_a_lora_model_s_base(tmp_path):
 
 def test_a_pretrained_model_is_planned_without_reading_its_weights_and_with_its_load_peak(tmp_path):
     """Planning built the model from its folder and read every tensor (an 8B model: its 16 GB read to plan it); now
-    the weights stay in the folder, and the host memory the ranks hold while they read them (at most twice their rows of
-    the largest tensor under fsdp and ZeRO-3, twice the whole of it elsewhere, in the run's dtype, BENCHMARKS.md) is in the plan beside the offloaded state, never with it."""
+    the weights stay in the folder, and the host memory the ranks hold while they read them (their rows of the largest
+    tensor under fsdp and ZeRO-3, about twice the whole of it elsewhere, in the run's dtype, BENCHMARKS.md) is in the plan beside the offloaded state, never with it."""
     from unittest import mock
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -224,14 +224,14 @@ def test_a_pretrained_model_is_planned_without_reading_its_weights_and_with_its_
         facts = ModelFacts.of(partial(from_pretrained, tmp_path))
     assert facts.pretrained_largest == 256 * 64  # the embedding and the head
     fsdp = preset_plan("fsdp", facts, "32-true", devices=4)
-    # Each of 4 ranks reads its rows of a tensor: a quarter of it, and the file's pages; fp32.
-    assert fsdp.loading == {"pretrained_tensors": 2 * (256 * 64 // 4) * 4 * 4}
+    # Each of 4 ranks reads its rows of a tensor, a quarter of it, in fp32.
+    assert fsdp.loading == {"pretrained_tensors": (256 * 64 // 4) * 4 * 4}
     assert fsdp.host_peak == fsdp.loading["pretrained_tensors"]
     assert "| host, per node, while the pretrained weights load | pretrained_tensors | 0.000 |" in fsdp.table()
     zero3 = preset_plan("deepspeed_stage_3", facts, "32-true", devices=4)
     assert zero3.loading == fsdp.loading  # the rows that hold its partition
     zero2 = preset_plan("deepspeed_stage_2", facts, "32-true", devices=4)
-    assert zero2.loading == {"pretrained_tensors": 2 * 256 * 64 * 4 * 4}  # each rank the whole tensor
+    assert zero2.loading == {"pretrained_tensors": 2 * 256 * 64 * 4 * 4}  # each rank the whole tensor, twice
     offload = preset_plan("deepspeed_stage_3_offload", facts, "32-true", devices=4)
     assert offload.host_peak == max(offload.host_total, offload.loading["pretrained_tensors"])
     assert "while they read the pretrained weights" in compare_presets(facts, "32-true", 4)

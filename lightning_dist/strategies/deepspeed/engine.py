@@ -75,18 +75,16 @@ def zero3_partitioner(config: dict[str, Any]) -> tuple[Keep, RegionKept]:
             return None
         start, end = partition_elements(zero_init, param)
         row = math.prod(param.shape[1:])
-        return (slice(start // row, -(-end // row)) if end > start else slice(0, 0),)
+        return (slice(start // row, -(-end // row)),)
 
     def keep(param: torch.nn.Parameter, part: torch.Tensor) -> None:
         # In the config's dtype (bf16, fp16), as a module built under zero.Init would be: DeepSpeed's own cast of the
-        # module cannot reach partitions. Made on the device DeepSpeed moves a parameter to before partitioning it.
+        # module cannot reach partitions. Made unwritten on the device DeepSpeed moves a parameter to before it
+        # partitions it; only this rank's partition is written.
         dtype = zero_init.dtype if part.is_floating_point() else part.dtype
-        whole = torch.empty(param.shape, dtype=dtype, device=zero_init.local_device)
+        give_memory(param, torch.empty(param.shape, dtype=dtype, device=zero_init.local_device))
         read = rows(param)
-        offset = read[0].start * math.prod(param.shape[1:]) if read is not None else 0
-        whole.view(-1)[offset:offset + part.numel()].copy_(part.reshape(-1))
-        give_memory(param, whole)
-        partition(zero_init, param, partition_elements(zero_init, param))
+        partition(zero_init, param, part.to(dtype), read[0].start * math.prod(param.shape[1:]) if read else 0)
 
     return keep, rows
 
