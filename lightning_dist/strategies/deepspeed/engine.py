@@ -61,7 +61,8 @@ def zero3_partitioner(config: dict[str, Any]) -> tuple[Keep, RegionKept]:
     """Hands each initialised parameter to ZeRO-3, which keeps this rank's partition (on the device, the host or
     NVMe, as the config's `offload_param` says) and frees the rest: what `deepspeed.zero.Init` does at the end of
     each module's constructor. With it, the rows of each parameter that hold this rank's partition: all a rank reads
-    of a pretrained tensor (the rest of the parameter is never written, so never resident)."""
+    of a pretrained tensor, and all it writes (on a CPU rank the rest of the parameter, never written, takes no
+    memory)."""
     import deepspeed
 
     # Not entered: only its conversion is used, not its patching of every module class's constructor. DeepSpeed's
@@ -71,7 +72,7 @@ def zero3_partitioner(config: dict[str, Any]) -> tuple[Keep, RegionKept]:
     zero_init = deepspeed.zero.Init(config_dict_or_path=config, remote_device=ZeroSection.of(config).parameters.device)
 
     def rows(param: torch.nn.Parameter) -> Region | None:
-        if param.dim() == 0:
+        if param.dim() == 0 or not param.numel():
             return None
         start, end = partition_elements(zero_init, param)
         row = math.prod(param.shape[1:])
