@@ -6,7 +6,8 @@ scalar; and a layout other than DeepSpeed's is refused in one line, not partitio
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 3 -m tests.zero3_partition_check OUT.json
 
 Rank 0 writes {"gathered": {name: max |gathered - eager|}, "rows": [{name: [start, stop] of the rows it read, or
-None: all} for each rank], "refusal": the error's message}.
+None: all} for each rank], "refusal": the error's message, "hierarchical": the same gathered and rows under ZeRO++'s
+hierarchical partitioning, which reads each parameter whole}.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ class Shapes(nn.Module):
             nn.init.normal_(param)
 
 
-def partitioned() -> tuple[nn.Module, dict[str, list[int]]]:
+def partitioned(config: dict = CONFIG) -> tuple[nn.Module, dict[str, list[int]]]:
     with parameters_on_meta():
         model = Shapes()
-    keep, rows = engine.zero3_partitioner(CONFIG)
+    keep, rows = engine.zero3_partitioner(config)
     names = {id(p): name for name, p in model.named_parameters()}
     read = {}
 
@@ -67,6 +68,20 @@ def main(out: str) -> None:
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         gathered = {name: (param.detach() - eager.get_parameter(name).detach()).abs().max().item()
                     for name, param in model.named_parameters()}
+    # ZeRO++'s hierarchical partitioning keeps a second partition per node, made from the whole parameter.
+    hierarchical, hierarchical_read = partitioned({**CONFIG, "zero_optimization": {"stage": 3,
+                                                                                  "zero_hpz_partition_size": 3}})
+    secondary = {}  # each node's second partition (here every rank's: hpZ over the 3 ranks) against eager's values
+    for name, param in hierarchical.named_parameters():
+        flat, size = eager.get_parameter(name).detach().reshape(-1), param.ds_secondary_tensor.numel()
+        start = min(size * dist.get_rank(), flat.numel())
+        held = flat[start:start + size]
+        secondary[name] = (param.ds_secondary_tensor[:len(held)] - held).abs().max().item() if len(held) else 0.0
+    every_secondary: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every_secondary, secondary)
+    with deepspeed.zero.GatheredParameters(list(hierarchical.parameters())):
+        gathered_hierarchical = {name: (param.detach() - eager.get_parameter(name).detach()).abs().max().item()
+                                 for name, param in hierarchical.named_parameters()}
     # What lightning_dist would do if DeepSpeed laid its partitions out otherwise than it expects.
     real = engine.partition_elements
     engine.partition_elements = compat.partition_elements = lambda init, param: tuple(  # type: ignore[assignment]
@@ -80,7 +95,11 @@ def main(out: str) -> None:
     dist.all_gather_object(every_rank, read)
     if dist.get_rank() == 0:
         with open(out, "w") as file:
-            json.dump({"gathered": gathered, "rows": every_rank, "refusal": refusal}, file)
+            json.dump({"gathered": gathered, "rows": every_rank, "refusal": refusal,
+                       "hierarchical": {"gathered": gathered_hierarchical, "rows": hierarchical_read,
+                                        "secondary": every_secondary}}, file)
+    dist.barrier()
+    dist.destroy_process_group()  # with hpZ's groups, which a rank left to exit with them aborts on
 
 
 if __name__ == "__main__":

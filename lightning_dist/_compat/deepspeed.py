@@ -202,9 +202,14 @@ def partition(init: Any, param: torch.nn.Parameter, value: torch.Tensor, value_s
                            f" {tuple(param.ds_shape)} parameter in this rank's ZeRO-3 partition, where lightning_dist"
                            f" expects {elements[0]}-{elements[1]}: its layout changed, and"
                            " lightning_dist/_compat/deepspeed.py needs the new one")
-    if value_start > elements[0] or value_start + value.numel() < elements[1]:
+    needed = (0, param.ds_numel) if partitions_from_whole_parameters(init) else elements
+    if value_start > needed[0] or value_start + value.numel() < needed[1]:
         raise RuntimeError(f"elements {value_start}-{value_start + value.numel()} of a {tuple(param.ds_shape)}"
-                           f" parameter were read for a ZeRO-3 partition of elements {elements[0]}-{elements[1]}")
+                           f" parameter were read for a ZeRO-3 partition of elements {needed[0]}-{needed[1]}")
+    if partitions_from_whole_parameters(init):
+        param.data.view(-1).copy_(value.reshape(-1))
+        param.partition()
+        return
     kept = value.reshape(-1)[elements[0] - value_start:elements[1] - value_start]
     # Into the partition once made, unless it leaves the rank's memory as it is made (NVMe) or is stored quantized:
     # then through the parameter's own memory first.
@@ -214,6 +219,12 @@ def partition(init: Any, param: torch.nn.Parameter, value: torch.Tensor, value_s
     else:
         param.partition()
         param.ds_tensor.narrow(0, 0, len(kept)).copy_(kept)
+
+
+def partitions_from_whole_parameters(init: Any) -> bool:
+    """Whether each rank needs a parameter's every element to partition it: ZeRO++'s hierarchical partitioning (hpZ,
+    `zero_hpz_partition_size`) keeps a second, larger partition per node beside the rank's own."""
+    return init.zero_param_process_group is not None
 
 
 def use_zero3_linear() -> None:

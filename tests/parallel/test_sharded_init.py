@@ -154,6 +154,7 @@ def test_zero3_builds_its_partitions_without_the_whole_model(setup_memory, path)
 
 @pytest.mark.slow
 def test_zero3_partitions_written_from_each_rank_s_rows_alone_gather_to_eager_construction_s_values(tmp_path):
+    """tests/zero3_partition_check.py on 3 ranks: the partitions, the rows read, the refusal, and ZeRO++'s hpZ."""
     out = tmp_path / "zero3.json"
     command = ["torchrun", "--nproc_per_node", "3", f"--master_port={free_port()}", "-m", "tests.zero3_partition_check",
                str(out)]
@@ -168,6 +169,10 @@ def test_zero3_partitions_written_from_each_rank_s_rows_alone_gather_to_eager_co
     assert [rows["vector"] for rows in found["rows"]] == [[0, 2], [2, 4], [4, 5]]
     assert [rows["one"] for rows in found["rows"]] == [[0, 1], [1, 1], [1, 1]]
     assert [rows["scalar"] for rows in found["rows"]] == [None, None, None]
+    # ZeRO++'s hierarchical partitioning makes a second partition per node from the whole parameter: read whole.
+    hierarchical = found["hierarchical"]
+    assert set(hierarchical["gathered"].values()) == {0.0} and set(hierarchical["rows"].values()) == {None}
+    assert [set(gaps.values()) for gaps in hierarchical["secondary"]] == [{0.0}] * 3
     assert found["refusal"] == (f"DeepSpeed {version('deepspeed')} puts elements 0-12 of a (7, 5) parameter in this"
                                 " rank's ZeRO-3 partition, where lightning_dist expects 1-13: its layout changed, and"
                                 " lightning_dist/_compat/deepspeed.py needs the new one")

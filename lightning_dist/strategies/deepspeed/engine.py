@@ -12,6 +12,7 @@ import torch
 from lightning_dist._compat.deepspeed import (
     partition,
     partition_elements,
+    partitions_from_whole_parameters,
     remember_cpu_info,
     say_on_local_rank_zero,
     skip_shared_memory_comm_op,
@@ -72,7 +73,7 @@ def zero3_partitioner(config: dict[str, Any]) -> tuple[Keep, RegionKept]:
     zero_init = deepspeed.zero.Init(config_dict_or_path=config, remote_device=ZeroSection.of(config).parameters.device)
 
     def rows(param: torch.nn.Parameter) -> Region | None:
-        if param.dim() == 0 or not param.numel():
+        if param.dim() == 0 or not param.numel() or partitions_from_whole_parameters(zero_init):
             return None
         start, end = partition_elements(zero_init, param)
         row = math.prod(param.shape[1:])
