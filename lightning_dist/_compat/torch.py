@@ -42,6 +42,7 @@ __all__ = [
     "inductor_cache_dir",
     "is_compiled",
     "local_shard_region",
+    "local_tensor",
     "own_parameters",
     "pipeline_schedule",
     "runs_v_schedules",
@@ -84,6 +85,7 @@ FENCED = [
     Fenced("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointWrapper"),
     Fenced("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper", ("module",)),
     Fenced("torch.distributed.device_mesh", "DeviceMesh._flatten", ("self", "mesh_dim_name")),
+    Fenced("torch.distributed.tensor", "DTensor._local_tensor"),  # a slot: read, never written
     Fenced(
         "torch.distributed.tensor._utils",
         "compute_local_shape_and_global_offset",
@@ -226,6 +228,12 @@ def local_shard_region(param: Any) -> tuple[slice, ...]:
 
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     return tuple(slice(start, start + size) for start, size in zip(offset, shape))
+
+
+def local_tensor(dtensor: Any) -> torch.Tensor:
+    """A DTensor's local shard, read from its slot. `to_local()` returns the same tensor through an autograd
+    function: 7-10 us a call on our CPUs against 0.06, paid for every gradient of every step by the norm."""
+    return dtensor._local_tensor
 
 
 def reopen_fsdp_forward(model: nn.Module) -> None:

@@ -5,19 +5,26 @@ norms) on the data-parallel mesh. `torch.nn.utils.clip_grad_norm_` stacks every 
 which refuses operands of two meshes ("All operands in aten.stack.default must have the same mesh"), and scales them
 in one foreach call, which refuses them too. Here each mesh's norm is reduced over its own ranks first, then the
 plain results are combined (what torchtitan's `clip_grad_norm_` does for pipeline stages), and each mesh's gradients
-are scaled by their own call. With one mesh (FSDP alone) it is torch's own computation. Under pipeline parallelism
-each stage's part is combined over the pipeline ranks as well.
+are scaled by their own call. Under pipeline parallelism each stage's part is combined over the pipeline ranks as
+well.
+
+A mesh's norm is taken from the rank's local shards (torch's foreach norm over plain tensors), then reduced over the
+mesh dimensions that split them: DTensor's own computation gives the same number, but dispatches each gradient's
+norm, which the training monitor pays every step (`python -m benchmarks.gradient_norm`: 388 gradients, BENCHMARKS.md).
+Each layout's rule is checked against DTensor's computation the first time it is met, and a difference stops the run.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from lightning_dist._compat.torch import local_tensor
 
 
 def _by_mesh(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -32,10 +39,7 @@ def _by_mesh(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
 def total_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0, across: Any = None) -> torch.Tensor:
     """The `norm_type`-norm of all `grads` together: a plain tensor, the same on every rank. `across`: a process
     group whose ranks each hold other parameters of the model (pipeline stages), whose norms are combined too."""
-    norms = []
-    for group in _by_mesh(grads):
-        norm = torch.nn.utils.get_total_norm(group, norm_type)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    norms = [_mesh_norm(group, norm_type) for group in _by_mesh(grads)]
     if not norms:
         norms.append(torch.zeros(()))
     if len(norms) == 1 and across is None:
@@ -50,6 +54,72 @@ def total_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0, across: An
     total = stacked.pow(norm_type).sum()
     dist.all_reduce(total, group=across)
     return total.pow(1.0 / norm_type)
+
+
+def _mesh_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of `grads`, all plain or all DTensors of one mesh, as a plain tensor the same on every rank."""
+    if not isinstance(grads[0], DTensor):
+        return torch.nn.utils.get_total_norm(grads, norm_type)
+    by_placements: dict[tuple, list[DTensor]] = {}
+    for grad in cast(list[DTensor], grads):
+        by_placements.setdefault(grad.placements, []).append(grad)
+    by_parts = norm_type == math.inf or 0 < norm_type < math.inf  # a norm the shards' norms combine into
+    if not by_parts or any(placement.is_partial() for placements in by_placements for placement in placements):
+        # An unreduced gradient's shards are summands, not parts: only DTensor's own computation reduces them first.
+        return _whole(torch.nn.utils.get_total_norm(grads, norm_type))
+    mesh = grads[0].device_mesh
+    layout = (mesh, tuple(by_placements))
+    if layout not in _CHECKED_LAYOUTS and _checked_against_dtensor(by_placements, mesh):
+        _CHECKED_LAYOUTS.add(layout)
+    return _norm_of_shards(by_placements, mesh, norm_type)
+
+
+def _whole(norm: torch.Tensor) -> torch.Tensor:
+    """DTensor's norm of DTensors, reduced: a plain tensor, the same on every rank."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+# The layouts (mesh, placements) whose norm of shards has been checked against DTensor's own, once each.
+_CHECKED_LAYOUTS: set[tuple] = set()
+
+
+def _norm_of_shards(by_placements: dict[tuple, list[DTensor]], mesh: Any, norm_type: float) -> torch.Tensor:
+    """Each rank's local shards' norm, reduced over the mesh dims that split them: every placement but Replicate
+    (Shard, and FSDP's `_StridedShard` under tensor parallelism, which is not a Shard)."""
+    by_split: dict[tuple[int, ...], list[torch.Tensor]] = {}  # the mesh dims that split them -> local shards
+    for placements, grads in by_placements.items():
+        split_over = tuple(dim for dim, placement in enumerate(placements)
+                           if not placement.is_replicate() and mesh.size(dim) > 1)
+        by_split.setdefault(split_over, []).extend(local_tensor(grad) for grad in grads)
+    parts = []
+    for split_over, shards in by_split.items():
+        held = [shard for shard in shards if shard.numel()]  # a rank's shard may be empty: no max over nothing
+        local = torch.nn.utils.get_total_norm(held, norm_type) if held else shards[0].new_zeros(())
+        part = local if math.isinf(norm_type) else local.pow(norm_type)
+        for dim in split_over:
+            dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM,
+                            group=mesh.get_group(dim))
+        parts.append(part)
+    combined = torch.stack(parts)
+    return combined.max() if math.isinf(norm_type) else combined.sum().pow(1.0 / norm_type)
+
+
+def _checked_against_dtensor(by_placements: dict[tuple, list[DTensor]], mesh: Any) -> bool:
+    """Stop, in one line, where the norm of shards is not DTensor's own norm of the same gradients: a placement whose
+    shards are not parts of the whole (a new kind in a torch to come) would make every clipped step wrong without a
+    sign. By the 2-norm, which DTensor computes with empty shards too; the same on every rank, so all stop. False
+    where it cannot tell, DTensor's norm not being finite (the training monitor's stop is for that): checked later."""
+    for placements, grads in by_placements.items():
+        ours = _norm_of_shards({placements: grads}, mesh, 2.0)
+        dtensors = _whole(torch.nn.utils.get_total_norm(grads, 2.0))
+        if not torch.isfinite(dtensors):
+            return False
+        if not torch.allclose(ours, dtensors.to(ours.device), rtol=1e-4, atol=1e-6):
+            raise RuntimeError(
+                f"the gradient norm of parameters placed {placements} on a {tuple(mesh.shape)} mesh is"
+                f" {ours.item():.6g} from their shards against DTensor's {dtensors.item():.6g} (torch"
+                f" {torch.__version__}): lightning_dist/parallel/grad_norm.py needs that placement's rule")
+    return True
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, across: Any = None,
