@@ -11,7 +11,9 @@ well.
 A mesh's norm is taken from the rank's local shards (torch's foreach norm over plain tensors), then reduced over the
 mesh dimensions that split them: DTensor's own computation gives the same number, but dispatches each gradient's
 norm, which the training monitor pays every step (`python -m benchmarks.gradient_norm`: 388 gradients, BENCHMARKS.md).
-Each layout's rule is checked against DTensor's computation the first time it is met, and a difference stops the run.
+Each placement's rule is checked once against DTensor's computation, and a difference stops the run in one line:
+FSDPStrategy checks at set-up, over the parameters (placed as their gradients will be), since a check reads on the
+host; a placement first met in a step is checked there.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lightning_dist._compat.fake_tensors import is_fake
 from lightning_dist._compat.torch import local_tensor
 
 
@@ -56,22 +59,41 @@ def total_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0, across: An
     return total.pow(1.0 / norm_type)
 
 
+def check_placements(tensors: Iterable[torch.Tensor]) -> None:
+    """Check the norm of shards against DTensor's own for each placement among the DTensors of `tensors` not checked
+    yet: a model's parameters once it is sharded, whose gradients are placed as they are, so that no training step
+    reads on the host for it (a check reads the two norms). A placement first met in a step is checked there."""
+    for group in _by_mesh(tensors):
+        if isinstance(group[0], DTensor):
+            _check_new_placements(_by_placements(group), group[0].device_mesh)
+
+
+def _by_placements(grads: list[torch.Tensor]) -> dict[tuple, list[DTensor]]:
+    by_placements: dict[tuple, list[DTensor]] = {}
+    for grad in cast(list[DTensor], grads):
+        by_placements.setdefault(grad.placements, []).append(grad)
+    return by_placements
+
+
 def _mesh_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """The norm of `grads`, all plain or all DTensors of one mesh, as a plain tensor the same on every rank."""
     if not isinstance(grads[0], DTensor):
         return torch.nn.utils.get_total_norm(grads, norm_type)
-    by_placements: dict[tuple, list[DTensor]] = {}
-    for grad in cast(list[DTensor], grads):
-        by_placements.setdefault(grad.placements, []).append(grad)
+    by_placements = _by_placements(grads)
     by_parts = norm_type == math.inf or 0 < norm_type < math.inf  # a norm the shards' norms combine into
-    if not by_parts or any(placement.is_partial() for placements in by_placements for placement in placements):
+    if (not by_parts or any(placement.is_partial() for placements in by_placements for placement in placements)
+            or _without_values(local_tensor(grads[0]))):
         # An unreduced gradient's shards are summands, not parts: only DTensor's own computation reduces them first.
+        # A dry run's fake tensors go through it too: its functional collectives never resolve a process group,
+        # which the fake process group cannot give for a mesh that an earlier layout in the same process made.
         return _whole(torch.nn.utils.get_total_norm(grads, norm_type))
     mesh = grads[0].device_mesh
-    layout = (mesh, tuple(by_placements))
-    if layout not in _CHECKED_LAYOUTS and _checked_against_dtensor(by_placements, mesh):
-        _CHECKED_LAYOUTS.add(layout)
+    _check_new_placements(by_placements, mesh)
     return _norm_of_shards(by_placements, mesh, norm_type)
+
+
+def _without_values(tensor: torch.Tensor) -> bool:
+    return tensor.is_meta or is_fake(tensor)
 
 
 def _whole(norm: torch.Tensor) -> torch.Tensor:
@@ -79,8 +101,14 @@ def _whole(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-# The layouts (mesh, placements) whose norm of shards has been checked against DTensor's own, once each.
-_CHECKED_LAYOUTS: set[tuple] = set()
+# The (mesh, placements) whose norm of shards has been checked against DTensor's own, once each.
+_CHECKED: set[tuple] = set()
+
+
+def _check_new_placements(by_placements: dict[tuple, list[DTensor]], mesh: Any) -> None:
+    for placements, tensors in by_placements.items():
+        if (mesh, placements) not in _CHECKED and _checked_against_dtensor(placements, tensors, mesh):
+            _CHECKED.add((mesh, placements))
 
 
 def _norm_of_shards(by_placements: dict[tuple, list[DTensor]], mesh: Any, norm_type: float) -> torch.Tensor:
@@ -104,21 +132,23 @@ def _norm_of_shards(by_placements: dict[tuple, list[DTensor]], mesh: Any, norm_t
     return combined.max() if math.isinf(norm_type) else combined.sum().pow(1.0 / norm_type)
 
 
-def _checked_against_dtensor(by_placements: dict[tuple, list[DTensor]], mesh: Any) -> bool:
-    """Stop, in one line, where the norm of shards is not DTensor's own norm of the same gradients: a placement whose
+def _checked_against_dtensor(placements: tuple, tensors: list[DTensor], mesh: Any) -> bool:
+    """Stop, in one line, where the norm of shards is not DTensor's own norm of the same tensors: a placement whose
     shards are not parts of the whole (a new kind in a torch to come) would make every clipped step wrong without a
     sign. By the 2-norm, which DTensor computes with empty shards too; the same on every rank, so all stop. False
     where it cannot tell, DTensor's norm not being finite (the training monitor's stop is for that): checked later."""
-    for placements, grads in by_placements.items():
-        ours = _norm_of_shards({placements: grads}, mesh, 2.0)
-        dtensors = _whole(torch.nn.utils.get_total_norm(grads, 2.0))
-        if not torch.isfinite(dtensors):
-            return False
-        if not torch.allclose(ours, dtensors.to(ours.device), rtol=1e-4, atol=1e-6):
-            raise RuntimeError(
-                f"the gradient norm of parameters placed {placements} on a {tuple(mesh.shape)} mesh is"
-                f" {ours.item():.6g} from their shards against DTensor's {dtensors.item():.6g} (torch"
-                f" {torch.__version__}): lightning_dist/parallel/grad_norm.py needs that placement's rule")
+    if _without_values(local_tensor(tensors[0])):  # a plan's or a dry run's: nothing to compare
+        return True
+    with torch.no_grad():
+        ours = _norm_of_shards({placements: tensors}, mesh, 2.0)
+        dtensors = _whole(torch.nn.utils.get_total_norm(tensors, 2.0))
+    if not torch.isfinite(dtensors):
+        return False
+    if not torch.allclose(ours, dtensors.to(ours.device), rtol=1e-4, atol=1e-6):
+        raise RuntimeError(
+            f"the gradient norm of parameters placed {placements} on a {tuple(mesh.shape)} mesh is"
+            f" {ours.item():.6g} from their shards against DTensor's {dtensors.item():.6g} (torch"
+            f" {torch.__version__}): lightning_dist/parallel/grad_norm.py needs that placement's rule")
     return True
 
 

@@ -33,7 +33,7 @@ NORM_TYPES = {"2": 2.0, "1": 1.0, "inf": math.inf, "3": 3.0}
 
 def whole_gradients() -> list[torch.Tensor]:
     torch.manual_seed(0)
-    # 7 rows over 4 ranks: 2, 2, 2, 1; 3 elements: the last rank's shard is empty; a scalar is never sharded.
+    # 7 rows over 4 ranks: 2, 2, 2, 1; 3 elements: the last rank's shard is empty; a scalar is never split.
     return [torch.randn(7, 6), torch.randn(3), torch.randn(16, 4), torch.randn(()), torch.randn(2, 9), torch.randn(8, 5)]
 
 
@@ -54,7 +54,8 @@ def cases(flat, grid) -> dict[str, list]:
         "fsdp_tp_row_bias": [laid_out(t, grid, [Shard(0), Replicate()]) for t in whole],
         # FSDP2 over a tensor-parallel split of dim 0 shards that dim again, strided: `_StridedShard`, which is not a
         # Shard (its is_shard() is False; a first version of the norm took it for replicated).
-        "fsdp_tp_strided": [laid_out(t, grid, [_StridedShard(0, split_factor=2), Shard(0)]) for t in whole[:3]] + [laid_out(t, grid, [Shard(0), Replicate()]) for t in whole[3:]],
+        "fsdp_tp_strided": [laid_out(t, grid, [_StridedShard(0, split_factor=2), Shard(0)]) for t in whole[:3]]
+        + [laid_out(t, grid, [Shard(0), Replicate()]) for t in whole[3:]],
         # Two ways on one mesh, and two meshes in one call (tensor parallelism's layers and the rest).
         "mixed": [laid_out(t, grid, [Shard(0), Shard(1)]) for t in whole[:half]]
         + [laid_out(t, grid, [Replicate(), Shard(0)]) for t in whole[half:]],
@@ -83,7 +84,7 @@ def run(rank: int, out: str, port: int) -> None:
         # DTensor's own norm, made once per layout.
         sharded = [laid_out(t, flat, [Shard(0)]) for t in whole]
         try:
-            grad_norm._checked_against_dtensor({(Replicate(),): sharded}, flat)
+            grad_norm._checked_against_dtensor((Replicate(),), sharded, flat)
         except RuntimeError as refusal:
             found["refusal"] = str(refusal)
         if rank == 0:

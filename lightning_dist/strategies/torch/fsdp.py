@@ -31,7 +31,7 @@ from lightning_dist.parallel.context_parallel import ContextParallel, check_cont
 from lightning_dist.parallel.dims import CONTEXT_PARALLEL, TENSOR_PARALLEL, ParallelDims, sharding_layout
 from lightning_dist.parallel.expert_parallel import ExpertParallel
 from lightning_dist.parallel.expert_parallel import refusal as experts_refusal
-from lightning_dist.parallel.grad_norm import clip_grad_norm_
+from lightning_dist.parallel.grad_norm import check_placements, clip_grad_norm_
 from lightning_dist.parallel.module_state import move_module_state
 from lightning_dist.parallel.pipeline_layout import dry_run_refusal as pipeline_dry_run_refusal
 from lightning_dist.parallel.pipeline_split import PipelineSplit
@@ -312,6 +312,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
             self.context = self.context_axis(self.device_mesh, cp_rank, self.root_device, self.lightning_module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
+            check_placements(self.model.parameters())  # here, not in the first step: it reads on the host
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         # Under tensor parallelism the gradients lie on two meshes, which torch's clip_grad_norm_ cannot combine.
