@@ -11,9 +11,9 @@ well.
 A mesh's norm is taken from the rank's local shards (torch's foreach norm over plain tensors), then reduced over the
 mesh dimensions that split them: DTensor's own computation gives the same number, but dispatches each gradient's
 norm, which the training monitor pays every step (`python -m benchmarks.gradient_norm`: 388 gradients, BENCHMARKS.md).
-Each placement's rule is checked once against DTensor's computation, and a difference stops the run in one line:
-FSDPStrategy checks at set-up, over the parameters (placed as their gradients will be), since a check reads on the
-host; a placement first met in a step is checked there.
+Each placement's rule is checked once (the shards it sums over hold each element once: their counts, reduced the same
+way), and a difference stops the run in one line: FSDPStrategy checks at set-up, over the parameters (placed as their
+gradients will be), since a check reads on the host; a placement first met in a step is checked there.
 """
 
 from __future__ import annotations
@@ -59,11 +59,11 @@ def total_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0, across: An
     return total.pow(1.0 / norm_type)
 
 
-def check_placements(tensors: Iterable[torch.Tensor]) -> None:
-    """Check the norm of shards against DTensor's own for each placement among the DTensors of `tensors` not checked
-    yet: a model's parameters once it is sharded, whose gradients are placed as they are, so that no training step
-    reads on the host for it (a check reads the two norms). A placement first met in a step is checked there."""
-    for group in _by_mesh(tensors):
+def check_placements(parameters: Iterable[torch.Tensor]) -> None:
+    """Check the rule of `_norm_of_shards` for each placement among the DTensor `parameters` that train, not checked
+    yet: a model's, once it is sharded, whose gradients are placed as they are, so that no training step reads on the
+    host for it (a check reads one count). A placement first met in a step is checked there."""
+    for group in _by_mesh(p for p in parameters if p.requires_grad):
         if isinstance(group[0], DTensor):
             _check_new_placements(_by_placements(group), group[0].device_mesh)
 
@@ -101,24 +101,17 @@ def _whole(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-# The (mesh, placements) whose norm of shards has been checked against DTensor's own, once each.
-_CHECKED: set[tuple] = set()
-
-
-def _check_new_placements(by_placements: dict[tuple, list[DTensor]], mesh: Any) -> None:
-    for placements, tensors in by_placements.items():
-        if (mesh, placements) not in _CHECKED and _checked_against_dtensor(placements, tensors, mesh):
-            _CHECKED.add((mesh, placements))
+def _split_over(placements: tuple, mesh: Any) -> tuple[int, ...]:
+    """The mesh dims whose ranks hold different parts of a tensor placed so: every placement but Replicate (Shard,
+    and FSDP's `_StridedShard` under tensor parallelism, which is not a Shard: its `is_shard()` is False)."""
+    return tuple(dim for dim, placement in enumerate(placements) if not placement.is_replicate() and mesh.size(dim) > 1)
 
 
 def _norm_of_shards(by_placements: dict[tuple, list[DTensor]], mesh: Any, norm_type: float) -> torch.Tensor:
-    """Each rank's local shards' norm, reduced over the mesh dims that split them: every placement but Replicate
-    (Shard, and FSDP's `_StridedShard` under tensor parallelism, which is not a Shard)."""
+    """Each rank's local shards' norm, reduced over the mesh dims that split them."""
     by_split: dict[tuple[int, ...], list[torch.Tensor]] = {}  # the mesh dims that split them -> local shards
     for placements, grads in by_placements.items():
-        split_over = tuple(dim for dim, placement in enumerate(placements)
-                           if not placement.is_replicate() and mesh.size(dim) > 1)
-        by_split.setdefault(split_over, []).extend(local_tensor(grad) for grad in grads)
+        by_split.setdefault(_split_over(placements, mesh), []).extend(local_tensor(grad) for grad in grads)
     parts = []
     for split_over, shards in by_split.items():
         held = [shard for shard in shards if shard.numel()]  # a rank's shard may be empty: no max over nothing
@@ -132,24 +125,35 @@ def _norm_of_shards(by_placements: dict[tuple, list[DTensor]], mesh: Any, norm_t
     return combined.max() if math.isinf(norm_type) else combined.sum().pow(1.0 / norm_type)
 
 
-def _checked_against_dtensor(placements: tuple, tensors: list[DTensor], mesh: Any) -> bool:
-    """Stop, in one line, where the norm of shards is not DTensor's own norm of the same tensors: a placement whose
-    shards are not parts of the whole (a new kind in a torch to come) would make every clipped step wrong without a
-    sign. By the 2-norm, which DTensor computes with empty shards too; the same on every rank, so all stop. False
-    where it cannot tell, DTensor's norm not being finite (the training monitor's stop is for that): checked later."""
-    if _without_values(local_tensor(tensors[0])):  # a plan's or a dry run's: nothing to compare
-        return True
-    with torch.no_grad():
-        ours = _norm_of_shards({placements: tensors}, mesh, 2.0)
-        dtensors = _whole(torch.nn.utils.get_total_norm(tensors, 2.0))
-    if not torch.isfinite(dtensors):
-        return False
-    if not torch.allclose(ours, dtensors.to(ours.device), rtol=1e-4, atol=1e-6):
+# The (mesh, placements) whose rule has been checked, once each.
+_CHECKED: set[tuple] = set()
+
+
+def _check_new_placements(by_placements: dict[tuple, list[DTensor]], mesh: Any) -> None:
+    for placements, tensors in by_placements.items():
+        if (mesh, placements) not in _CHECKED:
+            _check_rule(placements, tensors, mesh)
+            _CHECKED.add((mesh, placements))
+
+
+def _check_rule(placements: tuple, tensors: list[DTensor], mesh: Any) -> None:
+    """Stop, in one line, where the shards that `_norm_of_shards` sums over do not hold each element of `tensors`
+    once: their element counts, summed over the same mesh dims, against the tensors'. A placement whose shards are not
+    parts of the whole (a new kind in a torch to come), or a part taken for a copy, would make every clipped step
+    wrong without a sign. Counts, not values: the parameters may not be loaded yet. The same on every rank."""
+    shard = local_tensor(tensors[0])
+    if _without_values(shard):  # a plan's or a dry run's: no collective answers
+        return
+    held = torch.tensor(float(sum(local_tensor(tensor).numel() for tensor in tensors)), dtype=torch.float64,
+                        device=shard.device)
+    for dim in _split_over(placements, mesh):
+        dist.all_reduce(held, group=mesh.get_group(dim))
+    whole = sum(tensor.numel() for tensor in tensors)
+    if held.item() != whole:
         raise RuntimeError(
-            f"the gradient norm of parameters placed {placements} on a {tuple(mesh.shape)} mesh is"
-            f" {ours.item():.6g} from their shards against DTensor's {dtensors.item():.6g} (torch"
-            f" {torch.__version__}): lightning_dist/parallel/grad_norm.py needs that placement's rule")
-    return True
+            f"the gradient norm of {len(tensors)} parameters placed {placements} on a {tuple(mesh.shape)} mesh would"
+            f" count {held.item():.0f} elements of their {whole} (torch {torch.__version__}):"
+            " lightning_dist/parallel/grad_norm.py needs that placement's rule")
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, across: Any = None,

@@ -80,11 +80,11 @@ def run(rank: int, out: str, port: int) -> None:
         every_rank: list = [None] * RANKS
         dist.all_gather_object(every_rank, found)
         same_on_every_rank = all(f == found for f in every_rank)
-        # A layout whose rule is wrong (sharded gradients taken for replicated) is stopped by the check against
-        # DTensor's own norm, made once per layout.
+        # A rule that is wrong for a placement (here: shards taken for copies) is stopped by the check of the rule,
+        # made once per placement: the elements it would count against the tensors'.
         sharded = [laid_out(t, flat, [Shard(0)]) for t in whole]
         try:
-            grad_norm._checked_against_dtensor((Replicate(),), sharded, flat)
+            grad_norm._check_rule((Replicate(),), sharded, flat)
         except RuntimeError as refusal:
             found["refusal"] = str(refusal)
         if rank == 0:
