@@ -70,9 +70,15 @@ def test_misspelled_top_level_and_nested_group():
     assert error_of(["trainr.devices=2"]).startswith("trainr: no such key; did you mean trainer?")
 
 
-def test_valid_overrides_compose():
-    cfg = check_overrides(["strategy=fsdp", "trainer.max_steps=20", "+trainer.fast_dev_run=true"])
+def test_valid_overrides_compose_once(monkeypatch):
+    from lightning_dist.run import config_check
+
+    composed = []
+    monkeypatch.setattr(config_check, "compose", lambda *a, **k: composed.append(k["overrides"]) or compose(*a, **k))
+    overrides = ["strategy=fsdp", "trainer.max_steps=20", "+trainer.fast_dev_run=true"]
+    cfg = check_overrides(overrides)
     assert cfg.strategy.sharding_strategy == "FULL_SHARD" and cfg.trainer.max_steps == 20
+    assert composed == [overrides]  # each rank's start composes it twice more, in Hydra: a quarter of a second each
 
 
 def build_error(overrides: list[str]) -> str:

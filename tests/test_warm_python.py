@@ -83,6 +83,19 @@ def test_libraries_are_preloaded_but_not_lightning_nor_ours():
     assert done.stdout == "['deepspeed', 'torch']\n"
 
 
+def test_the_preloaded_objects_are_frozen_out_of_each_child_s_collections():
+    frozen = int(python("-c", "import gc; print(gc.get_freeze_count())").stdout)
+    assert frozen > 100_000  # torch's, DeepSpeed's, Hydra's...: a full collection or the child's exit walked them all
+
+
+def test_py_cpuinfo_s_probe_runs_in_a_fresh_interpreter(tmp_path):
+    """DeepSpeed's op builders run `python .../cpuinfo/cpuinfo.py --json`: a fresh interpreter starts it for less."""
+    probe = tmp_path / "cpuinfo" / "cpuinfo.py"
+    probe.parent.mkdir()
+    probe.write_text("import gc, sys; print('torch' in sys.modules, gc.get_freeze_count(), sys.argv[1:])\n")
+    assert python(str(probe), "--json").stdout == "False 0 ['--json']\n"
+
+
 def test_runs_are_warm_and_see_what_the_imports_set_in_the_environment():
     # torch._dynamo's import sets TORCHINDUCTOR_CACHE_DIR: compared with the warm process's environment after its
     # imports, every run looked changed and started cold (a whole suite run so, 30% slower).

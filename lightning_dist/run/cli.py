@@ -50,11 +50,15 @@ def _main() -> None:
     args = hydra_args_parser().parse_args(sys.argv[1:])
     # First: a signal from here on ends the run and the ranks it starts (lightning_dist/lifecycle/stop_signals.py).
     job_names = [o.partition("=")[2] for o in args.overrides if o.startswith("hydra.job.name=")]
-    stop_on_signals(quietly=any(is_a_rank_lightning_started(name) for name in job_names))
+    started_by_lightning = any(is_a_rank_lightning_started(name) for name in job_names)
+    stop_on_signals(quietly=started_by_lightning)
     end_with_launcher()
     try:
         with leaving_as_the_stop():
-            _check_and_run(args)
+            if started_by_lightning:  # the rank that started it checked these overrides: straight to the job
+                _hydra_entry()
+            else:
+                _check_and_run(args)
     except Stopped as stop:
         if stop.code:
             say_error(str(stop))

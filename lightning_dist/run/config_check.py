@@ -136,6 +136,18 @@ def check_overrides(overrides: list[str], config_name: str = "train", conf_dir: 
     if any(override.is_sweep_override() for override in parsed):
         return None
 
+    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+        try:
+            return compose(config_name, overrides=overrides)
+        except (HydraException, OmegaConfBaseException) as error:
+            # Composed once where every override holds (each rank of a run composes its config again in Hydra's own
+            # two passes); where one does not, a key that is not there is named first, with the keys beside it.
+            _check_keys_exist(parsed, groups, config_name)
+            raise ConfigError(" ".join(str(error).split())) from None
+
+
+def _check_keys_exist(parsed: list, groups: set[str], config_name: str) -> None:
+    """ConfigError for the first override of a key that the config composed with the group choices alone lacks."""
     group_overrides = [
         o.input_line
         for o in parsed
@@ -143,23 +155,17 @@ def check_overrides(overrides: list[str], config_name: str = "train", conf_dir: 
         or o.key_or_group == "hydra.searchpath"
         or o.key_or_group.startswith("hydra/")
     ]
-    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+    try:
         base = compose(config_name, overrides=group_overrides)
-        for override in parsed:
-            key = override.key_or_group
-            # Hydra's own keys and groups (hydra/launcher=..., with options of Hydra's and ours) are Hydra's to check.
-            if (
-                key.split("@")[0] in groups
-                or key.startswith(("hydra.", "hydra/"))
-                or override.is_add()
-                or override.is_delete()
-            ):
-                continue
-            _check_key_exists(base, key)
-        try:
-            return compose(config_name, overrides=overrides)
-        except (HydraException, OmegaConfBaseException) as error:
-            raise ConfigError(" ".join(str(error).split())) from None
+    except (HydraException, OmegaConfBaseException):
+        return  # the whole composition's own error says it
+    for override in parsed:
+        key = override.key_or_group
+        # Hydra's own keys and groups (hydra/launcher=..., with options of Hydra's and ours) are Hydra's to check.
+        hydras_own = key.startswith(("hydra.", "hydra/"))
+        if key.split("@")[0] in groups or hydras_own or override.is_add() or override.is_delete():
+            continue
+        _check_key_exists(base, key)
 
 
 # Options that need a package the base install does not bring: the modules they import, and how to get them.
