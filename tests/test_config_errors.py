@@ -267,6 +267,9 @@ REFUSED = [
     (["seed=!!int", "3"], "seed=!!int: Hydra cannot parse this override"),
     (["ckpt_path=$(whoami)"], "ckpt_path=$(whoami): Hydra cannot parse this override (mismatched input '(' expecting"),
     # What used to end in a traceback before launch, or a message that said something else.
+    (["logger=null"], "logger=null: a config group takes one of its options: csv, many_loggers, mlflow, tensorboard,"
+                      " wandb; ~logger leaves it out"),
+    (["~strategy"], "~strategy: every run needs a strategy; choose one of: auto_fit, ddp, deepspeed,"),
     (["trainer.devices=100"], f"trainer.devices=100: 100 CPU ranks on a node with {CORES} cores; each is a process"
      f" of its own, so at most {8 * CORES} here (8 per core); choose fewer, or check a larger world without training"
      " with dry_run=true"),
@@ -311,7 +314,8 @@ def test_a_bad_value_is_one_error_line_and_exit_2_before_any_rank_starts(argumen
 # the refusal is the only line printed, in well under 2 s.
 QUIET_REFUSALS = [arguments for arguments, _ in REFUSED if arguments[0] in (
     "checkpoint.async=true", "strategy.activation_checkpointing=ops", "dry_run=true", "trainer.devices=0",
-    "strategy=deepspeed_stage3", "trainer=gpu", "ckpt_path=", "ckpt_path=123", "trainer.devices=100")] + [
+    "strategy=deepspeed_stage3", "trainer=gpu", "ckpt_path=", "ckpt_path=123", "trainer.devices=100", "logger=null",
+    "~strategy")] + [
     ["strategy=fsdp_tp", "strategy.tensor_parallel_size=3", "trainer.devices=4"],
     *(arguments for arguments, _ in REFUSED if arguments[0] in ("strategy=fsdp_pp", "strategy=fsdp_tp_pp")),
     ["strategy=hsdp_tp", "trainer.devices=4", "trainer.num_nodes=2", "strategy.data_parallel_replicate_size=3"]]

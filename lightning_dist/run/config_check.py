@@ -130,7 +130,9 @@ def check_overrides(overrides: list[str], config_name: str = "train", conf_dir: 
     groups = {p.name for directory in conf_dirs if directory.is_dir() for p in directory.iterdir() if p.is_dir()}
     for override in parsed:
         key = override.key_or_group.split("@")[0]
-        if key in groups and not override.is_delete():
+        if key in groups and override.is_delete():
+            _check_group_can_go(key, conf_dirs)
+        elif key in groups:
             values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
             _check_group_choice(key, values, conf_dirs)
     if any(override.is_sweep_override() for override in parsed):
@@ -184,12 +186,26 @@ OPTION_PACKAGES: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
 }
 
 
+# The groups no run goes without: `~strategy` composes, then the job fails on the missing node with a traceback.
+REQUIRED_GROUPS = ("data", "model", "paths", "strategy", "trainer")
+
+
+def _check_group_can_go(group: str, conf_dirs: list[Path]) -> None:
+    """`~group` leaves a group out of the run: refused for one that every run needs."""
+    if group in REQUIRED_GROUPS:
+        choices = ", ".join(group_options(group, conf_dirs))
+        raise ConfigError(f"~{group}: every run needs a {group}; choose one of: {choices}")
+
+
 def _check_group_choice(group: str, values: list, conf_dirs: list[Path]) -> None:
     choices = group_options(group, conf_dirs)
     # A list selects several options at once (logger=[csv,tensorboard]); Hydra merges them.
     flat = [choice for value in values for choice in (value if isinstance(value, list) else [value])]
     for choice in flat:
-        if choice is not None and str(choice) not in choices:
+        if choice is None:  # Hydra's own refusal is a traceback: "Config group override must be a string or a list"
+            leave_out = "" if group in REQUIRED_GROUPS else f"; ~{group} leaves it out"
+            raise ConfigError(f"{group}=null: a config group takes one of its options: {', '.join(choices)}{leave_out}")
+        if str(choice) not in choices:
             close = difflib.get_close_matches(str(choice), choices, n=1)
             hint = f"did you mean {close[0]}? " if close else ""
             raise ConfigError(f"{group}={choice}: no such option; {hint}choose one of: {', '.join(choices)}")
