@@ -124,6 +124,8 @@ def write_inputs(directory: Path) -> None:
     torch.save({"state_dict": model.state_dict(), "global_step": 0}, directory / "gpt_tiny.ckpt")
     (directory / "misspelt.json").write_text('{"train_micro_batch_size_per_gpu": "auto", "zero_optimisation": {"stage": 2}}')
     (directory / "deep.json").write_text('{"a": ' * 10_000 + "1" + "}" * 10_000)
+    (directory / "conf" / "trainer").mkdir(parents=True)  # lightning-hydra-template's trainer/ddp.yaml, in short
+    (directory / "conf" / "trainer" / "ddp.yaml").write_text("defaults:\n  - default\nstrategy: ddp\n")
 
 
 SYS = "/sys/lightning_dist"  # not writable, even for root
@@ -270,6 +272,14 @@ REFUSED = [
     (["logger=null"], "logger=null: a config group takes one of its options: csv, many_loggers, mlflow, tensorboard,"
                       " wandb; ~logger leaves it out"),
     (["~strategy"], "~strategy: every run needs a strategy; choose one of: auto_fit, ddp, deepspeed,"),
+    # lightning-hydra-template's habit: the strategy as a Trainer argument. It trained ddp without a word.
+    (["+trainer.strategy=fsdp"], "trainer.strategy=fsdp: the Trainer is given its strategy from the strategy group, in"
+                                 " this key's place; choose strategy=..., one of: auto_fit, ddp, deepspeed,"),
+    (["hydra.searchpath=[file://{inputs}/conf]", "trainer=ddp"], "trainer.strategy=ddp: the Trainer is given its"
+                                                                  " strategy from the strategy group"),
+    (["+trainer.logger=false"], "trainer.logger=false: the Trainer is given its logger from the logger group, in this"
+                                " key's place; choose logger=..., one of: csv, many_loggers, mlflow, tensorboard, wandb;"
+                                " ~logger for none"),
     (["trainer.devices=100"], f"trainer.devices=100: 100 CPU ranks on a node with {CORES} cores; each is a process"
      f" of its own, so at most {8 * CORES} here (8 per core); choose fewer, or check a larger world without training"
      " with dry_run=true"),
@@ -315,7 +325,7 @@ def test_a_bad_value_is_one_error_line_and_exit_2_before_any_rank_starts(argumen
 QUIET_REFUSALS = [arguments for arguments, _ in REFUSED if arguments[0] in (
     "checkpoint.async=true", "strategy.activation_checkpointing=ops", "dry_run=true", "trainer.devices=0",
     "strategy=deepspeed_stage3", "trainer=gpu", "ckpt_path=", "ckpt_path=123", "trainer.devices=100", "logger=null",
-    "~strategy")] + [
+    "~strategy", "+trainer.strategy=fsdp", "+trainer.logger=false")] + [
     ["strategy=fsdp_tp", "strategy.tensor_parallel_size=3", "trainer.devices=4"],
     *(arguments for arguments, _ in REFUSED if arguments[0] in ("strategy=fsdp_pp", "strategy=fsdp_tp_pp")),
     ["strategy=hsdp_tp", "trainer.devices=4", "trainer.num_nodes=2", "strategy.data_parallel_replicate_size=3"]]

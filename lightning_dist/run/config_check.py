@@ -130,6 +130,9 @@ def check_overrides(overrides: list[str], config_name: str = "train", conf_dir: 
     groups = {p.name for directory in conf_dirs if directory.is_dir() for p in directory.iterdir() if p.is_dir()}
     for override in parsed:
         key = override.key_or_group.split("@")[0]
+        trainer_key = key.partition("trainer.")[2] if key.startswith("trainer.") else None
+        if trainer_key in GROUPS_THE_TRAINER_IS_GIVEN and not override.is_delete():
+            raise ConfigError(trainer_key_refusal(trainer_key, override.input_line.partition("=")[2]))
         if key in groups and override.is_delete():
             _check_group_can_go(key, conf_dirs)
         elif key in groups:
@@ -184,6 +187,17 @@ OPTION_PACKAGES: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
     **{("model", name): (("transformers",), _HF_EXTRA) for name in ("hf_gpt2", "hf_llama", "hf_bart")},
     ("lora", "default"): (("transformers", "peft"), _HF_EXTRA),
 }
+
+
+# What the Trainer is given from groups of their own. The same key under `trainer` would be replaced by the group's
+# without a word: `+trainer.strategy=fsdp` trained with ddp.
+GROUPS_THE_TRAINER_IS_GIVEN = ("strategy", "callbacks", "logger")
+
+
+def trainer_key_refusal(group: str, value: str) -> str:
+    none = "" if group == "strategy" else f"; ~{group} for none"
+    return (f"trainer.{group}={value}: the Trainer is given its {group} from the {group} group, in this key's place;"
+            f" choose {group}=..., one of: {', '.join(group_options(group))}{none}")
 
 
 # The groups no run goes without: `~strategy` composes, then the job fails on the missing node with a traceback.

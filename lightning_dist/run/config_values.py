@@ -22,7 +22,7 @@ from lightning_dist.parallel.context_parallel import check_context_parallel
 from lightning_dist.parallel.pipeline_layout import check_pipeline
 from lightning_dist.parallel.pipeline_layout import dry_run_refusal as pipeline_dry_run_refusal
 from lightning_dist.parallel.sizes import ParallelSizes
-from lightning_dist.run.config_check import ConfigError
+from lightning_dist.run.config_check import GROUPS_THE_TRAINER_IS_GIVEN, ConfigError, trainer_key_refusal
 from lightning_dist.run.launch_world import launch_world_refusal
 from lightning_dist.strategies.refusals import deepspeed_refusal
 
@@ -168,7 +168,16 @@ def check_values(cfg: DictConfig, rules: tuple[Rule, ...] = RULES) -> None:
         value = _value(cfg, rule.key)
         if value is not _ABSENT and not rule.valid(value):
             raise ConfigError(f"{rule.key}={_as_typed(cfg, rule.key, value)}: must be {rule.must_be}")
+    _check_trainer_leaves_the_groups_theirs(cfg)
     check_combinations(cfg)
+
+
+def _check_trainer_leaves_the_groups_theirs(cfg: DictConfig) -> None:
+    """A trainer config of the user's own (lightning-hydra-template's trainer/ddp.yaml sets `strategy: ddp`)."""
+    for group in GROUPS_THE_TRAINER_IS_GIVEN:
+        value = _value(cfg, f"trainer.{group}")
+        if value is not _ABSENT:
+            raise ConfigError(trainer_key_refusal(group, _as_typed(cfg, f"trainer.{group}", value)))
 
 
 # The dry run sets up and steps its ranks in one process, and its cost grows with the world size (DeepSpeed
