@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from lightning_dist.callbacks.monitored_metrics import MonitoredMetrics
 from lightning_dist.checkpoints.contents import check_autoep_layout, check_autotp_layout, check_checkpoint_matches
 from lightning_dist.checkpoints.formats import CheckpointError, cannot_read
 from lightning_dist.checkpoints.source import CheckpointSource
@@ -106,6 +107,7 @@ def build(cfg: DictConfig, resuming: bool = False) -> dict[str, Any]:
         configs = {name: c for name, c in (cfg.get("callbacks") or {}).items() if c is not None}
         callbacks = [instantiate_node(c, f"callbacks.{name}") for name, c in configs.items()]
         _check_checkpoint_dirs_writable(list(configs), callbacks)
+        callbacks = _with_monitors_checked(list(configs), callbacks)
         loggers = [instantiate_node(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items()
                    if c is not None]
         trainer = instantiate_node(cfg.trainer, "trainer", strategy=strategy, callbacks=callbacks, logger=loggers)
@@ -141,6 +143,13 @@ def _check_checkpoint_dirs_writable(names: list[str], callbacks: list[Any]) -> N
     for name, callback in zip(names, callbacks):
         if isinstance(callback, ModelCheckpoint) and callback.dirpath and (why := unwritable_because(callback.dirpath)):
             raise ConfigError(f"callbacks.{name}.dirpath: cannot write checkpoints to {callback.dirpath} ({why})")
+
+
+def _with_monitors_checked(names: list[str], callbacks: list[Any]) -> list[Any]:
+    """The callbacks, led by the check that each metric one of them monitors is logged (monitored_metrics.py)."""
+    monitoring = {f"callbacks.{name}.monitor": callback for name, callback in zip(names, callbacks)
+                  if isinstance(getattr(callback, "monitor", None), str)}
+    return [MonitoredMetrics(monitoring), *callbacks] if monitoring else callbacks
 
 
 def config_error(error: Exception) -> ConfigError:

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from lightning_dist._compat.hydra import is_a_rank_lightning_started
 from lightning_dist.callbacks import NonFiniteError, Preempted
+from lightning_dist.callbacks.monitored_metrics import MetricNotLogged
 from lightning_dist.checkpoints.swap import SaveFailed
 from lightning_dist.lifecycle.collective_timeout import CollectiveFailure, PeerExited
 from lightning_dist.lifecycle.exits import exit_code, exit_with, undo_on_refusal
@@ -58,7 +59,8 @@ def run_job(cfg: DictConfig) -> Any:
         else:
             metrics = train(cfg)
             release_claim()
-    except (ConfigError, RefusedElsewhere, NonFiniteError, CollectiveFailure, JobFailed, SaveFailed) as error:
+    except (ConfigError, RefusedElsewhere, NonFiniteError, MetricNotLogged, CollectiveFailure, JobFailed,
+            SaveFailed) as error:
         if not multirun:
             if isinstance(error, (ConfigError, RefusedElsewhere)):
                 discard_refused_run(Path(hydra_config.runtime.output_dir), hydra_config.job.name)
@@ -66,10 +68,12 @@ def run_job(cfg: DictConfig) -> Any:
                 # Another rank this one lost: the process that started both (rank 0's) knows which ended and how,
                 # and says so; this rank's own line, the first to print, would name no cause.
                 sys.exit(exit_code(error))
-            if isinstance(error, NonFiniteError) and is_a_rank_lightning_started(hydra_config.job.name):
-                # The ranks agree on a NaN stop (a collective), and rank 0 reports it with the job's exit code. A
-                # non-zero exit here would have Lightning kill rank 0 first (exit 137, read as out of memory). Not
-                # for errors a rank may meet alone: leaving quietly then would let the others wait in a collective.
+            if isinstance(error, (NonFiniteError, MetricNotLogged)) and is_a_rank_lightning_started(
+                    hydra_config.job.name):
+                # The ranks agree on a NaN stop (a collective) and log the same metrics' names, and rank 0 reports
+                # either with the job's exit code. A non-zero exit here would have Lightning kill rank 0 first (exit
+                # 137, read as out of memory). Not for errors a rank may meet alone: leaving quietly then would let
+                # the others wait in a collective.
                 sys.exit(0)
             exit_with(error, code=exit_code(error))
         if cfg.get("optimized_metric") is None:
