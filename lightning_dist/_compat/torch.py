@@ -24,6 +24,7 @@ from lightning_dist._compat.fenced import Fenced
 __all__ = [
     "apply_to_tensors",
     "attention_function_replaced",
+    "checkpoint_loads_in_one_process",
     "checkpoint_wrapper",
     "CheckpointWrapper",
     "compilation_events",
@@ -103,6 +104,9 @@ FENCED = [
     Fenced("torch.utils._pytree", "tree_map", ("func", "tree")),
     # What a DCP checkpoint's `.metadata` records of where each entry's bytes lie (`Metadata.storage_data` values).
     Fenced("torch.distributed.checkpoint.filesystem", "_StorageInfo", ("relative_path", "offset", "length")),
+    # Swapped while one rank loads (checkpoint_loads_in_one_process): Lightning's sharded load calls it by this name.
+    Fenced("torch.distributed.checkpoint", "load",
+           ("state_dict", "checkpoint_id", "storage_reader", "planner", "process_group", "no_dist")),
     Fenced("torch._dynamo.callback", "callback_handler"),
     Fenced("torch._dynamo.callback", "CompilationCallbackHandler.register_start_callback", ("self", "callback")),
     Fenced("torch._dynamo.callback", "CompilationCallbackHandler.register_end_callback", ("self", "callback")),
@@ -428,6 +432,26 @@ def attention_function_replaced(replacement: Callable[..., torch.Tensor]) -> Ite
         yield original
     finally:
         F.scaled_dot_product_attention = original
+
+
+@contextmanager
+def checkpoint_loads_in_one_process() -> Iterator[Callable[[], int]]:
+    """Within: `torch.distributed.checkpoint.load` (which Lightning's sharded load calls by that name) reads as one
+    process does (`no_dist=True`): for a world of one rank, where its plan exchange over gloo slows the rest of the
+    run (checkpoints/background.py says how). Yields the number of loads it has read so."""
+    import torch.distributed.checkpoint as dcp
+
+    original, loads = dcp.load, []
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        loads.append(1)
+        return original(*args, **{**kwargs, "no_dist": True})
+
+    dcp.load = load
+    try:
+        yield lambda: len(loads)
+    finally:
+        dcp.load = original
 
 
 _aten = torch.ops.aten

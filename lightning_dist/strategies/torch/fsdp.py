@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_dist._compat.lightning import give_device_mesh, move_optimizers_to_device
-from lightning_dist._compat.torch import fully_sharded_parameters, fully_sharded_units
+from lightning_dist._compat.torch import checkpoint_loads_in_one_process, fully_sharded_parameters, fully_sharded_units
 from lightning_dist.checkpoints.formats import DISTRIBUTED
 from lightning_dist.checkpoints.resume import load_for_resume, load_weights_from_rank_zero, restore_optimizer_by_name
 from lightning_dist.checkpoints.swap import write_then_swap
@@ -427,7 +427,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         pipeline = self._pipeline_steps
         foreign = load_for_resume(self, checkpoint_path, {DISTRIBUTED} if pipeline is None else set(), weights_only)
         if foreign is None:
-            return super().load_checkpoint(checkpoint_path, weights_only)
+            return self._load_sharded(checkpoint_path, weights_only)
         load_weights_from_rank_zero(self.model, foreign, strict=self.lightning_module.strict_loading,
                                     partial=None if pipeline is None else self)
         if self.optimizers:  # fitting: restore Adam's moments into the shards too
@@ -435,6 +435,18 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
                                       whole_model_groups=None if pipeline is None else pipeline.whole_model_groups,
                                       aliases=None if pipeline is None else pipeline.tied_aliases())
         return foreign
+
+    def _load_sharded(self, checkpoint_path: str | Path, weights_only: bool | None) -> dict[str, Any]:
+        """A sharded directory, through Lightning; one rank reads it as one process (background.py says why)."""
+        if self.world_size > 1:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        with checkpoint_loads_in_one_process() as loads:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        if loads() == 0:
+            raise RuntimeError(f"{type(self).__name__}: Lightning loaded {checkpoint_path} without"
+                               " torch.distributed.checkpoint.load, which one rank reads as one process; this"
+                               " Lightning is not one lightning-dist supports")
+        return checkpoint
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
