@@ -3,7 +3,7 @@
 Lightning finds out only at the first validation after training steps: ModelCheckpoint raises its
 MisconfigurationException there (a traceback, after a validation interval of training, with no save of it), and
 EarlyStopping its RuntimeError. lightning-hydra-template's configs monitor `val/loss`, where many modules log
-`val_loss`. Here:
+`val_loss`; a plateau scheduler that watches a name never logged never steps. Here:
 
 - at the sanity check's end, where the validation's names are known, a monitored name the validation did not log
   stops the run before its first training step, when the name is a validation's (it starts with `val`, or it
@@ -36,16 +36,17 @@ class MetricNotLogged(ValueError):
 
 
 class MonitoredMetrics(L.Callback):
-    """Checks the `monitor` of `callbacks`, each under its config key: {"callbacks.model_checkpoint.monitor":
-    callback}. Put it before them in the Trainer's callbacks: the check must come before they read the metric."""
+    """Checks the `monitor` of `callbacks`, each under its config key ({"callbacks.model_checkpoint.monitor":
+    callback}), and of the learning-rate schedulers. Put it before the callbacks in the Trainer's: the check must come
+    before they read the metric."""
 
     def __init__(self, callbacks: dict[str, L.Callback]) -> None:
         self.callbacks = callbacks
 
     @override
     def on_sanity_check_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        for key, name in self._monitored():
-            logged = _logged(trainer)
+        logged = _logged(trainer)
+        for key, name in self._monitored(trainer):
             if name not in logged and _names_validation(name, logged):
                 raise MetricNotLogged(f"{key}={name}: the model's validation logs no metric of that name; it logs "
                                       f"{_listed(logged)}{_suggestion(name, logged)}")
@@ -54,7 +55,7 @@ class MonitoredMetrics(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:  # trainer.validate() saves nothing
             return
-        missing = [(key, name) for key, name in self._monitored() if name not in _logged(trainer)]
+        missing = [(key, name) for key, name in self._monitored(trainer) if name not in _logged(trainer)]
         if not missing:
             return
         key, name = missing[0]
@@ -63,12 +64,17 @@ class MonitoredMetrics(L.Callback):
         raise MetricNotLogged(f"{key}={name}: the model has logged no metric of that name by the validation at step "
                               f"{trainer.global_step}; it logs {_listed(logged)}{_suggestion(name, logged)}{kept}")
 
-    def _monitored(self) -> list[tuple[str, str]]:
-        """(config key, name) of each monitor that must exist: Lightning's EarlyStopping with `strict=False` only
-        warns, and so is left to."""
+    def _monitored(self, trainer: L.Trainer) -> list[tuple[str, str]]:
+        """(config key, name) of each monitor that must exist: the callbacks' (Lightning's EarlyStopping with
+        `strict=False` only warns, and so is left to), and a scheduler's. A plateau scheduler's `strict` is no
+        exception: before the first validation it must skip its steps (optim/configured.py), after one it would never
+        step again, without a word."""
         monitors = [(key, getattr(callback, "monitor", None), callback) for key, callback in self.callbacks.items()]
-        return [(key, name) for key, name, callback in monitors
-                if isinstance(name, str) and getattr(callback, "strict", True)]
+        callbacks = [(key, name) for key, name, callback in monitors
+                     if isinstance(name, str) and getattr(callback, "strict", True)]
+        schedulers = [(f"{type(config.scheduler).__name__}'s monitor", config.monitor)
+                      for config in trainer.lr_scheduler_configs if config.monitor]
+        return callbacks + schedulers
 
     def _save_last(self, trainer: L.Trainer) -> str:
         """`last` saved by each checkpoint callback that keeps one; the words that say where, or nothing."""

@@ -146,10 +146,11 @@ def _check_checkpoint_dirs_writable(names: list[str], callbacks: list[Any]) -> N
 
 
 def _with_monitors_checked(names: list[str], callbacks: list[Any]) -> list[Any]:
-    """The callbacks, led by the check that each metric one of them monitors is logged (monitored_metrics.py)."""
+    """The callbacks, led by the check that each metric one of them, or a scheduler, monitors is logged
+    (monitored_metrics.py)."""
     monitoring = {f"callbacks.{name}.monitor": callback for name, callback in zip(names, callbacks)
                   if isinstance(getattr(callback, "monitor", None), str)}
-    return [MonitoredMetrics(monitoring), *callbacks] if monitoring else callbacks
+    return [MonitoredMetrics(monitoring), *callbacks]
 
 
 def config_error(error: Exception) -> ConfigError:

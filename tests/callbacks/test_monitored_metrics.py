@@ -53,6 +53,24 @@ def trainer(tmp_path, *callbacks: L.Callback, sanity_steps: int = 2) -> L.Traine
                      enable_model_summary=False, num_sanity_val_steps=sanity_steps, default_root_dir=tmp_path)
 
 
+class Plateau(Regression):
+    """Its learning rate cut when `val/loss` stops falling; its validation logs `val_loss`."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.01)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "val/loss", "strict": False}}
+
+
+def test_a_plateau_scheduler_watching_a_name_never_logged_stops_before_the_first_step(tmp_path):
+    """With strict=False (before the first validation there is nothing to watch) it would never step, silently."""
+    module = Plateau()
+    with pytest.raises(MetricNotLogged, match=r"^ReduceLROnPlateau's monitor=val/loss: the model's validation logs no"
+                       r" metric of that name; it logs val_loss \(did you mean val_loss\?\)$"):
+        trainer(tmp_path).fit(module)
+    assert module.steps_trained == 0
+
+
 @pytest.mark.parametrize("callback", [LightningModelCheckpoint, EarlyStopping])
 def test_a_validation_name_the_model_does_not_log_stops_before_the_first_step(callback, tmp_path):
     module = Regression()
