@@ -6,6 +6,7 @@ syncs per step, eager and compiled, for ddp, fsdp, fsdp_activation_checkpointing
     python benchmarks/gpu_compare.py --shape 1.3b    # 1.3B GPT, T 2048, batch 8 (most of an 80 GB device), 5 rows
     python benchmarks/gpu_compare.py --rows fsdp_activation_checkpointing fsdp_activation_checkpointing+compile
     python benchmarks/gpu_compare.py --device cpu --shape tiny --steps 6 --rows ddp   # the suite's scaled-down run
+    python benchmarks/gpu_compare.py --device cpu --shape host --steps 40   # 24 blocks x 32: the host's time, on CPU
 
 The default rows, most telling first (ddp, fsdp and ZeRO-3 eager: ZeRO-3 against FSDP2 on the same model; then ddp
 and fsdp compiled, ZeRO-2 and ZeRO-1), are 14 runs, each 30 timed steps: on one H100 about 25 s a run to start, 5 s
@@ -79,6 +80,9 @@ SHAPES = {
     # 1.31B parameters at T 2048: weights, gradients and AdamW state 21 GB in bf16-mixed, activations most of the rest.
     "1.3b": Shape(26, 2048, 16, 2048, 8, ("ddp", "ddp+compile", "fsdp", "fsdp+compile", "deepspeed_stage_2")),
     "tiny": Shape(2, 64, 2, 64, 4),
+    # 303m's 24 blocks with next to no arithmetic: a step that is the host's work (Python, hooks, launches), as the
+    # GPU's fsdp row appears to be; what a CPU can say about our host time against raw's.
+    "host": Shape(24, 32, 2, 32, 1, ("ddp", "fsdp", "deepspeed_stage_3", "deepspeed_stage_2")),
 }
 
 

@@ -1,6 +1,7 @@
 """The host time of one gradient norm, as the training monitor takes it every step: torch's computation over DTensor
 gradients (DTensor dispatches each per-tensor norm) against ours (lightning_dist/parallel/grad_norm.py: the local
-shards' norms, then one all-reduce), and torch's over the same tensors as plain ones (ddp's gradients).
+shards' norms, then one all-reduce), and torch's over the same tensors as plain ones (ddp's gradients); then what
+gathering the gradients costs, from the module or from the optimizer.
 
     python -m benchmarks.gradient_norm [--tensors 388] [--side 8] [--repeats 300]
 
@@ -58,6 +59,28 @@ def main() -> None:
     for name, ms in times.items():
         print(f"| {name} | {ms:.2f} | {ms / times['ours, DTensor gradients']:.2f} |")
     dist.destroy_process_group()
+    gathering_the_gradients(args.repeats)
+
+
+def gathering_the_gradients(repeats: int) -> None:
+    """Before the norm, the gradients: from the module's parameters (a walk that names every module) or from the
+    optimizer's groups (a list), on gpu_compare's 24-block GPT."""
+    from lightning_dist.models.gpt import GPTLanguageModel
+
+    model = GPTLanguageModel(vocab_size=256, block_size=32, n_layer=24, n_head=2, d_model=32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    rows = {
+        "`module.parameters()` (before 2026-12-05)": lambda: [p.grad for p in model.parameters() if p.grad is not None],
+        "the optimizer's param groups (ours)": lambda: [p.grad for group in optimizer.param_groups
+                                                        for p in group["params"] if p.grad is not None],
+    }
+    times = {name: per_call_ms(function, repeats) for name, function in rows.items()}
+    print(f"\nthe gradients of a 24-block GPT ({len(list(model.parameters()))} parameters), {repeats} times each")
+    print("| gathered from | ms a step |\n|---|---:|")
+    for name, ms in times.items():
+        print(f"| {name} | {ms:.2f} |")
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ class TrainingMonitor(L.Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if self._watch is None and not _logs_this_step(trainer):
             return
-        norm = _gradient_norm(pl_module, trainer.strategy)
+        norm = _gradient_norm(optimizer, trainer.strategy)
         if norm is not None:
             self._record_gradient_norm(trainer, pl_module, norm, step=trainer.global_step)
 
@@ -226,13 +226,19 @@ def _logs_this_step(trainer: L.Trainer) -> bool:
     return logs_this_step(trainer)
 
 
-def _gradient_norm(module: nn.Module, strategy: Any) -> torch.Tensor | None:
-    """The L2 norm of all gradients (on the device, unread), or None where the engine keeps them (DeepSpeed).
-    FSDP2's are sharded (over one mesh, or two with tensor parallelism): the norm of the shards is reduced across
-    ranks; pipeline stages each hold part of the model, whose norms are combined (`gradient_norm_scope`)."""
+def _gradient_norm(optimizer: torch.optim.Optimizer, strategy: Any) -> torch.Tensor | None:
+    """The L2 norm of the gradients `optimizer` is about to step (on the device, unread), or None where the engine
+    keeps them (DeepSpeed: read from it after the step). The optimizer's parameters are the ones that train and the
+    ones Lightning clips, held in a list: walking the module's took 0.45 ms of host time a step on gpu_compare's
+    24-block GPT (388 parameters; `Module.parameters()` names every module as it goes), the list 0.05. FSDP2's are
+    sharded (over one mesh, or two with tensor parallelism): the norm of the shards is reduced across ranks; pipeline
+    stages each hold part of the model, whose norms are combined (`gradient_norm_scope`)."""
+    if getattr(strategy, "deepspeed_engine", None) is not None:
+        return None
     scope = getattr(strategy, "gradient_norm_scope", None)
     across, counted_elsewhere = scope() if callable(scope) else (None, set())
-    grads = [p.grad for p in module.parameters() if p.grad is not None and id(p) not in counted_elsewhere]
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+             if p.grad is not None and id(p) not in counted_elsewhere]
     if not grads:
         return None
     return total_norm(grads, across=across)
