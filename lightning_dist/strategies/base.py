@@ -27,8 +27,6 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
 from typing_extensions import override
 
@@ -153,17 +151,6 @@ class StrategyBase(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobal
     @property
     def activation_checkpointing(self) -> CheckpointPlan | None:
         return self.blocks.checkpointing
-
-    @override
-    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
-        """A module's `self.all_gather`: at world size 1, the rank's own tensor, stacked as Lightning stacks the ranks',
-        with no collective. On CPU a gloo gather copies on gloo's worker thread, and the OpenMP team it keeps there
-        slows every later step of a 1-rank run (checkpoints/background.py says how)."""
-        # LightningModule.all_gather names the world's group where its caller names none.
-        if self.world_size == 1 and dist.is_initialized() and group in (None, dist.group.WORLD):
-            with nullcontext() if sync_grads else torch.no_grad():
-                return torch.stack([tensor])
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def on_train_start(self) -> None:
