@@ -46,7 +46,7 @@ class MonitoredMetrics(L.Callback):
     @override
     def on_sanity_check_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         logged = _logged(trainer)
-        for key, name in self._monitored(trainer):
+        for key, name, _ in self._monitored(trainer):
             if name not in logged and _names_validation(name, logged):
                 raise MetricNotLogged(f"{key}={name}: the model's validation logs no metric of that name; it logs "
                                       f"{_listed(logged)}{_suggestion(name, logged)}")
@@ -55,24 +55,27 @@ class MonitoredMetrics(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:  # trainer.validate() saves nothing
             return
-        missing = [(key, name) for key, name in self._monitored(trainer) if name not in _logged(trainer)]
+        logged = _logged(trainer)
+        missing = [(key, name) for key, name, anytime in self._monitored(trainer)
+                   if name not in logged and (anytime or _names_validation(name, logged))]
         if not missing:
             return
         key, name = missing[0]
-        logged = _logged(trainer)
         kept = self._save_last(trainer)
         raise MetricNotLogged(f"{key}={name}: the model has logged no metric of that name by the validation at step "
                               f"{trainer.global_step}; it logs {_listed(logged)}{_suggestion(name, logged)}{kept}")
 
-    def _monitored(self, trainer: L.Trainer) -> list[tuple[str, str]]:
-        """(config key, name) of each monitor that must exist: the callbacks' (Lightning's EarlyStopping with
-        `strict=False` only warns, and so is left to), and a scheduler's. A plateau scheduler's `strict` is no
-        exception: before the first validation it must skip its steps (optim/configured.py), after one it would never
-        step again, without a word."""
+    def _monitored(self, trainer: L.Trainer) -> list[tuple[str, str, bool]]:
+        """(config key, name, whether any name must be logged by the first validation) of each monitor: the
+        callbacks' (Lightning's EarlyStopping with `strict=False` only warns, and so is left to), and a scheduler's.
+        A plateau scheduler's `strict` is no exception: before the first validation it must skip its steps
+        (optim/configured.py), after one it would never step again, without a word. But a scheduler stepped at the
+        epoch's end may watch a training metric logged only there, after a validation within the epoch: of its
+        names, only a validation's must be logged by then."""
         monitors = [(key, getattr(callback, "monitor", None), callback) for key, callback in self.callbacks.items()]
-        callbacks = [(key, name) for key, name, callback in monitors
+        callbacks = [(key, name, True) for key, name, callback in monitors
                      if isinstance(name, str) and getattr(callback, "strict", True)]
-        schedulers = [(f"{type(config.scheduler).__name__}'s monitor", config.monitor)
+        schedulers = [(f"{type(config.scheduler).__name__}'s monitor", config.monitor, False)
                       for config in trainer.lr_scheduler_configs if config.monitor]
         return callbacks + schedulers
 

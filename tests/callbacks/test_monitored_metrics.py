@@ -71,6 +71,27 @@ def test_a_plateau_scheduler_watching_a_name_never_logged_stops_before_the_first
     assert module.steps_trained == 0
 
 
+class EpochPlateau(Regression):
+    """Its rate cut at the epoch's end on a training loss logged only there: after this run's validations."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_epoch_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.01)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": plateau, "monitor": "train_epoch_loss", "interval": "epoch"}}
+
+
+def test_a_plateau_on_a_training_metric_of_the_epochs_end_trains_past_validations_within_the_epoch(tmp_path):
+    module = EpochPlateau()
+    trainer(tmp_path).fit(module)
+    assert module.steps_trained == 6
+
+
 @pytest.mark.parametrize("callback", [LightningModelCheckpoint, EarlyStopping])
 def test_a_validation_name_the_model_does_not_log_stops_before_the_first_step(callback, tmp_path):
     module = Regression()
