@@ -48,6 +48,11 @@ FENCED = [
         "deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state", ("self",)
     ),
     Fenced("deepspeed.runtime.engine", "DeepSpeedEngine.load_checkpoint", ("self", "load_dir")),
+    # What reads the clipping norm (clip_steps_at below): the ZeRO optimizers' `clip_grad`, the plain engine's config.
+    Fenced("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.unscale_and_clip_grads",
+           ("self", "grad_groups_flat", "total_norm")),
+    Fenced("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads"),  # (nvtx-wrapped)
+    Fenced("deepspeed.runtime.engine", "DeepSpeedEngine.gradient_clipping", ("self",)),
     # The op builders' compile flags, which ask py-cpuinfo (remember_cpu_info below).
     Fenced("deepspeed.ops.op_builder.builder", "OpBuilder.cpu_arch", ("self",)),
     Fenced("deepspeed.ops.op_builder.builder", "OpBuilder.simd_width", ("self",)),
@@ -269,6 +274,34 @@ def point_parameters_at_optimizer_state(optimizer: Any) -> None:
     DeepSpeed does lazily on its first step)."""
     if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
         optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def clip_steps_at(engine: Any, max_norm: float) -> None:
+    """The global gradient norm DeepSpeed's `engine` clips to in its steps from now on (0: none). The optimizers it
+    wraps under ZeRO, bf16 or fp16 clip by their own `clip_grad`: a copy of the config's gradient_clipping taken when
+    they are built, which ZeRO-1/2's, bf16's and fp16's `load_state_dict` replace with the checkpoint's. Without one,
+    the engine clips by its config."""
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "clip_grad"):
+        if max_norm > 0 and getattr(optimizer, "compute_grad_norm", True) is False:
+            raise ValueError(
+                f"gradient clipping at {max_norm}: the DeepSpeed config's zero_optimization.compute_grad_norm=false "
+                "leaves no norm to clip by; remove it"
+            )
+        optimizer.clip_grad = float(max_norm)
+    elif engine.zero_optimization() or engine.fp16_enabled() or engine.bfloat16_enabled():
+        raise RuntimeError(
+            f"DeepSpeed {version('deepspeed')}'s {type(optimizer).__name__} keeps no clip_grad: lightning-dist cannot "
+            "set the norm it clips to"
+        )
+    else:
+        engine._config.gradient_clipping = float(max_norm)
+
+
+def clipping_norm(engine: Any) -> float:
+    """The global gradient norm `engine` clips to at its next step (0: none); see clip_steps_at."""
+    optimizer = engine.optimizer
+    return float(optimizer.clip_grad if hasattr(optimizer, "clip_grad") else engine.gradient_clipping())
 
 
 @contextmanager

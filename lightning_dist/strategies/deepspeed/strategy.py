@@ -51,6 +51,7 @@ from lightning_dist.strategies.deepspeed.autoep import (
 )
 from lightning_dist.strategies.deepspeed.autoep import model_refusal as autoep_model_refusal
 from lightning_dist.strategies.deepspeed.autotp import check_tensor_parallel_inputs, initialize_inference_engine
+from lightning_dist.strategies.deepspeed.clipping import HOOK_IGNORED_WARNING, ClippingInTheEngine
 from lightning_dist.strategies.deepspeed.config.for_run import Resolution, RunConfig, config_in_effect
 from lightning_dist.strategies.deepspeed.config.preflight import check_before_launch
 from lightning_dist.strategies.deepspeed.config.zero import OPTIMIZER_TILE, ZeroSection
@@ -419,8 +420,11 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         if self.zero_stage_3:
             expert_layers_as_leaves(self.model)
         refuse_expert_layers_under_zero_1_2(self.model, self.zero.stage)  # experts built in configure_model
-        with autoep_finds_the_blocks(self.config, self.model, expected_experts):
+        with autoep_finds_the_blocks(self.config, self.model, expected_experts), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=HOOK_IGNORED_WARNING)  # clipping.py: the hook's norm is used
             super().init_deepspeed()
+        if self.lightning_module.trainer.training:
+            self.precision_plugin = ClippingInTheEngine(self.precision_plugin.precision, self.deepspeed_engine)
         move_module_state(self.lightning_module, self.root_device)  # ZeRO-3 placed the parameters only
         if self.tensor_parallel_size > 1:
             check_tensor_parallel_inputs(self.deepspeed_engine, self.root_device)
@@ -440,7 +444,10 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:  # any format
-        return load_deepspeed_checkpoint(self, checkpoint_path, weights_only, super().load_checkpoint)
+        checkpoint = load_deepspeed_checkpoint(self, checkpoint_path, weights_only, super().load_checkpoint)
+        if isinstance(self.precision_plugin, ClippingInTheEngine):  # not the clipping norm the checkpoint's run had
+            self.precision_plugin.use_configured_norm()
+        return checkpoint
 
     @override
     def step_axes(self) -> list[StepAxis]:
