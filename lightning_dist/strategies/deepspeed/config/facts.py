@@ -40,6 +40,7 @@ class TrainingFacts:
     warmup_steps: int = 0
     total_steps: int | None = UNKNOWN
     hidden_size: int | None = None
+    manual_optimization: bool = False  # the module steps its optimizer itself (`automatic_optimization = False`)
 
 
 def training_facts(
@@ -69,6 +70,7 @@ def training_facts(
         warmup_steps=int(hparams.get("warmup_steps", 0) or 0),
         total_steps=_total_steps(trainer, in_rank),
         hidden_size=hidden_size_of(model),
+        manual_optimization=model is not None and not getattr(model, "automatic_optimization", True),
     )
 
 

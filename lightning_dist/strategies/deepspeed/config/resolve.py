@@ -38,6 +38,7 @@ FILLED_KEYS = (
     "gradient_accumulation_steps",
     "train_batch_size",
     "gradient_clipping",
+    "managed_gradient_accumulation",
     "fp16.enabled",
     "bf16.enabled",
     *(f"optimizer.params.{name}" for name in _OPTIMIZER_PARAMS),
@@ -70,6 +71,17 @@ def buckets_sized_by_model(config: dict[str, Any]) -> dict[str, Any]:
     zero = config.setdefault("zero_optimization", {})
     if zero.get("stage") == 3:
         zero["reduce_bucket_size"] = AUTO
+    return config
+
+
+def reduced_at_each_step(config: dict[str, Any]) -> dict[str, Any]:
+    """A preset's `config` for a module that steps its optimizer itself, where each `step()` ends the accumulation
+    (`managed_gradient_accumulation=false`, fill_accumulation_boundary): ZeRO-0/1 then reduce the gradients in the
+    step, which DeepSpeed cannot overlap with the backward, so Lightning's default `overlap_comm` is turned off."""
+    zero = config.get("zero_optimization", {})
+    if zero.get("stage", 0) in (0, 1) and zero.get("overlap_comm") is True:
+        config = copy.deepcopy(config)
+        config["zero_optimization"]["overlap_comm"] = False
     return config
 
 
@@ -122,6 +134,7 @@ def resolve(
     resolver.check_expert_parallel(options.expert_parallel_size)
     resolver.fill_precision()
     resolver.fill_batch_sizes()
+    resolver.fill_accumulation_boundary()
     resolver.fill_clipping()
     resolver.fill_optimizer_and_scheduler()
     resolver.fill_bucket_sizes()
@@ -311,6 +324,38 @@ class _Resolver:
             ranks, said = facts.world_size, f"world size = {micro} x {accumulate} x {facts.world_size}"
         total = micro * accumulate * ranks
         self.fill_match("train_batch_size", total, f"micro batch x accumulation x {said} = {total}", fill_absent=False)
+
+    def fill_accumulation_boundary(self) -> None:
+        """Who ends a step's gradient accumulation: DeepSpeed's count of backwards (`managed`, its default), which
+        Lightning's automatic optimization drives, or each `step()`, as under manual optimization: a module that steps
+        its optimizer itself may call backward several times before it steps, and ZeRO-1/2, counting each backward as
+        a boundary, kept only the last one's gradients."""
+        key, in_file = "managed_gradient_accumulation", self.get("managed_gradient_accumulation")
+        stage = ZeroSection.of(self.config).stage
+        if self.facts.manual_optimization:
+            if in_file is True and stage in (1, 2):
+                self.problems.append(
+                    f"{key}=true but the module steps its optimizer itself (automatic_optimization=False): "
+                    f"ZeRO-{stage} would keep only the last backward's gradients of each step "
+                    '(set it to "auto" or false)'
+                )
+                return
+            if in_file in (_ABSENT, AUTO):
+                self.set(key, False)
+            if self.get(key) is False and stage in (0, 1) and self.get("zero_optimization.overlap_comm") is True:
+                self.problems.append(
+                    "zero_optimization.overlap_comm=true: under manual optimization (automatic_optimization=False) "
+                    "each step() reduces the gradients, and DeepSpeed overlaps that only from ZeRO-2; set it false"
+                )
+            return
+        accumulate = self.get("gradient_accumulation_steps")
+        if in_file is False and isinstance(accumulate, int) and accumulate > 1:
+            self.problems.append(
+                f"{key}=false makes every step() an accumulation boundary, and Lightning steps after every batch: "
+                f'gradient_accumulation_steps={accumulate} would not accumulate (set it to "auto" or true)'
+            )
+        elif in_file == AUTO:
+            self.set(key, True)
 
     def fill_clipping(self) -> None:
         clip_val, algorithm = self.facts.gradient_clip_val, self.facts.gradient_clip_algorithm

@@ -290,3 +290,42 @@ def test_the_expert_parallel_option_turns_autoep_on_and_an_optimizer_block_lets_
     assert problems_of({"expert_parallel": {"enabled": False}}, facts(world_size=4),
                        ZeroOptions(expert_parallel_size=2)) == [
         "expert_parallel.enabled=false but strategy.expert_parallel_size=2 (make them agree)"]
+
+
+def test_under_manual_optimization_each_step_ends_the_accumulation():
+    # tests/strategies/deepspeed/test_manual_optimization.py trains with it: ZeRO-1/2 kept one backward of two without.
+    manual = facts(manual_optimization=True)
+    assert resolve_config({"zero_optimization": {"stage": 2}}, manual)["managed_gradient_accumulation"] is False
+    assert "managed_gradient_accumulation" not in resolve_config({"zero_optimization": {"stage": 2}}, FACTS)  # True
+    stage_2 = {"zero_optimization": {"stage": 2}, "managed_gradient_accumulation": "auto"}
+    assert resolve_config(stage_2, manual)["managed_gradient_accumulation"] is False
+    assert resolve_config(stage_2, FACTS)["managed_gradient_accumulation"] is True
+    assert problems_of({**stage_2, "managed_gradient_accumulation": True}, manual) == [
+        "managed_gradient_accumulation=true but the module steps its optimizer itself (automatic_optimization=False): "
+        'ZeRO-2 would keep only the last backward\'s gradients of each step (set it to "auto" or false)'
+    ]
+    stage_3 = {"zero_optimization": {"stage": 3}, "managed_gradient_accumulation": True}
+    assert resolve_config(stage_3, manual)["managed_gradient_accumulation"] is True  # ZeRO-3 accumulates either way
+
+
+def test_a_files_unmanaged_accumulation_is_refused_where_lightning_accumulates():
+    config = {"zero_optimization": {"stage": 2}, "managed_gradient_accumulation": False}
+    assert resolve_config(config, FACTS)["managed_gradient_accumulation"] is False  # one backward a step: no matter
+    assert problems_of(config, facts(accumulate_grad_batches=4)) == [
+        "managed_gradient_accumulation=false makes every step() an accumulation boundary, and Lightning steps after "
+        'every batch: gradient_accumulation_steps=4 would not accumulate (set it to "auto" or true)'
+    ]
+
+
+def test_zero_1_overlaps_no_reduction_that_each_manual_step_makes():
+    from lightning_dist.strategies.deepspeed.config.resolve import reduced_at_each_step
+
+    zero_1 = {"zero_optimization": {"stage": 1, "overlap_comm": True}}
+    assert problems_of(zero_1, facts(manual_optimization=True)) == [
+        "zero_optimization.overlap_comm=true: under manual optimization (automatic_optimization=False) each step() "
+        "reduces the gradients, and DeepSpeed overlaps that only from ZeRO-2; set it false"
+    ]
+    assert reduced_at_each_step(zero_1) == {"zero_optimization": {"stage": 1, "overlap_comm": False}}  # a preset's
+    assert zero_1["zero_optimization"]["overlap_comm"] is True  # copied, not changed
+    zero_2 = {"zero_optimization": {"stage": 2, "overlap_comm": True}}
+    assert reduced_at_each_step(zero_2) is zero_2
