@@ -453,6 +453,20 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     def step_axes(self) -> list[StepAxis]:
         return [] if self.context is None else [self.context]
 
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        # Lightning ends each accumulation, at an epoch's last batch too, and steps the engine only then: each step()
+        # is DeepSpeed's boundary (managed_gradient_accumulation=false, config/resolve.py fill_accumulation_boundary).
+        return False
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Iterator[None]:
+        # Lightning's wrapper of the backwards it accumulates: it would enter the engine's no_sync, which ZeRO-2/3
+        # refuse. Unneeded: an unmanaged backward reduces only what ZeRO-2/3 partition, and ZeRO-0/1 reduce in step().
+        yield
+
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         # Lightning has already divided the loss by accumulate_grad_batches; by default DeepSpeed divides it by its

@@ -11,13 +11,7 @@ from lightning_dist.strategies.deepspeed.config.facts import training_facts
 from lightning_dist.strategies.deepspeed.config.gathering import gathering_sized_by_model
 from lightning_dist.strategies.deepspeed.config.load import load_user_config, write_effective_config
 from lightning_dist.strategies.deepspeed.config.outputs import anchor_output_paths
-from lightning_dist.strategies.deepspeed.config.resolve import (
-    Resolution,
-    ZeroOptions,
-    buckets_sized_by_model,
-    reduced_at_each_step,
-    resolve,
-)
+from lightning_dist.strategies.deepspeed.config.resolve import Resolution, ZeroOptions, buckets_sized_by_model, resolve
 from lightning_dist.strategies.deepspeed.config.swap_buffers import swap_buffers_sized_by_model
 from lightning_dist.strategies.deepspeed.config.zero import Offload, ZeroSection, option_problems
 
@@ -80,8 +74,6 @@ class RunConfig:
         config = base_config
         if self.is_preset and facts.hidden_size:  # a preset: no file chose the bucket sizes
             config = buckets_sized_by_model(config)
-        if self.is_preset and facts.manual_optimization:  # nor whether ZeRO-1 overlaps a reduction
-            config = reduced_at_each_step(config)
         resolution = resolve(config, facts, self.zero_options, self.source)
         if self.is_preset and model is not None:  # nor how much is gathered, nor the NVMe pool
             config = gathering_sized_by_model(resolution.config, model)

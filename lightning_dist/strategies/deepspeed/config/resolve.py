@@ -74,17 +74,6 @@ def buckets_sized_by_model(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def reduced_at_each_step(config: dict[str, Any]) -> dict[str, Any]:
-    """A preset's `config` for a module that steps its optimizer itself, where each `step()` ends the accumulation
-    (`managed_gradient_accumulation=false`, fill_accumulation_boundary): ZeRO-0/1 then reduce the gradients in the
-    step, which DeepSpeed cannot overlap with the backward, so Lightning's default `overlap_comm` is turned off."""
-    zero = config.get("zero_optimization", {})
-    if zero.get("stage", 0) in (0, 1) and zero.get("overlap_comm") is True:
-        config = copy.deepcopy(config)
-        config["zero_optimization"]["overlap_comm"] = False
-    return config
-
-
 class DeepSpeedConfigError(ValueError):
     """Every contradiction and unresolvable "auto" in a DeepSpeed config, one `key: reason` per problem."""
 
@@ -326,36 +315,34 @@ class _Resolver:
         self.fill_match("train_batch_size", total, f"micro batch x accumulation x {said} = {total}", fill_absent=False)
 
     def fill_accumulation_boundary(self) -> None:
-        """Who ends a step's gradient accumulation: DeepSpeed's count of backwards (`managed`, its default), which
-        Lightning's automatic optimization drives, or each `step()`, as under manual optimization: a module that steps
-        its optimizer itself may call backward several times before it steps, and ZeRO-1/2, counting each backward as
-        a boundary, kept only the last one's gradients."""
+        """Who ends a step's gradient accumulation. Lightning does under our strategy (`handles_gradient_accumulation`
+        is False): every `accumulate_grad_batches` batches and at each epoch's last batch, or the module's own
+        `opt.step()` under manual optimization. DeepSpeed's own count of backwards (`managed`, its default) carried an
+        epoch's last batches into the next epoch's first step, out of line with Lightning's step count, its scheduler
+        and `max_steps`; and ZeRO-1/2, counting each backward of a manual step as one, kept only the last one's
+        gradients. So where a step may have several backwards, each `step()` ends the accumulation."""
         key, in_file = "managed_gradient_accumulation", self.get("managed_gradient_accumulation")
-        stage = ZeroSection.of(self.config).stage
-        if self.facts.manual_optimization:
-            if in_file is True and stage in (1, 2):
-                self.problems.append(
-                    f"{key}=true but the module steps its optimizer itself (automatic_optimization=False): "
-                    f"ZeRO-{stage} would keep only the last backward's gradients of each step "
-                    '(set it to "auto" or false)'
-                )
-                return
-            if in_file in (_ABSENT, AUTO):
-                self.set(key, False)
-            if self.get(key) is False and stage in (0, 1) and self.get("zero_optimization.overlap_comm") is True:
-                self.problems.append(
-                    "zero_optimization.overlap_comm=true: under manual optimization (automatic_optimization=False) "
-                    "each step() reduces the gradients, and DeepSpeed overlaps that only from ZeRO-2; set it false"
-                )
-            return
         accumulate = self.get("gradient_accumulation_steps")
-        if in_file is False and isinstance(accumulate, int) and accumulate > 1:
-            self.problems.append(
-                f"{key}=false makes every step() an accumulation boundary, and Lightning steps after every batch: "
-                f'gradient_accumulation_steps={accumulate} would not accumulate (set it to "auto" or true)'
-            )
-        elif in_file == AUTO:
-            self.set(key, True)
+        if self.facts.manual_optimization:
+            who = "the module steps its optimizer itself (automatic_optimization=False)"
+        elif isinstance(accumulate, int) and accumulate > 1:
+            who = f"Lightning ends each accumulation of {accumulate} batches, and at an epoch's last batch"
+        else:  # one backward a step: each backward ends it either way
+            if in_file == AUTO:
+                self.set(key, True)
+            return
+        if in_file is True:
+            self.problems.append(f"{key}=true but {who}: DeepSpeed's own count of backwards would end steps elsewhere "
+                                 '(set it to "auto" or false)')
+            return
+        if in_file in (_ABSENT, AUTO):
+            self.set(key, False)
+        stage = ZeroSection.of(self.config).stage
+        if stage in (0, 1) and self.get("zero_optimization.overlap_comm") is True:
+            # DeepSpeed refuses the pair: ZeRO-0/1 reduce in step() then, with no backward to overlap it with.
+            self.set("zero_optimization.overlap_comm", False)
+            self.notes.append(f"zero_optimization.overlap_comm=false: under {key}=false ({who}) ZeRO-{stage} "
+                              "reduces the gradients in step(), with no backward to overlap")
 
     def fill_clipping(self) -> None:
         clip_val, algorithm = self.facts.gradient_clip_val, self.facts.gradient_clip_algorithm

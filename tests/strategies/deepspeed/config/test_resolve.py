@@ -292,40 +292,33 @@ def test_the_expert_parallel_option_turns_autoep_on_and_an_optimizer_block_lets_
         "expert_parallel.enabled=false but strategy.expert_parallel_size=2 (make them agree)"]
 
 
-def test_under_manual_optimization_each_step_ends_the_accumulation():
-    # tests/strategies/deepspeed/test_manual_optimization.py trains with it: ZeRO-1/2 kept one backward of two without.
-    manual = facts(manual_optimization=True)
-    assert resolve_config({"zero_optimization": {"stage": 2}}, manual)["managed_gradient_accumulation"] is False
-    assert "managed_gradient_accumulation" not in resolve_config({"zero_optimization": {"stage": 2}}, FACTS)  # True
-    stage_2 = {"zero_optimization": {"stage": 2}, "managed_gradient_accumulation": "auto"}
-    assert resolve_config(stage_2, manual)["managed_gradient_accumulation"] is False
-    assert resolve_config(stage_2, FACTS)["managed_gradient_accumulation"] is True
-    assert problems_of({**stage_2, "managed_gradient_accumulation": True}, manual) == [
+def test_where_a_step_may_have_several_backwards_each_step_ends_the_accumulation():
+    # Lightning ends each accumulation (the strategy's handles_gradient_accumulation is False), at an epoch's last batch
+    # too; tests/strategies/deepspeed/test_manual_optimization.py trains under both rules.
+    stage_2 = {"zero_optimization": {"stage": 2}}
+    assert "managed_gradient_accumulation" not in resolve_config(stage_2, FACTS)  # one backward a step: DeepSpeed's
+    assert resolve_config({**stage_2, "managed_gradient_accumulation": "auto"}, FACTS)["managed_gradient_accumulation"]
+    for several in (facts(manual_optimization=True), facts(accumulate_grad_batches=4)):
+        assert resolve_config(stage_2, several)["managed_gradient_accumulation"] is False
+    assert problems_of({**stage_2, "managed_gradient_accumulation": True}, facts(manual_optimization=True)) == [
         "managed_gradient_accumulation=true but the module steps its optimizer itself (automatic_optimization=False): "
-        'ZeRO-2 would keep only the last backward\'s gradients of each step (set it to "auto" or false)'
+        'DeepSpeed\'s own count of backwards would end steps elsewhere (set it to "auto" or false)'
     ]
-    stage_3 = {"zero_optimization": {"stage": 3}, "managed_gradient_accumulation": True}
-    assert resolve_config(stage_3, manual)["managed_gradient_accumulation"] is True  # ZeRO-3 accumulates either way
-
-
-def test_a_files_unmanaged_accumulation_is_refused_where_lightning_accumulates():
-    config = {"zero_optimization": {"stage": 2}, "managed_gradient_accumulation": False}
-    assert resolve_config(config, FACTS)["managed_gradient_accumulation"] is False  # one backward a step: no matter
-    assert problems_of(config, facts(accumulate_grad_batches=4)) == [
-        "managed_gradient_accumulation=false makes every step() an accumulation boundary, and Lightning steps after "
-        'every batch: gradient_accumulation_steps=4 would not accumulate (set it to "auto" or true)'
+    assert problems_of({**stage_2, "managed_gradient_accumulation": True}, facts(accumulate_grad_batches=4)) == [
+        "managed_gradient_accumulation=true but Lightning ends each accumulation of 4 batches, and at an epoch's last "
+        'batch: DeepSpeed\'s own count of backwards would end steps elsewhere (set it to "auto" or false)'
     ]
 
 
-def test_zero_1_overlaps_no_reduction_that_each_manual_step_makes():
-    from lightning_dist.strategies.deepspeed.config.resolve import reduced_at_each_step
-
+def test_zero_1_overlaps_no_reduction_that_each_step_makes_and_says_so():
     zero_1 = {"zero_optimization": {"stage": 1, "overlap_comm": True}}
-    assert problems_of(zero_1, facts(manual_optimization=True)) == [
-        "zero_optimization.overlap_comm=true: under manual optimization (automatic_optimization=False) each step() "
-        "reduces the gradients, and DeepSpeed overlaps that only from ZeRO-2; set it false"
+    resolution = resolve(zero_1, facts(accumulate_grad_batches=4))
+    assert resolution.config["zero_optimization"]["overlap_comm"] is False
+    assert resolution.notes == [
+        "zero_optimization.overlap_comm=false: under managed_gradient_accumulation=false (Lightning ends each "
+        "accumulation of 4 batches, and at an epoch's last batch) ZeRO-1 reduces the gradients in step(), with no "
+        "backward to overlap"
     ]
-    assert reduced_at_each_step(zero_1) == {"zero_optimization": {"stage": 1, "overlap_comm": False}}  # a preset's
-    assert zero_1["zero_optimization"]["overlap_comm"] is True  # copied, not changed
+    assert resolve_config(zero_1, FACTS)["zero_optimization"]["overlap_comm"] is True  # one backward a step
     zero_2 = {"zero_optimization": {"stage": 2, "overlap_comm": True}}
-    assert reduced_at_each_step(zero_2) is zero_2
+    assert resolve_config(zero_2, facts(accumulate_grad_batches=4))["zero_optimization"]["overlap_comm"] is True

@@ -1,8 +1,10 @@
-"""A user's manual-optimization module, written as Lightning's docs write one, under a plain `L.Trainer`: two
-backwards a step (accumulation by hand), clipping by `self.clip_gradients`, its own scheduler step. Writes each
-rank's logged losses to OUT_DIR/rank<N>.json.
+"""Two ways users accumulate gradients, under a plain `L.Trainer` on 2 CPU ranks. Writes each rank's losses and
+the step count to OUT_DIR/rank<N>.json.
 
-    python tests/manual_optimization_script.py OUT_DIR ld_deepspeed_stage_2
+    python tests/accumulation_script.py OUT_DIR ld_deepspeed_stage_2 manual     # by hand, as Lightning's docs do it:
+        # two backwards a step, clipping by `self.clip_gradients`, its own scheduler step; 1 epoch of 16 batches
+    python tests/accumulation_script.py OUT_DIR ld_deepspeed_stage_2 automatic  # accumulate_grad_batches=3 over 10
+        # batches an epoch, 3 epochs: Lightning steps at each epoch's last batch too (4 steps an epoch)
 """
 
 import json
@@ -24,6 +26,29 @@ class Block(nn.Module):
 
     def forward(self, x):
         return x + torch.tanh(self.linear(x))
+
+
+class Regressor(L.LightningModule):
+    def __init__(self, width=32, depth=4):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+        self.losses = []
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 class AccumulatingRegressor(L.LightningModule):
@@ -59,12 +84,13 @@ class AccumulatingRegressor(L.LightningModule):
 
 
 if __name__ == "__main__":
-    out_dir, strategy = Path(sys.argv[1]), sys.argv[2]
+    out_dir, strategy, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     L.seed_everything(0)
-    x = torch.randn(512, 32)
+    x = torch.randn(512 if mode == "manual" else 320, 32)
     data = DataLoader(TensorDataset(x, torch.tanh(x.sum(dim=1, keepdim=True) / 4)), batch_size=16)
-    model = AccumulatingRegressor()
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False,
+    model = AccumulatingRegressor() if mode == "manual" else Regressor()
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1 if mode == "manual" else 3,
+                        accumulate_grad_batches=1 if mode == "manual" else 3, logger=False,
                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
     trainer.fit(model, data)
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(
