@@ -298,12 +298,6 @@ def clip_steps_at(engine: Any, max_norm: float) -> None:
         engine._config.gradient_clipping = float(max_norm)
 
 
-def clipping_norm(engine: Any) -> float:
-    """The global gradient norm `engine` clips to at its next step (0: none); see clip_steps_at."""
-    optimizer = engine.optimizer
-    return float(optimizer.clip_grad if hasattr(optimizer, "clip_grad") else engine.gradient_clipping())
-
-
 @contextmanager
 def universal_checkpoint_loading(engine: Any) -> Iterator[None]:
     """Within: `engine.load_checkpoint` reads the universal form. The flag lives only in the engine's parsed
