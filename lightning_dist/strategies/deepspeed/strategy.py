@@ -28,7 +28,7 @@ from lightning_dist._compat.deepspeed import (
     read_gradient_norm_on_host,
     zero3_partitions,
 )
-from lightning_dist._compat.lightning import validate_cuda_device_indices
+from lightning_dist._compat.lightning import module_optimizers, validate_cuda_device_indices
 from lightning_dist._compat.transformers import recapture_outputs_after_hooks_removed
 from lightning_dist.checkpoints.autoep_names import AUTOEP_NAMES
 from lightning_dist.checkpoints.resume import group_names
@@ -85,6 +85,23 @@ def run_directory(trainer: Any) -> Path | None:
         if directory and Path(directory).resolve() != working:
             return Path(directory)
     return None
+
+
+def refuse_several_optimizers(model: nn.Module) -> None:
+    """DeepSpeed's engine steps one optimizer. Lightning refuses more (a GAN's two) only in the ranks, each with a
+    traceback; here in one line before they start. Only a module that steps its optimizers itself can have several
+    (Lightning 2), and only its configure_optimizers is called here; one that needs the fitting Trainer is left to
+    Lightning."""
+    if getattr(model, "automatic_optimization", True):
+        return
+    try:
+        optimizers = module_optimizers(model)
+    except Exception:
+        return
+    if len(optimizers) > 1:
+        names = ", ".join(type(optimizer).__name__ for optimizer in optimizers)
+        raise ValueError(f"configure_optimizers returns {len(optimizers)} optimizers ({names}): DeepSpeed's engine "
+                         "steps one; train this module under fsdp or ddp, or give one optimizer its parameter groups")
 
 
 class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
@@ -314,6 +331,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         check_before_launch(self.resolution, trainer, fit_arguments)
         self.check_options()
         if isinstance(model := fit_arguments.get("model"), nn.Module):
+            refuse_several_optimizers(model)
             refuse_expert_layers_under_zero_1_2(model, self.zero.stage)
             if self.expert_parallel_size > 1 and next(model.parameters(), None) is not None:
                 if why := autoep_model_refusal(model, self.expert_parallel_size):  # else built in configure_model
