@@ -169,9 +169,9 @@ INHERITED_PRIVATES: dict[str, tuple[str, ...]] = {
         "_process_group_backend", "_save_distributed_checkpoint", "_setup_distributed", "_timeout",
     ),
     "lightning.pytorch.strategies.deepspeed.DeepSpeedStrategy": (
-        "_configure_launcher", "_format_config", "_get_process_group_backend", "_init_deepspeed_distributed",
-        "_init_optimizers", "_initialize_deepspeed_inference", "_launcher", "_lightning_module",
-        "_process_group_backend", "_timeout",
+        "_config_initialized", "_configure_launcher", "_format_config", "_get_process_group_backend",
+        "_init_config_if_needed", "_init_deepspeed_distributed", "_init_optimizers", "_initialize_deepspeed_inference",
+        "_launcher", "_lightning_module", "_process_group_backend", "_timeout",
     ),
 }
 

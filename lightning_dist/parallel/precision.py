@@ -10,10 +10,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from lightning_dist._compat.lightning import unified_precision
 
+if TYPE_CHECKING:
+    from torch import nn
+
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
+FP32_WEIGHTS = ("32-true", "bf16-mixed", "16-mixed")  # the precisions whose optimizer updates fp32 weights
 
 _NO_FP16 = "choose 32-true, bf16-mixed or bf16-true"
 
@@ -25,6 +30,7 @@ class PrecisionSupport:
 
     fp16_loss_scaling: bool = True  # 16-mixed works (FSDP2 has no gradient scaler for it)
     fp16_on_cpu: bool = False  # 16-bit on a CPU that has fp16 (DeepSpeed's CPU accelerator); else CUDA only
+    casts_weights: bool = False  # the engine casts the module and keeps fp32 master weights itself (DeepSpeed)
 
 
 def check_precision(strategy: object, precision: object, device_type: str) -> str:
@@ -73,3 +79,24 @@ def device_type(accelerator: str) -> str:
     if accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available()):
         return "cuda"
     return "cpu"
+
+
+def upcast_trainable_weights(module: nn.Module, precision: str) -> list[str]:
+    """Under a precision whose optimizer updates fp32 weights (`FP32_WEIGHTS`), the trainable parameters the module
+    holds in bf16 or fp16, cast to fp32 in place (tied ones stay tied); their names.
+
+    Lightning converts no module under these precisions: it takes the weights to be fp32, as torch builds them. But
+    transformers (5 and later) loads a checkpoint in the dtype it was saved in, bf16 for most, so a model fine-tuned
+    so trained in pure bf16, its small updates rounded away (sentence-transformers#3773 and llm-foundry#1734 load in
+    fp32 against it). Frozen weights (a LoRA base) stay as loaded: none of their updates is lost, and fp32 would double
+    their memory."""
+    import torch
+
+    if precision not in FP32_WEIGHTS:
+        return []
+    names = []
+    for name, parameter in module.named_parameters():  # a tied parameter is named once
+        if parameter.requires_grad and parameter.dtype in (torch.bfloat16, torch.float16):
+            parameter.data = parameter.data.float()
+            names.append(name)
+    return names

@@ -27,6 +27,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
@@ -42,7 +43,7 @@ from lightning_dist.lifecycle.collective_timeout import forming_process_group
 from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
 from lightning_dist.parallel.block_options import BlockOptions
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
-from lightning_dist.parallel.precision import PrecisionSupport
+from lightning_dist.parallel.precision import PrecisionSupport, upcast_trainable_weights
 from lightning_dist.parallel.quantized import QuantizedSupport, check_quantized_weights, keep_quantized_layout
 from lightning_dist.parallel.regional_compile import ReportsCompilation
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel
@@ -174,8 +175,21 @@ class StrategyBase(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobal
 
     @override
     def setup(self, trainer: Any) -> None:
-        self.hold_quantized_weights(self.lightning_module)  # a model built in `configure_model`
+        self.hold_weights(self.lightning_module)  # a model built in `configure_model`
         super().setup(trainer)
+
+    def hold_weights(self, model: nn.Module) -> None:
+        """On each rank, before the engine wraps the model: a quantized base kept as bitsandbytes made it, and fp32
+        weights for the optimizer where the precision promises them, whatever dtype the model was loaded in."""
+        self.hold_quantized_weights(model)
+        if self.precision_support.casts_weights:
+            return
+        precision = str(getattr(self.precision_plugin, "precision", ""))
+        upcast = upcast_trainable_weights(model, precision)
+        if upcast:
+            rank_zero_info(f"trainer.precision={precision} updates fp32 weights: {len(upcast)} trainable parameters the"
+                           " model held in 16 bits (as transformers loads a bf16 checkpoint) are cast to fp32, frozen"
+                           " ones stay as loaded; trainer.precision=bf16-true trains them in bf16")
 
     def check_quantized_weights(self, model: nn.Module) -> None:
         """A quantized base (QLoRA's) only where this strategy keeps it as bitsandbytes made it (quantized.py)."""

@@ -97,6 +97,13 @@ def engine_reads_natively(saved_config: dict[str, Any], config: dict[str, Any]) 
     return saved.offloads_optimizer or not ours.offloads_optimizer
 
 
+def _zero3_without_optimizer(strategy: DeepSpeedRanks) -> bool:
+    """ZeRO-3's engine restores its partitioned weights from a checkpoint through its optimizer's fp32 partitions. The
+    engine of a `validate`, `test` or `predict` has no optimizer, and DeepSpeed's loader fails there (DeepSpeed 0.19.8:
+    'DeepSpeedZeRoOffload' object has no attribute '_restore_from_bit16_weights'): consolidated instead."""
+    return ZeroSection.of(strategy.config).partitions_parameters and not strategy.lightning_module.trainer.training
+
+
 def _absent_on_rank_zero(strategy: Ranks, weights: dict | None, names: list[str], strict: bool) -> set[str]:
     """The names rank 0's checkpoint lacks, known on every rank; an error for any under strict loading."""
     absent = strategy.broadcast([n for n in names if n not in (weights or {})] if strategy.is_global_zero else [])
@@ -215,7 +222,7 @@ def load_deepspeed_checkpoint(strategy: DeepSpeedRanks, checkpoint_path: Any, we
     if native:
         source = source.vet()  # DeepSpeed unpickles its shards with weights_only=False
         saved_world_size, saved_config = saved_run(checkpoint_path)
-        native = engine_reads_natively(saved_config, strategy.config)
+        native = engine_reads_natively(saved_config, strategy.config) and not _zero3_without_optimizer(strategy)
     if not native:
         checkpoint = load_for_resume(strategy, source, native_formats=set(), weights_only=weights_only)
         assert checkpoint is not None  # no format is native to this call: every one is consolidated

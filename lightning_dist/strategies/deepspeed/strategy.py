@@ -19,6 +19,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpeedStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
@@ -176,6 +177,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
             async_checkpoint=async_checkpoint,
         )
         self.base_config = self.config  # the file, or the config built from the options; never modified
+        self.config_resolved_for_fit = False
 
     @property
     def zero(self) -> ZeroSection:  # the options over the file's section
@@ -188,7 +190,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         # DeepSpeed addresses a rank's device by index, on CPU too; torch ignores a CPU index, so this is harmless.
         return torch.device("cpu", self.local_rank) if device.type == "cpu" else device
 
-    precision_support = PrecisionSupport(fp16_on_cpu=True)
+    precision_support = PrecisionSupport(fp16_on_cpu=True, casts_weights=True)
 
     def memory_layout(self, name: str) -> Layout:
         return zero_layout(self, name)
@@ -356,6 +358,17 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         self, trainer: Any, model: Any, loader: Any = None, datamodule: Any = None, in_rank: bool = True
     ) -> Resolution:
         return self.run_config.resolve(self.base_config, self.world_size, trainer, model, loader, datamodule, in_rank)
+
+    @override
+    def _init_config_if_needed(self) -> None:
+        # Lightning resolves the config once per strategy. A `validate` (or `test`, `predict`) before `fit` resolved it
+        # with no train loader, accumulation or optimizer, all of which fit's training engine needs: resolved again.
+        module = self.lightning_module
+        fitting = module is not None and module.trainer.state.fn == TrainerFn.FITTING
+        if fitting and not self.config_resolved_for_fit:
+            self._config_initialized = False
+        super()._init_config_if_needed()
+        self.config_resolved_for_fit |= fitting
 
     @override
     def _format_config(self) -> None:

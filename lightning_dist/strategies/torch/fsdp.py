@@ -293,7 +293,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
-        self.hold_quantized_weights(self.model)  # this setup replaces Lightning's, and StrategyBase's with it
+        self.hold_weights(self.model)  # this setup replaces Lightning's, and StrategyBase's with it
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         if has_meta_parameters(self.model):
