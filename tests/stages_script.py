@@ -1,6 +1,8 @@
 """A user's fine-tuning script in the order lightning-hydra-template runs one: a plain `L.Trainer`, transformers'
 own `from_pretrained` of a bf16 `save_pretrained` folder in `__init__`, `trainer.validate` before `fit`, a
-`ModelCheckpoint` on `val_loss`, then `trainer.test(ckpt_path="best")` and `trainer.predict`. Writes
+`ModelCheckpoint` on `val_loss`, then `trainer.test(ckpt_path="best")` and `trainer.predict`; the optimizer a
+`functools.partial` in the module's hyperparameters (what Hydra's `_partial_: true` gives the template's modules), so
+in every checkpoint. Writes
 OUT_DIR/rank<N>.json: each stage's result and the dtypes the trainable weights trained in.
 
     python tests/stages_script.py OUT_DIR FOLDER ld_deepspeed_stage_3
@@ -8,8 +10,10 @@ OUT_DIR/rank<N>.json: each stage's result and the dtypes the trainable weights t
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -22,7 +26,7 @@ import lightning_dist  # noqa: F401  (registers the ld_ strategies)
 
 
 class FineTune(L.LightningModule):
-    def __init__(self, folder: str, lr: float = 1e-3):
+    def __init__(self, folder: str, optimizer: Callable[..., torch.optim.Optimizer]):
         super().__init__()
         self.save_hyperparameters()
         self.model = AutoModelForCausalLM.from_pretrained(folder)
@@ -48,7 +52,7 @@ class FineTune(L.LightningModule):
         return self.model(input_ids=ids).logits.argmax(-1)
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return self.hparams.optimizer(params=self.parameters())
 
 
 def loader() -> DataLoader:
@@ -61,7 +65,7 @@ def main(out_dir: str, folder: str, strategy: str) -> None:
     checkpoint = ModelCheckpoint(dirpath=Path(out_dir, "checkpoints"), monitor="val_loss", save_top_k=1)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, callbacks=[checkpoint],
                         logger=False, enable_progress_bar=False, enable_model_summary=False)
-    model = FineTune(folder)
+    model = FineTune(folder, functools.partial(torch.optim.AdamW, lr=1e-3))
     (before,) = trainer.validate(model, dataloaders=loader())
     trainer.fit(model, train_dataloaders=loader(), val_dataloaders=loader())
     (tested,) = trainer.test(model, dataloaders=loader(), ckpt_path="best")

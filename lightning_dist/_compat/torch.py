@@ -107,6 +107,10 @@ FENCED = [
     # Swapped while one rank loads (checkpoint_loads_in_one_process): Lightning's sharded load calls it by this name.
     Fenced("torch.distributed.checkpoint", "load",
            ("state_dict", "checkpoint_id", "storage_reader", "planner", "process_group", "no_dist")),
+    # Sharded saves write each replicated item (a buffer each rank keeps for itself) as rank 0 holds it (background.py).
+    Fenced("torch.distributed.checkpoint", "DefaultSavePlanner.__init__",
+           ("self", "flatten_state_dict", "flatten_sharded_tensors", "dedup_replicated_tensors",
+            "dedup_save_to_lowest_rank")),
     Fenced("torch._dynamo.callback", "callback_handler"),
     Fenced("torch._dynamo.callback", "CompilationCallbackHandler.register_start_callback", ("self", "callback")),
     Fenced("torch._dynamo.callback", "CompilationCallbackHandler.register_end_callback", ("self", "callback")),

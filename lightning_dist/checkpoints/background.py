@@ -21,6 +21,7 @@ import torch.distributed as dist
 from lightning_dist._compat.lightning import StrategyMixin
 from lightning_dist.checkpoints.formats import LIGHTNING_METADATA
 from lightning_dist.checkpoints.save_id import SaveId, sharded_layout
+from lightning_dist.checkpoints.source import remember_saved
 from lightning_dist.checkpoints.swap import SaveFailed, SaveFailedElsewhere, clear_partial, commit, discard
 from lightning_dist.parallel.devices import gather_objects
 
@@ -106,6 +107,7 @@ class BackgroundSaves(StrategyMixin):
                 raise (discard(partial, final, error) if commits else SaveFailed(final, error)) from error
 
         writer.submit(final, write_then_swap)
+        remember_saved(final)
 
     def staged_write(self, checkpoint: dict[str, Any], partial: Path) -> Callable[[], None]:
         """Stage `checkpoint` now; return what writes the staged copy to `partial` (run by the writer thread).
@@ -121,7 +123,7 @@ class BackgroundSaves(StrategyMixin):
         copies its shards now and the write runs on the writer's process group (the writer thread); else it writes
         the live state, on the training's group, when called. Lightning's metadata (loops, callbacks) is small and
         written now, by global rank 0. A collective: every rank calls it."""
-        from torch.distributed.checkpoint import save
+        from torch.distributed.checkpoint import DefaultSavePlanner, save
 
         save_id = self.broadcast(SaveId.drawn(int(checkpoint.get("global_step", 0))))
         state, metadata = sharded_layout(checkpoint, save_id, self.global_rank)
@@ -135,7 +137,12 @@ class BackgroundSaves(StrategyMixin):
         # thread once the plan outgrows ATen's grain size (32,768 bytes); its OpenMP team, beside the training's, puts
         # libgomp over the cores, which then throttles its spin-wait: every later parallel op of a 1-rank CPU run
         # waited on a sleeping worker (15% slower steps after the first save on the default GPT, 60% on deeper ones).
-        return lambda: save(state, checkpoint_id=partial, process_group=group, no_dist=self.world_size == 1)
+        # Replicated items (buffers each rank keeps for itself, BatchNorm's statistics) are written as rank 0 holds
+        # them, as DDP and DeepSpeed save them: DCP's default takes each from the rank that wrote least so far, a
+        # checkpoint mixing the ranks' statistics. Shards held by several ranks (HSDP's replicas) are equal anyway.
+        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+        return lambda: save(state, checkpoint_id=partial, process_group=group, no_dist=self.world_size == 1,
+                            planner=planner)
 
     def remove_checkpoint(self, filepath: str | Path) -> None:
         """A superseded checkpoint (ModelCheckpoint's top-k) is removed only once the saves before it are written:

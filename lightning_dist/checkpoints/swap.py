@@ -18,6 +18,7 @@ from lightning_dist._compat.lightning import StrategyMixin
 from lightning_dist.checkpoints.formats import os_reason
 from lightning_dist.checkpoints.manifest import write_manifest
 from lightning_dist.checkpoints.ranks import Ranks
+from lightning_dist.checkpoints.source import remember_saved
 from lightning_dist.parallel.devices import gather_objects
 
 
@@ -49,6 +50,7 @@ def write_then_swap(strategy: Ranks, final: str | Path, write: Callable[[Path], 
         except OSError as error:
             failure = discard(partial, final, error)
     fail_together(failure)
+    remember_saved(final)
 
 
 def fail_together(failure: SaveFailed | None) -> None:

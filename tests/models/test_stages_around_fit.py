@@ -1,6 +1,7 @@
 """A user's fine-tune run as lightning-hydra-template runs one (tests/stages_script.py): validate, fit, test on the
 best checkpoint, predict, on 2 CPU ranks, with transformers' own `from_pretrained` of a bf16 folder (Qwen2: its head
-tied to the embedding). Every engine gives ddp's numbers at every stage, and trains the weights in fp32 under 32-true."""
+tied to the embedding) and a functools.partial optimizer in the hyperparameters. Every engine gives ddp's numbers at
+every stage, and trains the weights in fp32 under 32-true."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def test_validate_fit_test_on_the_best_checkpoint_and_predict_give_ddp_s_numbers
     reference = results["ld_ddp"][0]
     for rank in results[strategy]:
         # ZeRO-3 stopped at fit after validate (its config resolved without the train loader), then at the test's
-        # load of its own checkpoint ('DeepSpeedZeRoOffload' object has no attribute '_restore_from_bit16_weights').
+        # load of its own checkpoint ('DeepSpeedZeRoOffload' object has no attribute '_restore_from_bit16_weights');
+        # every strategy refused the checkpoint it had just saved, for the functools.partial in its hyperparameters.
         assert rank["validate_before"] == pytest.approx(reference["validate_before"], rel=1e-5)
         assert rank["best_score"] == pytest.approx(reference["best_score"], rel=1e-5)
         assert rank["best_score"] < rank["validate_before"] - 0.05  # trained

@@ -20,7 +20,7 @@ from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError
 from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.checkpoints.ranks import Ranks
 from lightning_dist.checkpoints.resume import OPTIMIZER_KEYS, load_for_resume, optimizer_state_by_name
-from lightning_dist.checkpoints.source import CheckpointSource
+from lightning_dist.checkpoints.source import CheckpointSource, weights_only_for
 from lightning_dist.strategies.deepspeed.autoep import autoep_size, local_experts
 from lightning_dist.strategies.deepspeed.config.zero import ZeroSection
 from lightning_dist.strategies.deepspeed.universal import convert_on_rank_zero, loading_universal, saved_run
@@ -217,11 +217,12 @@ def load_deepspeed_checkpoint(strategy: DeepSpeedRanks, checkpoint_path: Any, we
     `load_natively` (Lightning's loader); one written by another number of ranks is converted to DeepSpeed's
     universal form first; anything else (DDP, FSDP, another ZeRO layout) is consolidated on rank 0 and partitioned."""
     source = CheckpointSource.of(strategy.broadcast(checkpoint_path), trusted=weights_only is False)
+    weights_only = weights_only_for(source.path, weights_only)
     checkpoint_path = str(source.path)  # what DeepSpeed and Lightning read
     native = source.format == DEEPSPEED
     if native:
         source = source.vet()  # DeepSpeed unpickles its shards with weights_only=False
-        saved_world_size, saved_config = saved_run(checkpoint_path)
+        saved_world_size, saved_config = saved_run(source)
         native = engine_reads_natively(saved_config, strategy.config) and not _zero3_without_optimizer(strategy)
     if not native:
         checkpoint = load_for_resume(strategy, source, native_formats=set(), weights_only=weights_only)

@@ -34,11 +34,11 @@ from lightning_dist.checkpoints.universal_form import convert_to_universal
 LATEST_UNIVERSAL = "latest_universal"  # written last by ds_to_universal: its presence means a finished conversion
 
 
-def saved_run(path: str | Path) -> tuple[int | None, dict[str, Any]]:
-    """The number of data-parallel ranks that wrote the DeepSpeed checkpoint at `path` (None if it does not say)
+def saved_run(source: CheckpointSource) -> tuple[int | None, dict[str, Any]]:
+    """The number of data-parallel ranks that wrote the DeepSpeed checkpoint `source` (None if it does not say)
     and the DeepSpeed config they ran with ({} if absent)."""
-    model_states = sorted(deepspeed_tag_dir(Path(path)).glob("*model_states.pt"))
-    saved = load_file(model_states[0], mmap=True)
+    model_states = sorted(deepspeed_tag_dir(source.path).glob("*model_states.pt"))
+    saved = load_file(model_states[0], mmap=True, trusted=source.readable)
     return saved.get("dp_world_size"), saved.get("ds_config") or {}
 
 

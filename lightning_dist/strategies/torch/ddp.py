@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightning_dist.checkpoints.formats import FILE
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
+from lightning_dist.checkpoints.source import weights_only_for
 from lightning_dist.memory.layout import Layout
 from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.quantized import QuantizedSupport
@@ -85,6 +86,7 @@ class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        weights_only = weights_only_for(checkpoint_path, weights_only)
         foreign = load_for_resume(self, checkpoint_path, native_formats={FILE}, weights_only=weights_only)
         return foreign if foreign is not None else super().load_checkpoint(checkpoint_path, weights_only)
 

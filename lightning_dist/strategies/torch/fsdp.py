@@ -23,6 +23,7 @@ from lightning_dist._compat.lightning import give_device_mesh, move_optimizers_t
 from lightning_dist._compat.torch import checkpoint_loads_in_one_process, fully_sharded_parameters, fully_sharded_units
 from lightning_dist.checkpoints.formats import DISTRIBUTED
 from lightning_dist.checkpoints.resume import load_for_resume, load_weights_from_rank_zero, restore_optimizer_by_name
+from lightning_dist.checkpoints.source import weights_only_for
 from lightning_dist.checkpoints.swap import write_then_swap
 from lightning_dist.memory.layout import Layout
 from lightning_dist.optim import require_shardable_optimizer
@@ -424,6 +425,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         # Pipeline stages read every checkpoint that way, their own too: each stage takes its part by name, at
         # any pipeline or data-parallel size, and the copies of a tied weight take the weight's state.
         checkpoint_path = self.broadcast(checkpoint_path)
+        weights_only = weights_only_for(checkpoint_path, weights_only)
         pipeline = self._pipeline_steps
         foreign = load_for_resume(self, checkpoint_path, {DISTRIBUTED} if pipeline is None else set(), weights_only)
         if foreign is None:
