@@ -23,7 +23,7 @@ except PackageNotFoundError:  # the source tree on sys.path, never installed
 
 __all__ = [
     "DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "from_pretrained", "load_from_checkpoint", "mean_when_logged",
-    "save_adapters",
+    "save_adapters", "save_pretrained",
 ]
 
 
@@ -36,6 +36,10 @@ def __getattr__(name: str) -> Any:
         from lightning_dist.checkpoints.adapters import save_adapters
 
         return save_adapters
+    if name == "save_pretrained":
+        from lightning_dist.checkpoints.save_pretrained import save_pretrained
+
+        return save_pretrained
     if name == "mean_when_logged":
         from lightning_dist.parallel.logged_means import mean_when_logged
 

@@ -2,7 +2,8 @@
 own `from_pretrained` of a bf16 `save_pretrained` folder in `__init__`, `trainer.validate` before `fit`, a
 `ModelCheckpoint` on `val_loss`, then `trainer.test(ckpt_path="best")` and `trainer.predict`; the optimizer a
 `functools.partial` in the module's hyperparameters (what Hydra's `_partial_: true` gives the template's modules), so
-in every checkpoint. Writes
+in every checkpoint; then the tested model written by `lightning_dist.save_pretrained` (OUT_DIR/exported, in fp32,
+and OUT_DIR/exported-bf16). Writes
 OUT_DIR/rank<N>.json: each stage's result and the dtypes the trainable weights trained in.
 
     python tests/stages_script.py OUT_DIR FOLDER ld_deepspeed_stage_3
@@ -22,7 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM
 
-import lightning_dist  # noqa: F401  (registers the ld_ strategies)
+import lightning_dist
 
 
 class FineTune(L.LightningModule):
@@ -70,6 +71,8 @@ def main(out_dir: str, folder: str, strategy: str) -> None:
     trainer.fit(model, train_dataloaders=loader(), val_dataloaders=loader())
     (tested,) = trainer.test(model, dataloaders=loader(), ckpt_path="best")
     predictions = trainer.predict(model, dataloaders=loader())
+    lightning_dist.save_pretrained(model.model, Path(out_dir, "exported"))  # every rank, as the docs say
+    lightning_dist.save_pretrained(model.model, Path(out_dir, "exported-bf16"), dtype=torch.bfloat16)
     result = {"validate_before": before["val_loss"], "best_score": float(checkpoint.best_model_score),
               "best_path": Path(checkpoint.best_model_path).name, "test": tested["test_loss"],
               "trainable_dtypes": model.trainable_dtypes, "predictions": [list(p.shape) for p in predictions]}

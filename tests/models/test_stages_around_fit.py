@@ -31,6 +31,7 @@ def results(pretrained_folders, tmp_path_factory, deepspeed_ops):
                 timeout=900)
             assert process.returncode == 0, process.stderr[-4000:]
             self[strategy] = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+            self[strategy][0]["out"] = out
             return self[strategy]
 
     return Results()
@@ -56,3 +57,22 @@ def test_bf16_weights_train_in_fp32_under_32_true(results, strategy):
     # away, while DeepSpeed trained fp32 weights: the same module gave other losses by strategy.
     for rank in results[strategy]:
         assert rank["trainable_dtypes"] == ["torch.float32"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_save_pretrained_writes_the_tested_weights_whole(results, strategy):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.stages_script import loader
+
+    (tokens,) = loader().dataset.tensors
+    rank = results[strategy][0]
+    for folder, dtype, rel in (("exported", torch.float32, 1e-5), ("exported-bf16", torch.bfloat16, 2e-2)):
+        model = AutoModelForCausalLM.from_pretrained(rank["out"] / folder)  # in the dtype its config says
+        assert {p.dtype for p in model.parameters()} == {dtype}
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # Qwen2's tied head
+        with torch.no_grad():
+            loss = model(input_ids=tokens, labels=tokens).loss.item()
+        # Every token weighs the same in the test's mean over equal batches and ranks: the whole set's loss.
+        assert loss == pytest.approx(rank["test"], rel=rel)
