@@ -19,6 +19,7 @@ from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.quantized import QuantizedSupport
 from lightning_dist.strategies.base import StrategyBase
 from lightning_dist.strategies.torch.replay import ReplayedOnTorch
+from lightning_dist.strategies.torch.unused_parameters import unused_parameters_message
 
 
 class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
@@ -68,6 +69,14 @@ class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
     def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
         self.blocks.apply(model, device_type=self.root_device.type)  # in place, before DDP registers its hooks
         return super()._setup_model(model)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        module = self.model.module if isinstance(self.model, DistributedDataParallel) else self.lightning_module
+        message = unused_parameters_message(exception, module) if module is not None else None
+        if message is None:
+            return super().on_exception(exception)
+        exception.args = (message,)  # not Lightning's, which names its own DDP and not the parameters
 
     def memory_layout(self, name: str) -> Layout:
         # Everything replicated, nothing offloaded; autocast's weight copies, and the buckets rebuilt at step 2.
