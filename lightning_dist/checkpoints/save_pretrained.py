@@ -50,7 +50,6 @@ def save_pretrained(model: nn.Module, folder: str | Path, dtype: torch.dtype | N
     return folder
 
 
-
 def _record_dtype(config_file: Path, dtype: torch.dtype) -> None:
     config = json.loads(config_file.read_text())
     config["dtype"] = str(dtype).removeprefix("torch.")

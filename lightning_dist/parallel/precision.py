@@ -86,8 +86,8 @@ def upcast_trainable_weights(module: nn.Module, precision: str) -> list[str]:
     holds in bf16 or fp16, cast to fp32 in place (tied ones stay tied); their names.
 
     Lightning converts no module under these precisions: it takes the weights to be fp32, as torch builds them. But
-    transformers (5 and later) loads a checkpoint in the dtype it was saved in, bf16 for most, so a model fine-tuned
-    so trained in pure bf16, its small updates rounded away (sentence-transformers#3773 and llm-foundry#1734 load in
+    transformers (5 and later) loads a checkpoint in the dtype it was saved in, bf16 for most, and such a model was
+    fine-tuned in pure bf16, its small updates rounded away (sentence-transformers#3773 and llm-foundry#1734 load in
     fp32 against it). Frozen weights (a LoRA base) stay as loaded: none of their updates is lost, and fp32 would double
     their memory."""
     import torch
