@@ -105,6 +105,17 @@ def refuse_several_optimizers(model: nn.Module) -> None:
                          "steps one; train this module under fsdp or ddp, or give one optimizer its parameter groups")
 
 
+def refuse_accumulation_schedule(trainer: Any) -> None:
+    """Lightning's DeepSpeed strategy refuses a `GradientAccumulationScheduler` only in the ranks, at the start of
+    training, each with a traceback; here in one line before they start."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    if any(isinstance(callback, GradientAccumulationScheduler) for callback in getattr(trainer, "callbacks", [])):
+        raise ValueError("GradientAccumulationScheduler changes accumulate_grad_batches between epochs, which"
+                         " Lightning's DeepSpeed strategy refuses (DeepSpeed's batch sizes are fixed as its engine is"
+                         " built): set trainer.accumulate_grad_batches instead, or train under fsdp or ddp")
+
+
 class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     """DeepSpeed ZeRO that also runs on CPU, and takes Hugging Face-style configs with "auto" values.
 
@@ -330,6 +341,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     @override
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
         """On the launching process: resolve the config with what is known before `setup`, and check it can run."""
+        refuse_accumulation_schedule(trainer)
         check_before_launch(self.resolution, trainer, fit_arguments)
         self.check_options()
         if isinstance(model := fit_arguments.get("model"), nn.Module):
