@@ -3,8 +3,9 @@
 of its causal LMs: `{"lm_head": (["hidden_states"], ["logits"])}`), read here and nowhere else. And a model's loss:
 the function its `loss_function` property gives (one the user set on the model, else `LOSS_MAPPING[loss_type]`, the
 causal LM's where the class name names no loss type), replaced for a step through the property's own setter.
-And how its `from_pretrained` maps a checkpoint's names and tensors to a model's (below). Checked on transformers
-5.24 and 5.25. transformers is imported only where the user's model is one of its models."""
+And how its `from_pretrained` maps a checkpoint's names and tensors to a model's, and how it learns that ZeRO-3
+partitions its models (below). Checked on transformers 5.24 and 5.25. transformers is imported only where the
+user's model is one of its models."""
 
 from __future__ import annotations
 
@@ -160,3 +161,51 @@ def grouped_experts_on_meta(experts: Any) -> Iterator[None]:
             yield
     finally:
         config._experts_implementation = chosen
+
+
+# How transformers learns, outside its Trainer, that DeepSpeed ZeRO-3 partitions its models: a config object whose
+# weak reference `set_hf_deepspeed_config` keeps (what its documented `HfDeepSpeedConfig` registers itself with),
+# read back by `is_deepspeed_zero3_enabled` and `deepspeed_config`.
+FENCED += [Fenced("transformers.integrations.deepspeed", "set_hf_deepspeed_config", ("hf_deepspeed_config_obj",)),
+           Fenced("transformers.integrations.deepspeed", "is_deepspeed_zero3_enabled", ()),
+           Fenced("transformers.integrations.deepspeed", "deepspeed_config", ()),
+           Fenced("transformers.integrations.deepspeed", "unset_hf_deepspeed_config", ())]
+
+
+class ZeRO3Declaration:
+    """What transformers reads of a registered DeepSpeed config: whether it is ZeRO-3, and the config itself (which
+    a `from_pretrained` while it is registered builds under `deepspeed.zero.Init` with). Registered only while an
+    object holds it."""
+
+    def __init__(self, config: dict[str, Any]):
+        self.config = config
+
+    def is_zero3(self) -> bool:
+        return True
+
+
+def declare_zero3(config: dict[str, Any]) -> ZeRO3Declaration | None:
+    """Tell transformers that ZeRO-3 partitions its models, as `HfDeepSpeedConfig(config)` does for a script without
+    its Trainer (without needing accelerate, which that class imports); None where a DeepSpeed config of the user's is
+    registered already. Keep the returned object while the engine runs; `withdraw_zero3` ends it. Raises where
+    transformers does not read it back (it then would not run `generate` in step on every rank). Checked on
+    transformers 5.24 and 5.25."""
+    from transformers.integrations import deepspeed
+
+    if deepspeed.is_deepspeed_zero3_enabled():
+        return None
+    declaration = ZeRO3Declaration(config)
+    deepspeed.set_hf_deepspeed_config(declaration)
+    if not deepspeed.is_deepspeed_zero3_enabled() or deepspeed.deepspeed_config() is not config:
+        raise RuntimeError("transformers did not read back the ZeRO-3 config registered with set_hf_deepspeed_config:"
+                           " its generate() would not keep the ranks in step under ZeRO-3 (a hang)")
+    return declaration
+
+
+def withdraw_zero3(declaration: ZeRO3Declaration) -> None:
+    """transformers no longer takes its models to be partitioned by ZeRO-3 (where `declaration` is still the one it
+    reads: a user's registered since is theirs)."""
+    from transformers.integrations import deepspeed
+
+    if deepspeed.deepspeed_config() is declaration.config:
+        deepspeed.unset_hf_deepspeed_config()

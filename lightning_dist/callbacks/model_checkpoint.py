@@ -8,6 +8,9 @@ before its first validation kept nothing, however often the config asked for sav
   `monitor` and Lightning's own triggers (each validation, by default);
 - `every_n_train_steps=N` keeps Lightning's meaning (the top-k of the saves every N steps), and while the monitored
   metric does not exist yet, saves `last` on that cadence where Lightning's would save nothing.
+
+It also says which optimizer step `best_model_path` holds (`best_model_step`): where that is the run's last, the
+model's weights are the best checkpoint's, and testing it needs no load.
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ class ModelCheckpoint(LightningModelCheckpoint):
         self.save_last_every_n_train_steps = save_last_every_n_train_steps
         self._top_k_every_n_train_steps = kwargs.get("every_n_train_steps")
         self._saved_on_cadence = False
+        self.best_model_step: int | None = None  # the optimizer step whose weights best_model_path holds
+
+    def _note_best(self, trainer: L.Trainer, before: str) -> None:
+        if self.best_model_path and self.best_model_path != before:
+            self.best_model_step = trainer.global_step
 
     def _last_is_due(self, trainer: L.Trainer) -> bool:
         step = trainer.global_step
@@ -46,7 +54,9 @@ class ModelCheckpoint(LightningModelCheckpoint):
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
+        before = self.best_model_path
         super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        self._note_best(trainer, before)
         # A validation after this batch saves `last` itself, with the top-k (and a save here would keep it from
         # deciding the top-k: ModelCheckpoint saves once per step).
         if self._last_is_due(trainer) and not validation_follows(trainer):
@@ -57,3 +67,24 @@ class ModelCheckpoint(LightningModelCheckpoint):
         super().on_train_end(trainer, pl_module)  # Lightning's saves `last` here only if nothing was saved before
         if self._saved_on_cadence:
             save_last_now(self, trainer)  # the final weights, where the cadence's last save was an earlier step
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        before = self.best_model_path
+        super().on_train_epoch_end(trainer, pl_module)
+        self._note_best(trainer, before)
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        before = self.best_model_path
+        super().on_validation_end(trainer, pl_module)
+        self._note_best(trainer, before)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "best_model_step": self.best_model_step}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.best_model_step = state_dict.get("best_model_step")  # with best_model_path, which Lightning restores

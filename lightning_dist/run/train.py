@@ -38,7 +38,8 @@ _LAUNCH_ENVIRONMENT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", 
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Fit, then test; returns the final metrics. Runs on every rank (Lightning re-launches this script)."""
+    """Fit, then test the best checkpoint; returns the final metrics. Runs on every rank (Lightning re-launches
+    this script)."""
     saved = {name: os.environ.get(name) for name in _LAUNCH_ENVIRONMENT}
     try:
         return _fit_and_test(cfg)
@@ -81,14 +82,30 @@ def _fit_and_test(cfg: DictConfig) -> dict[str, float]:
         os.environ.pop(RESUME_ENV, None)  # the next job of a sweep in this interpreter decides for itself
     say_what_a_stop_keeps(None)  # kept where fit stopped: the stop line, said once the stop has unwound, reads it
     metrics = _metrics(trainer)
+    tested = None
     if cfg.get("test") and not is_overridden("test_step", parts["model"]):
         log.info("test=true, but %s has no test_step: no test run", type(parts["model"]).__name__)
     elif cfg.get("test"):
-        trainer.test(parts["model"], datamodule=parts["datamodule"])
+        ckpt_path, tested = _what_to_test(trainer)
+        log.info("Testing %s", tested)
+        trainer.test(parts["model"], datamodule=parts["datamodule"], ckpt_path=ckpt_path, weights_only=weights_only)
         metrics.update(_metrics(trainer))
     if trainer.is_global_zero:
-        _report(cfg, trainer, metrics)
+        _report(cfg, trainer, metrics, tested)
     return metrics
+
+
+def _what_to_test(trainer: L.Trainer) -> tuple[str | None, str]:
+    """The checkpoint to test (None: the model as it is) and the words for it: the best checkpoint, as
+    lightning-hydra-template tests, loaded unless it holds the model's own weights (saved at the run's last step);
+    the final weights where no best checkpoint was saved."""
+    callback = trainer.checkpoint_callback
+    best = callback.best_model_path if isinstance(callback, ModelCheckpoint) else ""
+    if not best:
+        return None, "the final weights (no best checkpoint was saved)"
+    if getattr(callback, "best_model_step", None) == trainer.global_step:  # lightning_dist.callbacks.ModelCheckpoint
+        return None, f"the final weights, the best checkpoint's ({best})"
+    return best, f"the best checkpoint, {best}"
 
 
 def _kept(trainer: L.Trainer) -> str | None:
@@ -114,7 +131,7 @@ def _metrics(trainer: L.Trainer) -> dict[str, float]:
     return {name: float(value) for name, value in trainer.callback_metrics.items() if not name.startswith("monitor/")}
 
 
-def _report(cfg: DictConfig, trainer: L.Trainer, metrics: dict[str, float]) -> None:
+def _report(cfg: DictConfig, trainer: L.Trainer, metrics: dict[str, float], tested: str | None) -> None:
     print(f"\nOutputs: {cfg.paths.output_dir}")
     checkpoint = trainer.checkpoint_callback
     saved = checkpoint.last_model_path if isinstance(checkpoint, ModelCheckpoint) else ""
@@ -124,4 +141,6 @@ def _report(cfg: DictConfig, trainer: L.Trainer, metrics: dict[str, float]) -> N
     elif last is not None and last.is_dir():  # a sharded strategy's: a directory of shards
         print(f"Last checkpoint: {last} (shards; one file: lightning-dist consolidate {last}"
               " model.ckpt)")
+    if tested:
+        print(f"Tested {tested}")
     print("Final metrics: " + ", ".join(f"{name}={value:.4f}" for name, value in sorted(metrics.items())))

@@ -30,7 +30,13 @@ from lightning_dist._compat.deepspeed import (
     zero3_partitions,
 )
 from lightning_dist._compat.lightning import module_optimizers, validate_cuda_device_indices
-from lightning_dist._compat.transformers import recapture_outputs_after_hooks_removed
+from lightning_dist._compat.transformers import (
+    ZeRO3Declaration,
+    declare_zero3,
+    recapture_outputs_after_hooks_removed,
+    transformers_models,
+    withdraw_zero3,
+)
 from lightning_dist.checkpoints.autoep_names import AUTOEP_NAMES
 from lightning_dist.checkpoints.resume import group_names
 from lightning_dist.lifecycle.process_exit import forget_with_process_group
@@ -189,6 +195,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         )
         self.base_config = self.config  # the file, or the config built from the options; never modified
         self.config_resolved_for_fit = False
+        self.zero3_declared: ZeRO3Declaration | None = None  # transformers told of ZeRO-3 while the engine runs
 
     @property
     def zero(self) -> ZeroSection:  # the options over the file's section
@@ -476,6 +483,17 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
             self.context.expect_exchanges(self.lightning_module, self.blocks.classes_in(self.lightning_module),
                                           recomputes=self.blocks.checkpointing is not None)
         run_root_hooks_once_per_forward(self.deepspeed_engine)  # timers, profiler, ZeRO-3 trace: once per step
+        if self.zero_stage_3 and transformers_models(self.lightning_module):
+            # Its generate() then runs with synced_gpus: a rank whose text has ended goes on with forwards, each
+            # gathering the parameters with every rank, until all have; else the others wait on it (a hang).
+            self.zero3_declared = declare_zero3(self.config)
+
+    @override
+    def teardown(self) -> None:
+        if self.zero3_declared is not None:
+            withdraw_zero3(self.zero3_declared)
+            self.zero3_declared = None
+        super().teardown()
 
     @override
     def _initialize_deepspeed_inference(self, model: torch.nn.Module) -> None:
