@@ -301,6 +301,10 @@ REFUSED = [
     (["model=hf_mixtral", "strategy=deepspeed_stage_3", "strategy.expert_parallel_size=2", "dry_run=true"],
      "dry_run=true: strategy.expert_parallel_size=2: DeepSpeed's AutoEP is not dry-run yet (FSDP's expert parallelism"
      " is: strategy=fsdp); plan=true gives its memory"),
+    # lightning-hydra-template's flags: `train=false` tests ckpt_path without fitting.
+    (["train=false", "test=false"], "train=false and test=false: nothing to run; train=false test=true"
+     " ckpt_path=CHECKPOINT tests a checkpoint"),
+    (["train=no"], "train=no: must be true or false (false: test only, on ckpt_path's weights)"),
 ]
 
 
@@ -325,7 +329,7 @@ def test_a_bad_value_is_one_error_line_and_exit_2_before_any_rank_starts(argumen
 QUIET_REFUSALS = [arguments for arguments, _ in REFUSED if arguments[0] in (
     "checkpoint.async=true", "strategy.activation_checkpointing=ops", "dry_run=true", "trainer.devices=0",
     "strategy=deepspeed_stage3", "trainer=gpu", "ckpt_path=", "ckpt_path=123", "trainer.devices=100", "logger=null",
-    "~strategy", "+trainer.strategy=fsdp", "+trainer.logger=false")] + [
+    "~strategy", "+trainer.strategy=fsdp", "+trainer.logger=false", "train=false", "train=no")] + [
     ["strategy=fsdp_tp", "strategy.tensor_parallel_size=3", "trainer.devices=4"],
     *(arguments for arguments, _ in REFUSED if arguments[0] in ("strategy=fsdp_pp", "strategy=fsdp_tp_pp")),
     ["strategy=hsdp_tp", "trainer.devices=4", "trainer.num_nodes=2", "strategy.data_parallel_replicate_size=3"]]

@@ -96,6 +96,8 @@ RULES = (
         " gives with VAR unset",
         lambda value: value is None or (isinstance(value, str) and value.strip() != ""),
     ),
+    Rule("train", "true or false (false: test only, on ckpt_path's weights)", lambda value: isinstance(value, bool)),
+    Rule("test", "true or false (true: the test split after fitting)", lambda value: isinstance(value, bool)),
     Rule("seed", "an integer", integer()),
     Rule(
         "compile",
@@ -194,6 +196,9 @@ _STRATEGIES = "lightning_dist.strategies."
 def check_combinations(cfg: DictConfig) -> None:
     """What the strategy would refuse once started, from the config alone (no torch): the same checks, in the
     same words, in well under a second and before Lightning has printed anything."""
+    if _value(cfg, "train") is False and _value(cfg, "test") is False:
+        raise ConfigError("train=false and test=false: nothing to run; train=false test=true ckpt_path=CHECKPOINT tests"
+                          " a checkpoint")
     devices, nodes = _device_count(_value(cfg, "trainer.devices")), _value(cfg, "trainer.num_nodes")
     ranks = devices * nodes if devices is not None and _is_integer(nodes) else None
     if _value(cfg, "dry_run") is True and ranks is not None and ranks > DRY_RUN_MAX_RANKS:

@@ -50,6 +50,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     finally:
         # Lightning leaves the process group up; the next job of a sweep in this process starts its own.
         close_process_group()
+        os.environ.pop(RESUME_ENV, None)  # the next job of a sweep in this interpreter decides for itself
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -66,11 +67,29 @@ def _fit_and_test(cfg: DictConfig) -> dict[str, float]:
         preflight(trainer, model=parts["model"], datamodule=parts["datamodule"])
     except PreflightError as error:
         raise ConfigError(" ".join(str(error).split())) from error
+    training = cfg.get("train", True)
     log.info(_describe(cfg, parts["model"], trainer, parts["strategy_name"]))
+    # weights_only=None leaves the checkpoint to be vetted (safe_load.py); False is the user's opt-in.
+    weights_only = False if cfg.get("trust_checkpoint") else None
+    if training:
+        _fit(trainer, parts, weights_only)
+    metrics = _metrics(trainer)
+    tested = None
+    if cfg.get("test") and not is_overridden("test_step", parts["model"]):
+        log.info("test=true, but %s has no test_step: no test run", type(parts["model"]).__name__)
+    elif cfg.get("test"):
+        ckpt_path, tested = _what_to_test(trainer) if training else _given_checkpoint(parts["ckpt_path"])
+        log.info("Testing %s", tested)
+        trainer.test(parts["model"], datamodule=parts["datamodule"], ckpt_path=ckpt_path, weights_only=weights_only)
+        metrics.update(_metrics(trainer))
+    if trainer.is_global_zero:
+        _report(cfg, trainer, metrics, tested)
+    return metrics
+
+
+def _fit(trainer: L.Trainer, parts: dict[str, Any], weights_only: bool | None) -> None:
     say_what_a_stop_keeps(lambda: _kept(trainer))
     try:
-        # weights_only=None leaves the checkpoint to be vetted (safe_load.py); False is the user's opt-in.
-        weights_only = False if cfg.get("trust_checkpoint") else None
         trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=parts["ckpt_path"],
                     weights_only=weights_only)
     except RuntimeError as error:
@@ -78,21 +97,15 @@ def _fit_and_test(cfg: DictConfig) -> dict[str, float]:
         if failure is None:
             raise
         raise failure from error
-    finally:
-        os.environ.pop(RESUME_ENV, None)  # the next job of a sweep in this interpreter decides for itself
     say_what_a_stop_keeps(None)  # kept where fit stopped: the stop line, said once the stop has unwound, reads it
-    metrics = _metrics(trainer)
-    tested = None
-    if cfg.get("test") and not is_overridden("test_step", parts["model"]):
-        log.info("test=true, but %s has no test_step: no test run", type(parts["model"]).__name__)
-    elif cfg.get("test"):
-        ckpt_path, tested = _what_to_test(trainer)
-        log.info("Testing %s", tested)
-        trainer.test(parts["model"], datamodule=parts["datamodule"], ckpt_path=ckpt_path, weights_only=weights_only)
-        metrics.update(_metrics(trainer))
-    if trainer.is_global_zero:
-        _report(cfg, trainer, metrics, tested)
-    return metrics
+
+
+def _given_checkpoint(checkpoint: Any) -> tuple[Any, str]:
+    """train=false: the checkpoint `ckpt_path` (or `resume=true`) names, else the model as its config builds it (a
+    pretrained model's own weights)."""
+    if checkpoint is None:
+        return None, "the model as built (train=false, no ckpt_path)"
+    return checkpoint, f"the checkpoint {checkpoint}"
 
 
 def _what_to_test(trainer: L.Trainer) -> tuple[str | None, str]:
@@ -121,7 +134,8 @@ def _describe(cfg: DictConfig, model: Any, trainer: L.Trainer, strategy_name: st
     parameters = sum(p.numel() for p in model.parameters())
     count = trainer.num_devices * trainer.num_nodes
     ranks = f"{count} {cfg.trainer.accelerator} rank{'s' if count > 1 else ''}"
-    return (f"Training {chosen.get('model') or type(model).__name__} ({parameters / 1e6:.2f}M parameters) on "
+    doing = "Training" if cfg.get("train", True) else "Testing"
+    return (f"{doing} {chosen.get('model') or type(model).__name__} ({parameters / 1e6:.2f}M parameters) on "
             f"{chosen.get('data') or 'data'} with {strategy_name}, {ranks}, {cfg.trainer.precision}, seed {cfg.seed}; "
             f"outputs in {cfg.paths.output_dir}")
 
