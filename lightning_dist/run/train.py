@@ -38,8 +38,8 @@ _LAUNCH_ENVIRONMENT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", 
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Fit, then test the best checkpoint; returns the final metrics. Runs on every rank (Lightning re-launches
-    this script)."""
+    """Fit (unless train=false), then test (the best checkpoint); returns the final metrics. Runs on every rank
+    (Lightning re-launches this script)."""
     saved = {name: os.environ.get(name) for name in _LAUNCH_ENVIRONMENT}
     try:
         return _fit_and_test(cfg)
