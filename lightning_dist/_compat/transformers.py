@@ -169,7 +169,9 @@ def grouped_experts_on_meta(experts: Any) -> Iterator[None]:
 FENCED += [Fenced("transformers.integrations.deepspeed", "set_hf_deepspeed_config", ("hf_deepspeed_config_obj",)),
            Fenced("transformers.integrations.deepspeed", "is_deepspeed_zero3_enabled", ()),
            Fenced("transformers.integrations.deepspeed", "deepspeed_config", ()),
-           Fenced("transformers.integrations.deepspeed", "unset_hf_deepspeed_config", ())]
+           Fenced("transformers.integrations.deepspeed", "unset_hf_deepspeed_config", ()),
+           # The registered object itself (a weak reference, or None), put back when ours is withdrawn.
+           Fenced("transformers.integrations.deepspeed", "_hf_deepspeed_config_weak_ref")]
 
 
 class ZeRO3Declaration:
@@ -177,8 +179,9 @@ class ZeRO3Declaration:
     a `from_pretrained` while it is registered builds under `deepspeed.zero.Init` with). Registered only while an
     object holds it."""
 
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: dict[str, Any], replaced: Any = None) -> None:
         self.config = config
+        self.replaced = replaced  # the user's registered config (not ZeRO-3), put back at withdrawal
 
     def is_zero3(self) -> bool:
         return True
@@ -186,15 +189,16 @@ class ZeRO3Declaration:
 
 def declare_zero3(config: dict[str, Any]) -> ZeRO3Declaration | None:
     """Tell transformers that ZeRO-3 partitions its models, as `HfDeepSpeedConfig(config)` does for a script without
-    its Trainer (without needing accelerate, which that class imports); None where a DeepSpeed config of the user's is
-    registered already. Keep the returned object while the engine runs; `withdraw_zero3` ends it. Raises where
-    transformers does not read it back (it then would not run `generate` in step on every rank). Checked on
-    transformers 5.24 and 5.25."""
+    its Trainer (without needing accelerate, which that class imports); None where a ZeRO-3 config of the user's is
+    registered already (one of another stage is replaced while the engine runs). Keep the returned object while the
+    engine runs; `withdraw_zero3` ends it. Raises where transformers does not read it back (it then would not run
+    `generate` in step on every rank). Checked on transformers 5.24 and 5.25."""
     from transformers.integrations import deepspeed
 
     if deepspeed.is_deepspeed_zero3_enabled():
         return None
-    declaration = ZeRO3Declaration(config)
+    registered = deepspeed._hf_deepspeed_config_weak_ref
+    declaration = ZeRO3Declaration(config, registered() if registered is not None else None)
     deepspeed.set_hf_deepspeed_config(declaration)
     if not deepspeed.is_deepspeed_zero3_enabled() or deepspeed.deepspeed_config() is not config:
         raise RuntimeError("transformers did not read back the ZeRO-3 config registered with set_hf_deepspeed_config:"
@@ -203,9 +207,12 @@ def declare_zero3(config: dict[str, Any]) -> ZeRO3Declaration | None:
 
 
 def withdraw_zero3(declaration: ZeRO3Declaration) -> None:
-    """transformers no longer takes its models to be partitioned by ZeRO-3 (where `declaration` is still the one it
-    reads: a user's registered since is theirs)."""
+    """transformers no longer takes its models to be partitioned by ZeRO-3: the config it read before is registered
+    again, or none (where `declaration` is still the one it reads: a user's registered since is theirs)."""
     from transformers.integrations import deepspeed
 
     if deepspeed.deepspeed_config() is declaration.config:
-        deepspeed.unset_hf_deepspeed_config()
+        if declaration.replaced is not None:
+            deepspeed.set_hf_deepspeed_config(declaration.replaced)
+        else:
+            deepspeed.unset_hf_deepspeed_config()
