@@ -17,6 +17,7 @@ import torch
 from lightning.fabric.connector import _convert_precision_to_unified_args
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -30,6 +31,8 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (
 )
 from lightning.pytorch.trainer.connectors.logger_connector import result as logged_results
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader
 
 from lightning_dist._compat.fenced import Fenced
 
@@ -56,6 +59,8 @@ __all__ = [
     "give_device_mesh",
     "is_stateful_loader",
     "load_distributed_checkpoint",
+    "loader_with_sampler",
+    "prepare_train_data_again",
     "log_this_batch_now",
     "logs_this_step",
     "attached_trainer",
@@ -67,6 +72,7 @@ __all__ = [
     "step_in_progress",
     "broadcast_sigterm_at_logging_steps",
     "remove_module_hooks",
+    "set_sampler_epoch",
     "set_threads_for_ranks",
     "train_data_source",
     "training_step_in_wrapper",
@@ -153,6 +159,11 @@ FENCED = [
            ("self", "data_fetcher")),
     # Every rank's SIGTERM flag, broadcast and read before every batch (broadcast_sigterm_at_logging_steps).
     Fenced("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor", ("self",)),
+    # How Lightning gives a loader another sampler (its DistributedSampler), and sets each epoch's on its samplers.
+    Fenced("lightning.pytorch.utilities.data", "_update_dataloader", ("dataloader", "sampler", "mode")),
+    Fenced("lightning.fabric.utilities.data", "_set_sampler_epoch", ("dataloader", "epoch")),
+    # The fit loop's train data, made once (`_combined_loader`, `_data_fetcher`): prepare_train_data_again.
+    Fenced("lightning.pytorch.loops.fit_loop", "_FitLoop.setup_data", ("self",)),
 ]
 
 # Lightning's private hooks and attributes that our strategies (strategies/: the classes and their mixins) override,
@@ -357,6 +368,26 @@ def label_logged_rows_by_global_step(trainer: Any) -> None:
     optimization of one optimizer."""
     if trainer.lightning_module.automatic_optimization and len(trainer.optimizers) == 1:
         trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
+
+
+def loader_with_sampler(dataloader: Any, sampler: Any) -> Any:
+    """A train loader made again as Lightning makes one with its DistributedSampler, with `sampler` in its place."""
+    return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+
+
+def prepare_train_data_again(trainer: Any) -> None:
+    """The fit loop's train loaders made again, as it makes them when fit starts: asked for again, prepared for the
+    loops' state, given their saved states. Lightning makes them once, whenever first asked."""
+    fit_loop = trainer.fit_loop
+    if fit_loop._data_fetcher is not None:
+        fit_loop._data_fetcher.teardown()  # the earlier iterator's worker processes
+    fit_loop._combined_loader = None
+    fit_loop.setup_data()
+
+
+def set_sampler_epoch(dataloader: Any, epoch: int) -> None:
+    """What the fit loop does as an epoch starts: `set_epoch(epoch)` on the loader's sampler and batch sampler."""
+    _set_sampler_epoch(dataloader, epoch)
 
 
 def is_stateful_loader(loader: Any) -> bool:

@@ -30,6 +30,10 @@ from lightning_dist.checkpoints.safe_load import load_file
 from lightning_dist.checkpoints.save_id import SAVE_ID
 from lightning_dist.checkpoints.source import CheckpointSource
 
+# A consolidated checkpoint's record of the saved optimizer's parameter groups, each without its parameters: the
+# hyper-parameters (learning rate, betas, weight decay) as the run's schedule had last set them.
+GROUP_SETTINGS = "optimizer_group_settings"
+
 
 def load_consolidated(path: str | Path | CheckpointSource, trusted: bool = False) -> dict[str, Any]:
     """The checkpoint at `path` as one in-memory Lightning checkpoint dict with a full fp32 `state_dict`.
@@ -107,13 +111,13 @@ def _load_deepspeed(path: Path) -> dict[str, Any]:
     # DeepSpeed's reader prints its progress (each merge three times over); a failure raises, with its own message.
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         state_dict = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag_dir.name)
-        state_by_name = _deepspeed_adam_state(tag_dir)
-    return _lightning_checkpoint(client_state, state_dict, state_by_name)
+        state_by_name, param_groups = _deepspeed_adam_state(tag_dir)
+    return _lightning_checkpoint(client_state, state_dict, state_by_name, param_groups=param_groups)
 
 
 def _lightning_checkpoint(
     client_state: dict[str, Any], state_dict: dict[str, torch.Tensor], state_by_name: dict[str, dict],
-    autoep_blocks: dict[str, Any] | None = None,
+    autoep_blocks: dict[str, Any] | None = None, param_groups: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Lightning's checkpoint from rank 0's DeepSpeed client state and the weights and Adam state gathered apart."""
     deepspeed_keys = {"module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "skipped_steps",
@@ -130,21 +134,23 @@ def _lightning_checkpoint(
             state_dict[name] = tensor.float() if tensor.is_floating_point() else tensor
     checkpoint = {k: v for k, v in client_state.items() if k not in deepspeed_keys}
     checkpoint["state_dict"] = {k.removeprefix(WRAPPED_MODULE_PREFIX): v for k, v in state_dict.items()}
-    return _with_state_by_name(checkpoint, {k.removeprefix(WRAPPED_MODULE_PREFIX): v for k, v in state_by_name.items()})
+    return _with_state_by_name(checkpoint, {k.removeprefix(WRAPPED_MODULE_PREFIX): v for k, v in state_by_name.items()},
+                               param_groups)
 
 
-def _deepspeed_adam_state(ds_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+def _deepspeed_adam_state(ds_dir: Path) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, Any]]]:
     """Adam's moments per parameter name, un-partitioned with DeepSpeed's own merge of the fp32 master weights:
-    the base optimizer's moments have exactly the flat layout of those weights."""
+    the base optimizer's moments have exactly the flat layout of those weights. And its parameter groups."""
     import deepspeed.utils.zero_to_fp32 as z
 
     model_states = z.parse_model_states(z.get_model_state_files(str(ds_dir)))
     shards = [load_file(f, trusted=True)["optimizer_state_dict"]  # vetted by load_consolidated
               for f in z.get_optim_files(str(ds_dir))]
     stage, world_size = shards[0]["zero_stage"], len(shards)
-    states = [shard["base_optimizer_state" if stage <= 2 else "optimizer_state_dict"]["state"] for shard in shards]
+    base = [shard["base_optimizer_state" if stage <= 2 else "optimizer_state_dict"] for shard in shards]
+    states, param_groups = [optimizer["state"] for optimizer in base], base[0]["param_groups"]
     if not all("exp_avg" in group for group in states[0].values()):
-        return {}  # not an Adam-family optimizer: nothing we know how to map
+        return {}, param_groups  # not an Adam-family optimizer: no moments we know how to map
     trainable = [name for group in model_states[0].param_shapes for name in group]
     moments = {}
     for key in ("exp_avg", "exp_avg_sq"):
@@ -160,7 +166,7 @@ def _deepspeed_adam_state(ds_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
             "exp_avg_sq": moments["exp_avg_sq"][name],
         }
         for name in trainable
-    }
+    }, param_groups
 
 
 def _load_distributed(path: Path) -> dict[str, Any]:
@@ -170,18 +176,22 @@ def _load_distributed(path: Path) -> dict[str, Any]:
     checkpoint.pop(SAVE_ID, None)  # which save the shards are of: checked (whole.py), nothing to restore
     optimizer_keys = sorted(k for k in checkpoint if k.startswith("optimizer_"))
     # DCP stores optimizer state keyed by parameter name already (one optimizer: the case we can map).
-    by_name = checkpoint[optimizer_keys[0]]["state"] if len(optimizer_keys) == 1 else {}
+    saved = checkpoint[optimizer_keys[0]] if len(optimizer_keys) == 1 else {}
     for key in optimizer_keys:
         del checkpoint[key]
-    return _with_state_by_name(checkpoint, by_name)
+    return _with_state_by_name(checkpoint, saved.get("state", {}), saved.get("param_groups"))
 
 
-def _with_state_by_name(checkpoint: dict[str, Any], state_by_name: dict[str, dict]) -> dict[str, Any]:
-    # Empty lists rather than missing keys: Lightning then restores loops and weights and leaves the optimizer to
-    # the strategy, which reads `optimizer_state_by_name`.
+def _with_state_by_name(checkpoint: dict[str, Any], state_by_name: dict[str, dict],
+                        param_groups: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    # An empty list rather than a missing key: Lightning then restores loops, weights and learning-rate schedules
+    # (as saved: a schedule restarted from its first step warmed up again) and leaves the optimizer to the strategy,
+    # which reads `optimizer_state_by_name`, and each group's hyper-parameters from `GROUP_SETTINGS`.
     checkpoint["optimizer_states"] = []
-    checkpoint["lr_schedulers"] = []
+    checkpoint.setdefault("lr_schedulers", [])
     checkpoint["optimizer_state_by_name"] = state_by_name
+    if param_groups is not None:
+        checkpoint[GROUP_SETTINGS] = [{k: v for k, v in group.items() if k != "params"} for group in param_groups]
     return checkpoint
 
 

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
 from lightning_dist._compat.lightning import unwrapped_optimizer
-from lightning_dist.checkpoints.consolidate import load_consolidated
+from lightning_dist.checkpoints.consolidate import GROUP_SETTINGS, load_consolidated
 from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.checkpoints.ranks import Ranks
@@ -102,6 +102,37 @@ def optimizer_state_by_name(checkpoint: dict[str, Any], groups: list[list[str]])
     }
 
 
+def saved_group_settings(checkpoint: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The saved optimizer's parameter groups without their parameters (consolidated, or a plain file's single
+    optimizer), or None where the checkpoint does not say."""
+    if checkpoint.get(GROUP_SETTINGS) is not None:
+        return checkpoint[GROUP_SETTINGS]
+    saved = checkpoint.get("optimizer_states") or []
+    if len(saved) != 1:
+        return None
+    return [{key: value for key, value in group.items() if key != "params"} for group in saved[0]["param_groups"]]
+
+
+def hyper_parameters(live: list[dict[str, Any]], saved: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """For each live parameter group, the numbers among its settings as the checkpoint saved them: the learning
+    rate a schedule had set for the next step, betas, eps, weight decay. The implementation's switches (`foreach`,
+    `fused`, ...) stay this run's, as does every group where the checkpoint has another number of groups.
+
+    A learning-rate schedule restored from its state does not set the groups' rates until its next step: without
+    these, the first step after a resume from another engine's checkpoint ran at the rate the schedule starts
+    with (a warmup's 0)."""
+    if saved is None or len(saved) != len(live):
+        return [{} for _ in live]
+    return [{key: value for key, value in old.items() if key in group and _number(value)}
+            for group, old in zip(live, saved)]
+
+
+def _number(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return bool(value) and all(_number(item) for item in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def restore_optimizer_by_name(
     strategy: Ranks, module: torch.nn.Module, optimizers: list, checkpoint: dict[str, Any],
     whole_model_groups: Callable[[list[list[str]]], list[list[str]]] | None = None,
@@ -117,6 +148,7 @@ def restore_optimizer_by_name(
     if whole_model_groups is not None:
         names = whole_model_groups(names)
     state_by_name = optimizer_state_by_name(checkpoint, names) if strategy.is_global_zero and optimizer else None
+    settings = saved_group_settings(checkpoint) if strategy.is_global_zero else None
     if state_by_name and aliases:
         state_by_name = {**state_by_name, **{alias: state_by_name[name] for alias, name in aliases.items()
                                              if name in state_by_name and alias not in state_by_name}}
@@ -127,7 +159,8 @@ def restore_optimizer_by_name(
         rank_zero_warn("The checkpoint's optimizer state cannot be mapped onto this optimizer: it starts afresh.")
         return
     assert optimizer is not None  # rank 0 mapped its state, and every rank has the same optimizers
-    groups = [{**group, "params": params} for group, params in zip(optimizer.param_groups, names)]
+    saved = hyper_parameters(optimizer.param_groups, strategy.broadcast(settings))
+    groups = [{**group, **old, "params": params} for group, old, params in zip(optimizer.param_groups, saved, names)]
     missing = None
     if strategy.is_global_zero:
         assert state_by_name is not None

@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
 class ResumableDistributedSampler(DistributedSampler):
-    """DistributedSampler's shuffled order (identical when nothing is skipped), starting `skip` samples into the
-    order of epoch `skip_epoch`; other epochs start at their beginning. Global step k of a run with W ranks and
+    """DistributedSampler's order (identical when nothing is skipped, shuffled or not), starting `skip` samples into
+    the order of epoch `skip_epoch`; other epochs start at their beginning. Global step k of a run with W ranks and
     batch size B reads samples [k·B·W, (k+1)·B·W) of the epoch's order, so skipping k·B·W samples continues
     exactly there, at W or at any other number of ranks.
 
@@ -27,9 +27,9 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __init__(
         self, dataset: Dataset, num_replicas: int, rank: int, seed: int, skip_epoch: int = 0, skip: int = 0,
-        epoch_offset: int = 0,
+        epoch_offset: int = 0, shuffle: bool = True, drop_last: bool = False,
     ) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.skip_epoch, self.skip, self.epoch_offset = skip_epoch, skip, epoch_offset
 
     def set_epoch(self, epoch: int) -> None:
@@ -48,18 +48,28 @@ class ResumableDistributedSampler(DistributedSampler):
         return self._skipped() > 0
 
     def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self._samples(), generator=generator).tolist()
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self._samples(), generator=generator).tolist()
+        else:
+            order = list(range(self._samples()))
         # Every rank the same number of samples: the epoch's order padded with its own first samples, as torch pads
-        # it, before the skip (a resumed epoch's last batch repeats what the uninterrupted one's did); again after
-        # it, where the skip is not a whole number of rounds of these ranks (a resume at another world size).
-        order += order[: -len(order) % self.num_replicas]
-        order = order[self._skipped():]
-        order += order[: -len(order) % self.num_replicas]
-        return iter(order[self.rank :: self.num_replicas])
+        # it (or cut, with drop_last), before the skip (a resumed epoch's last batch repeats what the uninterrupted
+        # one's did); again after it, where the skip is not a whole number of rounds of these ranks (a resume at
+        # another world size).
+        order = self._evened(order)
+        return iter(self._evened(order[self._skipped():])[self.rank :: self.num_replicas])
+
+    def _evened(self, order: list[int]) -> list[int]:
+        """`order` made a whole number of rounds of these ranks, as DistributedSampler makes it."""
+        if self.drop_last:
+            return order[: len(order) - len(order) % self.num_replicas]
+        return order + order[: -len(order) % self.num_replicas]
 
     def __len__(self) -> int:
+        if self.drop_last:
+            return (self._samples() // self.num_replicas * self.num_replicas - self._skipped()) // self.num_replicas
         padded = self._samples() + -self._samples() % self.num_replicas
         return math.ceil((padded - self._skipped()) / self.num_replicas)
 

@@ -39,6 +39,7 @@ from lightning_dist._compat.lightning import (
 from lightning_dist.checkpoints.background import BackgroundSaves
 from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
 from lightning_dist.checkpoints.swap import SwappedSaves
+from lightning_dist.data.train_loader_place import ContinuesTrainLoaders
 from lightning_dist.lifecycle.collective_timeout import forming_process_group
 from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
 from lightning_dist.parallel.block_options import BlockOptions
@@ -58,14 +59,15 @@ if TYPE_CHECKING:
     from lightning_dist.parallel.dims import ParallelDims
 
 
-class StrategyBase(ReportsCompilation, BackgroundSaves, SwappedSaves, LogsGlobalSteps, ForgetsUnbuiltModel,
-                   StepsThroughAxes):
+class StrategyBase(ReportsCompilation, ContinuesTrainLoaders, BackgroundSaves, SwappedSaves, LogsGlobalSteps,
+                   ForgetsUnbuiltModel, StepsThroughAxes):
     """The base of every strategy of ours, before its engine's Lightning strategy in the bases.
 
     The mixins' hooks call on through `super()`, so their order is how they nest around Lightning's strategy: compile
-    reports outermost; background saves hand their write to swapped saves, which put it in place whole; the logged
-    rows' step labels; a model never built is forgotten at teardown; each step runs through the parallel axes that
-    act on it (`step_axes()`), around Lightning's own. tests/strategies/test_base_order.py pins it.
+    reports outermost; a resumed run's train loaders go on where it stopped, and each save records what they read
+    (data/train_loader_place.py); background saves hand their write to swapped saves, which put it in place whole;
+    the logged rows' step labels; a model never built is forgotten at teardown; each step runs through the parallel
+    axes that act on it (`step_axes()`), around Lightning's own. tests/strategies/test_base_order.py pins it.
     """
 
     precision_support = PrecisionSupport()

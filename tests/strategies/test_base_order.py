@@ -12,6 +12,8 @@ import lightning_dist.strategies as strategies
 
 BASE = ["lightning_dist.strategies.base.StrategyBase",
         "lightning_dist.parallel.regional_compile.ReportsCompilation",
+        # Its record of what the train loaders read goes into every save, background or not.
+        "lightning_dist.data.train_loader_place.ContinuesTrainLoaders",
         "lightning_dist.checkpoints.background.BackgroundSaves",
         "lightning_dist.checkpoints.swap.SwappedSaves",
         "lightning_dist.checkpoints.logged_steps.LogsGlobalSteps",

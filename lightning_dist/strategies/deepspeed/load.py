@@ -19,7 +19,13 @@ from lightning_dist._compat.deepspeed import point_parameters_at_optimizer_state
 from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError
 from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.checkpoints.ranks import Ranks
-from lightning_dist.checkpoints.resume import OPTIMIZER_KEYS, load_for_resume, optimizer_state_by_name
+from lightning_dist.checkpoints.resume import (
+    OPTIMIZER_KEYS,
+    hyper_parameters,
+    load_for_resume,
+    optimizer_state_by_name,
+    saved_group_settings,
+)
 from lightning_dist.checkpoints.source import CheckpointSource, weights_only_for
 from lightning_dist.strategies.deepspeed.autoep import autoep_size, local_experts
 from lightning_dist.strategies.deepspeed.config.zero import ZeroSection
@@ -45,6 +51,7 @@ def load_into_engine(strategy: DeepSpeedRanks, checkpoint: dict[str, Any], stric
     module, engine = strategy.lightning_module, strategy.deepspeed_engine
     names = getattr(strategy, "param_group_names", [])
     states = optimizer_state_by_name(checkpoint, names) if strategy.is_global_zero else None
+    settings = strategy.broadcast(saved_group_settings(checkpoint) if strategy.is_global_zero else None)
     weights = checkpoint.pop("state_dict", None)
     for key in OPTIMIZER_KEYS:
         checkpoint.pop(key, None)
@@ -78,6 +85,9 @@ def load_into_engine(strategy: DeepSpeedRanks, checkpoint: dict[str, Any], stric
     if with_moments:
         step = strategy.broadcast(_step_of(states or {}) if strategy.is_global_zero else 0.0)
         _set_step(optimizer, step)
+    if optimizer is not None:
+        for group, as_saved in zip(optimizer.param_groups, hyper_parameters(optimizer.param_groups, settings)):
+            group.update(as_saved)
 
 
 def engine_reads_natively(saved_config: dict[str, Any], config: dict[str, Any]) -> bool:

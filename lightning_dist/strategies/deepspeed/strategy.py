@@ -508,7 +508,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         checkpoint = load_deepspeed_checkpoint(self, checkpoint_path, weights_only, super().load_checkpoint)
         if isinstance(self.precision_plugin, ClippingInTheEngine):  # not the clipping norm the checkpoint's run had
             self.precision_plugin.use_configured_norm()
-        return checkpoint
+        return self.read_loader_record(checkpoint)
 
     @override
     def step_axes(self) -> list[StepAxis]:

@@ -97,7 +97,8 @@ class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         weights_only = weights_only_for(checkpoint_path, weights_only)
         foreign = load_for_resume(self, checkpoint_path, native_formats={FILE}, weights_only=weights_only)
-        return foreign if foreign is not None else super().load_checkpoint(checkpoint_path, weights_only)
+        checkpoint = foreign if foreign is not None else super().load_checkpoint(checkpoint_path, weights_only)
+        return self.read_loader_record(checkpoint)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -408,6 +408,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (got {storage_options!r})")
         # As Lightning's, with the save's id in every shard file (checkpoints/save_id.py), swapped in when whole.
+        checkpoint = self.with_samples_per_batch(checkpoint)  # as the mixins record it in every other save
         write_then_swap(
             self, self.broadcast(filepath), lambda partial: self.sharded_write(checkpoint, partial, staged=False)()
         )
@@ -429,14 +430,14 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         pipeline = self._pipeline_steps
         foreign = load_for_resume(self, checkpoint_path, {DISTRIBUTED} if pipeline is None else set(), weights_only)
         if foreign is None:
-            return self._load_sharded(checkpoint_path, weights_only)
+            return self.read_loader_record(self._load_sharded(checkpoint_path, weights_only))
         load_weights_from_rank_zero(self.model, foreign, strict=self.lightning_module.strict_loading,
                                     partial=None if pipeline is None else self)
         if self.optimizers:  # fitting: restore Adam's moments into the shards too
             restore_optimizer_by_name(self, self.model, self.optimizers, foreign,
                                       whole_model_groups=None if pipeline is None else pipeline.whole_model_groups,
                                       aliases=None if pipeline is None else pipeline.tied_aliases())
-        return foreign
+        return self.read_loader_record(foreign)
 
     def _load_sharded(self, checkpoint_path: str | Path, weights_only: bool | None) -> dict[str, Any]:
         """A sharded directory, through Lightning; one rank reads it as one process (background.py says why)."""

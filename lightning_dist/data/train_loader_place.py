@@ -1,0 +1,198 @@
+"""A user's train loader picked up where a resumed run left its epoch: the interrupted epoch's order, from the batch
+after the last one trained.
+
+Lightning restores a run's place in its epoch but not its loader's. A plain `DataLoader` read the resumed epoch
+again from its first batch (Lightning warns that the resume is unreliable: the run trained on those samples twice
+and stepped more times that epoch than the uninterrupted run). And with worker processes, the first epoch of any
+resumed run read epoch 0's order: Lightning makes the loader's iterator, whose workers take their first indices at
+once, before it sets the sampler's epoch (Lightning #21938).
+
+Under our strategies a train loader's `DistributedSampler` orders each epoch by seed and epoch alone, so the
+restored place is enough to go on exactly: the sampler gets the restored epoch before Lightning makes its iterator,
+and in the middle of an epoch it is replaced by one starting at the samples the interrupted run had read
+(sample_position.py, as the bundled data does). Loaders that keep their own place (torchdata's
+`StatefulDataLoader`) and samplers of the user's own are left as they are. So is a loader resumed mid-epoch at
+another world size or batch size, with a line saying so: Lightning counts an epoch's batches once, so the resumed
+epoch and the ones after it could not all end where their samples do.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.utilities.data import sized_len
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+from lightning_dist._compat.lightning import (
+    StrategyMixin,
+    is_stateful_loader,
+    loader_with_sampler,
+    prepare_train_data_again,
+    set_sampler_epoch,
+)
+from lightning_dist.data.sample_position import ResumableDistributedSampler
+
+# Our checkpoints' record of the samples one batch of each train loader reads over the data-parallel ranks (None
+# for a loader whose order is not known): with Lightning's count of the batches done, where the epoch's order got to.
+SAMPLES_PER_BATCH = "train_samples_per_batch"
+
+# Lightning's warning at a mid-epoch resume of a loader it cannot resume: not so where every loader goes on exactly.
+UNRESUMABLE_WARNING = r"You're resuming from a checkpoint that ended before the epoch ended"
+
+
+class ContinuedSampler(ResumableDistributedSampler):
+    """A `DistributedSampler`'s order in a run resumed `counted` samples per rank into epoch `skip_epoch` (with
+    `skip` samples read by all ranks before): its length counts them too, as Lightning counts the batches before
+    the resume among the epoch's, so that the epoch ends when its samples do."""
+
+    def __init__(self, sampler: DistributedSampler, *, skip_epoch: int, skip: int, counted: int) -> None:
+        super().__init__(sampler.dataset, sampler.num_replicas, sampler.rank, sampler.seed, skip_epoch=skip_epoch,
+                         skip=skip, shuffle=sampler.shuffle, drop_last=sampler.drop_last)
+        self.counted = counted
+
+    def __len__(self) -> int:
+        return super().__len__() + (self.counted if self.resuming else 0)
+
+
+def order_by_epoch(dataloader: Any) -> DistributedSampler | None:
+    """The loader's `DistributedSampler` where it alone orders the epoch (torch's own, under a plain batch sampler,
+    in a loader that keeps no place of its own); None for any other loader."""
+    if not isinstance(dataloader, DataLoader) or is_stateful_loader(dataloader):
+        return None
+    batch_sampler = dataloader.batch_sampler
+    if type(batch_sampler) is not BatchSampler or type(batch_sampler.sampler) is not DistributedSampler:
+        return None
+    return batch_sampler.sampler
+
+
+def in_mid_epoch(dataloader: Any, batches_done: int) -> bool:
+    """Whether `batches_done` of the loader's epoch leave some to read (a loader without a length: any done)."""
+    batches = sized_len(dataloader)
+    return 0 < batches_done < (batches if batches is not None else batches_done + 1)
+
+
+def continued(dataloader: Any, epoch: int, batches_done: int, saved_samples_per_batch: int | None) -> Any:
+    """`dataloader` as the resumed run reads it: epoch `epoch` after its first `batches_done` batches, each of
+    `saved_samples_per_batch` samples over the interrupted run's ranks; the loader itself where there is nothing to
+    skip, its order is not known, or the checkpoint does not say.
+
+    Raises EpochLengthChanged where the rest of the epoch, at this run's ranks and batch size, would not end where
+    Lightning counts the epoch's batches (it counts them once, for every epoch: at another world size or batch
+    size the resumed epoch and the next cannot both end where their samples do)."""
+    sampler = order_by_epoch(dataloader)
+    if sampler is None or saved_samples_per_batch is None or not in_mid_epoch(dataloader, batches_done):
+        return dataloader
+    place = ContinuedSampler(sampler, skip_epoch=epoch, skip=batches_done * saved_samples_per_batch,
+                             counted=batches_done * dataloader.batch_size)
+    place.set_epoch(epoch)
+    if len(BatchSampler(place, dataloader.batch_size, dataloader.drop_last)) != len(dataloader):
+        raise EpochLengthChanged(f"{saved_samples_per_batch} samples a batch over the ranks when saved,"
+                                 f" {samples_per_batch(dataloader)} now")
+    return loader_with_sampler(dataloader, place)
+
+
+class EpochLengthChanged(Exception):
+    """A resumed epoch that cannot go on where it stopped and end where Lightning counts it (`continued`)."""
+
+
+def samples_per_batch(dataloader: Any) -> int | None:
+    """The samples one batch of `dataloader` reads over the data-parallel ranks, where its order is known."""
+    sampler = order_by_epoch(dataloader)
+    return None if sampler is None else dataloader.batch_size * sampler.num_replicas
+
+
+def place_in_epoch(trainer: Any) -> tuple[int, int]:
+    """The epoch the fit loop is about to run, and the batches of it already done (as a checkpoint restored them)."""
+    fit_loop = trainer.fit_loop
+    done = fit_loop.epoch_loop.batch_progress.current.processed if fit_loop.restarting else 0
+    return fit_loop.epoch_progress.current.processed, done
+
+
+class ContinuesTrainLoaders(StrategyMixin):
+    """Strategy mixin (before the Lightning strategy in the bases, and before the saves'): each train loader
+    Lightning prepares for fit is set to the restored epoch, and goes on from the restored batch where its order is
+    known. Each checkpoint records the samples a batch of each train loader reads (`SAMPLES_PER_BATCH`): what the
+    batches Lightning counts as done read, and whether the run resumes at the size it was saved at."""
+
+    _prepared_at: tuple[int, int] | None = None  # the place in the epoch the train loaders were last prepared for
+    _loader_index = 0  # the train loader being prepared: Lightning prepares them in one order
+    _samples_per_batch: tuple[int | None, ...] = ()  # this run's train loaders', in that order
+    _saved_samples_per_batch: tuple[int | None, ...] = ()  # the loaded checkpoint's
+    _restarting_loaders: int = 0  # train loaders of this fit that read their resumed epoch again from its start
+    _quiet_unresumable: Any = None  # the warnings filter, while Lightning would call every loader unresumable
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]  # connected: Lightning prepares its data
+        if not trainer.training:  # a validation, test or predict loader, or the sanity check's
+            return dataloader
+        index, self._loader_index = self._loader_index, self._loader_index + 1
+        self._samples_per_batch = (*self._samples_per_batch[:index], samples_per_batch(dataloader))
+        saved = self._saved_samples_per_batch[index] if index < len(self._saved_samples_per_batch) else None
+        epoch, done = self._prepared_at = place_in_epoch(trainer)
+        try:
+            resumed = continued(dataloader, epoch, done, saved)
+        except EpochLengthChanged as change:
+            rank_zero_info(f"Resumed in epoch {epoch} after {done} batches at another world size or batch size"
+                           f" ({change}): the train loader reads the epoch again from its first batch, as Lightning"
+                           " does; resume at the saved size to go on with the next sample")
+            resumed = dataloader
+        if resumed is not dataloader:
+            assert saved is not None  # continued only where the checkpoint says what a batch read
+            rank_zero_info(f"Resumed in epoch {epoch} after {done} batches ({done * saved} samples): the train loader"
+                           " goes on with the next sample, in the interrupted run's order")
+        elif in_mid_epoch(dataloader, done) and not is_stateful_loader(dataloader):
+            self._restarting_loaders += 1
+        # Before Lightning makes the iterator, whose workers take their first indices at once (Lightning #21938).
+        set_sampler_epoch(resumed, epoch)
+        return resumed
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]  # in training
+        if self._prepared_at != place_in_epoch(trainer):
+            # Prepared before the checkpoint restored the loops: asked for while the strategy set up (the steps a
+            # learning-rate schedule spans, `trainer.estimated_stepping_batches`), and not again by Lightning, which
+            # then also never gave a stateful loader its saved state (Lightning #20550).
+            self._loader_index = self._restarting_loaders = 0
+            prepare_train_data_again(trainer)
+        if trainer.fit_loop.restarting and not self._restarting_loaders:
+            self._quiet_unresumable = warnings.catch_warnings()
+            self._quiet_unresumable.__enter__()
+            warnings.filterwarnings("ignore", message=UNRESUMABLE_WARNING)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._end_quiet()  # Lightning warned (or not) as the epoch loop reset, before its first batch
+        self._loader_index = 0  # the next loaders prepared (a reload, `reload_dataloaders_every_n_epochs`) start over
+        super().on_train_batch_start(batch, batch_idx)
+
+    def with_samples_per_batch(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """`checkpoint` with the record of this run's train loaders (for a save that does not pass through here)."""
+        if not self._samples_per_batch:
+            return checkpoint
+        return {**checkpoint, SAMPLES_PER_BATCH: list(self._samples_per_batch)}
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        super().save_checkpoint(self.with_samples_per_batch(checkpoint), filepath, storage_options)
+
+    def read_loader_record(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Each engine's `load_checkpoint` hands its checkpoint, in whatever format it was, through here: its record
+        of what the train loaders read (none in one Lightning's own strategies saved: those restart the epoch)."""
+        self._saved_samples_per_batch = tuple(checkpoint.get(SAMPLES_PER_BATCH) or ())
+        return checkpoint
+
+    def teardown(self) -> None:
+        self._end_quiet()
+        self._prepared_at, self._loader_index, self._restarting_loaders = None, 0, 0
+        self._samples_per_batch = self._saved_samples_per_batch = ()
+        super().teardown()
+
+    def _end_quiet(self) -> None:
+        if self._quiet_unresumable is not None:
+            self._quiet_unresumable.__exit__(None, None, None)
+            self._quiet_unresumable = None

@@ -1,0 +1,140 @@
+"""A user's plain `DataLoader(shuffle=True, num_workers=2)` resumed under our strategies (tests/train_loader_script.py:
+3 epochs of 9 batches a rank at 2 ranks, a warmup schedule over `estimated_stepping_batches`, checkpoints every 5 steps
+and at each epoch's end) reads what the uninterrupted run read, batch for batch (data/train_loader_place.py):
+
+- from the middle of an epoch, the rest of that epoch's order, not the epoch again from its first batch (Lightning's
+  own behaviour, with its warning that the resume is unreliable);
+- from an epoch's end, the next epoch's order, not epoch 0's (Lightning #21938: with worker processes the iterator
+  took its indices before the sampler's epoch was set);
+- at another number of ranks, the epoch again from its first batch (Lightning's behaviour), with a line saying so;
+- where the loader was asked for before the checkpoint restored the loops (the schedule's step count, DeepSpeed's
+  config), as where it was not; a `StatefulDataLoader` gets its saved state (Lightning #20550);
+- from another engine's checkpoint, with the learning rates its warmup schedule had reached (checkpoints/resume.py).
+  """
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, TRAIN_ENV
+
+pytestmark = pytest.mark.slow
+
+UNRELIABLE = "dataloader is not resumable"
+
+
+def run(out, strategy: str, devices: int, loader: str = "plain", ckpt_path=None) -> tuple[list[dict], str]:
+    """Each rank's steps ({global step: [epoch, batch_idx, sample numbers, loss]}) and the run's output."""
+    out.mkdir(parents=True, exist_ok=True)
+    process = subprocess.run([sys.executable, str(REPO / "tests" / "train_loader_script.py"), str(out), strategy,
+                              str(devices), loader, *([str(ckpt_path)] if ckpt_path else [])], cwd=out,
+                             env={**TRAIN_ENV, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
+    assert process.returncode == 0, process.stderr[-4000:]
+    seen = [{int(step): row for step, row in json.loads((out / f"seen-{rank}.json").read_text()).items()}
+            for rank in range(devices)]
+    return seen, process.stdout + process.stderr
+
+
+def samples(seen: list[dict], steps) -> list[list[list[int]]]:
+    return [[rank_seen[step][2] for step in steps] for rank_seen in seen]
+
+
+def losses(seen: list[dict], steps) -> list[float]:
+    return [rank_seen[step][3] for rank_seen in seen for step in steps]
+
+
+def epoch_order(seen: list[dict], epoch: int) -> list[int]:
+    """The epoch's order over all ranks, as DistributedSampler deals it: batch by batch, each rank's i-th sample of
+    a batch in turn."""
+    steps = sorted(step for step, row in seen[0].items() if row[0] == epoch)
+    return [number for step in steps for row in zip(*(rank_seen[step][2] for rank_seen in seen)) for number in row]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    seen, output = run(out, "ld_ddp", 2)
+    assert [sorted(rank_seen) for rank_seen in seen] == [list(range(27))] * 2
+    return seen, out / "checkpoints"
+
+
+def test_a_resume_in_the_middle_of_an_epoch_goes_on_with_its_next_batch(uninterrupted, tmp_path):
+    expected, checkpoints = uninterrupted
+    seen, output = run(tmp_path, "ld_ddp", 2, ckpt_path=checkpoints / "epoch=1-step=10.ckpt")
+    steps = range(10, 27)
+    assert [sorted(rank_seen) for rank_seen in seen] == [list(steps)] * 2  # 17 steps: none read twice
+    assert [[rank_seen[step][:2] for step in steps] for rank_seen in seen] == [
+        [expected[0][step][:2] for step in steps]] * 2  # epoch 1 resumed at its batch 1
+    assert samples(seen, steps) == samples(expected, steps)
+    assert losses(seen, steps) == pytest.approx(losses(expected, steps), rel=1e-5)
+    assert "Resumed in epoch 1 after 1 batches (8 samples): the train loader goes on with the next sample" in output
+    assert UNRELIABLE not in output
+
+
+def test_a_resume_at_an_epoch_s_end_reads_the_next_epoch_s_order(uninterrupted, tmp_path):
+    expected, checkpoints = uninterrupted
+    seen, output = run(tmp_path, "ld_ddp", 2, ckpt_path=checkpoints / "end-epoch=0.ckpt")
+    steps = range(9, 27)
+    assert samples(seen, steps) == samples(expected, steps)
+    assert samples(seen, [9]) != samples(expected, [0])  # epoch 0's first batch, which the old resume read again
+    assert losses(seen, steps) == pytest.approx(losses(expected, steps), rel=1e-5)
+    assert "Resumed" not in output
+
+
+def test_a_resume_at_another_number_of_ranks_says_it_reads_the_epoch_again(uninterrupted, tmp_path):
+    # Lightning counts an epoch's batches once: the rest of epoch 1 (58 samples, 15 batches at 1 rank) and epoch 2
+    # (17 batches) could not both end where their samples do. Lightning's own behaviour, said in one line.
+    expected, checkpoints = uninterrupted
+    (seen,), output = run(tmp_path, "ld_fsdp", 1, ckpt_path=checkpoints / "epoch=1-step=10.ckpt")
+    assert ("Resumed in epoch 1 after 1 batches at another world size or batch size (8 samples a batch over the"
+            " ranks when saved, 4 now): the train loader reads the epoch again from its first batch") in output
+    assert UNRELIABLE in output  # Lightning's warning stands
+    assert [seen[step][1] for step in sorted(seen) if seen[step][0] == 1] == list(range(1, 17))
+    assert [number for step in sorted(seen) if seen[step][0] == 2 for number in seen[step][2]] == epoch_order(
+        [seen], 2)  # the next epoch from its start, in its own order at 1 rank
+    assert seen[10][2] == epoch_order(expected, 1)[:4] != epoch_order(expected, 1)[8:12]
+
+
+@pytest.fixture(scope="module")
+def zero3_resumed(uninterrupted, tmp_path_factory, deepspeed_ops):
+    """ZeRO-3 resumed from the ddp run's step 10: DeepSpeed's config asks for the loader (the steps its schedule
+    spans) before the checkpoint is restored; the ddp file is consolidated and partitioned into the engine."""
+    out = tmp_path_factory.mktemp("zero3")
+    seen, output = run(out, "ld_deepspeed_stage_3", 2, ckpt_path=uninterrupted[1] / "epoch=1-step=10.ckpt")
+    return seen, output, out / "checkpoints"
+
+
+def test_a_zero3_run_resumed_from_a_ddp_checkpoint_goes_on_with_the_next_batch(uninterrupted, zero3_resumed):
+    expected, _ = uninterrupted
+    seen, output, _ = zero3_resumed
+    steps = range(10, 27)
+    assert samples(seen, steps) == samples(expected, steps)
+    # And at the learning rate the schedule had set: the first step after the resume ran at the warmup's 0 before.
+    assert losses(seen, steps) == pytest.approx(losses(expected, steps), rel=1e-5)
+    assert UNRELIABLE not in output
+
+
+def test_a_ddp_run_resumed_from_a_zero3_checkpoint_keeps_the_schedule(uninterrupted, zero3_resumed, tmp_path):
+    # A consolidated ZeRO-3 checkpoint: its schedule restarted from step 0 before (warming up again), and its
+    # groups' learning rate was the new optimizer's.
+    expected, _ = uninterrupted
+    seen, _ = run(tmp_path, "ld_ddp", 2, ckpt_path=zero3_resumed[2] / "epoch=1-step=15.ckpt")
+    steps = range(15, 27)
+    assert samples(seen, steps) == samples(expected, steps)
+    assert losses(seen, steps) == pytest.approx(losses(expected, steps), rel=1e-5)
+
+
+def test_a_stateful_loader_gets_its_saved_place_where_it_was_asked_for_early(uninterrupted, tmp_path, deepspeed_ops):
+    expected, _ = uninterrupted
+    first, _ = run(tmp_path / "first", "ld_deepspeed_stage_2", 2, "stateful")
+    assert samples(first, range(27)) == samples(expected, range(27))  # torchdata's sampler deals the same order
+    seen, output = run(tmp_path / "resumed", "ld_deepspeed_stage_2", 2, "stateful",
+                       tmp_path / "first" / "checkpoints" / "epoch=0-step=5.ckpt")
+    steps = range(5, 27)
+    assert samples(seen, steps) == samples(expected, steps)
+    assert losses(seen, steps) == pytest.approx(losses(first, steps), rel=1e-5)
+    assert UNRELIABLE not in output
