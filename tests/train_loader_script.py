@@ -1,10 +1,11 @@
 """A user's fine-tuning script, its train loader as most write one: a plain `DataLoader(shuffle=True)` with worker
 processes (or with `stateful`, torchdata's `StatefulDataLoader` over its `StatefulDistributedSampler`), a warmup
-schedule over `self.trainer.estimated_stepping_batches`, and checkpoints every 5 steps and at each epoch's end.
+schedule over `self.trainer.estimated_stepping_batches` of AdamW (or plain SGD), and checkpoints every 5 steps and
+at each epoch's end.
 Trains 3 epochs of 9 batches a rank at 2 ranks (66 samples, 4 a batch) and writes OUT_DIR/seen-<rank>.json:
 {global step: [epoch, batch_idx, the batch's sample numbers, loss]} of the steps it ran.
 
-    python tests/train_loader_script.py OUT_DIR STRATEGY DEVICES plain|stateful [CKPT_PATH]
+    python tests/train_loader_script.py OUT_DIR STRATEGY DEVICES plain|stateful adamw|sgd [CKPT_PATH]
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ import lightning_dist  # noqa: F401  (registers the ld_* strategies)
 
 
 class LanguageModel(L.LightningModule):
-    def __init__(self, loader: str):
+    def __init__(self, loader: str, optimizer: str):
         super().__init__()
         config = Qwen2Config(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
         self.model = AutoModelForCausalLM.from_config(config)
-        self.loader = loader
+        self.loader, self.optimizer = loader, optimizer
         self.seen: dict[int, list] = {}
         self.tokens = torch.randint(0, 80, (66, 8), generator=torch.Generator().manual_seed(1))
         self.tokens[:, 0] = torch.arange(66)  # each sample's number
@@ -51,12 +52,15 @@ class LanguageModel(L.LightningModule):
         return StatefulDataLoader(data, batch_size=4, sampler=sampler, num_workers=2)
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        if self.optimizer == "sgd":
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.5)
+        else:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
         schedule = get_linear_schedule_with_warmup(optimizer, 3, self.trainer.estimated_stepping_batches)
         return [optimizer], [{"scheduler": schedule, "interval": "step"}]
 
 
-def main(out_dir: str, strategy: str, devices: str, loader: str, ckpt_path: str | None = None) -> None:
+def main(out_dir: str, strategy: str, devices: str, loader: str, optimizer: str, ckpt_path: str | None = None) -> None:
     L.seed_everything(0)
     every_5_steps = ModelCheckpoint(dirpath=Path(out_dir, "checkpoints"), every_n_train_steps=5, save_top_k=-1)
     epoch_ends = ModelCheckpoint(dirpath=Path(out_dir, "checkpoints"), filename="end-{epoch}", save_top_k=-1,
@@ -64,7 +68,7 @@ def main(out_dir: str, strategy: str, devices: str, loader: str, ckpt_path: str 
     trainer = L.Trainer(accelerator="cpu", devices=int(devices), strategy=strategy, max_epochs=3, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[every_5_steps, epoch_ends],
                         use_distributed_sampler=loader == "plain")
-    trainer.fit(LanguageModel(loader), ckpt_path=ckpt_path)
+    trainer.fit(LanguageModel(loader, optimizer), ckpt_path=ckpt_path)
     Path(out_dir, f"seen-{trainer.global_rank}.json").write_text(json.dumps(trainer.lightning_module.seen))
 
 

@@ -149,8 +149,8 @@ def _deepspeed_adam_state(ds_dir: Path) -> tuple[dict[str, dict[str, torch.Tenso
     stage, world_size = shards[0]["zero_stage"], len(shards)
     base = [shard["base_optimizer_state" if stage <= 2 else "optimizer_state_dict"] for shard in shards]
     states, param_groups = [optimizer["state"] for optimizer in base], base[0]["param_groups"]
-    if not all("exp_avg" in group for group in states[0].values()):
-        return {}, param_groups  # not an Adam-family optimizer: no moments we know how to map
+    if not states[0] or not all("exp_avg" in group for group in states[0].values()):
+        return {}, param_groups  # not an Adam-family optimizer (SGD keeps none): no moments we know how to map
     trainable = [name for group in model_states[0].param_shapes for name in group]
     moments = {}
     for key in ("exp_avg", "exp_avg_sq"):

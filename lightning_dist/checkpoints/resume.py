@@ -148,18 +148,23 @@ def restore_optimizer_by_name(
     if whole_model_groups is not None:
         names = whole_model_groups(names)
     state_by_name = optimizer_state_by_name(checkpoint, names) if strategy.is_global_zero and optimizer else None
-    settings = saved_group_settings(checkpoint) if strategy.is_global_zero else None
+    settings = strategy.broadcast(saved_group_settings(checkpoint) if strategy.is_global_zero else None)
     if state_by_name and aliases:
         state_by_name = {**state_by_name, **{alias: state_by_name[name] for alias, name in aliases.items()
                                              if name in state_by_name and alias not in state_by_name}}
         names = [group + [alias for alias, name in aliases.items() if name in group] for group in names]
     for key in OPTIMIZER_KEYS:
         checkpoint.pop(key, None)
-    if not strategy.broadcast(bool(state_by_name)):
-        rank_zero_warn("The checkpoint's optimizer state cannot be mapped onto this optimizer: it starts afresh.")
+    mapped = strategy.broadcast(None if state_by_name is None else bool(state_by_name))  # None: cannot be mapped
+    if not mapped:
+        if optimizer is not None:  # nothing saved to map (plain SGD keeps no state): the groups' settings still
+            for group, as_saved in zip(optimizer.param_groups, hyper_parameters(optimizer.param_groups, settings)):
+                group.update(as_saved)
+        if mapped is None:
+            rank_zero_warn("The checkpoint's optimizer state cannot be mapped onto this optimizer: it starts afresh.")
         return
     assert optimizer is not None  # rank 0 mapped its state, and every rank has the same optimizers
-    saved = hyper_parameters(optimizer.param_groups, strategy.broadcast(settings))
+    saved = hyper_parameters(optimizer.param_groups, settings)
     groups = [{**group, **old, "params": params} for group, old, params in zip(optimizer.param_groups, saved, names)]
     missing = None
     if strategy.is_global_zero:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.fabric.utilities.data import sized_len
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
@@ -79,9 +80,10 @@ def continued(dataloader: Any, epoch: int, batches_done: int, saved_samples_per_
     `saved_samples_per_batch` samples over the interrupted run's ranks; the loader itself where there is nothing to
     skip, its order is not known, or the checkpoint does not say.
 
-    Raises EpochLengthChanged where the rest of the epoch, at this run's ranks and batch size, would not end where
+    Raises CannotContinue where the rest of the epoch, at this run's ranks and batch size, would not end where
     Lightning counts the epoch's batches (it counts them once, for every epoch: at another world size or batch
-    size the resumed epoch and the next cannot both end where their samples do)."""
+    size the resumed epoch and the next cannot both end where their samples do), or where the loader's class cannot
+    be made again with another sampler."""
     sampler = order_by_epoch(dataloader)
     if sampler is None or saved_samples_per_batch is None or not in_mid_epoch(dataloader, batches_done):
         return dataloader
@@ -89,13 +91,17 @@ def continued(dataloader: Any, epoch: int, batches_done: int, saved_samples_per_
                              counted=batches_done * dataloader.batch_size)
     place.set_epoch(epoch)
     if len(BatchSampler(place, dataloader.batch_size, dataloader.drop_last)) != len(dataloader):
-        raise EpochLengthChanged(f"{saved_samples_per_batch} samples a batch over the ranks when saved,"
-                                 f" {samples_per_batch(dataloader)} now")
-    return loader_with_sampler(dataloader, place)
+        raise CannotContinue(f"at another world size or batch size ({saved_samples_per_batch} samples a batch over"
+                             f" the ranks when saved, {samples_per_batch(dataloader)} now); resume at the saved size"
+                             " to go on with the next sample")
+    try:
+        return loader_with_sampler(dataloader, place)
+    except (MisconfigurationException, TypeError) as error:  # a DataLoader subclass Lightning cannot make again
+        raise CannotContinue(f"{type(dataloader).__name__} cannot be made again with another sampler ({error})")
 
 
-class EpochLengthChanged(Exception):
-    """A resumed epoch that cannot go on where it stopped and end where Lightning counts it (`continued`)."""
+class CannotContinue(Exception):
+    """Why a resumed epoch cannot go on where it stopped (`continued`)."""
 
 
 def samples_per_batch(dataloader: Any) -> int | None:
@@ -135,10 +141,9 @@ class ContinuesTrainLoaders(StrategyMixin):
         epoch, done = self._prepared_at = place_in_epoch(trainer)
         try:
             resumed = continued(dataloader, epoch, done, saved)
-        except EpochLengthChanged as change:
-            rank_zero_info(f"Resumed in epoch {epoch} after {done} batches at another world size or batch size"
-                           f" ({change}): the train loader reads the epoch again from its first batch, as Lightning"
-                           " does; resume at the saved size to go on with the next sample")
+        except CannotContinue as why:
+            rank_zero_info(f"Resumed in epoch {epoch} after {done} batches {why}: the train loader reads the epoch"
+                           " again from its first batch, as Lightning does")
             resumed = dataloader
         if resumed is not dataloader:
             assert saved is not None  # continued only where the checkpoint says what a batch read

@@ -73,3 +73,19 @@ def test_a_resumed_epoch_is_as_long_as_lightning_counts_it():
     assert len(list(resumed)) == len(whole) - done
     sampler.set_epoch(1)  # the next epoch reads all of it again
     assert len(resumed) == len(list(resumed)) == 13
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("drop_last", [True, False])
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+def test_unshuffled_and_cut_orders_are_distributed_samplers_too(shuffle, drop_last, world_size):
+    # A user's loader: Lightning's DistributedSampler follows the loader's `shuffle`; `drop_last` the user's own.
+    for rank in range(world_size):
+        torch_sampler = DistributedSampler(DATASET, world_size, rank, shuffle=shuffle, seed=5, drop_last=drop_last)
+        ours = ResumableDistributedSampler(DATASET, world_size, rank, seed=5, shuffle=shuffle, drop_last=drop_last)
+        skipped = ResumableDistributedSampler(DATASET, world_size, rank, seed=5, skip_epoch=2, skip=2 * world_size,
+                                              shuffle=shuffle, drop_last=drop_last)
+        for sampler in (torch_sampler, ours, skipped):
+            sampler.set_epoch(2)
+        assert list(ours) == list(torch_sampler) and len(ours) == len(torch_sampler)
+        assert list(skipped) == list(torch_sampler)[2:] and len(skipped) == len(list(skipped))

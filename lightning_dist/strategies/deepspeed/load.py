@@ -29,7 +29,12 @@ from lightning_dist.checkpoints.resume import (
 from lightning_dist.checkpoints.source import CheckpointSource, weights_only_for
 from lightning_dist.strategies.deepspeed.autoep import autoep_size, local_experts
 from lightning_dist.strategies.deepspeed.config.zero import ZeroSection
-from lightning_dist.strategies.deepspeed.universal import convert_on_rank_zero, loading_universal, saved_run
+from lightning_dist.strategies.deepspeed.universal import (
+    convert_on_rank_zero,
+    loading_universal,
+    saved_adam_moments,
+    saved_run,
+)
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -234,6 +239,8 @@ def load_deepspeed_checkpoint(strategy: DeepSpeedRanks, checkpoint_path: Any, we
         source = source.vet()  # DeepSpeed unpickles its shards with weights_only=False
         saved_world_size, saved_config = saved_run(source)
         native = engine_reads_natively(saved_config, strategy.config) and not _zero3_without_optimizer(strategy)
+        # At another world size the engine reads DeepSpeed's universal form, which holds Adam's moments only.
+        native = native and (saved_world_size in (None, strategy.world_size) or saved_adam_moments(source))
     if not native:
         checkpoint = load_for_resume(strategy, source, native_formats=set(), weights_only=weights_only)
         assert checkpoint is not None  # no format is native to this call: every one is consolidated

@@ -42,6 +42,18 @@ def saved_run(source: CheckpointSource) -> tuple[int | None, dict[str, Any]]:
     return saved.get("dp_world_size"), saved.get("ds_config") or {}
 
 
+def saved_adam_moments(source: CheckpointSource) -> bool:
+    """Whether the optimizer of the DeepSpeed checkpoint `source` kept Adam's moments: DeepSpeed's universal
+    converter reads them for every parameter (an SGD run's conversion failed with `KeyError: 0`)."""
+    optimizer_files = sorted(deepspeed_tag_dir(source.path).glob("*optim_states.pt"))
+    if not optimizer_files:
+        return False
+    saved = load_file(optimizer_files[0], mmap=True, trusted=source.readable)["optimizer_state_dict"]
+    base = saved.get("base_optimizer_state") or saved.get("optimizer_state_dict") or {}  # ZeRO-1/2, ZeRO-3
+    states = list(base.get("state", {}).values())
+    return bool(states) and all("exp_avg" in state for state in states)
+
+
 def ensure_universal(path: str | Path | CheckpointSource) -> Path:
     """The universal form of the DeepSpeed checkpoint at `path`, made now unless an earlier conversion finished."""
     source = CheckpointSource.of(path)
