@@ -91,9 +91,9 @@ def continued(dataloader: Any, epoch: int, batches_done: int, saved_samples_per_
                              counted=batches_done * dataloader.batch_size)
     place.set_epoch(epoch)
     if len(BatchSampler(place, dataloader.batch_size, dataloader.drop_last)) != len(dataloader):
-        raise CannotContinue(f"at another world size or batch size ({saved_samples_per_batch} samples a batch over"
-                             f" the ranks when saved, {samples_per_batch(dataloader)} now); resume at the saved size"
-                             " to go on with the next sample")
+        raise CannotContinue(f"this run is at another world size or batch size ({saved_samples_per_batch} samples a"
+                             f" batch over the ranks when saved, {samples_per_batch(dataloader)} now; resume at the"
+                             " saved size to go on with the next sample)")
     try:
         return loader_with_sampler(dataloader, place)
     except (MisconfigurationException, TypeError) as error:  # a DataLoader subclass Lightning cannot make again
@@ -142,8 +142,8 @@ class ContinuesTrainLoaders(StrategyMixin):
         try:
             resumed = continued(dataloader, epoch, done, saved)
         except CannotContinue as why:
-            rank_zero_info(f"Resumed in epoch {epoch} after {done} batches {why}: the train loader reads the epoch"
-                           " again from its first batch, as Lightning does")
+            rank_zero_info(f"Resumed in epoch {epoch} after {done} batches: the train loader reads the epoch again"
+                           f" from its first batch, as Lightning does: {why}")
             resumed = dataloader
         if resumed is not dataloader:
             assert saved is not None  # continued only where the checkpoint says what a batch read

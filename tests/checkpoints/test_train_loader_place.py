@@ -92,9 +92,9 @@ def test_a_resume_at_another_number_of_ranks_says_it_reads_the_epoch_again(unint
     # (17 batches) could not both end where their samples do. Lightning's own behaviour, said in one line.
     expected, checkpoints = uninterrupted
     (seen,), output = run(tmp_path, "ld_fsdp", 1, ckpt_path=checkpoints / "epoch=1-step=10.ckpt")
-    assert ("Resumed in epoch 1 after 1 batches at another world size or batch size (8 samples a batch over the"
-            " ranks when saved, 4 now); resume at the saved size to go on with the next sample: the train loader"
-            " reads the epoch again from its first batch, as Lightning does") in output
+    assert ("Resumed in epoch 1 after 1 batches: the train loader reads the epoch again from its first batch, as"
+            " Lightning does: this run is at another world size or batch size (8 samples a batch over the ranks when"
+            " saved, 4 now; resume at the saved size to go on with the next sample)") in output
     assert UNRELIABLE in output  # Lightning's warning stands
     assert [seen[step][1] for step in sorted(seen) if seen[step][0] == 1] == list(range(1, 17))
     assert [number for step in sorted(seen) if seen[step][0] == 2 for number in seen[step][2]] == epoch_order(
@@ -165,7 +165,7 @@ def test_a_zero3_checkpoint_of_plain_sgd_resumes_at_another_number_of_ranks(zero
     _, checkpoints = zero3_sgd
     (seen,), output = run(tmp_path / "zero3", "ld_deepspeed_stage_3", 1,
                           ckpt_path=checkpoints / "epoch=1-step=10.ckpt", optimizer="sgd")
-    assert "could not convert" not in output and "at another world size or batch size" in output
+    assert "could not convert" not in output and "this run is at another world size or batch size" in output
     (under_ddp,), _ = run(tmp_path / "ddp", "ld_ddp", 1, ckpt_path=checkpoints / "epoch=1-step=10.ckpt",
                           optimizer="sgd")
     assert sorted(seen) == sorted(under_ddp) == list(range(10, 43))  # epoch 1 again (batches 1-16), epoch 2 (17)

@@ -60,8 +60,8 @@ def test_loaders_whose_order_is_not_known_are_left_alone():
 
 def test_another_batch_size_reads_the_epoch_again_and_says_why():
     loader = DataLoader(DATA, batch_size=2, sampler=sampled())
-    with pytest.raises(CannotContinue, match=r"at another world size or batch size \(8 samples a batch over the"
-                                             r" ranks when saved, 4 now\); resume at the saved size"):
+    with pytest.raises(CannotContinue, match=r"this run is at another world size or batch size \(8 samples a batch"
+                                             r" over the ranks when saved, 4 now; resume at the saved size"):
         continued(loader, 1, 3, 8)
 
 
