@@ -11,9 +11,9 @@ Under our strategies a train loader's `DistributedSampler` orders each epoch by 
 restored place is enough to go on exactly: the sampler gets the restored epoch before Lightning makes its iterator,
 and in the middle of an epoch it is replaced by one starting at the samples the interrupted run had read
 (sample_position.py, as the bundled data does). Loaders that keep their own place (torchdata's
-`StatefulDataLoader`) and samplers of the user's own are left as they are. So is a loader resumed mid-epoch at
-another world size or batch size, with a line saying so: Lightning counts an epoch's batches once, so the resumed
-epoch and the ones after it could not all end where their samples do.
+`StatefulDataLoader`) and samplers of the user's own are left as they are. At another world size or batch size the
+rest of the epoch is dealt to this run's ranks; as Lightning counts a loader's batches once, when it prepares it,
+the loader is then prepared again at the next epoch's start.
 """
 
 from __future__ import annotations
@@ -77,23 +77,17 @@ def in_mid_epoch(dataloader: Any, batches_done: int) -> bool:
 
 def continued(dataloader: Any, epoch: int, batches_done: int, saved_samples_per_batch: int | None) -> Any:
     """`dataloader` as the resumed run reads it: epoch `epoch` after its first `batches_done` batches, each of
-    `saved_samples_per_batch` samples over the interrupted run's ranks; the loader itself where there is nothing to
-    skip, its order is not known, or the checkpoint does not say.
+    `saved_samples_per_batch` samples over the interrupted run's ranks (at this run's ranks and batch size, the
+    rest of the epoch's order dealt to them); the loader itself where there is nothing to skip, its order is not
+    known, or the checkpoint does not say. Its length counts the batches done, as Lightning does.
 
-    Raises CannotContinue where the rest of the epoch, at this run's ranks and batch size, would not end where
-    Lightning counts the epoch's batches (it counts them once, for every epoch: at another world size or batch
-    size the resumed epoch and the next cannot both end where their samples do), or where the loader's class cannot
-    be made again with another sampler."""
+    Raises CannotContinue where the loader's class cannot be made again with another sampler."""
     sampler = order_by_epoch(dataloader)
     if sampler is None or saved_samples_per_batch is None or not in_mid_epoch(dataloader, batches_done):
         return dataloader
     place = ContinuedSampler(sampler, skip_epoch=epoch, skip=batches_done * saved_samples_per_batch,
                              counted=batches_done * dataloader.batch_size)
     place.set_epoch(epoch)
-    if len(BatchSampler(place, dataloader.batch_size, dataloader.drop_last)) != len(dataloader):
-        raise CannotContinue(f"this run is at another world size or batch size ({saved_samples_per_batch} samples a"
-                             f" batch over the ranks when saved, {samples_per_batch(dataloader)} now; resume at the"
-                             " saved size to go on with the next sample)")
     try:
         return loader_with_sampler(dataloader, place)
     except (MisconfigurationException, TypeError) as error:  # a DataLoader subclass Lightning cannot make again
@@ -121,7 +115,7 @@ class ContinuesTrainLoaders(StrategyMixin):
     """Strategy mixin (before the Lightning strategy in the bases, and before the saves'): each train loader
     Lightning prepares for fit is set to the restored epoch, and goes on from the restored batch where its order is
     known. Each checkpoint records the samples a batch of each train loader reads (`SAMPLES_PER_BATCH`): what the
-    batches Lightning counts as done read, and whether the run resumes at the size it was saved at."""
+    batches Lightning counts as done read, at whatever world size and batch size they were saved."""
 
     _prepared_at: tuple[int, int] | None = None  # the place in the epoch the train loaders were last prepared for
     _loader_index = 0  # the train loader being prepared: Lightning prepares them in one order
@@ -129,6 +123,7 @@ class ContinuesTrainLoaders(StrategyMixin):
     _saved_samples_per_batch: tuple[int | None, ...] = ()  # the loaded checkpoint's
     _restarting_loaders: int = 0  # train loaders of this fit that read their resumed epoch again from its start
     _quiet_unresumable: Any = None  # the warnings filter, while Lightning would call every loader unresumable
+    _reload_setting: tuple[Any, int] | None = None  # the trainer and its own `reload_dataloaders_every_n_epochs`
 
     def process_dataloader(self, dataloader: Any) -> Any:
         dataloader = super().process_dataloader(dataloader)
@@ -149,11 +144,32 @@ class ContinuesTrainLoaders(StrategyMixin):
             assert saved is not None  # continued only where the checkpoint says what a batch read
             rank_zero_info(f"Resumed in epoch {epoch} after {done} batches ({done * saved} samples): the train loader"
                            " goes on with the next sample, in the interrupted run's order")
+            if len(resumed) != len(dataloader):
+                self._ask_again_next_epoch(trainer, saved, samples_per_batch(dataloader), len(resumed))
         elif in_mid_epoch(dataloader, done) and not is_stateful_loader(dataloader):
             self._restarting_loaders += 1
+        elif self._reload_setting is not None and not trainer.fit_loop.restarting:
+            self._end_reload()  # asked for again at the epoch after the resumed one: as the user set it from here
         # Before Lightning makes the iterator, whose workers take their first indices at once (Lightning #21938).
         set_sampler_epoch(resumed, epoch)
         return resumed
+
+    def _ask_again_next_epoch(self, trainer: Any, saved: int, now: int | None, batches: int) -> None:
+        """At another world size or batch size the resumed epoch has another number of batches than the next ones,
+        and Lightning counts a loader's batches once, when it is prepared: it is asked for again (prepared anew)
+        as the next epoch starts, by Lightning's own `reload_dataloaders_every_n_epochs`, for that epoch only."""
+        if self._reload_setting is None:
+            self._reload_setting = (trainer, trainer.reload_dataloaders_every_n_epochs)
+        trainer.reload_dataloaders_every_n_epochs = 1
+        rank_zero_info(f"The resumed epoch has {batches} batches at this world size or batch size ({saved} samples a"
+                       f" batch over the ranks when saved, {now} now): the train loader is asked for again at the"
+                       " next epoch's start")
+
+    def _end_reload(self) -> None:
+        if self._reload_setting is not None:
+            trainer, setting = self._reload_setting
+            trainer.reload_dataloaders_every_n_epochs = setting
+            self._reload_setting = None
 
     def on_train_start(self) -> None:
         super().on_train_start()
@@ -193,6 +209,7 @@ class ContinuesTrainLoaders(StrategyMixin):
 
     def teardown(self) -> None:
         self._end_quiet()
+        self._end_reload()
         self._prepared_at, self._loader_index, self._restarting_loaders = None, 0, 0
         self._samples_per_batch = self._saved_samples_per_batch = ()
         super().teardown()

@@ -1,7 +1,7 @@
 """Which of a user's train loaders a resumed run picks up in the middle of an epoch (data/train_loader_place.py), in
 one process: a plain DataLoader over Lightning's DistributedSampler goes on with the rest of the epoch's order; a
-loader that keeps its own place, or whose order is the user's own, is left alone; a resume at another world size or
-batch size, or of a loader class that cannot be made again, says why it reads the epoch again."""
+loader that keeps its own place, or whose order is the user's own, is left alone; at another batch size the rest of
+the order is dealt in the new batches; a loader class that cannot be made again says why it reads the epoch again."""
 
 from __future__ import annotations
 
@@ -58,11 +58,19 @@ def test_loaders_whose_order_is_not_known_are_left_alone():
     assert continued(loader, 1, 3, 8) is loader
 
 
-def test_another_batch_size_reads_the_epoch_again_and_says_why():
-    loader = DataLoader(DATA, batch_size=2, sampler=sampled())
-    with pytest.raises(CannotContinue, match=r"this run is at another world size or batch size \(8 samples a batch"
-                                             r" over the ranks when saved, 4 now; resume at the saved size"):
-        continued(loader, 1, 3, 8)
+def test_at_another_batch_size_the_rest_of_the_epoch_is_dealt_in_the_new_batches():
+    # Saved at 8 samples a batch over the ranks (2 ranks of 4), resumed at 2 ranks of 2: the 24 samples of the
+    # first 3 batches are skipped, the rest of the order dealt as DistributedSampler deals it.
+    both = [sampled(rank) for rank in (0, 1)]
+    for sampler in both:
+        sampler.set_epoch(1)
+    order = [number for pair in zip(*(list(sampler) for sampler in both)) for number in pair]
+    for rank in (0, 1):
+        loader = DataLoader(DATA, batch_size=2, sampler=sampled(rank))
+        resumed = continued(loader, epoch=1, batches_done=3, saved_samples_per_batch=8)
+        resumed.sampler.set_epoch(1)
+        assert [n for batch in numbers(resumed) for n in batch] == order[24:][rank::2]
+        assert len(resumed) == 3 + 11  # Lightning's 3 done, then 21 samples in batches of 2
 
 
 def test_a_loader_class_that_cannot_be_made_again_says_so():
