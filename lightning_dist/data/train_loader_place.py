@@ -39,6 +39,9 @@ from lightning_dist.data.sample_position import ResumableDistributedSampler
 # Our checkpoints' record of the samples one batch of each train loader reads over the data-parallel ranks (None
 # for a loader whose order is not known): with Lightning's count of the batches done, where the epoch's order got to.
 SAMPLES_PER_BATCH = "train_samples_per_batch"
+# And the samples the epoch read beyond what its counted batches read at that size: an epoch resumed at another world
+# size or batch size read its first batches at the size saved before.
+SAMPLES_OFFSET = "train_samples_offset"
 
 # Lightning's warning at a mid-epoch resume of a loader it cannot resume: not so where every loader goes on exactly.
 UNRESUMABLE_WARNING = r"You're resuming from a checkpoint that ended before the epoch ended"
@@ -75,17 +78,19 @@ def in_mid_epoch(dataloader: Any, batches_done: int) -> bool:
     return 0 < batches_done < (batches if batches is not None else batches_done + 1)
 
 
-def continued(dataloader: Any, epoch: int, batches_done: int, saved_samples_per_batch: int | None) -> Any:
+def continued(dataloader: Any, epoch: int, batches_done: int, saved_samples_per_batch: int | None,
+              saved_offset: int = 0) -> Any:
     """`dataloader` as the resumed run reads it: epoch `epoch` after its first `batches_done` batches, each of
-    `saved_samples_per_batch` samples over the interrupted run's ranks (at this run's ranks and batch size, the
-    rest of the epoch's order dealt to them); the loader itself where there is nothing to skip, its order is not
-    known, or the checkpoint does not say. Its length counts the batches done, as Lightning does.
+    `saved_samples_per_batch` samples over the interrupted run's ranks, and `saved_offset` samples more (at this
+    run's ranks and batch size, the rest of the epoch's order dealt to them); the loader itself where there is
+    nothing to skip, its order is not known, or the checkpoint does not say. Its length counts the batches done, as
+    Lightning does.
 
     Raises CannotContinue where the loader's class cannot be made again with another sampler."""
     sampler = order_by_epoch(dataloader)
     if sampler is None or saved_samples_per_batch is None or not in_mid_epoch(dataloader, batches_done):
         return dataloader
-    place = ContinuedSampler(sampler, skip_epoch=epoch, skip=batches_done * saved_samples_per_batch,
+    place = ContinuedSampler(sampler, skip_epoch=epoch, skip=batches_done * saved_samples_per_batch + saved_offset,
                              counted=batches_done * dataloader.batch_size)
     place.set_epoch(epoch)
     try:
@@ -121,6 +126,8 @@ class ContinuesTrainLoaders(StrategyMixin):
     _loader_index = 0  # the train loader being prepared: Lightning prepares them in one order
     _samples_per_batch: tuple[int | None, ...] = ()  # this run's train loaders', in that order
     _saved_samples_per_batch: tuple[int | None, ...] = ()  # the loaded checkpoint's
+    _offsets: tuple[tuple[int, int], ...] = ()  # this run's train loaders' (epoch, SAMPLES_OFFSET in that epoch)
+    _saved_offsets: tuple[int, ...] = ()  # the loaded checkpoint's
     _restarting_loaders: int = 0  # train loaders of this fit that read their resumed epoch again from its start
     _quiet_unresumable: Any = None  # the warnings filter, while Lightning would call every loader unresumable
     _reload_setting: tuple[Any, int] | None = None  # the trainer and its own `reload_dataloaders_every_n_epochs`
@@ -133,17 +140,21 @@ class ContinuesTrainLoaders(StrategyMixin):
         index, self._loader_index = self._loader_index, self._loader_index + 1
         self._samples_per_batch = (*self._samples_per_batch[:index], samples_per_batch(dataloader))
         saved = self._saved_samples_per_batch[index] if index < len(self._saved_samples_per_batch) else None
+        saved_offset = self._saved_offsets[index] if index < len(self._saved_offsets) else 0
         epoch, done = self._prepared_at = place_in_epoch(trainer)
+        self._offsets = (*self._offsets[:index], (epoch, 0))
         try:
-            resumed = continued(dataloader, epoch, done, saved)
+            resumed = continued(dataloader, epoch, done, saved, saved_offset)
         except CannotContinue as why:
             rank_zero_info(f"Resumed in epoch {epoch} after {done} batches: the train loader reads the epoch again"
                            f" from its first batch, as Lightning does: {why}")
             resumed = dataloader
         if resumed is not dataloader:
             assert saved is not None  # continued only where the checkpoint says what a batch read
-            rank_zero_info(f"Resumed in epoch {epoch} after {done} batches ({done * saved} samples): the train loader"
-                           " goes on with the next sample, in the interrupted run's order")
+            read = done * saved + saved_offset
+            rank_zero_info(f"Resumed in epoch {epoch} after {done} batches ({read} samples): the train loader goes on"
+                           " with the next sample, in the interrupted run's order")
+            self._offsets = (*self._offsets[:index], (epoch, read - done * (samples_per_batch(dataloader) or 0)))
             if len(resumed) != len(dataloader):
                 self._ask_again_next_epoch(trainer, saved, samples_per_batch(dataloader), len(resumed))
         elif in_mid_epoch(dataloader, done) and not is_stateful_loader(dataloader):
@@ -194,7 +205,9 @@ class ContinuesTrainLoaders(StrategyMixin):
         """`checkpoint` with the record of this run's train loaders (for a save that does not pass through here)."""
         if not self._samples_per_batch:
             return checkpoint
-        return {**checkpoint, SAMPLES_PER_BATCH: list(self._samples_per_batch)}
+        epoch = self.lightning_module.trainer.current_epoch  # type: ignore[union-attr]  # saving its state
+        offsets = [offset if at == epoch else 0 for at, offset in self._offsets]
+        return {**checkpoint, SAMPLES_PER_BATCH: list(self._samples_per_batch), SAMPLES_OFFSET: offsets}
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
@@ -205,6 +218,7 @@ class ContinuesTrainLoaders(StrategyMixin):
         """Each engine's `load_checkpoint` hands its checkpoint, in whatever format it was, through here: its record
         of what the train loaders read (none in one Lightning's own strategies saved: those restart the epoch)."""
         self._saved_samples_per_batch = tuple(checkpoint.get(SAMPLES_PER_BATCH) or ())
+        self._saved_offsets = tuple(checkpoint.get(SAMPLES_OFFSET) or ())
         return checkpoint
 
     def teardown(self) -> None:
@@ -212,6 +226,7 @@ class ContinuesTrainLoaders(StrategyMixin):
         self._end_reload()
         self._prepared_at, self._loader_index, self._restarting_loaders = None, 0, 0
         self._samples_per_batch = self._saved_samples_per_batch = ()
+        self._offsets, self._saved_offsets = (), ()
         super().teardown()
 
     def _end_quiet(self) -> None:

@@ -99,6 +99,11 @@ def test_a_resume_at_another_number_of_ranks_reads_the_samples_not_read_yet(unin
     assert "Resumed in epoch 1 after 1 batches (8 samples)" in output and UNRELIABLE not in output
     assert ("The resumed epoch has 16 batches at this world size or batch size (8 samples a batch over the ranks when"
             " saved, 4 now): the train loader is asked for again at the next epoch's start") in output
+    # Stopped again in that epoch (its step 15: 8 samples at 2 ranks, then 5 batches of 4) and resumed at 2 ranks.
+    again, output = run(tmp_path / "again", "ld_fsdp", 2, ckpt_path=tmp_path / "checkpoints" / "epoch=1-step=15.ckpt")
+    assert "Resumed in epoch 1 after 6 batches (28 samples)" in output
+    assert epoch_order([{s: r for s, r in rank.items() if r[0] == 1} for rank in again], 1) == epoch_order(
+        expected, 1)[28:]
 
 
 @pytest.fixture(scope="module")
