@@ -3,20 +3,25 @@ processes (or with `stateful`, torchdata's `StatefulDataLoader` over its `Statef
 schedule over `self.trainer.estimated_stepping_batches` of AdamW (or plain SGD), and checkpoints every 5 steps and
 at each epoch's end.
 Trains 3 epochs of 9 batches a rank at 2 ranks (66 samples, 4 a batch) and writes OUT_DIR/seen-<rank>.json:
-{global step: [epoch, batch_idx, the batch's sample numbers, loss]} of the steps it ran.
+{global step: [epoch, batch_idx, the batch's sample numbers, loss]} of the steps it ran. With STOP=max_steps:N the
+run is `Trainer(max_steps=N)`; with STOP=callback:N a callback stops it after global step N (`trainer.should_stop`, as
+Lightning's Timer does at `max_time`). Either way Lightning runs the epoch-end hooks as it stops: the stopped epoch's
+`end-epoch=E.ckpt` is saved there.
 
-    python tests/train_loader_script.py OUT_DIR STRATEGY DEVICES plain|stateful adamw|sgd [CKPT_PATH]
+    [STOP=max_steps:N|callback:N] python tests/train_loader_script.py OUT_DIR STRATEGY DEVICES plain|stateful \
+        adamw|sgd [CKPT_PATH]
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
@@ -60,14 +65,25 @@ class LanguageModel(L.LightningModule):
         return [optimizer], [{"scheduler": schedule, "interval": "step"}]
 
 
+class StopAfter(Callback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
 def main(out_dir: str, strategy: str, devices: str, loader: str, optimizer: str, ckpt_path: str | None = None) -> None:
     L.seed_everything(0)
     every_5_steps = ModelCheckpoint(dirpath=Path(out_dir, "checkpoints"), every_n_train_steps=5, save_top_k=-1)
     epoch_ends = ModelCheckpoint(dirpath=Path(out_dir, "checkpoints"), filename="end-{epoch}", save_top_k=-1,
                                  save_on_train_epoch_end=True)
-    trainer = L.Trainer(accelerator="cpu", devices=int(devices), strategy=strategy, max_epochs=3, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[every_5_steps, epoch_ends],
-                        use_distributed_sampler=loader == "plain")
+    stop, _, step = os.environ.get("STOP", "").partition(":")
+    callbacks = [every_5_steps, epoch_ends, *([StopAfter(int(step))] if stop == "callback" else [])]
+    trainer = L.Trainer(accelerator="cpu", devices=int(devices), strategy=strategy, max_epochs=3,
+                        max_steps=int(step) if stop == "max_steps" else -1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=callbacks, use_distributed_sampler=loader == "plain")
     trainer.fit(LanguageModel(loader, optimizer), ckpt_path=ckpt_path)
     Path(out_dir, f"seen-{trainer.global_rank}.json").write_text(json.dumps(trainer.lightning_module.seen))
 

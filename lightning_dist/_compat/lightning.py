@@ -61,6 +61,7 @@ __all__ = [
     "load_distributed_checkpoint",
     "loader_with_sampler",
     "prepare_train_data_again",
+    "reopen_epoch_stopped_early",
     "log_this_batch_now",
     "logs_this_step",
     "attached_trainer",
@@ -383,6 +384,23 @@ def prepare_train_data_again(trainer: Any) -> None:
         fit_loop._data_fetcher.teardown()  # the earlier iterator's worker processes
     fit_loop._combined_loader = None
     fit_loop.setup_data()
+
+
+def reopen_epoch_stopped_early(checkpoint: dict[str, Any]) -> tuple[int, int] | None:
+    """A checkpoint saved as a run stopped in the middle of an epoch (`max_steps`, `max_time`, `trainer.should_stop`)
+    holds that epoch as processed: Lightning ends the epoch it stopped in, epoch-end hooks and all, and a resume from
+    a save in those hooks or after them starts the next epoch, never reading the rest of the stopped one. Its fit
+    loop's state is made the one a save after that batch holds (the epoch started, not processed): the resume
+    finishes the epoch. The epoch and the batches of it done where so; None for any other checkpoint."""
+    fit_loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    epochs, batches = fit_loop.get("epoch_progress"), fit_loop.get("epoch_loop.batch_progress")
+    if not epochs or not batches or batches.get("is_last_batch", True) or batches["current"]["processed"] == 0:
+        return None  # a real epoch end (its last batch was fetched), or no batch done in it
+    if not all(p["ready"] == p["started"] == p["processed"] > 0 for p in epochs.values()):
+        return None  # in the middle of the epoch already, as a save in it is
+    for progress in epochs.values():  # `current` and `total`: saved in the epoch-end hooks, or after them
+        progress["processed"] = progress["completed"] = progress["started"] - 1
+    return epochs["current"]["started"] - 1, batches["current"]["processed"]
 
 
 def set_sampler_epoch(dataloader: Any, epoch: int) -> None:

@@ -127,8 +127,12 @@ class PydocTextDataModule(L.LightningDataModule):
             state_dict = {"epoch": self.trainer.current_epoch if self.trainer is not None else 0,
                           "samples_done": state_dict.get("train_batches_done_in_epoch", 0) * self.batch_size
                           * _data_parallel_size(self.trainer)}
+        # Lightning's epoch number as the checkpoint's loops are restored: our strategies finish an epoch a run
+        # stopped in, which Lightning had counted processed as it saved (data/train_loader_place.py).
+        reopened = getattr(self.trainer.strategy, "reopened_epoch", None) if self.trainer is not None else None
+        trainer_epoch = reopened if reopened is not None else state_dict.get("trainer_epoch", state_dict["epoch"])
         self._resume = {"epoch": state_dict["epoch"], "samples_done": state_dict["samples_done"],
-                        "epoch_offset": state_dict.get("trainer_epoch", state_dict["epoch"]) - state_dict["epoch"]}
+                        "epoch_offset": trainer_epoch - state_dict["epoch"]}
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.evaluated_once(self.val_set), shuffle=False)

@@ -21,9 +21,9 @@ class ResumableDistributedSampler(DistributedSampler):
     exactly there, at W or at any other number of ranks.
 
     Epochs here are the data's: Lightning's epoch `e` (`set_epoch`) reads the data's `e - epoch_offset`. They part
-    when a run stopped by `max_steps` in the middle of an epoch is continued: Lightning counted that epoch as
-    completed before its last checkpoint, and goes on with the next epoch's number where the data goes on with
-    the rest of the unfinished epoch."""
+    in runs continued, under releases before our strategies finished a stopped epoch (train_loader_place.py), from a
+    run stopped by `max_steps` in the middle of an epoch: Lightning had counted that epoch done and went on with the
+    next epoch's number where the data went on with the rest of the unfinished epoch."""
 
     def __init__(
         self, dataset: Dataset, num_replicas: int, rank: int, seed: int, skip_epoch: int = 0, skip: int = 0,

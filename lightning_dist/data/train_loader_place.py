@@ -14,6 +14,10 @@ and in the middle of an epoch it is replaced by one starting at the samples the 
 `StatefulDataLoader`) and samplers of the user's own are left as they are. At another world size or batch size the
 rest of the epoch is dealt to this run's ranks; as Lightning counts a loader's batches once, when it prepares it,
 the loader is then prepared again at the next epoch's start.
+
+A run stopped in the middle of an epoch (`max_steps`, `max_time`, a callback's stop) saves that epoch as done:
+Lightning runs the epoch-end hooks as it stops. Loaded for fit, such a checkpoint's loops are put back in the
+middle of the epoch, so that the resumed run finishes it, whatever its loader.
 """
 
 from __future__ import annotations
@@ -24,14 +28,17 @@ from typing import Any
 
 from lightning.fabric.utilities.data import sized_len
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_dist._compat.lightning import (
     StrategyMixin,
+    attached_trainer,
     is_stateful_loader,
     loader_with_sampler,
     prepare_train_data_again,
+    reopen_epoch_stopped_early,
     set_sampler_epoch,
 )
 from lightning_dist.data.sample_position import ResumableDistributedSampler
@@ -131,6 +138,9 @@ class ContinuesTrainLoaders(StrategyMixin):
     _restarting_loaders: int = 0  # train loaders of this fit that read their resumed epoch again from its start
     _quiet_unresumable: Any = None  # the warnings filter, while Lightning would call every loader unresumable
     _reload_setting: tuple[Any, int] | None = None  # the trainer and its own `reload_dataloaders_every_n_epochs`
+    # The epoch the checkpoint loaded for fit was saved in as its run stopped mid-epoch, finished now (None for any
+    # other checkpoint): the bundled data module counts Lightning's epochs from it (data/pydoc_text.py).
+    reopened_epoch: int | None = None
 
     def process_dataloader(self, dataloader: Any) -> Any:
         dataloader = super().process_dataloader(dataloader)
@@ -205,7 +215,8 @@ class ContinuesTrainLoaders(StrategyMixin):
         """`checkpoint` with the record of this run's train loaders (for a save that does not pass through here)."""
         if not self._samples_per_batch:
             return checkpoint
-        epoch = self.lightning_module.trainer.current_epoch  # type: ignore[union-attr]  # saving its state
+        # The epoch in progress: at a stop mid-epoch Lightning has counted it completed (`current_epoch` the next).
+        epoch = self.lightning_module.trainer.fit_loop.epoch_progress.current.started - 1  # type: ignore[union-attr]
         offsets = [offset if at == epoch else 0 for at, offset in self._offsets]
         return {**checkpoint, SAMPLES_PER_BATCH: list(self._samples_per_batch), SAMPLES_OFFSET: offsets}
 
@@ -216,15 +227,25 @@ class ContinuesTrainLoaders(StrategyMixin):
 
     def read_loader_record(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Each engine's `load_checkpoint` hands its checkpoint, in whatever format it was, through here: its record
-        of what the train loaders read (none in one Lightning's own strategies saved: those restart the epoch)."""
+        of what the train loaders read (none in one Lightning's own strategies saved: those restart the epoch), and
+        its place in the epoch, which a run that stopped mid-epoch saved as the epoch's end."""
         self._saved_samples_per_batch = tuple(checkpoint.get(SAMPLES_PER_BATCH) or ())
         self._saved_offsets = tuple(checkpoint.get(SAMPLES_OFFSET) or ())
+        trainer = attached_trainer(self.lightning_module)
+        self.reopened_epoch = None
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if fitting and (stopped := reopen_epoch_stopped_early(checkpoint)):
+            self.reopened_epoch, done = stopped
+            rank_zero_info(f"The checkpoint was saved as its run stopped in epoch {self.reopened_epoch} after {done}"
+                           " batches (max_steps, max_time or a callback's stop): the resumed run finishes that epoch,"
+                           " which Lightning had counted done")
         return checkpoint
 
     def teardown(self) -> None:
         self._end_quiet()
         self._end_reload()
         self._prepared_at, self._loader_index, self._restarting_loaders = None, 0, 0
+        self.reopened_epoch = None
         self._samples_per_batch = self._saved_samples_per_batch = ()
         self._offsets, self._saved_offsets = (), ()
         super().teardown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import subprocess
 import sys
 
@@ -78,19 +79,28 @@ def test_save_top_k_keeps_exactly_two_directory_checkpoints_plus_last(strategy, 
 def test_a_finished_run_continued_to_more_steps_reads_on_where_its_data_stopped(tmp_path):
     """Stopped by max_steps mid-epoch, a run's last checkpoint is written after Lightning counted the epoch
     completed; continued with a larger max_steps (twice, across two epoch ends), it reads the rest of that epoch's
-    data and trains the uninterrupted run's losses. It read the next epoch's order instead (4.4418 for 4.4150)."""
+    data and trains the uninterrupted run's losses. It read the next epoch's order instead (4.4418 for 4.4150). Each
+    step is logged in the uninterrupted run's epoch: the continued run finishes the stopped epoch (Lightning's own
+    resume numbered it one epoch on)."""
     short = ("trainer.devices=2", "data.val_fraction=0.9", "test=false", "trainer.log_every_n_steps=1",
              "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0", "callbacks.model_checkpoint.monitor=null")
     whole = run_train(tmp_path / "whole", *short, "trainer.max_steps=16")
     assert whole.process.returncode == 0, whole.output[-3000:]
-    previous, losses = None, {}
+    previous, losses, epochs = None, {}, {}
     for name, steps in (("first", 5), ("more", 9), ("most", 16)):
         resume = (f"ckpt_path={tmp_path / previous / 'checkpoints' / 'last.ckpt'}",) if previous else ()
         run = run_train(tmp_path / name, *short, f"trainer.max_steps={steps}", *resume)
         assert run.process.returncode == 0, run.output[-3000:]
         losses |= read_train_losses(run.run_dir)
+        epochs |= epochs_of_steps(run.run_dir)
         previous = name
-    epochs = {int(row.split(",")[0]) for row in (tmp_path / "whole" / "csv" / "metrics.csv").read_text().split()[1:]}
-    assert epochs == {0, 1, 2}  # 7 steps an epoch at 2 ranks: the continued runs cross both epoch ends
+    assert set(epochs_of_steps(whole.run_dir).values()) == {0, 1, 2}  # 7 steps an epoch at 2 ranks: the continued
+    assert epochs == epochs_of_steps(whole.run_dir)  # runs cross both epoch ends
     assert sorted(losses) == list(range(16))
     assert losses == pytest.approx(read_train_losses(whole.run_dir), abs=1e-6)
+
+
+def epochs_of_steps(run_dir) -> dict[int, int]:
+    """{step: epoch} of the rows metrics.csv logged a train loss in."""
+    rows = csv.DictReader((run_dir / "csv" / "metrics.csv").open())
+    return {int(row["step"]): int(row["epoch"]) for row in rows if row.get("train_loss")}

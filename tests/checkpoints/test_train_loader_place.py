@@ -3,7 +3,8 @@
 and at each epoch's end) reads what the uninterrupted run read, batch for batch (data/train_loader_place.py):
 
 - from the middle of an epoch, the rest of that epoch's order, not the epoch again from its first batch (Lightning's
-  own behaviour, with its warning that the resume is unreliable);
+  own behaviour, with its warning that the resume is unreliable); from a run stopped mid-epoch (max_steps, a
+  callback's stop), the rest of the stopped epoch, not the next one (checkpoints saved as it stopped count it done);
 - from an epoch's end, the next epoch's order, not epoch 0's (Lightning #21938: with worker processes the iterator
   took its indices before the sampler's epoch was set);
 - at another number of ranks, the samples of that epoch's order not read yet, in order, then whole epochs;
@@ -29,12 +30,13 @@ UNRELIABLE = "dataloader is not resumable"
 
 
 def run(out, strategy: str, devices: int, loader: str = "plain", ckpt_path=None,
-        optimizer: str = "adamw") -> tuple[list[dict], str]:
+        optimizer: str = "adamw", stop: str = "") -> tuple[list[dict], str]:
     """Each rank's steps ({global step: [epoch, batch_idx, sample numbers, loss]}) and the run's output."""
     out.mkdir(parents=True, exist_ok=True)
     process = subprocess.run([sys.executable, str(REPO / "tests" / "train_loader_script.py"), str(out), strategy,
                               str(devices), loader, optimizer, *([str(ckpt_path)] if ckpt_path else [])], cwd=out,
-                             env={**TRAIN_ENV, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
+                             env={**TRAIN_ENV, "PYTHONPATH": str(REPO), "STOP": stop}, capture_output=True,
+                             text=True, timeout=600)
     assert process.returncode == 0, process.stderr[-4000:]
     seen = [{int(step): row for step, row in json.loads((out / f"seen-{rank}.json").read_text()).items()}
             for rank in range(devices)]
@@ -74,6 +76,27 @@ def test_a_resume_in_the_middle_of_an_epoch_goes_on_with_its_next_batch(uninterr
     assert samples(seen, steps) == samples(expected, steps)
     assert losses(seen, steps) == pytest.approx(losses(expected, steps), rel=1e-5)
     assert "Resumed in epoch 1 after 1 batches (8 samples): the train loader goes on with the next sample" in output
+    assert UNRELIABLE not in output
+
+
+@pytest.mark.parametrize("stop, strategy", [("max_steps:12", "ld_ddp"), ("callback:12", "ld_fsdp")])
+def test_a_run_stopped_in_the_middle_of_an_epoch_finishes_it_when_continued(uninterrupted, tmp_path, stop, strategy):
+    """Stopped after step 12 (epoch 1 after 3 of its 9 batches) by `max_steps` or by a callback (as Lightning's Timer
+    stops at `max_time`), and continued to 3 epochs from the checkpoint saved as it stopped: epoch 1's last 6 batches,
+    then epoch 2. Lightning counts the stopped epoch done and went on with epoch 2's order."""
+    expected, _ = uninterrupted
+    stopped, _ = run(tmp_path / "stopped", strategy, 2, stop=stop)
+    assert [sorted(rank_seen) for rank_seen in stopped] == [list(range(12))] * 2
+    seen, output = run(tmp_path / "continued", strategy, 2,
+                       ckpt_path=tmp_path / "stopped" / "checkpoints" / "end-epoch=1.ckpt")
+    steps = range(12, 27)
+    assert [sorted(rank_seen) for rank_seen in seen] == [list(steps)] * 2
+    assert [[rank_seen[step][:2] for step in steps] for rank_seen in seen] == [
+        [expected[0][step][:2] for step in steps]] * 2  # epoch 1 from its batch 3
+    assert samples(seen, steps) == samples(expected, steps)
+    if stop.startswith("callback"):  # as the uninterrupted run's schedule (max_steps=12 fits it to 12 steps)
+        assert losses(seen, steps) == pytest.approx(losses(expected, steps), rel=1e-5)
+    assert "The checkpoint was saved as its run stopped in epoch 1 after 3 batches" in output
     assert UNRELIABLE not in output
 
 
