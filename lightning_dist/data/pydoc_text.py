@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from lightning_dist.data.sample_position import PositionedLoader, ResumableDistributedSampler
+from lightning_dist.data.train_loader_place import epoch_in_progress
 from lightning_dist.parallel.dims import parallel_dims_of
 
 
@@ -85,8 +86,10 @@ class PydocTextDataModule(L.LightningDataModule):
         trainer = self.trainer
         # One share of the data per data-parallel rank (the ranks of a tensor-parallel group read the same batches).
         shares = parallel_dims_of(trainer.strategy).sampler_kwargs(trainer.global_rank) if trainer is not None else {}
-        if trainer is not None:  # called after Lightning restored its loops: their count is the checkpoint's
-            self._counted_from = (self._resume["epoch"], _batches_processed(trainer))
+        if trainer is not None:  # called after Lightning restored its loops: their count is the checkpoint's in the
+            # middle of an epoch (from an epoch's start, Lightning counts from 0)
+            counted = _batches_processed(trainer) if self._resume["samples_done"] else 0
+            self._counted_from = (self._resume["epoch"], counted)
         self._sampler = sampler = ResumableDistributedSampler(
             self.train_set,
             num_replicas=shares.get("num_replicas", 1),
@@ -106,8 +109,8 @@ class PydocTextDataModule(L.LightningDataModule):
     def state_dict(self) -> dict[str, int]:
         # `processed` counts the batches whose training step ran, whether the checkpoint is written at the end of
         # a batch or after a validation that followed it; batches run before a resume ran at another world size.
-        # The epoch is the one the loader reads, not Lightning's: a run stopped by max_steps mid-epoch has its
-        # last checkpoint written after Lightning counted the epoch completed, while its data is not.
+        # The epoch is the one the loader reads, with Lightning's number for it: the epoch in progress (Lightning's
+        # `current_epoch` is one on after the run's last epoch, and after a stop in the middle of one).
         trainer = self.trainer
         assert trainer is not None, "a data module's state is saved by its trainer"
         offset = self._resume["epoch_offset"]
@@ -120,19 +123,25 @@ class PydocTextDataModule(L.LightningDataModule):
         else:
             before = 0
         return {"epoch": epoch, "samples_done": before + processed * self.batch_size * _data_parallel_size(trainer),
-                "trainer_epoch": trainer.current_epoch}
+                "lightning_epoch": epoch_in_progress(trainer)}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         if "samples_done" not in state_dict:  # written before positions were samples: batches, at the same world size
             state_dict = {"epoch": self.trainer.current_epoch if self.trainer is not None else 0,
                           "samples_done": state_dict.get("train_batches_done_in_epoch", 0) * self.batch_size
                           * _data_parallel_size(self.trainer)}
-        # Lightning's epoch number as the checkpoint's loops are restored: our strategies finish an epoch a run
-        # stopped in, which Lightning had counted processed as it saved (data/train_loader_place.py).
-        reopened = getattr(self.trainer.strategy, "reopened_epoch", None) if self.trainer is not None else None
-        trainer_epoch = reopened if reopened is not None else state_dict.get("trainer_epoch", state_dict["epoch"])
-        self._resume = {"epoch": state_dict["epoch"], "samples_done": state_dict["samples_done"],
-                        "epoch_offset": trainer_epoch - state_dict["epoch"]}
+        epoch, samples_done = state_dict["epoch"], state_dict["samples_done"]
+        lightning_epoch = state_dict.get("lightning_epoch")
+        if lightning_epoch is None:  # written before: Lightning's `current_epoch`, which may be one on
+            lightning_epoch = state_dict.get("trainer_epoch", epoch)
+            reopened = getattr(self.trainer.strategy, "reopened_epoch", None) if self.trainer is not None else None
+            if reopened is not None:  # a stop mid-epoch, whose epoch our strategies finish (train_loader_place.py)
+                lightning_epoch = reopened
+            elif lightning_epoch > epoch and samples_done >= len(self.train_set):  # saved after the run's last epoch
+                lightning_epoch -= 1
+        if samples_done >= len(self.train_set):  # that epoch was read whole: the resumed run reads the next
+            epoch, samples_done, lightning_epoch = epoch + 1, 0, lightning_epoch + 1
+        self._resume = {"epoch": epoch, "samples_done": samples_done, "epoch_offset": lightning_epoch - epoch}
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.evaluated_once(self.val_set), shuffle=False)

@@ -116,6 +116,12 @@ def samples_per_batch(dataloader: Any) -> int | None:
     return None if sampler is None else dataloader.batch_size * sampler.num_replicas
 
 
+def epoch_in_progress(trainer: Any) -> int:
+    """Lightning's number for the epoch in progress, or about to start: its `current_epoch` is one on after the run's
+    last epoch, and after a stop in the middle of one (it counts that epoch done)."""
+    return max(trainer.fit_loop.epoch_progress.current.started - 1, 0)
+
+
 def place_in_epoch(trainer: Any) -> tuple[int, int]:
     """The epoch the fit loop is about to run, and the batches of it already done (as a checkpoint restored them)."""
     fit_loop = trainer.fit_loop
@@ -215,8 +221,7 @@ class ContinuesTrainLoaders(StrategyMixin):
         """`checkpoint` with the record of this run's train loaders (for a save that does not pass through here)."""
         if not self._samples_per_batch:
             return checkpoint
-        # The epoch in progress: at a stop mid-epoch Lightning has counted it completed (`current_epoch` the next).
-        epoch = self.lightning_module.trainer.fit_loop.epoch_progress.current.started - 1  # type: ignore[union-attr]
+        epoch = epoch_in_progress(self.lightning_module.trainer)  # type: ignore[union-attr]  # saving its state
         offsets = [offset if at == epoch else 0 for at, offset in self._offsets]
         return {**checkpoint, SAMPLES_PER_BATCH: list(self._samples_per_batch), SAMPLES_OFFSET: offsets}
 

@@ -104,3 +104,29 @@ def epochs_of_steps(run_dir) -> dict[int, int]:
     """{step: epoch} of the rows metrics.csv logged a train loss in."""
     rows = csv.DictReader((run_dir / "csv" / "metrics.csv").open())
     return {int(row["step"]): int(row["epoch"]) for row in rows if row.get("train_loss")}
+
+
+def test_a_run_bounded_by_epochs_continued_to_more_epochs_reads_the_next_epoch(tmp_path):
+    """A run of 1 epoch continued to 2 (`trainer.max_epochs=2 ckpt_path=.../last.ckpt`) trains epoch 1 as the
+    uninterrupted 2-epoch run did, from the checkpoint saved after the run's last epoch as written now and as written
+    before (the data's state with Lightning's `current_epoch`, one on). It stopped at once: `ValueError: __len__()
+    should return >= 0` (the data module skipped the whole finished epoch again)."""
+    short = ("trainer.devices=2", "data.val_fraction=0.9", "test=false", "trainer.log_every_n_steps=1",
+             "trainer.max_steps=-1", "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0",
+             "callbacks.model_checkpoint.monitor=null")
+    whole = run_train(tmp_path / "whole", *short, "trainer.max_epochs=2")
+    first = run_train(tmp_path / "first", *short, "trainer.max_epochs=1")
+    assert whole.process.returncode == 0 and first.process.returncode == 0, whole.output[-3000:] + first.output[-3000:]
+    last = torch.load(first.run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["PydocTextDataModule"] == {"epoch": 0, "samples_done": 192, "lightning_epoch": 0}
+    last["PydocTextDataModule"] = {"epoch": 0, "samples_done": 192, "trainer_epoch": 1}  # as written before
+    torch.save(last, tmp_path / "written_before.ckpt")
+    expected = read_train_losses(whole.run_dir)
+    assert set(epochs_of_steps(whole.run_dir).values()) == {0, 1}
+    for name, checkpoint in (("more", first.run_dir / "checkpoints" / "last.ckpt"),
+                             ("more_from_before", tmp_path / "written_before.ckpt")):
+        more = run_train(tmp_path / name, *short, "trainer.max_epochs=2", f"ckpt_path={checkpoint}")
+        assert more.process.returncode == 0, more.output[-3000:]
+        losses = read_train_losses(first.run_dir) | read_train_losses(more.run_dir)
+        assert losses == pytest.approx(expected, abs=1e-6)
+        assert epochs_of_steps(first.run_dir) | epochs_of_steps(more.run_dir) == epochs_of_steps(whole.run_dir)
