@@ -6,6 +6,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 FILE = "file"                # torch.save'd dict: DDP, or anything consolidated
 DEEPSPEED = "deepspeed"      # directory with a `latest` tag file and per-rank ZeRO shards
@@ -67,6 +68,21 @@ def is_deepspeed_dir(path: Path) -> bool:
 
 def is_distributed_dir(path: Path) -> bool:
     return path.is_dir() and (path / ".metadata").is_file()
+
+
+# What `Trainer.fit(ckpt_path=...)` takes besides a path: Lightning's names for a checkpoint it finds itself.
+LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc")
+
+
+def check_fit_ckpt_path(ckpt_path: Any) -> None:
+    """A `fit(ckpt_path=...)` that names a local path: CheckpointError unless a checkpoint is there. Lightning's own
+    names, a model registry's and a URL are left for Lightning to find."""
+    if not isinstance(ckpt_path, (str, os.PathLike)):
+        return
+    text = str(ckpt_path)
+    if text in LIGHTNING_CHECKPOINT_NAMES or text.startswith("registry") or "://" in text:
+        return
+    checkpoint_format(text)
 
 
 def checkpoint_format(path: str | Path, key: str = "ckpt_path") -> str:

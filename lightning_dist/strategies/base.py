@@ -37,6 +37,7 @@ from lightning_dist._compat.lightning import (
     read_bar_values_at_refresh,
 )
 from lightning_dist.checkpoints.background import BackgroundSaves
+from lightning_dist.checkpoints.formats import check_fit_ckpt_path
 from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.data.train_loader_place import ContinuesTrainLoaders
@@ -170,6 +171,7 @@ class StrategyBase(ReportsCompilation, ContinuesTrainLoaders, BackgroundSaves, S
         self._launcher = guarded(self, self._launcher, self._before_launch)
 
     def _before_launch(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
+        check_fit_ckpt_path(fit_arguments.get("ckpt_path"))  # each rank would fail reading it, one traceback each
         model = fit_arguments.get("model")
         if isinstance(model, nn.Module):
             self.check_quantized_weights(model)  # a model built in `__init__`
