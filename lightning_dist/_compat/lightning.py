@@ -62,6 +62,7 @@ __all__ = [
     "loader_with_sampler",
     "prepare_train_data_again",
     "reopen_epoch_stopped_early",
+    "close_ended_epoch",
     "log_this_batch_now",
     "logs_this_step",
     "attached_trainer",
@@ -401,6 +402,26 @@ def reopen_epoch_stopped_early(checkpoint: dict[str, Any]) -> tuple[int, int] | 
     for progress in epochs.values():  # `current` and `total`: saved in the epoch-end hooks, or after them
         progress["processed"] = progress["completed"] = progress["started"] - 1
     return epochs["current"]["started"] - 1, batches["current"]["processed"]
+
+
+def close_ended_epoch(checkpoint: dict[str, Any]) -> int | None:
+    """A checkpoint saved at an epoch's end, in the epoch-end hooks or after them (its last batch fetched, the epoch
+    processed): resumed with `max_steps`, Lightning restarts that epoch at the batch after its last and, without a
+    validation to stand in for it, trains one batch more there, steps an epoch schedule once more and numbers the next
+    epoch one on (Lightning #19617). Its fit loop's state is made that of a save between that epoch and the next (the
+    epoch completed, no batch of the next begun), which both `max_steps` and `max_epochs` resume alike. The epoch
+    closed where so; None for any other checkpoint."""
+    fit_loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    epochs, batches = fit_loop.get("epoch_progress"), fit_loop.get("epoch_loop.batch_progress")
+    if not epochs or not batches or not batches.get("is_last_batch") or batches["current"]["processed"] == 0:
+        return None
+    if not all(p["ready"] == p["started"] == p["processed"] > 0 for p in epochs.values()):
+        return None  # saved before the epoch's end was processed: in its last batch's or validation's hooks
+    for progress in epochs.values():
+        progress["completed"] = progress["processed"]
+    batches["current"] = dict.fromkeys(batches["current"], 0)
+    batches["is_last_batch"] = False
+    return epochs["current"]["completed"] - 1
 
 
 def set_sampler_epoch(dataloader: Any, epoch: int) -> None:

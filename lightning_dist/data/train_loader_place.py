@@ -17,7 +17,8 @@ the loader is then prepared again at the next epoch's start.
 
 A run stopped in the middle of an epoch (`max_steps`, `max_time`, a callback's stop) saves that epoch as done:
 Lightning runs the epoch-end hooks as it stops. Loaded for fit, such a checkpoint's loops are put back in the
-middle of the epoch, so that the resumed run finishes it, whatever its loader.
+middle of the epoch, so that the resumed run finishes it, whatever its loader; and one saved at an epoch's end, which
+Lightning resumes under `max_steps` with a batch too many, between that epoch and the next.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from lightning_dist._compat.lightning import (
     StrategyMixin,
     attached_trainer,
+    close_ended_epoch,
     is_stateful_loader,
     loader_with_sampler,
     prepare_train_data_again,
@@ -233,7 +235,8 @@ class ContinuesTrainLoaders(StrategyMixin):
     def read_loader_record(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Each engine's `load_checkpoint` hands its checkpoint, in whatever format it was, through here: its record
         of what the train loaders read (none in one Lightning's own strategies saved: those restart the epoch), and
-        its place in the epoch, which a run that stopped mid-epoch saved as the epoch's end."""
+        its place in the epoch, which a run that stopped mid-epoch saved as the epoch's end (and one saved at an
+        epoch's end, as Lightning resumes it under `max_epochs` only)."""
         self._saved_samples_per_batch = tuple(checkpoint.get(SAMPLES_PER_BATCH) or ())
         self._saved_offsets = tuple(checkpoint.get(SAMPLES_OFFSET) or ())
         trainer = attached_trainer(self.lightning_module)
@@ -244,6 +247,9 @@ class ContinuesTrainLoaders(StrategyMixin):
             rank_zero_info(f"The checkpoint was saved as its run stopped in epoch {self.reopened_epoch} after {done}"
                            " batches (max_steps, max_time or a callback's stop): the resumed run finishes that epoch,"
                            " which Lightning had counted done")
+        elif fitting:
+            close_ended_epoch(checkpoint)  # saved at an epoch's end: the next epoch from its first batch, as Lightning
+            # does under `max_epochs` but not under `max_steps`
         return checkpoint
 
     def teardown(self) -> None:
