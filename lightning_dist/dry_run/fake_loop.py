@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -140,8 +141,10 @@ def loop_on_fake_devices(strategy_config: dict, module_config: dict, data_config
 
         trainer, module, datamodule = run.trainer(report, directory, resuming=True)
         setattr(trainer.strategy, "load_checkpoint", lambda path, weights_only=None: saved)  # read from memory
+        in_memory = Path(directory, "in_memory.ckpt")  # a file for `fit` to be given (it checks that one is there)
+        in_memory.touch()
         with _on_fake_devices(trainer.strategy, rank), _metric_named(module):
-            trainer.fit(module, datamodule=datamodule, ckpt_path="the checkpoint in memory")
+            trainer.fit(module, datamodule=datamodule, ckpt_path=in_memory)
     return report
 
 
