@@ -416,7 +416,7 @@ def close_ended_epoch(checkpoint: dict[str, Any]) -> int | None:
     if not epochs or not batches or not batches.get("is_last_batch") or batches["current"]["processed"] == 0:
         return None
     if not all(p["ready"] == p["started"] == p["processed"] > 0 for p in epochs.values()):
-        return None  # saved before the epoch's end was processed: in its last batch's or validation's hooks
+        return None  # saved before the epoch's end was processed (after its last batch): Lightning resumes it right
     for progress in epochs.values():
         progress["completed"] = progress["processed"]
     batches["current"] = dict.fromkeys(batches["current"], 0)
