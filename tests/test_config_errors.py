@@ -249,6 +249,10 @@ REFUSED = [
     # What a strategy cannot combine, refused from the config before torch loads (QUIET_REFUSALS below).
     (["checkpoint.async=true", "strategy=deepspeed_stage_2"], "checkpoint.async=true: DeepSpeed's engine writes its"
      " checkpoints itself, synchronously, and has no hook to stage them;"),
+    (["strategy=deepspeed_stage_3", "strategy.exclude_frozen_parameters=true", "strategy.tensor_parallel_size=2"],
+     "strategy.exclude_frozen_parameters=true with strategy.tensor_parallel_size=2: each rank holds part of a layer"
+     " there, and a resume could not check the frozen parts it takes from the model; save them (false), or train"
+     " without DeepSpeed's AutoTP/AutoEP"),
     (["strategy.activation_checkpointing=ops", "strategy=deepspeed_stage_3"], "strategy.activation_checkpointing=ops:"
      " ZeRO-3 gathers and frees parameters inside each block, which op-level checkpointing cannot replay; use true"
      " (every block) or an integer k (every k-th block)"),

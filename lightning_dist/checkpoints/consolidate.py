@@ -15,6 +15,7 @@ import contextlib
 import io
 import os
 import sys
+import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from lightning_dist._compat.lightning import WRAPPED_MODULE_PREFIX
 from lightning_dist.checkpoints.autoep_names import AUTOEP_NAMES, model_named_state
 from lightning_dist.checkpoints.contents import autotp_refusal, autotp_size, saved_by_autoep
 from lightning_dist.checkpoints.formats import DEEPSPEED, FILE, CheckpointError, command_exit, deepspeed_tag_dir
+from lightning_dist.checkpoints.frozen_weights import LEFT_OUT, take_frozen_from_model
 from lightning_dist.checkpoints.safe_load import load_file
 from lightning_dist.checkpoints.save_id import SAVE_ID
 from lightning_dist.checkpoints.source import CheckpointSource
@@ -52,10 +54,21 @@ def load_from_checkpoint(module_class: type[Any], path: str | Path, trusted: boo
     """`module_class.load_from_checkpoint` for any checkpoint our strategies write: a file, or a DeepSpeed or FSDP
     directory (consolidated in memory first, as `consolidate_checkpoint` would write it). `kwargs` go to Lightning's
     `load_from_checkpoint` (`map_location`, `strict`, hyper-parameter overrides)."""
+    checkpoint = load_consolidated(path, trusted)
     buffer = io.BytesIO()
-    torch.save(load_consolidated(path, trusted), buffer)
+    torch.save(checkpoint, buffer)
     buffer.seek(0)
-    return module_class.load_from_checkpoint(buffer, **kwargs)
+    if LEFT_OUT not in checkpoint:
+        return module_class.load_from_checkpoint(buffer, **kwargs)
+    # The frozen weights come from the module as it builds itself (its __init__ and configure_model): checked.
+    with warnings.catch_warnings():  # Lightning's list of them, every frozen name: checked below instead
+        warnings.filterwarnings("ignore", message="Found keys that are in the model state dict but not in the")
+        module = module_class.load_from_checkpoint(buffer, **{**kwargs, "strict": False})
+    take_frozen_from_model(module, checkpoint[LEFT_OUT], None)
+    unsaved = sorted(set(module.state_dict()) - set(checkpoint["state_dict"]) - set(checkpoint[LEFT_OUT]))
+    if unsaved and kwargs.get("strict", module.strict_loading) is not False:
+        raise CheckpointError(f"checkpoint: {path} has no weights for {', '.join(unsaved[:3])} (of {len(unsaved)})")
+    return module
 
 
 def consolidate_checkpoint(path: str | Path, output: str | Path, trusted: bool = False) -> Path:

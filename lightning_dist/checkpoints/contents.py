@@ -16,6 +16,7 @@ from lightning_dist.checkpoints.formats import (
     CheckpointError,
     deepspeed_tag_dir,
 )
+from lightning_dist.checkpoints.frozen_weights import LEFT_OUT
 from lightning_dist.checkpoints.safe_load import load_file
 from lightning_dist.checkpoints.source import CheckpointSource
 
@@ -42,7 +43,8 @@ def state_dict_shapes(
                 f"{key}: {path} is not a Lightning checkpoint: it holds no state_dict (it holds: {found or 'nothing'});"
                 " ckpt_path resumes from a checkpoint a Lightning run saved"
             )
-        return {name: _shape(tensor) for name, tensor in checkpoint["state_dict"].items()}
+        return {**{name: _shape(tensor) for name, tensor in checkpoint["state_dict"].items()},
+                **_left_out_shapes(checkpoint)}
     if kind == DISTRIBUTED:
         from torch.distributed.checkpoint import FileSystemReader
 
@@ -61,7 +63,13 @@ def state_dict_shapes(
         recorded.setdefault(name.removeprefix(_WRAPPER_PREFIX), recorded.get(source.removeprefix(_WRAPPER_PREFIX)))
     recorded.update(autotp_logical_shapes(model_states))
     module = {name.removeprefix(_WRAPPER_PREFIX): tensor for name, tensor in model_states["module"].items()}
-    return {name: recorded.get(name) or _shape(tensor) for name, tensor in module.items()}
+    return {**{name: recorded.get(name) or _shape(tensor) for name, tensor in module.items()},
+            **_left_out_shapes(model_states)}
+
+
+def _left_out_shapes(saved: dict[str, Any]) -> dict[str, Shape | None]:
+    """The frozen weights a checkpoint left out (frozen_weights.py): a resume takes them from the model it builds."""
+    return {name: tuple(entry["shape"]) for name, entry in (saved.get(LEFT_OUT) or {}).items()}
 
 
 def saved_step(path: str | Path | CheckpointSource) -> int | None:

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from lightning_dist._compat.lightning import unwrapped_optimizer
 from lightning_dist.checkpoints.consolidate import GROUP_SETTINGS, load_consolidated
 from lightning_dist.checkpoints.formats import CheckpointError
+from lightning_dist.checkpoints.frozen_weights import LEFT_OUT, take_frozen_from_model
 from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.checkpoints.ranks import Ranks
 from lightning_dist.checkpoints.source import CheckpointSource
@@ -54,6 +55,9 @@ def load_for_resume(
     shared = strategy.broadcast(shared)
     if isinstance(shared, Exception):
         raise shared
+    if LEFT_OUT in shared:  # the weights the checkpoint does not hold, from the model as built (on every rank)
+        weights = checkpoint["state_dict"] if checkpoint is not None else None
+        take_frozen_from_model(strategy.lightning_module, shared[LEFT_OUT], weights)
     return checkpoint if strategy.is_global_zero else shared
 
 
@@ -166,10 +170,14 @@ def restore_optimizer_by_name(
     assert optimizer is not None  # rank 0 mapped its state, and every rank has the same optimizers
     saved = hyper_parameters(optimizer.param_groups, settings)
     groups = [{**group, **old, "params": params} for group, old, params in zip(optimizer.param_groups, saved, names)]
+    # A frozen parameter in the optimizer's groups (a LoRA base, as `AdamW(self.parameters())` passes it) never has
+    # state: torch's optimizers make none without a gradient, and DeepSpeed's leave it out of their groups.
+    frozen = {plain_name(name) for name, p in module.named_parameters() if not p.requires_grad}
     missing = None
     if strategy.is_global_zero:
         assert state_by_name is not None
-        missing = [name for group in groups for name in group["params"] if name not in state_by_name]
+        missing = [name for group in groups for name in group["params"]
+                   if name not in state_by_name and name not in frozen]
     missing = strategy.broadcast(missing)
     if missing:
         raise CheckpointError(f"ckpt_path: the checkpoint has no optimizer state for {', '.join(missing[:3])}")
@@ -177,7 +185,8 @@ def restore_optimizer_by_name(
     if strategy.is_global_zero:
         assert state_by_name is not None
         full = {
-            "state": {name: state_by_name[name] for group in groups for name in group["params"]},
+            "state": {name: state_by_name[name] for group in groups for name in group["params"]
+                      if name in state_by_name},
             "param_groups": groups,
         }
     if whole_model_groups is not None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from lightning_dist.checkpoints.consolidate import load_consolidated
 from lightning_dist.checkpoints.formats import CheckpointError
+from lightning_dist.checkpoints.frozen_weights import LEFT_OUT
 from lightning_dist.reports.runs import newest_run
 
 LAST = "checkpoints/last.ckpt"
@@ -35,6 +36,10 @@ def hf_model_of(saved: dict[str, Any], checkpoint: str | Path) -> Any:
         held = "the bundled GPT" if "vocab_size" in hparams and "d_model" in hparams else "another model"
         raise CheckpointError(f"checkpoint: {checkpoint} holds {held}, not a Hugging Face model (model=hf_*);"
                               " `lightning-dist consolidate` writes any checkpoint as one file")
+    if LEFT_OUT in saved:
+        raise CheckpointError(f"checkpoint: {checkpoint} left its frozen weights out (exclude_frozen_parameters=True):"
+                              " it resumes a run but holds no whole model; the run wrote its adapters to"
+                              " <run dir>/adapters (PEFT's format, for the pretrained folder)")
     weights = {name.removeprefix(WEIGHTS_PREFIX): tensor for name, tensor in saved["state_dict"].items()
                if name.startswith(WEIGHTS_PREFIX)}
     pretrained = hparams.get("pretrained")

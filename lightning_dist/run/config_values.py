@@ -24,7 +24,7 @@ from lightning_dist.parallel.pipeline_layout import dry_run_refusal as pipeline_
 from lightning_dist.parallel.sizes import ParallelSizes
 from lightning_dist.run.config_check import GROUPS_THE_TRAINER_IS_GIVEN, ConfigError, trainer_key_refusal
 from lightning_dist.run.launch_world import launch_world_refusal
-from lightning_dist.strategies.refusals import deepspeed_refusal
+from lightning_dist.strategies.refusals import deepspeed_refusal, frozen_left_out_refusal
 
 _ABSENT = object()
 
@@ -225,6 +225,9 @@ def check_combinations(cfg: DictConfig) -> None:
             stage = 2  # the strategy's default without a config file; with one, the file's (known after launch)
         refusal = deepspeed_refusal(stage, strategy.get("activation_checkpointing") == "ops",
                                     strategy.get("async_checkpoint") is True)
+        refusal = refusal or frozen_left_out_refusal(strategy.get("exclude_frozen_parameters") is True,
+                                                     strategy.get("tensor_parallel_size"),
+                                                     strategy.get("expert_parallel_size"))
         if refusal:
             raise ConfigError(refusal)
         cp = strategy.get("context_parallel_size")

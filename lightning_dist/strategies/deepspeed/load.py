@@ -237,8 +237,10 @@ def load_deepspeed_checkpoint(strategy: DeepSpeedRanks, checkpoint_path: Any, we
     native = source.format == DEEPSPEED
     if native:
         source = source.vet()  # DeepSpeed unpickles its shards with weights_only=False
-        saved_world_size, saved_config = saved_run(source)
+        saved_world_size, saved_config, frozen_left_out = saved_run(source)
         native = engine_reads_natively(saved_config, strategy.config) and not _zero3_without_optimizer(strategy)
+        # DeepSpeed's loader would find the frozen weights missing: consolidated, they are taken from the model.
+        native = native and not frozen_left_out
         # At another world size the engine reads DeepSpeed's universal form, which holds Adam's moments only.
         native = native and (saved_world_size in (None, strategy.world_size) or saved_adam_moments(source))
     if not native:

@@ -38,6 +38,7 @@ from lightning_dist._compat.transformers import (
     withdraw_zero3,
 )
 from lightning_dist.checkpoints.autoep_names import AUTOEP_NAMES
+from lightning_dist.checkpoints.frozen_weights import LEFT_OUT, frozen_fingerprints
 from lightning_dist.checkpoints.resume import group_names
 from lightning_dist.lifecycle.process_exit import forget_with_process_group
 from lightning_dist.memory.layout import Layout
@@ -75,7 +76,7 @@ from lightning_dist.strategies.deepspeed.offload import offload_device, optimize
 from lightning_dist.strategies.deepspeed.outermost_forward import run_root_hooks_once_per_forward
 from lightning_dist.strategies.deepspeed.ulysses import deepspeed_ulysses, sequence_parallel_group
 from lightning_dist.strategies.deepspeed.zero3_runtime import prepare_zero3_runtime
-from lightning_dist.strategies.refusals import deepspeed_refusal
+from lightning_dist.strategies.refusals import deepspeed_refusal, frozen_left_out_refusal
 
 if TYPE_CHECKING:
     from lightning_dist.dry_run.ranks import RankView
@@ -153,6 +154,9 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         expert_parallel_size: DeepSpeed's AutoEP: ranks that split each mixture-of-experts layer's experts (a
             transformers MoE model AutoEP has a preset for; strategies/deepspeed/autoep.py). The config's
             `expert_parallel` section. Unset: the config file's, else 1.
+        exclude_frozen_parameters: checkpoints leave the frozen weights out (a LoRA run's base) and record each
+            one's fingerprint; a resume takes them from the model it builds once those match
+            (checkpoints/frozen_weights.py).
     """
 
     if TYPE_CHECKING:  # Lightning's types, for a strategy not yet set up; ours reads them once it is
@@ -179,6 +183,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         async_checkpoint: bool = False,
         context_parallel_size: int | None = None,
         expert_parallel_size: int | None = None,
+        exclude_frozen_parameters: bool = False,
     ) -> None:
         say_the_host_where_there_is_no_cuda()  # before Lightning's constructor has DeepSpeed look for a device
         self.run_config = RunConfig.of(
@@ -191,7 +196,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
             offload_parameters=offload_parameters is not None, offload_params_device=offload_parameters or "cpu",
             nvme_path=str(nvme_path or ""), process_group_backend=process_group_backend, timeout=timeout,
             block_class=block_class, activation_checkpointing=activation_checkpointing, compile=compile,
-            async_checkpoint=async_checkpoint,
+            async_checkpoint=async_checkpoint, exclude_frozen_parameters=exclude_frozen_parameters,
         )
         self.base_config = self.config  # the file, or the config built from the options; never modified
         self.config_resolved_for_fit = False
@@ -370,6 +375,8 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     def check_options(self) -> None:
         plan = self.blocks.checkpointing
         refusal = deepspeed_refusal(self.zero.stage, plan is not None and plan.ops, self.async_checkpoint)
+        refusal = refusal or frozen_left_out_refusal(self.exclude_frozen_parameters, self.tensor_parallel_size,
+                                                     self.expert_parallel_size)
         if refusal:
             raise ValueError(refusal)
 
@@ -410,6 +417,8 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         # to one file: here any strategy loads the directory as it is (lightning_dist.load_from_checkpoint).
         if names := getattr(self, "autoep_model_names", None):  # AutoEP's layers, read back in the model's names
             checkpoint = {**checkpoint, AUTOEP_NAMES: names}
+        if self.exclude_frozen_parameters and (left_out := frozen_fingerprints(self.lightning_module)):
+            checkpoint = {**checkpoint, LEFT_OUT: left_out}  # what a resume checks the model it builds against
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="When saving the DeepSpeed Stage 3 checkpoint")
             super().save_checkpoint(checkpoint, filepath, storage_options)

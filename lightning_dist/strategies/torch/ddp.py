@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_dist.checkpoints.formats import FILE
+from lightning_dist.checkpoints.frozen_weights import LEFT_OUT, take_frozen_from_model
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
 from lightning_dist.checkpoints.source import weights_only_for
 from lightning_dist.memory.layout import Layout
@@ -97,7 +98,11 @@ class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         weights_only = weights_only_for(checkpoint_path, weights_only)
         foreign = load_for_resume(self, checkpoint_path, native_formats={FILE}, weights_only=weights_only)
-        checkpoint = foreign if foreign is not None else super().load_checkpoint(checkpoint_path, weights_only)
+        if foreign is not None:
+            return self.read_loader_record(foreign)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        if LEFT_OUT in checkpoint:  # a consolidated DeepSpeed checkpoint without its frozen weights: the model's
+            take_frozen_from_model(self.lightning_module, checkpoint[LEFT_OUT], checkpoint["state_dict"])
         return self.read_loader_record(checkpoint)
 
     @override

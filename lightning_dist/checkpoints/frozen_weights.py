@@ -1,0 +1,102 @@
+"""Checkpoints that leave the frozen weights out (DeepSpeed's `exclude_frozen_parameters=True`).
+
+A LoRA fine-tune's base never changes: every save of it repeats the pretrained model (a 7B base: 14 GB a save, the
+adapters 50 MB). Left out, it must come back from where the run got it: the model as the resumed run builds it. So a
+save records each frozen weight's fingerprint (its sum and sum of squares, in float64), and a resume compares them
+with the weights of the model as built, before taking those in place of the missing ones. A model built otherwise (a
+random base, another pretrained folder, a base trained before it was frozen) is refused in one line, not resumed on.
+Lightning itself wrote such checkpoints and could not load them (`Missing key(s) in state_dict`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_dist.checkpoints.formats import CheckpointError
+from lightning_dist.checkpoints.gather import plain_name
+
+LEFT_OUT = "frozen_weights_left_out"  # the checkpoint's key: the weights it does not hold, by name
+_CHUNK = 1 << 24  # elements summed at a time: float64 copies of 128 MiB, not of a whole embedding
+_RELATIVE = 1e-9  # float64 sums of the same values in another order (another device, another partitioning)
+
+
+def frozen_fingerprints(module: nn.Module) -> dict[str, dict[str, list]]:
+    """{name: {"shape": ..., "fingerprint": [sum, sum of squares]}} of the module's frozen parameters, each whole (a
+    collective under ZeRO-3 and FSDP: call it on every rank)."""
+    return _fingerprints(module, lambda name, parameter: not parameter.requires_grad)
+
+
+def _fingerprints(module: nn.Module, keep: Callable[[str, nn.Parameter], bool],
+                  values: dict[str, torch.Tensor] | None = None) -> dict[str, dict[str, list]]:
+    """Those of the parameters `keep` takes; `values`: their whole values are put there too, on the host."""
+    fingerprints: dict[str, dict[str, list]] = {}
+    for name, value in _whole_parameters(module, keep):
+        fingerprints[name] = {"shape": list(value.shape), "fingerprint": fingerprint(value)}
+        if values is not None:
+            values[name] = value.detach().cpu().clone()
+    return fingerprints
+
+
+def fingerprint(tensor: torch.Tensor) -> list[float]:
+    flat = tensor.detach().reshape(-1)
+    total = squares = torch.zeros((), dtype=torch.float64, device=flat.device)
+    for start in range(0, flat.numel(), _CHUNK):
+        chunk = flat[start:start + _CHUNK].double()
+        total, squares = total + chunk.sum(), squares + chunk.square().sum()
+    return [total.item(), squares.item()]
+
+
+def take_frozen_from_model(module: nn.Module, left_out: Mapping[str, Mapping[str, list]],
+                           state_dict: dict[str, torch.Tensor] | None) -> None:
+    """The frozen weights a checkpoint left out, taken from the model as built once they are the ones it was saved
+    with (into `state_dict`, rank 0's consolidated weights, where given); else a CheckpointError naming them."""
+    # By name, frozen or not now: a callback may freeze or unfreeze them later (Lightning's BackboneFinetuning).
+    built = _fingerprints(module, lambda name, parameter: name in left_out, state_dict)
+    absent = sorted(set(left_out) - set(built))
+    differ = sorted(name for name in set(left_out) & set(built) if not _same(left_out[name], built[name]))
+    if absent:
+        raise CheckpointError(
+            f"ckpt_path: the checkpoint left its frozen weights out (exclude_frozen_parameters=True) and the model as"
+            f" built has no {', '.join(absent[:3])} (of {len(absent)}): build it as the run that saved it did, or"
+            " resume from a checkpoint that holds them"
+        )
+    if differ:
+        raise CheckpointError(
+            f"ckpt_path: the checkpoint left its frozen weights out (exclude_frozen_parameters=True) and the model as"
+            f" built holds others: {', '.join(differ[:3])} (of {len(differ)}) differ from the ones it was saved"
+            " with; load the same pretrained weights (in __init__ or configure_model) before resuming"
+        )
+
+
+def _same(saved: Mapping[str, list], built: Mapping[str, list]) -> bool:
+    if list(saved["shape"]) != list(built["shape"]):
+        return False
+    pairs = zip(saved["fingerprint"], built["fingerprint"])
+    return all(abs(a - b) <= _RELATIVE * max(abs(a), abs(b), 1e-30) for a, b in pairs)
+
+
+def _whole_parameters(module: nn.Module, keep: Callable[[str, nn.Parameter], bool],
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole value) of each parameter `keep` takes, one at a time: a ZeRO-3 partition gathered, an FSDP2
+    shard's full tensor; only one of them is whole at a time."""
+    from torch.distributed.tensor import DTensor
+
+    for name, parameter in module.named_parameters():
+        if not keep(plain_name(name), parameter):
+            continue
+        with _gathered(parameter):
+            value = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+            yield plain_name(name), value
+
+
+def _gathered(parameter: nn.Parameter) -> Any:
+    if not hasattr(parameter, "ds_tensor"):
+        return nullcontext()
+    from lightning_dist._compat.deepspeed import zero3_gathered
+
+    return zero3_gathered([parameter])

@@ -1,0 +1,172 @@
+"""A LoRA fine-tune's checkpoints without its frozen base (`DeepSpeedStrategy(exclude_frozen_parameters=True)`, as
+Lightning users write it; tests/lora_checkpoint_script.py: a Llama from a pretrained folder, AdamW over
+`self.parameters()`, a checkpoint every 2 steps) hold the adapters and their optimizer state only, and resume:
+
+- under ZeRO-3 from step 4, steps 5-6 train the uninterrupted run's losses exactly (Lightning wrote such
+  checkpoints and could not load them: `Missing key(s) in state_dict`);
+- under ddp (another engine), the frozen base taken from the model as built; before, any DeepSpeed checkpoint of such
+  a module stopped a ddp or fsdp resume: "no optimizer state for" the frozen weights `AdamW(self.parameters())` holds;
+- a model built on other weights than the run saved with is refused in one line, not resumed on;
+- `lightning_dist.load_from_checkpoint` builds the module and checks its frozen weights alike.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_dist.checkpoints.formats import CheckpointError
+from lightning_dist.checkpoints.frozen_weights import LEFT_OUT, fingerprint, frozen_fingerprints, take_frozen_from_model
+from tests.conftest import REPO, TRAIN_ENV
+
+pytestmark = pytest.mark.slow
+
+STEP_4 = "checkpoints/epoch=0-step=4.ckpt"
+
+
+def run(out, folder, strategy: str, ckpt_path=None, expect_failure: bool = False) -> dict:
+    """Rank 0's {global step: loss} of a 2-rank run of the script (about 35 s), or its stderr where it fails."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, str(REPO / "tests" / "lora_checkpoint_script.py"), str(out), str(folder), strategy, "2",
+               "6", "true", *([str(ckpt_path)] if ckpt_path else [])]
+    process = subprocess.run(command, cwd=out, env={**TRAIN_ENV, "PYTHONPATH": str(REPO)}, capture_output=True,
+                             text=True, timeout=600)
+    if expect_failure:
+        assert process.returncode != 0, process.stdout[-2000:]
+        return {"stderr": process.stderr}
+    assert process.returncode == 0, process.stderr[-4000:]
+    return {int(step): loss for step, loss in json.loads((out / "losses-0.json").read_text()).items()}
+
+
+@pytest.fixture(scope="module")
+def runs(pretrained_folders, tmp_path_factory, deepspeed_ops):
+    folder = pretrained_folders["llama"]
+    root = tmp_path_factory.mktemp("lora_checkpoints")
+    whole = run(root / "zero3", folder, "3")
+    checkpoint = root / "zero3" / STEP_4
+    return {
+        "checkpoint": checkpoint,
+        "zero3": whole,
+        "zero3_resumed": run(root / "zero3_resumed", folder, "3", checkpoint),
+        "ddp_resumed": run(root / "ddp_resumed", folder, "ld_ddp", checkpoint),
+        # Another "pretrained" model of the same shape: its frozen weights are not the ones the run trained on.
+        "other_base": run(root / "other_base", make_other_base(root), "2", checkpoint, expect_failure=True),
+    }
+
+
+def make_other_base(root):
+    from recipes.finetune.make_pretrained import make_pretrained
+
+    make_pretrained(root / "other_llama", "llama", seed=1)
+    return root / "other_llama"
+
+
+def test_the_checkpoint_holds_the_adapters_and_the_frozen_weights_fingerprints(runs):
+    saved = [torch.load(path, weights_only=False, map_location="cpu")
+             for path in sorted((runs["checkpoint"] / "checkpoint").glob("*model_states.pt"))]
+    assert len(saved) == 2  # ZeRO-3: a model-states file per rank
+    for states in saved:
+        assert states["module"] and all("lora_" in name for name in states["module"])
+        assert not states.get("frozen_param_fragments")
+    left_out = saved[0][LEFT_OUT]
+    assert len(left_out) == 39  # the Llama's 4 layers of 9 weights, its embedding, final norm and head
+    assert "model.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight" in left_out
+    assert not any("lora_" in name for name in left_out)
+
+
+def test_a_zero_3_resume_trains_the_uninterrupted_run_s_losses(runs):
+    assert runs["zero3_resumed"] == {step: runs["zero3"][step] for step in (5, 6)}
+
+
+def test_ddp_resumes_the_zero_3_checkpoint_with_the_base_it_builds(runs):
+    # ddp computes the bf16 base in bf16 (DeepSpeed's 32-true in fp32): the adapters' step-4 values, rounded so.
+    resumed = runs["ddp_resumed"]
+    assert sorted(resumed) == [5, 6]
+    assert resumed[5] == pytest.approx(runs["zero3"][5], rel=2e-4)
+
+
+def test_a_model_built_on_other_weights_is_refused_in_one_line(runs):
+    stderr = runs["other_base"]["stderr"]
+    line = next(line for line in stderr.splitlines() if "CheckpointError: " in line)
+    assert ("ckpt_path: the checkpoint left its frozen weights out (exclude_frozen_parameters=True) and the model as"
+            " built holds others: model.base_model.model.lm_head.weight") in line
+    assert "(of 39) differ from the ones it was saved with" in line
+    assert "Trainer.fit` stopped" not in stderr
+
+
+def test_load_from_checkpoint_takes_the_frozen_weights_from_the_module_it_builds(runs, pretrained_folders):
+    import lightning_dist
+    from tests.lora_checkpoint_script import LoraFineTune
+
+    module = lightning_dist.load_from_checkpoint(LoraFineTune, runs["checkpoint"], trusted=True,
+                                                 folder=str(pretrained_folders["llama"]))
+    base = module.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    from safetensors.torch import load_file
+
+    pretrained = {}
+    for shard in pretrained_folders["llama"].glob("*.safetensors"):
+        pretrained.update(load_file(shard))
+    assert torch.equal(base.float(), pretrained["model.layers.0.self_attn.q_proj.weight"].float())
+    trained = module.model.base_model.model.model.layers[0].self_attn.q_proj.lora_B.default.weight
+    assert trained.abs().max() > 0  # the adapters the run trained, off B = 0
+
+    with pytest.raises(CheckpointError, match="the model as built holds others"):
+        lightning_dist.load_from_checkpoint(LoraFineTune, runs["checkpoint"], trusted=True,
+                                            folder=str(runs["checkpoint"].parents[2] / "other_llama"))
+
+
+def test_fingerprints_add_up_in_chunks_and_name_what_differs(monkeypatch):
+    import lightning_dist.checkpoints.frozen_weights as frozen_weights
+
+    tensor = torch.randn(1000, dtype=torch.bfloat16)
+    whole = fingerprint(tensor)
+    monkeypatch.setattr(frozen_weights, "_CHUNK", 7)
+    assert fingerprint(tensor) == pytest.approx(whole, rel=1e-12)
+    assert whole[1] == pytest.approx(float(tensor.double().square().sum()), rel=1e-12)
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    model[0].requires_grad_(False)
+    saved = frozen_fingerprints(model)
+    assert saved == {"0.weight": {"shape": [3, 3], "fingerprint": fingerprint(model[0].weight)},
+                     "0.bias": {"shape": [3], "fingerprint": fingerprint(model[0].bias)}}
+    values: dict = {}
+    take_frozen_from_model(model, saved, values)
+    assert set(values) == {"0.weight", "0.bias"} and torch.equal(values["0.weight"], model[0].weight)
+    with torch.no_grad():
+        model[0].bias.add_(1e-3)
+    with pytest.raises(CheckpointError, match=r"holds others: 0\.bias \(of 1\)"):
+        take_frozen_from_model(model, saved, None)
+    model[0].requires_grad_(True)  # unfrozen after the save (BackboneFinetuning): still the value it left out
+    with pytest.raises(CheckpointError, match=r"holds others: 0\.bias \(of 1\)"):
+        take_frozen_from_model(model, saved, None)
+    with pytest.raises(CheckpointError, match=r"has no 1\.gate, 2\.weight \(of 2\)"):
+        take_frozen_from_model(model, {**saved, "2.weight": saved["0.weight"], "1.gate": saved["0.bias"]}, None)
+
+
+def test_export_refuses_a_checkpoint_without_its_frozen_weights_in_one_line():
+    from lightning_dist.models.export import hf_model_of
+
+    left_out = {"model.embed.weight": {"shape": [8, 4], "fingerprint": [0.0, 0.0]}}
+    saved = {"hyper_parameters": {"model_type": "llama"}, "state_dict": {}, LEFT_OUT: left_out}
+    with pytest.raises(CheckpointError, match=r"left its frozen weights out \(exclude_frozen_parameters=True\)"):
+        hf_model_of(saved, "ckpt")
+
+
+def test_a_split_layer_s_frozen_parts_are_refused_before_any_rank_starts(monkeypatch):
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    import lightning_dist
+    from lightning_dist.strategies.launcher import PreflightError
+
+    strategy = lightning_dist.DeepSpeedStrategy(stage=3, expert_parallel_size=2, exclude_frozen_parameters=True)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    monkeypatch.setattr(trainer.strategy.launcher.launcher, "launch", lambda *args, **kwargs: pytest.fail("launched"))
+    with pytest.raises(PreflightError, match=r"^strategy.exclude_frozen_parameters=true with strategy"
+                                             r".expert_parallel_size=2: each rank holds part of a layer there"):
+        trainer.fit(BoringModel())
