@@ -27,7 +27,7 @@ from lightning_dist._compat.lightning import WRAPPED_MODULE_PREFIX
 from lightning_dist.checkpoints.autoep_names import AUTOEP_NAMES, model_named_state
 from lightning_dist.checkpoints.contents import autotp_refusal, autotp_size, saved_by_autoep
 from lightning_dist.checkpoints.formats import DEEPSPEED, FILE, CheckpointError, command_exit, deepspeed_tag_dir
-from lightning_dist.checkpoints.frozen_weights import LEFT_OUT, take_frozen_from_model
+from lightning_dist.checkpoints.frozen_weights import LEFT_OUT, check_left_out
 from lightning_dist.checkpoints.safe_load import load_file
 from lightning_dist.checkpoints.save_id import SAVE_ID
 from lightning_dist.checkpoints.source import CheckpointSource
@@ -64,7 +64,7 @@ def load_from_checkpoint(module_class: type[Any], path: str | Path, trusted: boo
     with warnings.catch_warnings():  # Lightning's list of them, every frozen name: checked below instead
         warnings.filterwarnings("ignore", message="Found keys that are in the model state dict but not in the")
         module = module_class.load_from_checkpoint(buffer, **{**kwargs, "strict": False})
-    take_frozen_from_model(module, checkpoint[LEFT_OUT], None)
+    check_left_out(module, checkpoint[LEFT_OUT])
     unsaved = sorted(set(module.state_dict()) - set(checkpoint["state_dict"]) - set(checkpoint[LEFT_OUT]))
     if unsaved and kwargs.get("strict", module.strict_loading) is not False:
         raise CheckpointError(f"checkpoint: {path} has no weights for {', '.join(unsaved[:3])} (of {len(unsaved)})")

@@ -2,10 +2,11 @@
 
 A LoRA fine-tune's base never changes: every save of it repeats the pretrained model (a 7B base: 14 GB a save, the
 adapters 50 MB). Left out, it must come back from where the run got it: the model as the resumed run builds it. So a
-save records each frozen weight's fingerprint (its sum and sum of squares, in float64), and a resume compares them
-with the weights of the model as built, before taking those in place of the missing ones. A model built otherwise (a
-random base, another pretrained folder, a base trained before it was frozen) is refused in one line, not resumed on.
-Lightning itself wrote such checkpoints and could not load them (`Missing key(s) in state_dict`).
+save records each frozen weight's shape and fingerprint (its sum and sum of squares, in float64), and a resume
+compares them with the weights of the model as built, then loads the rest around them (no rank reads the base
+again, nor sends it). A model built otherwise (a random base, another pretrained folder, a base trained before it was
+frozen) is refused in one line, not resumed on. Lightning itself wrote such checkpoints and could not load them
+(`Missing key(s) in state_dict`).
 """
 
 from __future__ import annotations
@@ -31,14 +32,10 @@ def frozen_fingerprints(module: nn.Module) -> dict[str, dict[str, list]]:
     return _fingerprints(module, lambda name, parameter: not parameter.requires_grad)
 
 
-def _fingerprints(module: nn.Module, keep: Callable[[str, nn.Parameter], bool],
-                  values: dict[str, torch.Tensor] | None = None) -> dict[str, dict[str, list]]:
-    """Those of the parameters `keep` takes; `values`: their whole values are put there too, on the host."""
+def _fingerprints(module: nn.Module, keep: Callable[[str, nn.Parameter], bool]) -> dict[str, dict[str, list]]:
     fingerprints: dict[str, dict[str, list]] = {}
     for name, value in _whole_parameters(module, keep):
         fingerprints[name] = {"shape": list(value.shape), "fingerprint": fingerprint(value)}
-        if values is not None:
-            values[name] = value.detach().cpu().clone()
     return fingerprints
 
 
@@ -51,12 +48,11 @@ def fingerprint(tensor: torch.Tensor) -> list[float]:
     return [total.item(), squares.item()]
 
 
-def take_frozen_from_model(module: nn.Module, left_out: Mapping[str, Mapping[str, list]],
-                           state_dict: dict[str, torch.Tensor] | None) -> None:
-    """The frozen weights a checkpoint left out, taken from the model as built once they are the ones it was saved
-    with (into `state_dict`, rank 0's consolidated weights, where given); else a CheckpointError naming them."""
+def check_left_out(module: nn.Module, left_out: Mapping[str, Mapping[str, list]]) -> None:
+    """CheckpointError naming them, unless the model as built holds the frozen weights a checkpoint left out, as
+    they were saved (a collective under ZeRO-3 and FSDP: call it on every rank)."""
     # By name, frozen or not now: a callback may freeze or unfreeze them later (Lightning's BackboneFinetuning).
-    built = _fingerprints(module, lambda name, parameter: name in left_out, state_dict)
+    built = _fingerprints(module, lambda name, parameter: name in left_out)
     absent = sorted(set(left_out) - set(built))
     differ = sorted(name for name in set(left_out) & set(built) if not _same(left_out[name], built[name]))
     if absent:
@@ -71,6 +67,23 @@ def take_frozen_from_model(module: nn.Module, left_out: Mapping[str, Mapping[str
             f" built holds others: {', '.join(differ[:3])} (of {len(differ)}) differ from the ones it was saved"
             " with; load the same pretrained weights (in __init__ or configure_model) before resuming"
         )
+
+
+def may_lack(checkpoint: Mapping[str, Any]) -> set[str]:
+    """The weights a (checked) checkpoint does not hold and a load leaves as the model has them."""
+    return set(checkpoint.get(LEFT_OUT) or ())
+
+
+def load_around_left_out(module: nn.Module, checkpoint: Mapping[str, Any], strict: bool) -> None:
+    """`checkpoint["state_dict"]` into a whole (unsharded) module, its left-out weights kept as the model has them;
+    under `strict`, a CheckpointError for any other weight it lacks or does not know."""
+    state_dict = checkpoint["state_dict"]
+    expected = set(module.state_dict())
+    missing, unexpected = sorted(expected - set(state_dict) - may_lack(checkpoint)), sorted(set(state_dict) - expected)
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"ckpt_path: the checkpoint has no weights for {', '.join(missing[:3]) or '-'} and"
+                              f" weights this model has not: {', '.join(unexpected[:3]) or '-'}")
+    module.load_state_dict(state_dict, strict=False)
 
 
 def _same(saved: Mapping[str, list], built: Mapping[str, list]) -> bool:

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from lightning_dist._compat.lightning import unwrapped_optimizer
 from lightning_dist.checkpoints.consolidate import GROUP_SETTINGS, load_consolidated
 from lightning_dist.checkpoints.formats import CheckpointError
-from lightning_dist.checkpoints.frozen_weights import LEFT_OUT, take_frozen_from_model
+from lightning_dist.checkpoints.frozen_weights import LEFT_OUT, check_left_out, may_lack
 from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.checkpoints.ranks import Ranks
 from lightning_dist.checkpoints.source import CheckpointSource
@@ -55,9 +55,8 @@ def load_for_resume(
     shared = strategy.broadcast(shared)
     if isinstance(shared, Exception):
         raise shared
-    if LEFT_OUT in shared:  # the weights the checkpoint does not hold, from the model as built (on every rank)
-        weights = checkpoint["state_dict"] if checkpoint is not None else None
-        take_frozen_from_model(strategy.lightning_module, shared[LEFT_OUT], weights)
+    if LEFT_OUT in shared:  # weights the checkpoint does not hold: the model as built must hold them, as saved
+        check_left_out(strategy.lightning_module, shared[LEFT_OUT])
     return checkpoint if strategy.is_global_zero else shared
 
 
@@ -67,17 +66,30 @@ def load_weights_from_rank_zero(module: torch.nn.Module, checkpoint: dict[str, A
     `partial`: each rank holds part of the model (pipeline stages), rank 0's not the whole: each rank takes the
     names it holds, and under `strict` every one of them must be in the checkpoint."""
     state_dict = checkpoint.pop("state_dict", None) or {}
+    left_out = may_lack(checkpoint)  # checked (load_for_resume): each rank keeps its part of them as it is
+    if left_out and partial is None and strict:
+        _check_holds_the_rest(module, state_dict, left_out)
     if partial is not None:
         names: list[str] | None = sorted(state_dict) if partial.is_global_zero else None
         saved = set(partial.broadcast(names) or ())
-        missing = sorted(set(module.state_dict()) - saved)
+        missing = sorted(set(module.state_dict()) - saved - left_out)
         everyones: list[Any] = [None] * partial.world_size
         torch.distributed.all_gather_object(everyones, missing)
         missing = [name for names in everyones for name in names]
         if strict and missing:
             raise CheckpointError(f"ckpt_path: the checkpoint has no {', '.join(sorted(set(missing))[:3])}")
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict and partial is None)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                               strict=strict and partial is None and not left_out)
     set_model_state_dict(module, state_dict, options=options)
+
+
+def _check_holds_the_rest(module: torch.nn.Module, state_dict: dict[str, Any], left_out: set[str]) -> None:
+    """A CheckpointError on every rank where rank 0's weights lack any but the `left_out` ones."""
+    missing = [sorted({plain_name(name) for name in module.state_dict()} - set(state_dict) - left_out)
+               if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(missing, src=0)
+    if missing[0]:
+        raise CheckpointError(f"ckpt_path: the checkpoint has no {', '.join(missing[0][:3])}")
 
 
 def group_names(module: torch.nn.Module, param_groups: list[dict[str, Any]]) -> list[list[str]]:

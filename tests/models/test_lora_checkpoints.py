@@ -4,8 +4,9 @@ Lightning users write it; tests/lora_checkpoint_script.py: a Llama from a pretra
 
 - under ZeRO-3 from step 4, steps 5-6 train the uninterrupted run's losses exactly (Lightning wrote such
   checkpoints and could not load them: `Missing key(s) in state_dict`);
-- under ddp (another engine), the frozen base taken from the model as built; before, any DeepSpeed checkpoint of such
-  a module stopped a ddp or fsdp resume: "no optimizer state for" the frozen weights `AdamW(self.parameters())` holds;
+- under ddp and fsdp (other engines), the frozen base kept as the model was built; before, any DeepSpeed checkpoint of
+  such a module stopped a ddp or fsdp resume: "no optimizer state for" the frozen weights `AdamW(self.parameters())`
+  holds;
 - a model built on other weights than the run saved with is refused in one line, not resumed on;
 - `lightning_dist.load_from_checkpoint` builds the module and checks its frozen weights alike.
 """
@@ -20,7 +21,13 @@ import pytest
 import torch
 
 from lightning_dist.checkpoints.formats import CheckpointError
-from lightning_dist.checkpoints.frozen_weights import LEFT_OUT, fingerprint, frozen_fingerprints, take_frozen_from_model
+from lightning_dist.checkpoints.frozen_weights import (
+    LEFT_OUT,
+    check_left_out,
+    fingerprint,
+    frozen_fingerprints,
+    load_around_left_out,
+)
 from tests.conftest import REPO, TRAIN_ENV
 
 pytestmark = pytest.mark.slow
@@ -53,6 +60,7 @@ def runs(pretrained_folders, tmp_path_factory, deepspeed_ops):
         "zero3": whole,
         "zero3_resumed": run(root / "zero3_resumed", folder, "3", checkpoint),
         "ddp_resumed": run(root / "ddp_resumed", folder, "ld_ddp", checkpoint),
+        "fsdp_resumed": run(root / "fsdp_resumed", folder, "ld_fsdp", checkpoint),
         # Another "pretrained" model of the same shape: its frozen weights are not the ones the run trained on.
         "other_base": run(root / "other_base", make_other_base(root), "2", checkpoint, expect_failure=True),
     }
@@ -82,11 +90,13 @@ def test_a_zero_3_resume_trains_the_uninterrupted_run_s_losses(runs):
     assert runs["zero3_resumed"] == {step: runs["zero3"][step] for step in (5, 6)}
 
 
-def test_ddp_resumes_the_zero_3_checkpoint_with_the_base_it_builds(runs):
-    # ddp computes the bf16 base in bf16 (DeepSpeed's 32-true in fp32): the adapters' step-4 values, rounded so.
-    resumed = runs["ddp_resumed"]
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_another_engine_resumes_the_zero_3_checkpoint_with_the_base_it_builds(runs, strategy):
+    # ddp and fsdp compute the bf16 base in bf16 (DeepSpeed's 32-true in fp32): the adapters' step-4 values so.
+    resumed = runs[f"{strategy}_resumed"]
     assert sorted(resumed) == [5, 6]
     assert resumed[5] == pytest.approx(runs["zero3"][5], rel=2e-4)
+    assert resumed == pytest.approx(runs["ddp_resumed"], rel=1e-6)
 
 
 def test_a_model_built_on_other_weights_is_refused_in_one_line(runs):
@@ -133,18 +143,28 @@ def test_fingerprints_add_up_in_chunks_and_name_what_differs(monkeypatch):
     saved = frozen_fingerprints(model)
     assert saved == {"0.weight": {"shape": [3, 3], "fingerprint": fingerprint(model[0].weight)},
                      "0.bias": {"shape": [3], "fingerprint": fingerprint(model[0].bias)}}
-    values: dict = {}
-    take_frozen_from_model(model, saved, values)
-    assert set(values) == {"0.weight", "0.bias"} and torch.equal(values["0.weight"], model[0].weight)
+    check_left_out(model, saved)
     with torch.no_grad():
         model[0].bias.add_(1e-3)
     with pytest.raises(CheckpointError, match=r"holds others: 0\.bias \(of 1\)"):
-        take_frozen_from_model(model, saved, None)
+        check_left_out(model, saved)
     model[0].requires_grad_(True)  # unfrozen after the save (BackboneFinetuning): still the value it left out
     with pytest.raises(CheckpointError, match=r"holds others: 0\.bias \(of 1\)"):
-        take_frozen_from_model(model, saved, None)
+        check_left_out(model, saved)
     with pytest.raises(CheckpointError, match=r"has no 1\.gate, 2\.weight \(of 2\)"):
-        take_frozen_from_model(model, {**saved, "2.weight": saved["0.weight"], "1.gate": saved["0.bias"]}, None)
+        check_left_out(model, {**saved, "2.weight": saved["0.weight"], "1.gate": saved["0.bias"]})
+
+
+def test_a_whole_module_loads_around_the_weights_left_out_and_nothing_else_is_missed():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    saved = {name: torch.full_like(value, 7.0) for name, value in model.state_dict().items()}
+    base = model[0].weight.detach().clone()
+    load_around_left_out(model, {"state_dict": {k: v for k, v in saved.items() if k != "0.weight"},
+                                 LEFT_OUT: {"0.weight": {}}}, strict=True)
+    assert torch.equal(model[0].weight, base) and torch.equal(model[1].weight, saved["1.weight"])
+    with pytest.raises(CheckpointError, match=r"has no weights for 1\.bias and weights this model has not: -"):
+        load_around_left_out(model, {"state_dict": {k: v for k, v in saved.items() if k not in ("0.weight", "1.bias")},
+                                     LEFT_OUT: {"0.weight": {}}}, strict=True)
 
 
 def test_export_refuses_a_checkpoint_without_its_frozen_weights_in_one_line():

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dist._compat.deepspeed import point_parameters_at_optimizer_state
 from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError
+from lightning_dist.checkpoints.frozen_weights import may_lack
 from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.checkpoints.ranks import Ranks
 from lightning_dist.checkpoints.resume import (
@@ -67,7 +68,7 @@ def load_into_engine(strategy: DeepSpeedRanks, checkpoint: dict[str, Any], stric
     saved = {plain_name(name) for name in module.state_dict(keep_vars=True)}
     tensors = [(plain_name(n), t) for n, t in (*module.named_parameters(), *module.named_buffers())
                if plain_name(n) in saved]
-    absent = _absent_on_rank_zero(strategy, weights, [name for name, _ in tensors], strict)
+    absent = _absent_on_rank_zero(strategy, weights, [name for name, _ in tensors], strict, may_lack(checkpoint))
     optimizer = engine.optimizer if strategy.lightning_module.trainer.training else None
     adam_states = bool(states) and all("exp_avg" in state for state in (states or {}).values())
     with_moments = strategy.broadcast(adam_states and optimizer is not None)
@@ -119,12 +120,15 @@ def _zero3_without_optimizer(strategy: DeepSpeedRanks) -> bool:
     return ZeroSection.of(strategy.config).partitions_parameters and not strategy.lightning_module.trainer.training
 
 
-def _absent_on_rank_zero(strategy: Ranks, weights: dict | None, names: list[str], strict: bool) -> set[str]:
-    """The names rank 0's checkpoint lacks, known on every rank; an error for any under strict loading."""
+def _absent_on_rank_zero(strategy: Ranks, weights: dict | None, names: list[str], strict: bool,
+                         left_out: set[str]) -> set[str]:
+    """The names rank 0's checkpoint lacks, known on every rank; an error for any under strict loading but those it
+    left out (frozen weights, checked against the model's: frozen_weights.py)."""
     absent = strategy.broadcast([n for n in names if n not in (weights or {})] if strategy.is_global_zero else [])
-    if absent and strict:
+    lacking = [name for name in absent if name not in left_out]
+    if lacking and strict:
         raise CheckpointError(
-            f"ckpt_path: the checkpoint has no weights for {', '.join(absent[:3])} (of {len(absent)})"
+            f"ckpt_path: the checkpoint has no weights for {', '.join(lacking[:3])} (of {len(lacking)})"
         )
     return set(absent)
 

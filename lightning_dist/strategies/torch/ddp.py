@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_dist.checkpoints.formats import FILE
-from lightning_dist.checkpoints.frozen_weights import LEFT_OUT, take_frozen_from_model
+from lightning_dist.checkpoints.frozen_weights import LEFT_OUT, check_left_out, load_around_left_out, may_lack
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
 from lightning_dist.checkpoints.source import weights_only_for
 from lightning_dist.memory.layout import Layout
@@ -102,12 +102,14 @@ class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
             return self.read_loader_record(foreign)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         if LEFT_OUT in checkpoint:  # a consolidated DeepSpeed checkpoint without its frozen weights: the model's
-            take_frozen_from_model(self.lightning_module, checkpoint[LEFT_OUT], checkpoint["state_dict"])
+            check_left_out(self.lightning_module, checkpoint[LEFT_OUT])
         return self.read_loader_record(checkpoint)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if checkpoint.get("state_dict") is not None:
+        if checkpoint.get("state_dict") is not None and may_lack(checkpoint):
+            load_around_left_out(self.lightning_module, checkpoint, strict)
+        elif checkpoint.get("state_dict") is not None:
             super().load_model_state_dict(checkpoint, strict)
         # Else a foreign checkpoint consolidated on rank 0 only: DDP broadcasts rank 0's weights as it wraps the model.
 
