@@ -1,12 +1,13 @@
-"""A user's LoRA fine-tune under DeepSpeed whose checkpoints leave the frozen base out, as Lightning users write it:
-`DeepSpeedStrategy(stage=..., exclude_frozen_parameters=True)`, the pretrained folder loaded in `configure_model`
+"""A user's LoRA fine-tune whose checkpoints leave the frozen base out, as Lightning users write it under DeepSpeed:
+`DeepSpeedStrategy(stage=..., exclude_frozen_parameters=True)` (or ours under FSDP and DDP), the pretrained folder
+loaded in `configure_model`
 and PEFT's `get_peft_model` on it, a step that passes `labels=` and logs `.loss`, AdamW over `self.parameters()`,
 and a checkpoint every 2 steps. Writes OUT_DIR/losses-<rank>.json: {global step: loss} of the steps it ran.
 
     python tests/lora_checkpoint_script.py OUT_DIR FOLDER STAGE DEVICES MAX_STEPS true|false [CKPT_PATH]
 
-STAGE is DeepSpeed's ZeRO stage (1, 2 or 3), or a registered strategy's name to resume under (`ld_fsdp`: the last
-argument but one is then ignored).
+STAGE is DeepSpeed's ZeRO stage (1, 2 or 3), `fsdp` or `ddp` (our strategies of those names, given the option), or a
+registered strategy's name as it is (`ld_fsdp`: the option is then ignored).
 """
 
 from __future__ import annotations
@@ -54,8 +55,14 @@ def main(out_dir: str, folder: str, stage: str, devices: str, max_steps: str, ex
     out = Path(out_dir)
     tokens = torch.randint(0, 100, (48, 16), generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(tokens), batch_size=2)
-    strategy = stage if stage.startswith("ld_") else lightning_dist.DeepSpeedStrategy(
-        stage=int(stage), exclude_frozen_parameters=exclude == "true")
+    option = {"exclude_frozen_parameters": exclude == "true"}
+    strategies = {"fsdp": lightning_dist.FSDPStrategy, "ddp": lightning_dist.DDPStrategy}
+    if stage.startswith("ld_"):
+        strategy = stage
+    elif stage in strategies:
+        strategy = strategies[stage](**option)
+    else:
+        strategy = lightning_dist.DeepSpeedStrategy(stage=int(stage), **option)
     trainer = L.Trainer(
         accelerator="cpu", devices=int(devices), strategy=strategy, max_steps=int(max_steps), logger=False,
         enable_progress_bar=False, default_root_dir=out,

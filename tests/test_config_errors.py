@@ -250,9 +250,11 @@ REFUSED = [
     (["checkpoint.async=true", "strategy=deepspeed_stage_2"], "checkpoint.async=true: DeepSpeed's engine writes its"
      " checkpoints itself, synchronously, and has no hook to stage them;"),
     (["strategy=deepspeed_stage_3", "strategy.exclude_frozen_parameters=true", "strategy.tensor_parallel_size=2"],
-     "strategy.exclude_frozen_parameters=true with strategy.tensor_parallel_size=2: each rank holds part of a layer"
+     "strategy.exclude_frozen_parameters=true with strategy.tensor_parallel_size=2: each rank holds part of the model"
      " there, and a resume could not check the frozen parts it takes from the model; save them (false), or train"
-     " without DeepSpeed's AutoTP/AutoEP"),
+     " without that split"),
+    (["strategy=fsdp_pp", "strategy.exclude_frozen_parameters=true"], "strategy.exclude_frozen_parameters=true with"
+     " strategy.pipeline_parallel_size=2: each rank holds part of the model there"),
     (["strategy.activation_checkpointing=ops", "strategy=deepspeed_stage_3"], "strategy.activation_checkpointing=ops:"
      " ZeRO-3 gathers and frees parameters inside each block, which op-level checkpointing cannot replay; use true"
      " (every block) or an integer k (every k-th block)"),

@@ -49,8 +49,10 @@ def state_dict_shapes(
         from torch.distributed.checkpoint import FileSystemReader
 
         metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        return {name.removeprefix("state_dict."): tuple(getattr(entry, "size", ())) or None
-                for name, entry in metadata.items() if name.startswith("state_dict.")}
+        lightning = load_file(path / LIGHTNING_METADATA, key, trusted=trusted)
+        return {**{name.removeprefix("state_dict."): tuple(getattr(entry, "size", ())) or None
+                   for name, entry in metadata.items() if name.startswith("state_dict.")},
+                **_left_out_shapes(lightning if isinstance(lightning, dict) else {})}
     model_states = load_file(
         sorted(deepspeed_tag_dir(path).glob("*model_states.pt"))[0], key, mmap=True, trusted=trusted
     )
@@ -70,6 +72,20 @@ def state_dict_shapes(
 def _left_out_shapes(saved: dict[str, Any]) -> dict[str, Shape | None]:
     """The frozen weights a checkpoint left out (frozen_weights.py): a resume takes them from the model it builds."""
     return {name: tuple(entry["shape"]) for name, entry in (saved.get(LEFT_OUT) or {}).items()}
+
+
+def left_frozen_weights_out(path: str | Path | CheckpointSource) -> bool:
+    """Whether a checkpoint left its frozen weights out (frozen_weights.py): read from its metadata, no tensor
+    loaded. Such a checkpoint loads like another engine's, around the weights it lacks."""
+    source = CheckpointSource.of(path)
+    if source.format == FILE:
+        record = load_file(source.path, mmap=True, trusted=source.readable)
+    elif source.format == DISTRIBUTED:
+        record = load_file(source.path / LIGHTNING_METADATA, trusted=source.readable)
+    else:  # Lightning's client state, in DeepSpeed's first model-states file
+        record = load_file(sorted(deepspeed_tag_dir(source.path).glob("*model_states.pt"))[0], mmap=True,
+                           trusted=source.readable)
+    return isinstance(record, dict) and LEFT_OUT in record
 
 
 def saved_step(path: str | Path | CheckpointSource) -> int | None:

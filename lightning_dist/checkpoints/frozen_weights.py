@@ -1,4 +1,5 @@
-"""Checkpoints that leave the frozen weights out (DeepSpeed's `exclude_frozen_parameters=True`).
+"""Checkpoints that leave the frozen weights out (`exclude_frozen_parameters=True`, DeepSpeed's option in Lightning,
+ours under every engine).
 
 A LoRA fine-tune's base never changes: every save of it repeats the pretrained model (a 7B base: 14 GB a save, the
 adapters 50 MB). Left out, it must come back from where the run got it: the model as the resumed run builds it. So a
@@ -18,12 +19,36 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_dist._compat.lightning import StrategyMixin
 from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.checkpoints.gather import plain_name
 
 LEFT_OUT = "frozen_weights_left_out"  # the checkpoint's key: the weights it does not hold, by name
 _CHUNK = 1 << 24  # elements summed at a time: float64 copies of 128 MiB, not of a whole embedding
 _RELATIVE = 1e-9  # float64 sums of the same values in another order (another device, another partitioning)
+
+
+class LeavesFrozenWeightsOut(StrategyMixin):
+    """Strategy mixin (before the saves are staged or written, in the bases): with `exclude_frozen_parameters`, a
+    save holds no frozen weight and records each one's fingerprint. DeepSpeed's engine leaves them out of its files
+    itself (Lightning passes it the option); the others' state dicts are filtered here."""
+
+    exclude_frozen_parameters: bool = False
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        super().save_checkpoint(self.without_frozen_weights(checkpoint), filepath, storage_options)
+
+    def without_frozen_weights(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """`checkpoint` as it is saved: without the frozen weights, and with their fingerprints (a collective under
+        ZeRO-3 and FSDP: every rank saves)."""
+        module = self.lightning_module
+        if not self.exclude_frozen_parameters or module is None or not (left_out := frozen_fingerprints(module)):
+            return checkpoint
+        checkpoint = {**checkpoint, LEFT_OUT: left_out}
+        if isinstance(weights := checkpoint.get("state_dict"), dict):
+            checkpoint["state_dict"] = {name: value for name, value in weights.items()
+                                        if plain_name(name) not in left_out}
+        return checkpoint
 
 
 def frozen_fingerprints(module: nn.Module) -> dict[str, dict[str, list]]:

@@ -226,8 +226,8 @@ def check_combinations(cfg: DictConfig) -> None:
         refusal = deepspeed_refusal(stage, strategy.get("activation_checkpointing") == "ops",
                                     strategy.get("async_checkpoint") is True)
         refusal = refusal or frozen_left_out_refusal(strategy.get("exclude_frozen_parameters") is True,
-                                                     strategy.get("tensor_parallel_size"),
-                                                     strategy.get("expert_parallel_size"))
+                                                     tensor_parallel_size=strategy.get("tensor_parallel_size"),
+                                                     expert_parallel_size=strategy.get("expert_parallel_size"))
         if refusal:
             raise ConfigError(refusal)
         cp = strategy.get("context_parallel_size")
@@ -238,6 +238,10 @@ def check_combinations(cfg: DictConfig) -> None:
             except ValueError as error:
                 raise ConfigError(str(error)) from None
     elif target in (f"{_STRATEGIES}FSDPStrategy", f"{_STRATEGIES}fsdp.FSDPStrategy") and devices and ranks is not None:
+        if refusal := frozen_left_out_refusal(strategy.get("exclude_frozen_parameters") is True,
+                                              pipeline_parallel_size=strategy.get("pipeline_parallel_size"),
+                                              expert_parallel_size=strategy.get("expert_parallel_size")):
+            raise ConfigError(refusal)
         try:
             sizes = ParallelSizes.from_config(strategy)
             # Without other axes the sequence-parallel groups divide every rank: the sizes suggested divide them too.

@@ -38,6 +38,7 @@ from lightning_dist._compat.lightning import (
 )
 from lightning_dist.checkpoints.background import BackgroundSaves
 from lightning_dist.checkpoints.formats import check_fit_ckpt_path
+from lightning_dist.checkpoints.frozen_weights import LeavesFrozenWeightsOut
 from lightning_dist.checkpoints.logged_steps import LogsGlobalSteps
 from lightning_dist.checkpoints.swap import SwappedSaves
 from lightning_dist.data.train_loader_place import ContinuesTrainLoaders
@@ -60,8 +61,8 @@ if TYPE_CHECKING:
     from lightning_dist.parallel.dims import ParallelDims
 
 
-class StrategyBase(ReportsCompilation, ContinuesTrainLoaders, BackgroundSaves, SwappedSaves, LogsGlobalSteps,
-                   ForgetsUnbuiltModel, StepsThroughAxes):
+class StrategyBase(ReportsCompilation, ContinuesTrainLoaders, LeavesFrozenWeightsOut, BackgroundSaves, SwappedSaves,
+                   LogsGlobalSteps, ForgetsUnbuiltModel, StepsThroughAxes):
     """The base of every strategy of ours, before its engine's Lightning strategy in the bases.
 
     The mixins' hooks call on through `super()`, so their order is how they nest around Lightning's strategy: compile
@@ -84,12 +85,14 @@ class StrategyBase(ReportsCompilation, ContinuesTrainLoaders, BackgroundSaves, S
         compile: bool = False,
         async_checkpoint: bool = False,
         timeout: timedelta | float | None = None,
+        exclude_frozen_parameters: bool = False,
         **kwargs: Any,
     ) -> None:
         # The options are checked, each naming its `strategy.` key, before Lightning's strategy is built.
         self.blocks = BlockOptions.of(block_class, activation_checkpointing, compile)
         self.async_checkpoint = async_checkpoint
         super().__init__(*args, timeout=process_group_timeout(timeout), **kwargs)
+        self.exclude_frozen_parameters = exclude_frozen_parameters  # after Lightning's DeepSpeed set its own default
 
     # The protocol's parts that each engine's strategy declares.
     @property

@@ -18,18 +18,18 @@ OPS_UNDER_ZERO_3 = (
 )
 
 
-def frozen_left_out_refusal(exclude_frozen_parameters: bool, tensor_parallel_size: object,
-                            expert_parallel_size: object) -> str | None:
-    """Why DeepSpeed's checkpoints cannot leave the frozen weights out under these sizes, or None: under AutoTP and
-    AutoEP a rank holds part of a layer, and the weights left out are checked (checkpoints/frozen_weights.py) whole."""
-    split = [f"strategy.{name}={size}" for name, size in (("tensor_parallel_size", tensor_parallel_size),
-                                                         ("expert_parallel_size", expert_parallel_size))
+def frozen_left_out_refusal(exclude_frozen_parameters: bool, **sizes: object) -> str | None:
+    """Why checkpoints cannot leave the frozen weights out beside these parallel sizes (`tensor_parallel_size=2`),
+    or None: where a rank holds only part of the model in weights of its own (DeepSpeed's AutoTP and AutoEP, FSDP's
+    pipeline stages and expert parallelism), the parts a resume takes from the model could not all be checked whole
+    (checkpoints/frozen_weights.py)."""
+    split = [f"strategy.{name}={size}" for name, size in sizes.items()
              if isinstance(size, int) and not isinstance(size, bool) and size > 1]
     if not exclude_frozen_parameters or not split:
         return None
-    return (f"strategy.exclude_frozen_parameters=true with {split[0]}: each rank holds part of a layer there, and"
-            " a resume could not check the frozen parts it takes from the model; save them (false), or train"
-            " without DeepSpeed's AutoTP/AutoEP")
+    return (f"strategy.exclude_frozen_parameters=true with {split[0]}: each rank holds part of the model there, and"
+            " a resume could not check the frozen parts it takes from the model; save them (false), or train without"
+            " that split")
 
 
 def deepspeed_refusal(stage: object, op_level_checkpointing: bool, async_checkpoint: bool) -> str | None:

@@ -1,9 +1,10 @@
 """A LoRA fine-tune's checkpoints without its frozen base (`DeepSpeedStrategy(exclude_frozen_parameters=True)`, as
-Lightning users write it; tests/lora_checkpoint_script.py: a Llama from a pretrained folder, AdamW over
-`self.parameters()`, a checkpoint every 2 steps) hold the adapters and their optimizer state only, and resume:
+Lightning users write it, and ours under fsdp and ddp; tests/lora_checkpoint_script.py: a Llama from a pretrained
+folder, AdamW over `self.parameters()`, a checkpoint every 2 steps) hold the adapters and their optimizer state only,
+and resume:
 
-- under ZeRO-3 from step 4, steps 5-6 train the uninterrupted run's losses exactly (Lightning wrote such
-  checkpoints and could not load them: `Missing key(s) in state_dict`);
+- under ZeRO-3 and fsdp from step 4, steps 5-6 train the uninterrupted run's losses exactly (Lightning wrote such
+  checkpoints under DeepSpeed and could not load them: `Missing key(s) in state_dict`); ddp's under ZeRO-3;
 - under ddp and fsdp (other engines), the frozen base kept as the model was built; before, any DeepSpeed checkpoint of
   such a module stopped a ddp or fsdp resume: "no optimizer state for" the frozen weights `AdamW(self.parameters())`
   holds;
@@ -61,6 +62,10 @@ def runs(pretrained_folders, tmp_path_factory, deepspeed_ops):
         "zero3_resumed": run(root / "zero3_resumed", folder, "3", checkpoint),
         "ddp_resumed": run(root / "ddp_resumed", folder, "ld_ddp", checkpoint),
         "fsdp_resumed": run(root / "fsdp_resumed", folder, "ld_fsdp", checkpoint),
+        "fsdp": run(root / "fsdp", folder, "fsdp"),
+        "fsdp_resumed_own": run(root / "fsdp_resumed_own", folder, "fsdp", root / "fsdp" / STEP_4),
+        "ddp": run(root / "ddp", folder, "ddp"),
+        "zero3_resumed_ddp_s": run(root / "zero3_resumed_ddp_s", folder, "3", root / "ddp" / STEP_4),
         # Another "pretrained" model of the same shape: its frozen weights are not the ones the run trained on.
         "other_base": run(root / "other_base", make_other_base(root), "2", checkpoint, expect_failure=True),
     }
@@ -86,8 +91,31 @@ def test_the_checkpoint_holds_the_adapters_and_the_frozen_weights_fingerprints(r
     assert not any("lora_" in name for name in left_out)
 
 
-def test_a_zero_3_resume_trains_the_uninterrupted_run_s_losses(runs):
-    assert runs["zero3_resumed"] == {step: runs["zero3"][step] for step in (5, 6)}
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_a_resume_trains_the_uninterrupted_run_s_losses(runs, strategy):
+    resumed = runs["zero3_resumed" if strategy == "zero3" else "fsdp_resumed_own"]
+    assert resumed == {step: runs[strategy][step] for step in (5, 6)}
+
+
+def test_fsdp_and_ddp_saves_hold_the_adapters_only(runs):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root = runs["checkpoint"].parents[2]
+    ddp = torch.load(root / "ddp" / STEP_4, weights_only=False)
+    assert ddp["state_dict"] and all("lora_" in name for name in ddp["state_dict"])
+    zero3 = torch.load(runs["checkpoint"] / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                       weights_only=False)
+    assert sorted(ddp[LEFT_OUT]) == sorted(zero3[LEFT_OUT]) and len(ddp[LEFT_OUT]) == 39
+    for name, entry in ddp[LEFT_OUT].items():  # the same base, bf16 under ddp and fp32 under ZeRO-3
+        assert entry["shape"] == zero3[LEFT_OUT][name]["shape"]
+        assert entry["fingerprint"] == pytest.approx(zero3[LEFT_OUT][name]["fingerprint"], rel=1e-12)
+    sharded = root / "fsdp" / STEP_4
+    weights = [name for name in FileSystemReader(str(sharded)).read_metadata().state_dict_metadata
+               if name.startswith("state_dict.")]
+    assert weights and all("lora_" in name for name in weights)
+    assert len(torch.load(sharded / "meta.pt", weights_only=False)[LEFT_OUT]) == 39
+    assert sorted(runs["zero3_resumed_ddp_s"]) == [5, 6]  # DeepSpeed's fp32 base, ddp's bf16: the adapters' values so
+    assert runs["zero3_resumed_ddp_s"][5] == pytest.approx(runs["ddp"][5], rel=2e-4)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -188,5 +216,5 @@ def test_a_split_layer_s_frozen_parts_are_refused_before_any_rank_starts(monkeyp
                         enable_progress_bar=False, enable_model_summary=False)
     monkeypatch.setattr(trainer.strategy.launcher.launcher, "launch", lambda *args, **kwargs: pytest.fail("launched"))
     with pytest.raises(PreflightError, match=r"^strategy.exclude_frozen_parameters=true with strategy"
-                                             r".expert_parallel_size=2: each rank holds part of a layer there"):
+                                             r".expert_parallel_size=2: each rank holds part of the model there"):
         trainer.fit(BoringModel())

@@ -14,6 +14,8 @@ BASE = ["lightning_dist.strategies.base.StrategyBase",
         "lightning_dist.parallel.regional_compile.ReportsCompilation",
         # Its record of what the train loaders read goes into every save, background or not.
         "lightning_dist.data.train_loader_place.ContinuesTrainLoaders",
+        # A save without the frozen weights (their fingerprints instead), background or not.
+        "lightning_dist.checkpoints.frozen_weights.LeavesFrozenWeightsOut",
         "lightning_dist.checkpoints.background.BackgroundSaves",
         "lightning_dist.checkpoints.swap.SwappedSaves",
         "lightning_dist.checkpoints.logged_steps.LogsGlobalSteps",

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dist._compat.deepspeed import point_parameters_at_optimizer_state
+from lightning_dist.checkpoints.contents import left_frozen_weights_out
 from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError
 from lightning_dist.checkpoints.frozen_weights import may_lack
 from lightning_dist.checkpoints.gather import plain_name
@@ -241,10 +242,10 @@ def load_deepspeed_checkpoint(strategy: DeepSpeedRanks, checkpoint_path: Any, we
     native = source.format == DEEPSPEED
     if native:
         source = source.vet()  # DeepSpeed unpickles its shards with weights_only=False
-        saved_world_size, saved_config, frozen_left_out = saved_run(source)
+        saved_world_size, saved_config = saved_run(source)
         native = engine_reads_natively(saved_config, strategy.config) and not _zero3_without_optimizer(strategy)
-        # DeepSpeed's loader would find the frozen weights missing: consolidated, they are taken from the model.
-        native = native and not frozen_left_out
+        # DeepSpeed's loader would find the frozen weights missing: consolidated, the rest is loaded around them.
+        native = native and not left_frozen_weights_out(source)
         # At another world size the engine reads DeepSpeed's universal form, which holds Adam's moments only.
         native = native and (saved_world_size in (None, strategy.world_size) or saved_adam_moments(source))
     if not native:

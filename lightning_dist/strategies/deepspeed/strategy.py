@@ -38,7 +38,6 @@ from lightning_dist._compat.transformers import (
     withdraw_zero3,
 )
 from lightning_dist.checkpoints.autoep_names import AUTOEP_NAMES
-from lightning_dist.checkpoints.frozen_weights import LEFT_OUT, frozen_fingerprints
 from lightning_dist.checkpoints.resume import group_names
 from lightning_dist.lifecycle.process_exit import forget_with_process_group
 from lightning_dist.memory.layout import Layout
@@ -375,8 +374,9 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     def check_options(self) -> None:
         plan = self.blocks.checkpointing
         refusal = deepspeed_refusal(self.zero.stage, plan is not None and plan.ops, self.async_checkpoint)
-        refusal = refusal or frozen_left_out_refusal(self.exclude_frozen_parameters, self.tensor_parallel_size,
-                                                     self.expert_parallel_size)
+        refusal = refusal or frozen_left_out_refusal(self.exclude_frozen_parameters,
+                                                     tensor_parallel_size=self.tensor_parallel_size,
+                                                     expert_parallel_size=self.expert_parallel_size)
         if refusal:
             raise ValueError(refusal)
 
@@ -417,8 +417,6 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         # to one file: here any strategy loads the directory as it is (lightning_dist.load_from_checkpoint).
         if names := getattr(self, "autoep_model_names", None):  # AutoEP's layers, read back in the model's names
             checkpoint = {**checkpoint, AUTOEP_NAMES: names}
-        if self.exclude_frozen_parameters and (left_out := frozen_fingerprints(self.lightning_module)):
-            checkpoint = {**checkpoint, LEFT_OUT: left_out}  # what a resume checks the model it builds against
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="When saving the DeepSpeed Stage 3 checkpoint")
             super().save_checkpoint(checkpoint, filepath, storage_options)

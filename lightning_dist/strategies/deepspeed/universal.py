@@ -26,7 +26,6 @@ from lightning_dist.checkpoints.formats import (
     command_exit,
     deepspeed_tag_dir,
 )
-from lightning_dist.checkpoints.frozen_weights import LEFT_OUT
 from lightning_dist.checkpoints.ranks import Ranks
 from lightning_dist.checkpoints.safe_load import load_file
 from lightning_dist.checkpoints.source import CheckpointSource
@@ -35,12 +34,12 @@ from lightning_dist.checkpoints.universal_form import convert_to_universal
 LATEST_UNIVERSAL = "latest_universal"  # written last by ds_to_universal: its presence means a finished conversion
 
 
-def saved_run(source: CheckpointSource) -> tuple[int | None, dict[str, Any], bool]:
-    """The number of data-parallel ranks that wrote the DeepSpeed checkpoint `source` (None if it does not say),
-    the DeepSpeed config they ran with ({} if absent), and whether they left the frozen weights out."""
+def saved_run(source: CheckpointSource) -> tuple[int | None, dict[str, Any]]:
+    """The number of data-parallel ranks that wrote the DeepSpeed checkpoint `source` (None if it does not say)
+    and the DeepSpeed config they ran with ({} if absent)."""
     model_states = sorted(deepspeed_tag_dir(source.path).glob("*model_states.pt"))
     saved = load_file(model_states[0], mmap=True, trusted=source.readable)
-    return saved.get("dp_world_size"), saved.get("ds_config") or {}, LEFT_OUT in saved
+    return saved.get("dp_world_size"), saved.get("ds_config") or {}
 
 
 def saved_adam_moments(source: CheckpointSource) -> bool:

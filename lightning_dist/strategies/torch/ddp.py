@@ -40,6 +40,9 @@ class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
         block_class: the repeated layer (class or dotted path, or a list) that the two options above act on; unset:
             the classes of the model's layer stacks.
         async_checkpoint: write checkpoints in the background: the step waits only while rank 0 copies the state.
+        exclude_frozen_parameters: checkpoints leave the frozen weights out (a LoRA run's base) and record each
+            one's fingerprint; a resume takes them from the model it builds once those match
+            (checkpoints/frozen_weights.py).
         **kwargs: the rest of Lightning's `DDPStrategy` arguments (`process_group_backend`, `find_unused_parameters`,
             ...; extra keywords go to `DistributedDataParallel`).
     """
@@ -56,6 +59,7 @@ class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
         compile: bool = False,
         block_class: str | type[nn.Module] | Sequence[str | type[nn.Module]] | None = None,
         async_checkpoint: bool = False,
+        exclude_frozen_parameters: bool = False,
         **kwargs: Any,
     ) -> None:
         # Gradients as views of DDP's all-reduce buckets: without it every rank holds each gradient twice (in
@@ -63,7 +67,7 @@ class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
         super().__init__(
             *args, gradient_as_bucket_view=gradient_as_bucket_view, timeout=timeout, block_class=block_class,
             activation_checkpointing=activation_checkpointing, compile=compile, async_checkpoint=async_checkpoint,
-            **kwargs,
+            exclude_frozen_parameters=exclude_frozen_parameters, **kwargs,
         )
 
     @override

@@ -21,9 +21,10 @@ from typing_extensions import override
 
 from lightning_dist._compat.lightning import give_device_mesh, move_optimizers_to_device
 from lightning_dist._compat.torch import checkpoint_loads_in_one_process, fully_sharded_parameters, fully_sharded_units
+from lightning_dist.checkpoints.contents import left_frozen_weights_out
 from lightning_dist.checkpoints.formats import DISTRIBUTED
 from lightning_dist.checkpoints.resume import load_for_resume, load_weights_from_rank_zero, restore_optimizer_by_name
-from lightning_dist.checkpoints.source import weights_only_for
+from lightning_dist.checkpoints.source import CheckpointSource, weights_only_for
 from lightning_dist.checkpoints.swap import write_then_swap
 from lightning_dist.memory.layout import Layout
 from lightning_dist.optim import require_shardable_optimizer
@@ -48,6 +49,7 @@ from lightning_dist.parallel.tensor_parallel import (
 )
 from lightning_dist.strategies.axis_steps import StepAxis
 from lightning_dist.strategies.base import StrategyBase
+from lightning_dist.strategies.refusals import frozen_left_out_refusal
 from lightning_dist.strategies.torch.fully_shard import (
     apply_fully_shard,
     materialize_shards,
@@ -104,6 +106,9 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         expert_parallel_size: ranks, among those FSDP shards over, that split each mixture-of-experts layer's
             experts (each holds experts / size; tokens go to their experts and back by all-to-all); the experts are
             sharded over the ranks left to them (parallel/expert_parallel). 1: none.
+        exclude_frozen_parameters: checkpoints leave the frozen weights out (a LoRA run's base) and record each
+            one's fingerprint; a resume takes them from the model it builds once those match
+            (checkpoints/frozen_weights.py).
     """
 
     strategy_name = "ld_fsdp"
@@ -129,12 +134,16 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         context_parallel_size: int = DEFAULT_SIZES.context,
         context_parallel: str = "all_to_all",
         expert_parallel_size: int = DEFAULT_SIZES.expert,
+        exclude_frozen_parameters: bool = False,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
             timeout=timeout, block_class=block_class, activation_checkpointing=activation_checkpointing,
-            compile=compile, async_checkpoint=async_checkpoint,
+            compile=compile, async_checkpoint=async_checkpoint, exclude_frozen_parameters=exclude_frozen_parameters,
         )
+        if refusal := frozen_left_out_refusal(exclude_frozen_parameters, pipeline_parallel_size=pipeline_parallel_size,
+                                              expert_parallel_size=expert_parallel_size):
+            raise ValueError(refusal)
         self.reshard_after_forward, self.hybrid = sharding_layout(sharding_strategy)
         self.sharding_strategy = str(sharding_strategy).upper()
         self.cpu_offload = cpu_offload
@@ -408,7 +417,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (got {storage_options!r})")
         # As Lightning's, with the save's id in every shard file (checkpoints/save_id.py), swapped in when whole.
-        checkpoint = self.with_samples_per_batch(checkpoint)  # as the mixins record it in every other save
+        checkpoint = self.without_frozen_weights(self.with_samples_per_batch(checkpoint))  # as in every other save
         write_then_swap(
             self, self.broadcast(filepath), lambda partial: self.sharded_write(checkpoint, partial, staged=False)()
         )
@@ -428,7 +437,10 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         checkpoint_path = self.broadcast(checkpoint_path)
         weights_only = weights_only_for(checkpoint_path, weights_only)
         pipeline = self._pipeline_steps
-        foreign = load_for_resume(self, checkpoint_path, {DISTRIBUTED} if pipeline is None else set(), weights_only)
+        source = CheckpointSource.of(checkpoint_path, trusted=weights_only is False)
+        # A save without its frozen weights loads around them, as another engine's: DCP's reader would want them.
+        sharded = source.format == DISTRIBUTED and pipeline is None and not left_frozen_weights_out(source)
+        foreign = load_for_resume(self, source, {DISTRIBUTED} if sharded else set(), weights_only)
         if foreign is None:
             return self.read_loader_record(self._load_sharded(checkpoint_path, weights_only))
         load_weights_from_rank_zero(self.model, foreign, strict=self.lightning_module.strict_loading,
