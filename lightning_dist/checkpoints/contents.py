@@ -75,16 +75,16 @@ def _left_out_shapes(saved: dict[str, Any]) -> dict[str, Shape | None]:
 
 
 def left_frozen_weights_out(path: str | Path | CheckpointSource) -> bool:
-    """Whether a checkpoint left its frozen weights out (frozen_weights.py): read from its metadata, no tensor
-    loaded. Such a checkpoint loads like another engine's, around the weights it lacks."""
+    """Whether a sharded checkpoint (FSDP's or DeepSpeed's directory) left its frozen weights out (frozen_weights.py):
+    read from its metadata, no tensor loaded. Such a checkpoint loads like another engine's, around those weights."""
     source = CheckpointSource.of(path)
-    if source.format == FILE:
-        record = load_file(source.path, mmap=True, trusted=source.readable)
-    elif source.format == DISTRIBUTED:
+    if source.format == DISTRIBUTED:
         record = load_file(source.path / LIGHTNING_METADATA, trusted=source.readable)
-    else:  # Lightning's client state, in DeepSpeed's first model-states file
+    elif source.format == DEEPSPEED:  # Lightning's client state, in DeepSpeed's first model-states file
         record = load_file(sorted(deepspeed_tag_dir(source.path).glob("*model_states.pt"))[0], mmap=True,
                            trusted=source.readable)
+    else:
+        return False  # a file is read whole by every loader, which takes LEFT_OUT from it
     return isinstance(record, dict) and LEFT_OUT in record
 
 
