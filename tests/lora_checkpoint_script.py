@@ -1,8 +1,8 @@
 """A user's LoRA fine-tune whose checkpoints leave the frozen base out, as Lightning users write it under DeepSpeed:
 `DeepSpeedStrategy(stage=..., exclude_frozen_parameters=True)` (or ours under FSDP and DDP), the pretrained folder
-loaded in `configure_model`
-and PEFT's `get_peft_model` on it, a step that passes `labels=` and logs `.loss`, AdamW over `self.parameters()`,
-and a checkpoint every 2 steps. Writes OUT_DIR/losses-<rank>.json: {global step: loss} of the steps it ran.
+loaded in `configure_model` and PEFT's `get_peft_model` on it, a step that passes `labels=` and logs `.loss`, AdamW
+over `self.parameters()`, and a checkpoint every 2 steps. Writes OUT_DIR/losses-<rank>.json: {global step: loss} of
+the steps it ran.
 
     python tests/lora_checkpoint_script.py OUT_DIR FOLDER STAGE DEVICES MAX_STEPS true|false [CKPT_PATH]
 
