@@ -79,13 +79,13 @@ def infer_block_classes(model: nn.Module, key: str = "strategy.block_class") -> 
     outer = [mlist for mlist in lists if id(mlist) not in inside]
     mixed = sorted({_layer_class(child).__qualname__ for mlist in outer if not _one_class(mlist) for child in mlist})
     if mixed:
-        stacks = sorted({_layer_class(mlist[0]).__qualname__ for mlist in outer if _one_class(mlist)})
+        stacks = sorted({_first_layer_class(mlist).__qualname__ for mlist in outer if _one_class(mlist)})
         raise ValueError(
             f"{key}: cannot infer the model's block class: an nn.ModuleList mixes {', '.join(mixed)}"
             + (f" (single-class stacks: {', '.join(stacks)})" if stacks else "")
             + "; set it to the layer class, or a list of them"
         )
-    return tuple(dict.fromkeys(_layer_class(mlist[0]) for mlist in outer))
+    return tuple(dict.fromkeys(_first_layer_class(mlist) for mlist in outer))
 
 
 def block_modules(model: nn.Module, classes: BlockClasses = ()) -> list[nn.Module]:
@@ -103,6 +103,12 @@ def block_modules(model: nn.Module, classes: BlockClasses = ()) -> list[nn.Modul
 
 def _one_class(mlist: nn.ModuleList) -> bool:
     return len({_layer_class(child) for child in mlist}) == 1
+
+
+def _first_layer_class(mlist: nn.ModuleList) -> type[nn.Module]:
+    # Not `mlist[0]`: a pipeline stage keeps its layers under their model-wide names ("1" on the second of two), and
+    # `trainer.test()` after `fit()` looks for the blocks again in it (a KeyError: '0' there).
+    return _layer_class(next(iter(mlist)))
 
 
 def _layer_class(module: nn.Module) -> type[nn.Module]:

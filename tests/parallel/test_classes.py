@@ -59,6 +59,19 @@ def test_infers_block_class_from_module_lists():
     assert infer_block_classes(BoringModel()) == ()
 
 
+def test_infers_the_block_class_of_a_pipeline_stage_s_stack():
+    """A stage keeps its blocks under their model-wide names (pipeline_split.py): the second of two holds only "1".
+    `trainer.test()` after `fit()` looks for the blocks in it again: `python train.py model=hf_llama
+    strategy=fsdp_pp` stopped there with `KeyError: '0'`."""
+    from lightning_dist.parallel.pipeline_layout import PipelineLayout
+    from lightning_dist.parallel.pipeline_split import find_trunk, prune_to_stages
+
+    model = GPT(32, 8, 2, 2, 16, 0.0)
+    prune_to_stages(model, find_trunk(model, (TransformerBlock,), "k"), PipelineLayout(2, 1, 2), [1])
+    assert [name for name, _ in model.blocks.named_children()] == ["1"]
+    assert infer_block_classes(model) == (TransformerBlock,)
+
+
 def test_infers_both_stacks_of_an_encoder_decoder():
     model = nn.Transformer(8, 2, num_encoder_layers=2, num_decoder_layers=3, dim_feedforward=16, batch_first=True)
     assert infer_block_classes(model) == (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
