@@ -25,6 +25,10 @@ Each place is a way users load the weights, trained in turn (a Trainer each):
 - lora_bf16_base: transformers' `from_pretrained(folder, dtype=torch.bfloat16)` then LoRA, in `configure_model`:
   PEFT makes the adapters float32 on the bf16 base (its `autocast_adapter_dtype`; accelerate #3985: FSDP2 refused
   that); the dtypes each kind of parameter ends in are written too.
+- lora_decay_groups: the same, its AdamW in two groups as transformers' Trainer splits them for weight decay (no
+  decay for biases and norms), over every parameter the module names: the second group holds frozen weights only.
+  lora_nanogpt_groups: nanoGPT's split, of the parameters that train (matrices decayed): the second group is empty.
+  Both warm up over 2 steps (LambdaLR); the rate each step's first group stepped with is written.
 - qlora: QLoRA as users write it, in `__init__`: the folder loaded in 4 bits (bitsandbytes' NF4, float32 storage),
   `prepare_model_for_kbit_training`, then LoRA; what `lora` writes is written, and the bytes of 4-bit weights the
   rank holds. qlora_bf16: the same in bf16 storage and compute, trained bf16-mixed; qlora_uint8: in bitsandbytes'
@@ -58,6 +62,8 @@ def lora_config() -> LoraConfig:  # a new one each time: PEFT writes into the co
     return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
+# LoRA on the bf16 base with the optimizer's parameter groups as users split them for weight decay, and a warmup.
+GROUPED = ("lora_decay_groups", "lora_nanogpt_groups")
 QLORA_STORAGE = {"qlora": torch.float32, "qlora_configure_model": torch.float32, "qlora_bf16": torch.bfloat16,
                  "qlora_uint8": torch.uint8}
 
@@ -79,6 +85,7 @@ class FineTune(L.LightningModule):
         if place in ("qlora", "qlora_bf16", "qlora_uint8"):
             self.model = quantized_with_lora(folder, QLORA_STORAGE[place])
         self.losses: list[float] = []
+        self.learning_rates: list[float] = []
         self.first_batch: list | None = None
 
     def configure_model(self) -> None:
@@ -88,7 +95,7 @@ class FineTune(L.LightningModule):
             self.model = lightning_dist.from_pretrained(self.folder)
         elif self.place == "qlora_configure_model":
             self.model = quantized_with_lora(self.folder)
-        elif self.place == "lora_bf16_base":
+        elif self.place in ("lora_bf16_base", *GROUPED):
             base = AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.bfloat16)
             self.model = get_peft_model(base, lora_config())
         elif self.place.startswith("resume="):
@@ -129,7 +136,21 @@ class FineTune(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        if self.place not in GROUPED:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        if self.place == "lora_decay_groups":  # transformers Trainer's split, over every parameter the module names
+            no_decay = [p for n, p in self.named_parameters() if n.endswith(".bias") or "norm" in n]
+            decay = [p for n, p in self.named_parameters() if not (n.endswith(".bias") or "norm" in n)]
+        else:  # nanoGPT's: of the parameters that train, the matrices are decayed
+            trained = [p for p in self.parameters() if p.requires_grad]
+            decay, no_decay = [p for p in trained if p.dim() >= 2], [p for p in trained if p.dim() < 2]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                      lr=1e-3)
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 2))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.learning_rates.append(optimizer.param_groups[0]["lr"])  # the rate the first group steps with
 
     def on_after_backward(self) -> None:
         zero3 = [p for p in self.parameters() if hasattr(p, "ds_status")]
@@ -236,7 +257,8 @@ def main(out_dir: str, folder: str, strategy: str, places: str, devices: str = "
             lightning_dist.save_adapters(module.model, Path(out_dir, f"adapters-{strategy.replace(':', '-')}"))
             if trainer.global_rank == 0:
                 torch.save(module.trained_adapters, Path(out_dir, "trained_adapters.pt"))
-        result = {"losses": module.losses, "first_batch": module.first_batch, **getattr(module, "lora", {})}
+        result = {"losses": module.losses, "learning_rates": module.learning_rates, "first_batch": module.first_batch,
+                  **getattr(module, "lora", {})}
         name = "resume" if place.startswith("resume=") else place
         Path(out_dir, f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

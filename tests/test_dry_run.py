@@ -188,3 +188,24 @@ def test_a_lora_model_s_plan_and_dry_run_hold_its_frozen_base_as_weights_only(en
     assert abs(rank_0 - planned) / planned < 0.1
     rank_0, _, planned = (float(v) for v in table["peak"])
     assert abs(rank_0 - planned) / planned < 0.02
+
+
+def test_the_main_job_holds_a_lora_base_in_its_folder_s_bf16(tmp_path):
+    """`model.pretrained` with `+lora=default` read the frozen base in the run's float32 from a bf16 folder: twice
+    the memory transformers and PEFT hold it in. Now the base is held in the folder's bf16 and the adapters in
+    float32, under ZeRO-3 and 32-true too, and the plan counts it so: each rank's partitions are the plan's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from recipes.finetune.make_pretrained import make_pretrained
+
+    make_pretrained(tmp_path / "llama", steps=1)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "llama"),
+                           LoraConfig(r=8, target_modules="all-linear"))  # the lora/default config's
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    base = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    process = run_documented(f"python train.py model=hf_llama model.pretrained={tmp_path / 'llama'} +lora=default"
+                             " strategy=deepspeed_stage_3 dry_run=true", tmp_path, timeout=600)
+    assert process.returncode == 0, process.stderr[-3000:]
+    rank_0, rank_1, planned = rows(process.stdout)["sharded parameters"]
+    assert rank_0 == rank_1 == planned == f"{(base * 2 + trained * 4) / 2 / 1e6:.3f}"  # of 2 ranks; float32: 0.427

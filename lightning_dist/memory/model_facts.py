@@ -41,6 +41,7 @@ class ModelFacts:
     # Elements that do not train (a LoRA model's pretrained base, frozen layers): held as weights, with no gradients
     # and no optimizer state. Counted apart, or a LoRA fine-tune's plan would leave out the whole base model.
     frozen_parameters: int = 0
+    frozen_16bit_parameters: int = 0           # of those, held in 16 bits: they stay so under every precision
     largest_block: int = 0                     # elements of the largest repeated block: the unit gathered at once
     largest_block_experts: int = 0             # of those, its experts': expert parallelism gathers 1 / ep of them
     blocks: int = 0                            # how many blocks: pipeline stages divide them
@@ -115,6 +116,7 @@ class ModelFacts:
             active_parameters=trainable - routed.inactive_parameters() if routed.modules and traced else None,
             fewest_experts=min((experts_count(m) for _, m in experts_modules(module)), default=0),
             frozen_parameters=sum(p.numel() for p in params if not p.requires_grad),
+            frozen_16bit_parameters=sum(p.numel() for p in params if not p.requires_grad and p.element_size() == 2),
             largest_block=largest[0],
             largest_block_experts=largest[1],
             blocks=len(blocks),

@@ -152,7 +152,8 @@ def plan_memory(
         # The host optimizer steps on fp32 copies of the gradient partitions, which stay in the gradient dtype
         # beside them (a dry run of every offload preset shows both).
         host_gradient = size.gradient + size.master
-    parameters = shard(held * size.parameter, layout.shard_parameters)
+    weight_bytes = held * size.parameter - _frozen_16bit(facts, held) * (size.parameter - 2)
+    parameters = shard(weight_bytes, layout.shard_parameters)
     gradients = shard(trained * host_gradient, layout.shard_gradients)
     optimizer_state = shard(trained * (size.master + moments * size.moment), layout.shard_optimizer)
     plan = MemoryPlan(layout, precision, world, devices, active_parameters=facts.active_parameters,
@@ -189,7 +190,8 @@ def plan_memory(
         # Once ZeRO-3 has traced a step it keeps its small parameters whole on every rank, beside their partitions
         # (a dry run sees it release them as a step ends, and gather them again).
         persistent = sum(numel for numel in facts.parameter_sizes if numel < layout.persistence_threshold)
-        plan.device["persistent_parameters"] = persistent * size.parameter
+        plan.device["persistent_parameters"] = persistent * size.parameter - _frozen_16bit(facts, persistent) * (
+            size.parameter - 2)
 
     compute_bytes = 2 if precision in HALF_PRECISIONS else 4
     if layout.shard_parameters or layout.offload_parameters:
@@ -257,6 +259,13 @@ def _elements_per_rank(facts: ModelFacts, dims: ParallelDims) -> tuple[int, int]
             trained = min(trained, math.ceil(stage * trained / held))
         held = stage
     return held, trained
+
+
+def _frozen_16bit(facts: ModelFacts, held: int) -> int:
+    """Of the `held` elements of a rank, those frozen in 16 bits (their share of the model's): every engine keeps a
+    frozen weight as loaded where the precision holds the others in float32 (a LoRA base in its bf16)."""
+    total = facts.parameters + facts.frozen_parameters
+    return math.ceil(facts.frozen_16bit_parameters * held / total) if total else 0
 
 
 def _gathered_unit(facts: ModelFacts, dims: ParallelDims) -> int:

@@ -55,7 +55,10 @@ def hf_model_of(saved: dict[str, Any], checkpoint: str | Path) -> Any:
     tied = head is not None and head.weight is base.get_input_embeddings().weight
     model.load_state_dict(weights, strict=True, assign=True)  # assign: the meta parameters take the saved tensors
     if hparams.get("lora"):
-        model = model.merge_and_unload()  # the adapters folded into the weights they adapt: a plain model again
+        # Folded into the weights they adapt, in the dtype they trained in (float32 beside a base kept in its bf16):
+        # merged into the bf16 base, each sum was rounded to bf16 (logits 4e-3 from the base with the adapters).
+        model = model.to(next(p.dtype for name, p in model.named_parameters() if "lora_" in name))
+        model = model.merge_and_unload()  # a plain model again
     if tied:
         model.tie_weights()  # assign replaced both tied parameters: one again
     return model.eval()

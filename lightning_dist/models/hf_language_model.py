@@ -25,9 +25,10 @@ from lightning_dist.parallel.sharded_init import draw_init_seed, initialize_para
 
 
 def build_language_model(model_type: str, config: dict[str, Any] | None = None, pretrained: str | None = None,
-                         weights: bool = True) -> torch.nn.Module:
-    """`pretrained` (a local folder) loads its weights; otherwise a random model of `model_type` with `config`.
-    `weights=False`: the model only, its weights to come (an export gives it a checkpoint's).
+                         weights: bool = True, dtype: str | None = None) -> torch.nn.Module:
+    """`pretrained` (a local folder) loads its weights, in `dtype` ("auto": the folder's; unset: the run's);
+    otherwise a random model of `model_type` with `config`. `weights=False`: the model only, its weights to come (an
+    export gives it a checkpoint's).
 
     A pretrained model is read tensor by tensor into the shards each rank keeps (lightning_dist.from_pretrained).
     A random model is initialised module by module from one seed (lightning_dist's sharded initialisation), not in
@@ -35,7 +36,7 @@ def build_language_model(model_type: str, config: dict[str, Any] | None = None, 
     initialises only its shards then starts from the very weights an eager build has.
     """
     if pretrained and weights:  # the folder checked first: a name that is none would be looked up on the Hub
-        return from_pretrained(pretrained, key="model.pretrained")
+        return from_pretrained(pretrained, key="model.pretrained", dtype=dtype)
     if pretrained:
         hf_config = AutoConfig.from_pretrained(pretrained)
     else:
@@ -85,7 +86,10 @@ class HFLanguageModel(ConfiguredOptimizers, L.LightningModule):
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
-        self.model: Any = with_lora(build_language_model(model_type, config, pretrained), lora)
+        # A LoRA base is frozen: held in the folder's dtype (bf16 for most), as transformers and PEFT hold it, not
+        # in the run's float32, which doubled its memory (PEFT makes the adapters float32 on a 16-bit base).
+        base = build_language_model(model_type, config, pretrained, dtype="auto" if lora else None)
+        self.model: Any = with_lora(base, lora)
 
     def on_train_end(self) -> None:
         if self.hparams.get("lora"):  # on every rank: each holds a part of the adapters

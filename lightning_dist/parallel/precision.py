@@ -100,3 +100,13 @@ def upcast_trainable_weights(module: nn.Module, precision: str) -> list[str]:
             parameter.data = parameter.data.float()
             names.append(name)
     return names
+
+
+def say_upcast(precision: str, upcast: list[str]) -> None:
+    """The one line a run prints where `upcast_trainable_weights` cast any."""
+    if upcast:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+        rank_zero_info(f"trainer.precision={precision} updates fp32 weights: {len(upcast)} trainable parameters the"
+                       " model held in 16 bits (as transformers loads a bf16 checkpoint) are cast to fp32, frozen ones"
+                       " stay as loaded; trainer.precision=bf16-true trains them in bf16")

@@ -27,7 +27,6 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
@@ -46,7 +45,7 @@ from lightning_dist.lifecycle.collective_timeout import forming_process_group
 from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
 from lightning_dist.parallel.block_options import BlockOptions
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
-from lightning_dist.parallel.precision import PrecisionSupport, upcast_trainable_weights
+from lightning_dist.parallel.precision import PrecisionSupport, say_upcast, upcast_trainable_weights
 from lightning_dist.parallel.quantized import QuantizedSupport, check_quantized_weights, keep_quantized_layout
 from lightning_dist.parallel.regional_compile import ReportsCompilation
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel
@@ -192,11 +191,7 @@ class StrategyBase(ReportsCompilation, ContinuesTrainLoaders, LeavesFrozenWeight
         if self.precision_support.casts_weights:
             return
         precision = str(getattr(self.precision_plugin, "precision", ""))
-        upcast = upcast_trainable_weights(model, precision)
-        if upcast:
-            rank_zero_info(f"trainer.precision={precision} updates fp32 weights: {len(upcast)} trainable parameters the"
-                           " model held in 16 bits (as transformers loads a bf16 checkpoint) are cast to fp32, frozen"
-                           " ones stay as loaded; trainer.precision=bf16-true trains them in bf16")
+        say_upcast(precision, upcast_trainable_weights(model, precision))
 
     def check_quantized_weights(self, model: nn.Module) -> None:
         """A quantized base (QLoRA's) only where this strategy keeps it as bitsandbytes made it (quantized.py)."""

@@ -197,6 +197,25 @@ def test_a_lora_model_s_plan_holds_its_frozen_base_as_weights_only():
     assert preset_plan("fsdp_tp", facts, "32-true").device["parameters"] < preset_plan("fsdp", facts, "32-true", devices=2).device["parameters"]
 
 
+def test_a_lora_base_held_in_bf16_is_planned_in_bf16():
+    """transformers loads a checkpoint in its bf16, PEFT makes the adapters float32, and every engine keeps the frozen
+    base as loaded where the precision holds the rest in float32: 2 bytes a base weight, not 4."""
+    def bf16_lora():
+        model = lora_llama()
+        for name, parameter in model.named_parameters():
+            if "lora_" not in name:
+                parameter.data = parameter.data.bfloat16()
+        return model
+
+    facts = ModelFacts.of(bf16_lora)
+    adapters, base = facts.parameters, facts.frozen_parameters
+    assert facts.frozen_16bit_parameters == base and ModelFacts.of(lora_llama).frozen_16bit_parameters == 0
+    assert preset_plan("ddp", facts, "32-true", devices=2).device["parameters"] == base * 2 + adapters * 4
+    assert preset_plan("fsdp", facts, "bf16-mixed", devices=2).device["parameters"] == (base * 2 + adapters * 4) / 2
+    zero3 = preset_plan("deepspeed_stage_3", facts, "bf16-mixed", devices=2)
+    assert zero3.device["parameters"] == (adapters + base) * 2 / 2  # DeepSpeed's bf16 config: every weight in bf16
+
+
 def test_plan_true_counts_a_lora_model_s_base(tmp_path):
     from lightning_dist.run.preset_table import parameter_count
 

@@ -91,6 +91,10 @@ def test_from_pretrained_reads_the_folder_into_the_run_s_dtype(pretrained_folder
         assert torch.equal(loaded.state_dict()[name], value), name
     tied = loaded.lm_head.weight is loaded.model.embed_tokens.weight
     assert tied == (model == "qwen2")
+    as_saved = lightning_dist.from_pretrained(folder, dtype="auto")  # the folder's bf16, as transformers reads it
+    assert {p.dtype for p in as_saved.parameters()} == {torch.bfloat16}
+    for name, value in expected.items():
+        assert torch.equal(as_saved.state_dict()[name].float(), value), name
 
 
 @pytest.mark.parametrize("model", ["qwen2", "mixtral"])

@@ -12,17 +12,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from typing_extensions import override
 
 from lightning_dist._compat.deepspeed import clip_steps_at
+from lightning_dist.strategies.deepspeed.precision import FrozenWeightsAsLoaded
 
 # Lightning's warning that an overridden configure_gradient_clipping clips nothing under DeepSpeed: here it does.
 HOOK_IGNORED_WARNING = "Since DeepSpeed handles gradient clipping internally"
 
 
-class ClippingInTheEngine(DeepSpeedPrecision):
+class ClippingInTheEngine(FrozenWeightsAsLoaded):
     """DeepSpeed's precision for a training engine, passing `clip_gradients` on to it."""
 
     def __init__(self, precision: Any, engine: Any) -> None:

@@ -111,13 +111,13 @@ def deepspeed_rank(strategy: Any, build: Callable[[], nn.Module], batch: Any, pr
     """Rank `rank` of `world` (the strategy's cluster environment says so already) set up and stepped twice on
     fake `device_type` devices: (the module, with its ZeRO parameters; the second step's peak by device and
     category; the rank's coordinates in the strategy's mesh)."""
-    from lightning.pytorch.plugins.precision import DeepSpeedPrecision
+    from lightning_dist.strategies.deepspeed.precision import FrozenWeightsAsLoaded
 
     root = strategy.root_device
     device = root if device_type == "cuda" else torch.device("cpu")  # DeepSpeed names the host "cpu", unindexed
-    strategy.precision_plugin = DeepSpeedPrecision(precision)  # type: ignore[arg-type]  # checked before the run
+    strategy.precision_plugin = FrozenWeightsAsLoaded(precision)  # type: ignore[arg-type]  # checked before the run
     with parameters_on_meta():
-        module = strategy.precision_plugin.convert_module(build())  # a "-true" precision's dtype, on meta
+        module = strategy.precision_plugin.convert_module(build())  # as the run converts it, on meta
     config = strategy.config = dry_run_config(resolved_config(strategy, module, batch, precision))
     stage = int(config["zero_optimization"].get("stage", 0))
     backend = process_group_backend(root, host_state=strategy.zero.offloads_to_host)

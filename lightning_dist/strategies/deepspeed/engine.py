@@ -81,9 +81,11 @@ def zero3_partitioner(config: dict[str, Any]) -> tuple[Keep, RegionKept]:
 
     def keep(param: torch.nn.Parameter, part: torch.Tensor) -> None:
         # In the config's dtype (bf16, fp16), as a module built under zero.Init would be: DeepSpeed's own cast of the
-        # module cannot reach partitions. Made unwritten on the device DeepSpeed moves a parameter to before it
-        # partitions it; only this rank's partition is written.
-        dtype = zero_init.dtype if part.is_floating_point() else part.dtype
+        # module cannot reach partitions. A frozen weight in a float32 config stays as built (a LoRA base in its
+        # bf16), as DeepSpeed's engine leaves it there. Made unwritten on the device DeepSpeed moves a parameter to
+        # before it partitions it; only this rank's partition is written.
+        as_built = not part.is_floating_point() or (zero_init.dtype == torch.float32 and not param.requires_grad)
+        dtype = part.dtype if as_built else zero_init.dtype
         give_memory(param, torch.empty(param.shape, dtype=dtype, device=zero_init.local_device))
         read = rows(param)
         partition(zero_init, param, part.to(dtype), read[0].start * math.prod(param.shape[1:]) if read else 0)

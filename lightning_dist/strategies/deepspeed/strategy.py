@@ -73,6 +73,8 @@ from lightning_dist.strategies.deepspeed.layout import zero_layout
 from lightning_dist.strategies.deepspeed.load import load_deepspeed_checkpoint
 from lightning_dist.strategies.deepspeed.offload import offload_device, optimizer_for_offload
 from lightning_dist.strategies.deepspeed.outermost_forward import run_root_hooks_once_per_forward
+from lightning_dist.strategies.deepspeed.precision import FrozenWeightsAsLoaded
+from lightning_dist.strategies.deepspeed.trainable_groups import leave_frozen_weights_out, schedule_every_group
 from lightning_dist.strategies.deepspeed.ulysses import deepspeed_ulysses, sequence_parallel_group
 from lightning_dist.strategies.deepspeed.zero3_runtime import prepare_zero3_runtime
 from lightning_dist.strategies.refusals import deepspeed_refusal, frozen_left_out_refusal
@@ -334,6 +336,12 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
             DDPStrategy.setup_environment(self)
 
     @override
+    def setup(self, trainer: Any) -> None:
+        if type(self.precision_plugin) is DeepSpeedPrecision:  # the Trainer's, which casts a whole module at 32-true
+            self.precision_plugin = FrozenWeightsAsLoaded(self.precision_plugin.precision)  # type: ignore[arg-type]
+        super().setup(trainer)
+
+    @override
     def setup_distributed(self) -> None:
         if self.root_device.type == "cuda":
             validate_cuda_device_indices(self.parallel_devices)
@@ -406,7 +414,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         # What the file decided where the Trainer was left unset: the Trainer follows it, from here (`setup`), before
         # the module is converted to the precision and before the first batch.
         if "precision" in resolution.trainer_settings:
-            self.precision_plugin = DeepSpeedPrecision(resolution.trainer_settings["precision"])
+            self.precision_plugin = FrozenWeightsAsLoaded(resolution.trainer_settings["precision"])
         if "accumulate_grad_batches" in resolution.trainer_settings:
             module.trainer.accumulate_grad_batches = resolution.trainer_settings["accumulate_grad_batches"]
         self.config = self.effective_config(resolution, run_directory(module.trainer))
@@ -549,8 +557,10 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         optimizer, scheduler_config = super()._init_optimizers()
         # Before ZeRO flattens them: how a DDP checkpoint's optimizer state (by position) maps onto names.
         self.param_group_names = group_names(self.lightning_module, optimizer.param_groups)
+        leave_frozen_weights_out(optimizer)  # trainable_groups.py: DeepSpeed's rules for the groups it is given
         if ZeroSection.of(self.config).offloads_optimizer:
             optimizer = self.optimizer_for_offload(optimizer, scheduler_config)
+        schedule_every_group(optimizer, scheduler_config)
         return optimizer, scheduler_config
 
     def optimizer_for_offload(self, optimizer: torch.optim.Optimizer, scheduler_config: Any) -> torch.optim.Optimizer:
