@@ -3,8 +3,8 @@
 At 32-true (the Trainer's default) Lightning's DeepSpeed precision casts the whole module to fp32, though DeepSpeed's
 engine casts nothing at fp32. A LoRA base that transformers loaded in bf16 (the dtype it was saved in) then took twice
 its memory under DeepSpeed alone, and was computed in fp32 there and in bf16 under ddp and fsdp: measured with a
-Llama, its 39 frozen weights fp32 under ZeRO-2 and ZeRO-3 and bf16 under ddp and fsdp, the losses apart in the fourth
-digit. Here only the trainable weights are cast to fp32 (parallel/precision.py), once the config has settled the
+Llama, its 39 frozen weights fp32 under ZeRO-2 and ZeRO-3 and bf16 under ddp and fsdp, the losses up to 1.7e-4
+apart. Here only the trainable weights are cast to fp32 (parallel/precision.py), once the config has settled the
 precision; the other precisions convert as Lightning's do (the engine casts everything to its 16-bit dtype).
 """
 
