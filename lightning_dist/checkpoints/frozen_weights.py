@@ -13,7 +13,7 @@ frozen) is refused in one line, not resumed on. Lightning itself wrote such chec
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -51,6 +51,26 @@ class LeavesFrozenWeightsOut(StrategyMixin):
         return checkpoint
 
 
+@contextmanager
+def frozen_weights_out_of_state_dicts(module: nn.Module) -> Iterator[None]:
+    """Meanwhile `module.state_dict()` holds no name of a frozen weight. DeepSpeed's engine, told to leave them out,
+    deletes each by its first name only: a tied one (Qwen2's and Llama 3.2's head is their embedding) stayed in its
+    files whole under its second name (ZeRO-1/2), or as an empty placeholder that another engine's resume found
+    lacking (ZeRO-3)."""
+    frozen = [name for name, parameter in module.named_parameters(remove_duplicate=False)
+              if not parameter.requires_grad]
+
+    def leave_out(_: nn.Module, state_dict: dict[str, Any], prefix: str, __: Any) -> None:
+        for name in frozen:
+            state_dict.pop(prefix + name, None)
+
+    handle = module.register_state_dict_post_hook(leave_out)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def frozen_fingerprints(module: nn.Module) -> dict[str, dict[str, list]]:
     """{name: {"shape": ..., "fingerprint": [sum, sum of squares]}} of the module's frozen parameters, each whole (a
     collective under ZeRO-3 and FSDP: call it on every rank)."""
@@ -59,8 +79,9 @@ def frozen_fingerprints(module: nn.Module) -> dict[str, dict[str, list]]:
 
 def _fingerprints(module: nn.Module, keep: Callable[[str, nn.Parameter], bool]) -> dict[str, dict[str, list]]:
     fingerprints: dict[str, dict[str, list]] = {}
-    for name, value in _whole_parameters(module, keep):
-        fingerprints[name] = {"shape": list(value.shape), "fingerprint": fingerprint(value)}
+    for names, value in _whole_parameters(module, keep):
+        entry: dict[str, list] = {"shape": list(value.shape), "fingerprint": fingerprint(value)}
+        fingerprints.update(dict.fromkeys(names, entry))
     return fingerprints
 
 
@@ -119,17 +140,20 @@ def _same(saved: Mapping[str, list], built: Mapping[str, list]) -> bool:
 
 
 def _whole_parameters(module: nn.Module, keep: Callable[[str, nn.Parameter], bool],
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, whole value) of each parameter `keep` takes, one at a time: a ZeRO-3 partition gathered, an FSDP2
-    shard's full tensor; only one of them is whole at a time."""
+                      ) -> Iterator[tuple[list[str], torch.Tensor]]:
+    """(names, whole value) of each parameter `keep` takes, one at a time: a ZeRO-3 partition gathered, an FSDP2
+    shard's full tensor; only one of them is whole at a time. A tied weight has every name a state dict gives it
+    (Qwen2's and Llama 3.2's head is their embedding: `named_parameters()` names it once, `state_dict()` twice, and a
+    save that left out only the first name held the embedding whole under `lm_head.weight`)."""
     from torch.distributed.tensor import DTensor
 
-    for name, parameter in module.named_parameters():
-        if not keep(plain_name(name), parameter):
-            continue
+    names: dict[nn.Parameter, list[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        if keep(plain_name(name), parameter):
+            names.setdefault(parameter, []).append(plain_name(name))
+    for parameter, its_names in names.items():
         with _gathered(parameter):
-            value = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
-            yield plain_name(name), value
+            yield its_names, parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
 
 
 def _gathered(parameter: nn.Parameter) -> Any:

@@ -1,13 +1,15 @@
 """A LoRA fine-tune's checkpoints without its frozen base (`DeepSpeedStrategy(exclude_frozen_parameters=True)`, as
-Lightning users write it, and ours under fsdp and ddp; tests/lora_checkpoint_script.py: a Llama from a pretrained
-folder, AdamW over `self.parameters()`, a checkpoint every 2 steps) hold the adapters and their optimizer state only,
-and resume:
+Lightning users write it, and ours under fsdp and ddp; tests/lora_checkpoint_script.py: a Qwen2 from a pretrained
+folder, its head tied to its embedding as Qwen2.5's and Llama 3.2's small models have it, AdamW over
+`self.parameters()`, a checkpoint every 2 steps) hold the adapters and their optimizer state only, and resume:
 
 - under ZeRO-3 and fsdp from step 4, steps 5-6 train the uninterrupted run's losses exactly (Lightning wrote such
   checkpoints under DeepSpeed and could not load them: `Missing key(s) in state_dict`); ddp's under ZeRO-3;
 - under ddp and fsdp (other engines), the frozen base kept as the model was built; before, any DeepSpeed checkpoint of
   such a module stopped a ddp or fsdp resume: "no optimizer state for" the frozen weights `AdamW(self.parameters())`
   holds;
+- the tied head is left out under both its names: ddp, fsdp and ZeRO-1/2 saved the embedding whole under
+  `lm_head.weight`, and ZeRO-3 an empty placeholder there, which a ddp or fsdp resume found lacking;
 - a model built on other weights than the run saved with is refused in one line, not resumed on;
 - `lightning_dist.load_from_checkpoint` builds the module and checks its frozen weights alike.
 """
@@ -52,7 +54,7 @@ def run(out, folder, strategy: str, ckpt_path=None, expect_failure: bool = False
 
 @pytest.fixture(scope="module")
 def runs(pretrained_folders, tmp_path_factory, deepspeed_ops):
-    folder = pretrained_folders["llama"]
+    folder = pretrained_folders["qwen2"]
     root = tmp_path_factory.mktemp("lora_checkpoints")
     whole = run(root / "zero3", folder, "3")
     checkpoint = root / "zero3" / STEP_4
@@ -74,8 +76,8 @@ def runs(pretrained_folders, tmp_path_factory, deepspeed_ops):
 def make_other_base(root):
     from recipes.finetune.make_pretrained import make_pretrained
 
-    make_pretrained(root / "other_llama", "llama", seed=1)
-    return root / "other_llama"
+    make_pretrained(root / "other_qwen2", "qwen2", seed=1)
+    return root / "other_qwen2"
 
 
 def test_the_checkpoint_holds_the_adapters_and_the_frozen_weights_fingerprints(runs):
@@ -86,8 +88,10 @@ def test_the_checkpoint_holds_the_adapters_and_the_frozen_weights_fingerprints(r
         assert states["module"] and all("lora_" in name for name in states["module"])
         assert not states.get("frozen_param_fragments")
     left_out = saved[0][LEFT_OUT]
-    assert len(left_out) == 39  # the Llama's 4 layers of 9 weights, its embedding, final norm and head
+    assert len(left_out) == 51  # Qwen2's 4 layers of 12 weights (q, k and v have biases), its final norm, embedding
     assert "model.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight" in left_out
+    head, embedding = "model.base_model.model.lm_head.weight", "model.base_model.model.model.embed_tokens.weight"
+    assert left_out[head] == left_out[embedding]  # and the embedding again as the head it is tied to
     assert not any("lora_" in name for name in left_out)
 
 
@@ -105,7 +109,7 @@ def test_fsdp_and_ddp_saves_hold_the_adapters_only(runs):
     assert ddp["state_dict"] and all("lora_" in name for name in ddp["state_dict"])
     zero3 = torch.load(runs["checkpoint"] / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
                        weights_only=False)
-    assert sorted(ddp[LEFT_OUT]) == sorted(zero3[LEFT_OUT]) and len(ddp[LEFT_OUT]) == 39
+    assert sorted(ddp[LEFT_OUT]) == sorted(zero3[LEFT_OUT]) and len(ddp[LEFT_OUT]) == 51
     for name, entry in ddp[LEFT_OUT].items():  # the same bf16 base under both
         assert entry["shape"] == zero3[LEFT_OUT][name]["shape"]
         assert entry["fingerprint"] == pytest.approx(zero3[LEFT_OUT][name]["fingerprint"], rel=1e-12)
@@ -113,9 +117,9 @@ def test_fsdp_and_ddp_saves_hold_the_adapters_only(runs):
     weights = [name for name in FileSystemReader(str(sharded)).read_metadata().state_dict_metadata
                if name.startswith("state_dict.")]
     assert weights and all("lora_" in name for name in weights)
-    assert len(torch.load(sharded / "meta.pt", weights_only=False)[LEFT_OUT]) == 39
+    assert len(torch.load(sharded / "meta.pt", weights_only=False)[LEFT_OUT]) == 51
     assert sorted(runs["zero3_resumed_ddp_s"]) == [5, 6]  # ZeRO-3 rounds the gradients through the bf16 base otherwise
-    assert runs["zero3_resumed_ddp_s"][5] == pytest.approx(runs["ddp"][5], rel=2e-4)
+    assert runs["zero3_resumed_ddp_s"][5] == pytest.approx(runs["ddp"][5], rel=5e-4)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -123,7 +127,7 @@ def test_another_engine_resumes_the_zero_3_checkpoint_with_the_base_it_builds(ru
     # ZeRO-3 rounds the gradients through the bf16 base otherwise than ddp and fsdp: the adapters' step-4 values so.
     resumed = runs[f"{strategy}_resumed"]
     assert sorted(resumed) == [5, 6]
-    assert resumed[5] == pytest.approx(runs["zero3"][5], rel=2e-4)
+    assert resumed[5] == pytest.approx(runs["zero3"][5], rel=5e-4)
     assert resumed == pytest.approx(runs["ddp_resumed"], rel=1e-6)
 
 
@@ -132,7 +136,7 @@ def test_a_model_built_on_other_weights_is_refused_in_one_line(runs):
     line = next(line for line in stderr.splitlines() if "CheckpointError: " in line)
     assert ("ckpt_path: the checkpoint left its frozen weights out (exclude_frozen_parameters=True) and the model as"
             " built holds others: model.base_model.model.lm_head.weight") in line
-    assert "(of 39) differ from the ones it was saved with" in line
+    assert "(of 51) differ from the ones it was saved with" in line
     assert "Trainer.fit` stopped" not in stderr
 
 
@@ -141,12 +145,12 @@ def test_load_from_checkpoint_takes_the_frozen_weights_from_the_module_it_builds
     from tests.lora_checkpoint_script import LoraFineTune
 
     module = lightning_dist.load_from_checkpoint(LoraFineTune, runs["checkpoint"], trusted=True,
-                                                 folder=str(pretrained_folders["llama"]))
+                                                 folder=str(pretrained_folders["qwen2"]))
     base = module.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
     from safetensors.torch import load_file
 
     pretrained = {}
-    for shard in pretrained_folders["llama"].glob("*.safetensors"):
+    for shard in pretrained_folders["qwen2"].glob("*.safetensors"):
         pretrained.update(load_file(shard))
     assert torch.equal(base.float(), pretrained["model.layers.0.self_attn.q_proj.weight"].float())
     trained = module.model.base_model.model.model.layers[0].self_attn.q_proj.lora_B.default.weight
@@ -154,7 +158,7 @@ def test_load_from_checkpoint_takes_the_frozen_weights_from_the_module_it_builds
 
     with pytest.raises(CheckpointError, match="the model as built holds others"):
         lightning_dist.load_from_checkpoint(LoraFineTune, runs["checkpoint"], trusted=True,
-                                            folder=str(runs["checkpoint"].parents[2] / "other_llama"))
+                                            folder=str(runs["checkpoint"].parents[2] / "other_qwen2"))
 
 
 def test_fingerprints_add_up_in_chunks_and_name_what_differs(monkeypatch):
@@ -181,6 +185,21 @@ def test_fingerprints_add_up_in_chunks_and_name_what_differs(monkeypatch):
         check_left_out(model, saved)
     with pytest.raises(CheckpointError, match=r"has no 1\.gate, 2\.weight \(of 2\)"):
         check_left_out(model, {**saved, "2.weight": saved["0.weight"], "1.gate": saved["0.bias"]})
+
+
+def test_a_tied_frozen_weight_is_fingerprinted_and_left_out_under_each_of_its_names():
+    from lightning_dist.checkpoints.frozen_weights import frozen_weights_out_of_state_dicts
+
+    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(5, 3), "head": torch.nn.Linear(3, 5, bias=False),
+                                 "adapter": torch.nn.Linear(3, 3)})
+    model.head.weight = model.embed.weight  # tied, as transformers ties a head to its embedding
+    model.embed.requires_grad_(False)
+    assert [name for name, _ in model.named_parameters()] == ["embed.weight", "adapter.weight", "adapter.bias"]
+    saved = frozen_fingerprints(model)
+    assert sorted(saved) == ["embed.weight", "head.weight"] and saved["head.weight"] == saved["embed.weight"]
+    with frozen_weights_out_of_state_dicts(model):  # as DeepSpeed's engine saves its module
+        assert sorted(model.state_dict()) == ["adapter.bias", "adapter.weight"]
+    assert sorted(model.state_dict()) == ["adapter.bias", "adapter.weight", "embed.weight", "head.weight"]
 
 
 def test_a_whole_module_loads_around_the_weights_left_out_and_nothing_else_is_missed():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +38,7 @@ from lightning_dist._compat.transformers import (
     withdraw_zero3,
 )
 from lightning_dist.checkpoints.autoep_names import AUTOEP_NAMES
+from lightning_dist.checkpoints.frozen_weights import frozen_weights_out_of_state_dicts
 from lightning_dist.checkpoints.resume import group_names
 from lightning_dist.lifecycle.process_exit import forget_with_process_group
 from lightning_dist.memory.layout import Layout
@@ -425,7 +426,9 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         # to one file: here any strategy loads the directory as it is (lightning_dist.load_from_checkpoint).
         if names := getattr(self, "autoep_model_names", None):  # AutoEP's layers, read back in the model's names
             checkpoint = {**checkpoint, AUTOEP_NAMES: names}
-        with warnings.catch_warnings():
+        leaving_out = self.exclude_frozen_parameters and self.deepspeed_engine is not None
+        with warnings.catch_warnings(), (frozen_weights_out_of_state_dicts(self.deepspeed_engine.module)
+                                         if leaving_out else nullcontext()):
             warnings.filterwarnings("ignore", message="When saving the DeepSpeed Stage 3 checkpoint")
             super().save_checkpoint(checkpoint, filepath, storage_options)
 
