@@ -78,14 +78,36 @@ def left_frozen_weights_out(path: str | Path | CheckpointSource) -> bool:
     """Whether a sharded checkpoint (FSDP's or DeepSpeed's directory) left its frozen weights out (frozen_weights.py):
     read from its metadata, no tensor loaded. Such a checkpoint loads like another engine's, around those weights."""
     source = CheckpointSource.of(path)
-    if source.format == DISTRIBUTED:
-        record = load_file(source.path / LIGHTNING_METADATA, trusted=source.readable)
-    elif source.format == DEEPSPEED:  # Lightning's client state, in DeepSpeed's first model-states file
-        record = load_file(sorted(deepspeed_tag_dir(source.path).glob("*model_states.pt"))[0], mmap=True,
-                           trusted=source.readable)
-    else:
+    if source.format == FILE:
         return False  # a file is read whole by every loader, which takes LEFT_OUT from it
+    record = _lightning_record(source)
     return isinstance(record, dict) and LEFT_OUT in record
+
+
+def saved_weights_only(path: str | Path | CheckpointSource) -> bool:
+    """Whether a Lightning checkpoint was saved with `ModelCheckpoint(save_weights_only=True)` (or
+    `trainer.save_checkpoint(weights_only=True)`): Lightning then leaves out the callbacks' and the schedulers' state
+    with the optimizer's, which it saves otherwise, empty where there are none. Read without loading a tensor."""
+    record = _lightning_record(CheckpointSource.of(path))
+    return (isinstance(record, dict) and "pytorch-lightning_version" in record  # not another library's DeepSpeed save
+            and "callbacks" not in record and "lr_schedulers" not in record)
+
+
+def weights_only_refusal(path: str | Path, key: str = "ckpt_path") -> str:
+    """The line that refuses to train on from a checkpoint `saved_weights_only`."""
+    return (f"{key}: {path} holds the model's weights only (saved with save_weights_only=True): no optimizer state"
+            f" to train on from; test it with train=false ckpt_path={path}, or save whole checkpoints to resume")
+
+
+def _lightning_record(source: CheckpointSource) -> Any:
+    """What Lightning saved beside the tensors: a file's dict (memory-mapped), an FSDP directory's metadata, the client
+    state in DeepSpeed's first model-states file."""
+    if source.format == DISTRIBUTED:
+        return load_file(source.path / LIGHTNING_METADATA, trusted=source.readable)
+    if source.format == DEEPSPEED:
+        return load_file(sorted(deepspeed_tag_dir(source.path).glob("*model_states.pt"))[0], mmap=True,
+                         trusted=source.readable)
+    return load_file(source.path, mmap=True, trusted=source.readable)
 
 
 def saved_step(path: str | Path | CheckpointSource) -> int | None:

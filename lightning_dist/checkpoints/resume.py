@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
 from lightning_dist._compat.lightning import unwrapped_optimizer
 from lightning_dist.checkpoints.consolidate import GROUP_SETTINGS, load_consolidated
+from lightning_dist.checkpoints.contents import saved_weights_only, weights_only_refusal
 from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.checkpoints.frozen_weights import LEFT_OUT, check_left_out, may_lack
 from lightning_dist.checkpoints.gather import plain_name
@@ -41,6 +43,7 @@ def load_for_resume(
     only (safe_load.py), whichever library reads it afterwards.
     """
     source = CheckpointSource.of(path, trusted=weights_only is False)
+    refuse_weights_only_to_fit(strategy, source)
     if source.format in native_formats:
         source.vet()
         return None
@@ -58,6 +61,17 @@ def load_for_resume(
     if LEFT_OUT in shared:  # weights the checkpoint does not hold: the model as built must hold them, as saved
         check_left_out(strategy.lightning_module, shared[LEFT_OUT])
     return checkpoint if strategy.is_global_zero else shared
+
+
+def refuse_weights_only_to_fit(strategy: Any, source: CheckpointSource) -> None:
+    """A CheckpointError where `trainer.fit` resumes from a checkpoint saved with `save_weights_only=True` (a test
+    reads its weights as any other): Lightning stopped at the optimizer's restore, and FSDP's reader before it with
+    `Missing key in checkpoint state_dict: optimizer_0.state...`."""
+    module = getattr(strategy, "lightning_module", None)
+    if module is None or module.trainer.state.fn != TrainerFn.FITTING:
+        return
+    if saved_weights_only(source):
+        raise CheckpointError(weights_only_refusal(source.path))
 
 
 def load_weights_from_rank_zero(module: torch.nn.Module, checkpoint: dict[str, Any], strict: bool,

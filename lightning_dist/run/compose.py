@@ -19,7 +19,13 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_dist.callbacks.monitored_metrics import MonitoredMetrics
-from lightning_dist.checkpoints.contents import check_autoep_layout, check_autotp_layout, check_checkpoint_matches
+from lightning_dist.checkpoints.contents import (
+    check_autoep_layout,
+    check_autotp_layout,
+    check_checkpoint_matches,
+    saved_weights_only,
+    weights_only_refusal,
+)
 from lightning_dist.checkpoints.formats import CheckpointError, cannot_read
 from lightning_dist.checkpoints.source import CheckpointSource
 from lightning_dist.checkpoints.whole import check_whole
@@ -127,6 +133,8 @@ def _checked_checkpoint(cfg: DictConfig, shapes: dict[str, tuple[int, ...]], str
         if not check_autoep_layout(source, getattr(strategy, "autoep_size", None)):  # AutoEP's names are its own
             check_checkpoint_matches(source, shapes)
         check_autotp_layout(source, getattr(strategy, "checkpoint_tensor_parallel", None))
+        if cfg.get("train", True) and saved_weights_only(source):  # Lightning would stop at its optimizer's restore
+            raise CheckpointError(weights_only_refusal(cfg.ckpt_path))
         return source.vet()
     except OSError as error:  # a file that vanished, or could not be read, after it was opened once
         raise CheckpointError(f"ckpt_path: {cfg.ckpt_path}: {cannot_read(error)}") from error

@@ -21,7 +21,7 @@ from lightning_dist.checkpoints.autoresume import (
     newest_whole_checkpoint_among,
     newest_whole_checkpoint_in,
 )
-from lightning_dist.checkpoints.contents import another_model, check_autoep_layout, saved_step
+from lightning_dist.checkpoints.contents import another_model, check_autoep_layout, saved_step, saved_weights_only
 from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.lifecycle.exits import FINISHED
 from lightning_dist.lifecycle.job_store import shared_choice
@@ -67,6 +67,8 @@ def checkpoint_to_resume(cfg: DictConfig, shapes: dict[str, tuple[int, ...]], au
 
     def another_models(checkpoint: Path) -> str | None:
         try:
+            if saved_weights_only(checkpoint):
+                return "it holds the model's weights only (saved with save_weights_only=True), nothing to train on from"
             if check_autoep_layout(checkpoint, autoep_size, "resume"):  # its names are AutoEP's, read by DeepSpeed
                 return None
             return another_model(checkpoint, shapes, "resume", trusted=cfg.get("trust_checkpoint", False))

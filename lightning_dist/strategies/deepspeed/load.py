@@ -26,6 +26,7 @@ from lightning_dist.checkpoints.resume import (
     hyper_parameters,
     load_for_resume,
     optimizer_state_by_name,
+    refuse_weights_only_to_fit,
     saved_group_settings,
 )
 from lightning_dist.checkpoints.source import CheckpointSource, weights_only_for
@@ -239,6 +240,7 @@ def load_deepspeed_checkpoint(strategy: DeepSpeedRanks, checkpoint_path: Any, we
     source = CheckpointSource.of(strategy.broadcast(checkpoint_path), trusted=weights_only is False)
     weights_only = weights_only_for(source.path, weights_only)
     checkpoint_path = str(source.path)  # what DeepSpeed and Lightning read
+    refuse_weights_only_to_fit(strategy, source)
     native = source.format == DEEPSPEED
     if native:
         source = source.vet()  # DeepSpeed unpickles its shards with weights_only=False
