@@ -93,10 +93,10 @@ def saved_weights_only(path: str | Path | CheckpointSource) -> bool:
             and "callbacks" not in record and "lr_schedulers" not in record)
 
 
-def weights_only_refusal(path: str | Path, key: str = "ckpt_path") -> str:
-    """The line that refuses to train on from a checkpoint `saved_weights_only`."""
-    return (f"{key}: {path} holds the model's weights only (saved with save_weights_only=True): no optimizer state"
-            f" to train on from; test it with train=false ckpt_path={path}, or save whole checkpoints to resume")
+def weights_only_refusal(path: str | Path, test_it: str) -> str:
+    """The line that refuses to train on from a checkpoint `saved_weights_only`; `test_it`: how the user tests it."""
+    return (f"ckpt_path: {path} holds the model's weights only (saved with save_weights_only=True): no optimizer state"
+            f" to train on from; test it with {test_it}, or save whole checkpoints to resume")
 
 
 def _lightning_record(source: CheckpointSource) -> Any:

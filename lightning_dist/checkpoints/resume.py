@@ -71,7 +71,7 @@ def refuse_weights_only_to_fit(strategy: Any, source: CheckpointSource) -> None:
     if module is None or module.trainer.state.fn != TrainerFn.FITTING:
         return
     if saved_weights_only(source):
-        raise CheckpointError(weights_only_refusal(source.path))
+        raise CheckpointError(weights_only_refusal(source.path, "trainer.test(model, ckpt_path=...)"))
 
 
 def load_weights_from_rank_zero(module: torch.nn.Module, checkpoint: dict[str, Any], strict: bool,

@@ -134,7 +134,7 @@ def _checked_checkpoint(cfg: DictConfig, shapes: dict[str, tuple[int, ...]], str
             check_checkpoint_matches(source, shapes)
         check_autotp_layout(source, getattr(strategy, "checkpoint_tensor_parallel", None))
         if cfg.get("train", True) and saved_weights_only(source):  # Lightning would stop at its optimizer's restore
-            raise CheckpointError(weights_only_refusal(cfg.ckpt_path))
+            raise CheckpointError(weights_only_refusal(cfg.ckpt_path, f"train=false ckpt_path={cfg.ckpt_path}"))
         return source.vet()
     except OSError as error:  # a file that vanished, or could not be read, after it was opened once
         raise CheckpointError(f"ckpt_path: {cfg.ckpt_path}: {cannot_read(error)}") from error

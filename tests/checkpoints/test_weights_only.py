@@ -60,6 +60,47 @@ def test_a_weights_only_checkpoint_is_tested_under_another_engine_and_never_trai
     assert "resume=true: no earlier complete checkpoint of this command (passed over 2, named above); starting" in said
 
 
+USERS_SCRIPT = """
+import sys
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+import lightning_dist  # noqa: F401  (registers ld_fsdp)
+
+step, ckpt_path = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ld_fsdp", max_steps=4, logger=False,
+                    enable_progress_bar=False, callbacks=[ModelCheckpoint(dirpath="checkpoints", save_weights_only=True,
+                                                                          every_n_train_steps=2)])
+if step == "test":
+    trainer.test(BoringModel(), ckpt_path=ckpt_path)
+else:
+    trainer.fit(BoringModel(), ckpt_path=ckpt_path)
+"""
+
+
+def test_a_users_trainer_is_refused_in_one_line_and_tests_it(tmp_path):
+    (tmp_path / "train_boring.py").write_text(USERS_SCRIPT)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "train_boring.py", *args], cwd=tmp_path, capture_output=True, text=True,
+                              env={**TRAIN_ENV, "PYTHONPATH": str(REPO)}, timeout=600)
+
+    saved = run("fit")
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    checkpoint = tmp_path / "checkpoints" / "epoch=0-step=4.ckpt"
+    assert saved_weights_only(checkpoint)
+    resumed = run("fit", str(checkpoint))
+    assert resumed.returncode != 0
+    assert (f"CheckpointError: ckpt_path: {checkpoint} holds the model's weights only (saved with"
+            " save_weights_only=True): no optimizer state to train on from; test it with trainer.test(model,"
+            " ckpt_path=...), or save whole checkpoints to resume") in resumed.stderr
+    assert "Missing key in checkpoint state_dict" not in resumed.stderr  # FSDP's reader, before
+    tested = run("test", str(checkpoint))
+    assert tested.returncode == 0, tested.stderr[-3000:]
+
+
 def test_what_lightning_leaves_out_of_a_weights_only_save_tells_it_apart(tmp_path):
     lightning = {"pytorch-lightning_version": "2.6.6", "epoch": 0, "global_step": 3, "state_dict": {}, "loops": {}}
     for name, checkpoint, weights_only in [
