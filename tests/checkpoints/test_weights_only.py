@@ -19,7 +19,7 @@ from tests.conftest import REPO, TRAIN_ENV
 
 pytestmark = pytest.mark.slow
 
-SAVES_WEIGHTS_ONLY = ("trainer.max_steps=3", "+callbacks.model_checkpoint.save_weights_only=true",
+SAVES_WEIGHTS_ONLY = ("trainer.max_steps=3", "callbacks.model_checkpoint.save_weights_only=true",
                       "callbacks.model_checkpoint.every_n_train_steps=3", "callbacks.model_checkpoint.monitor=null",
                       "callbacks.model_checkpoint.save_top_k=-1")
 
