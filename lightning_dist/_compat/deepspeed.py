@@ -616,3 +616,19 @@ def autoep_reads_transformers_outputs() -> Iterator[None]:
         yield
     finally:
         registry.get = own_get
+
+
+def zero_gradient(param: torch.nn.Parameter, engine: Any) -> tuple[torch.Tensor, Any] | None:
+    """`param`'s gradient as DeepSpeed holds it between backward and the engine's step, unscaled, and the process
+    group holding its other parts: this rank's partition under ZeRO-3 (its partition group), the whole gradient under
+    ZeRO-1/2 (DeepSpeed's `safe_get_full_grad` all-reduces its fragments; None); None where it holds none."""
+    from deepspeed.utils import safe_get_full_grad, safe_get_local_grad  # here: importing DeepSpeed takes seconds
+
+    if hasattr(param, "ds_id"):
+        grad, group = safe_get_local_grad(param), param.ds_process_group
+    else:
+        grad, group = safe_get_full_grad(param), None
+    if grad is None:
+        return None
+    scale = getattr(engine.optimizer, "loss_scale", 1.0)  # fp16's scaled gradients, unscaled only in the step
+    return (grad if scale == 1 else grad / scale), group

@@ -33,6 +33,7 @@ from lightning.pytorch.trainer.connectors.logger_connector import result as logg
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.exceptions import _TunerExitException as TunerExit
 
 from lightning_dist._compat.fenced import Fenced
 
@@ -52,11 +53,13 @@ __all__ = [
     "checkpoint_contents",
     "MultiProcessingLauncher",
     "SubprocessScriptLauncher",
+    "TunerExit",
     "WorkerOutput",
     "console_handler",
     "continuing_csv_writer",
     "end_job_as_its_failed_rank",
     "give_device_mesh",
+    "lightning_grad_norm_runs",
     "is_stateful_loader",
     "load_distributed_checkpoint",
     "loader_with_sampler",
@@ -166,6 +169,10 @@ FENCED = [
     Fenced("lightning.fabric.utilities.data", "_set_sampler_epoch", ("dataloader", "epoch")),
     # The fit loop's train data, made once (`_combined_loader`, `_data_fetcher`): prepare_train_data_again.
     Fenced("lightning.pytorch.loops.fit_loop", "_FitLoop.setup_data", ("self",)),
+    # How the Tuner's search fit ends on every rank, which then goes on with the user's script.
+    Fenced("lightning.pytorch.utilities.exceptions", "_TunerExitException"),
+    # Public, but its code is swapped while our strategies run (lightning_grad_norm_runs).
+    Fenced("lightning.pytorch.utilities.grads", "grad_norm", ("module", "norm_type", "group_separator")),
 ]
 
 # Lightning's private hooks and attributes that our strategies (strategies/: the classes and their mixins) override,
@@ -477,3 +484,45 @@ def end_job_as_its_failed_rank(end: Callable[[list], None]) -> None:
         end(list(self._child_processes))
 
     _ChildProcessObserver._terminate_all = terminate_all
+
+
+def _runs_the_replacement(module: Any, norm_type: Any, group_separator: str = "/") -> dict[str, torch.Tensor]:
+    # Runs as Lightning's `grad_norm`, in its module's globals: the replacement is kept on the function itself.
+    from lightning.pytorch.utilities.grads import grad_norm
+
+    return grad_norm.__dict__["replacement"](module, norm_type, group_separator)
+
+
+def lightning_grad_norm_runs(replacement: Callable[..., dict[str, torch.Tensor]] | None) -> None:
+    """Lightning's `grad_norm` runs `replacement` (called with its arguments) from now on, or its own code again
+    (None). Its code is swapped, not its name: a user's module bound the function itself (`from
+    lightning.pytorch.utilities import grad_norm`) when it was imported, before any strategy started. Stops in one
+    line where Lightning's takes other arguments than the replacement is passed."""
+    from lightning.pytorch.utilities import grads
+
+    ours = _runs_the_replacement.__code__
+    if replacement is None:
+        grads.grad_norm.__code__ = _LIGHTNING_GRAD_NORM
+        grads.grad_norm.__dict__.pop("replacement", None)
+        return
+    arguments = _LIGHTNING_GRAD_NORM.co_varnames[:_LIGHTNING_GRAD_NORM.co_argcount]
+    if arguments != ours.co_varnames[:ours.co_argcount]:
+        raise RuntimeError(f"lightning.pytorch.utilities.grad_norm{arguments} (lightning {_lightning_version()}): "
+                           "lightning_dist/_compat/lightning.py passes (module, norm_type, group_separator) on")
+    grads.grad_norm.__dict__["replacement"] = replacement
+    grads.grad_norm.__code__ = ours
+
+
+def _lightning_version() -> str:
+    import lightning
+
+    return lightning.__version__
+
+
+def _lightning_grad_norm_code() -> Any:
+    from lightning.pytorch.utilities import grads
+
+    return grads.grad_norm.__code__
+
+
+_LIGHTNING_GRAD_NORM = _lightning_grad_norm_code()  # Lightning's own, put back at each run's end

@@ -235,3 +235,20 @@ def _own_part(strategy: Ranks, module: torch.nn.Module, optimizer: Any, full: di
     settings = strategy.broadcast([{key: value for key, value in group.items() if key != "params"}
                                    for group in full["param_groups"]] if strategy.is_global_zero else None) or []
     return {"state": state, "param_groups": [{**group, "params": names} for group, names in zip(settings, own)]}
+
+
+def drop_group_keys_not_saved(optimizers: list[torch.optim.Optimizer], path: str | Path) -> None:
+    """Before a sharded checkpoint (DCP's) loads into `optimizers`: each param group's settings it does not hold
+    removed, as Lightning's ddp load leaves them (the saved groups replace the groups). DCP wants every key of the
+    state it loads into, and stopped at a setting added since the save: `Missing key in checkpoint state_dict:
+    optimizer_0.param_groups.0.initial_lr`, which every torch scheduler made after the save adds, `Tuner.lr_find`'s
+    included (it saves, searches, then restores the save). A group the checkpoint holds nothing of is left whole."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    for index, optimizer in enumerate(optimizers):
+        for number, group in enumerate(unwrapped_optimizer(optimizer).param_groups):
+            prefix = f"optimizer_{index}.param_groups.{number}."
+            if f"{prefix}params" in saved:
+                for key in [key for key in group if key != "params" and prefix + key not in saved]:
+                    del group[key]

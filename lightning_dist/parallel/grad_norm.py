@@ -167,3 +167,41 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     for group in _by_mesh(parameters):
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm
+
+
+def norms_of_each(grads: list[tuple[torch.Tensor, Any]], norm_type: float) -> list[torch.Tensor]:
+    """Each gradient's `norm_type`-norm over its whole tensor, as a plain tensor the same on every rank that holds
+    it. `grads`: (gradient, process group) pairs, the group holding the other parts of a plain tensor that is this
+    rank's partition (ZeRO-3's), or None; a DTensor's parts are found from its mesh. One all-reduce per mesh dim or
+    group, over the parts' norms."""
+    norms: list[torch.Tensor | None] = [None] * len(grads)
+    shared: dict[tuple, list[int]] = {}  # (mesh or process group, the mesh dims splitting them) -> indices
+    for index, (grad, group) in enumerate(grads):
+        if isinstance(grad, DTensor):
+            if any(placement.is_partial() for placement in grad.placements) or _without_values(local_tensor(grad)):
+                norms[index] = _whole(torch.linalg.vector_norm(grad, norm_type))  # summands, not parts: DTensor's
+                continue
+            _check_new_placements(_by_placements([grad]), grad.device_mesh)
+            shared.setdefault((grad.device_mesh, _split_over(grad.placements, grad.device_mesh)), []).append(index)
+        elif group is not None:
+            shared.setdefault((group, None), []).append(index)
+        else:
+            norms[index] = grad.norm(norm_type)  # as Lightning's `grad_norm` takes it
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    for (over, split), indices in shared.items():
+        parts = torch.stack([_part(grads[index][0], norm_type) for index in indices])
+        for group in [over] if split is None else [over.get_group(dim) for dim in split]:
+            dist.all_reduce(parts, op=op, group=group)
+        whole = parts if math.isinf(norm_type) else parts.pow(1.0 / norm_type)
+        for index, norm in zip(indices, whole):
+            norms[index] = norm
+    return norms  # type: ignore[return-value]
+
+
+def _part(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """What this rank's part of `grad` adds to its norm: its p-th power sum (its max for the inf-norm), in fp32."""
+    shard = local_tensor(grad) if isinstance(grad, DTensor) else grad
+    if not shard.numel():  # a rank's shard may be empty: no max over nothing
+        return torch.zeros((), dtype=torch.float32, device=shard.device)
+    norm = torch.linalg.vector_norm(shard, norm_type, dtype=torch.float32)
+    return norm if math.isinf(norm_type) else norm.pow(norm_type)

@@ -33,6 +33,7 @@ from typing_extensions import override
 from lightning_dist._compat.lightning import (
     broadcast_sigterm_at_logging_steps,
     epoch_label_without_a_negative_total,
+    lightning_grad_norm_runs,
     read_bar_values_at_refresh,
 )
 from lightning_dist.checkpoints.background import BackgroundSaves
@@ -45,6 +46,7 @@ from lightning_dist.lifecycle.collective_timeout import forming_process_group
 from lightning_dist.parallel.activation_checkpoint import CheckpointPlan
 from lightning_dist.parallel.block_options import BlockOptions
 from lightning_dist.parallel.devices import prepare_rank, process_group_backend, process_group_timeout
+from lightning_dist.parallel.parameter_grad_norms import grad_norm, run_ended, running_under
 from lightning_dist.parallel.precision import PrecisionSupport, say_upcast, upcast_trainable_weights
 from lightning_dist.parallel.quantized import QuantizedSupport, check_quantized_weights, keep_quantized_layout
 from lightning_dist.parallel.regional_compile import ReportsCompilation
@@ -165,6 +167,9 @@ class StrategyBase(ReportsCompilation, ContinuesTrainLoaders, LeavesFrozenWeight
         read_bar_values_at_refresh(trainer)
         broadcast_sigterm_at_logging_steps(trainer)
         epoch_label_without_a_negative_total(trainer)
+        # A module's `grad_norm(self, 2)` (Lightning's) reads the whole gradients this strategy shards or holds.
+        running_under(self)
+        lightning_grad_norm_runs(grad_norm)
         super().on_train_start()
 
     @override
@@ -183,6 +188,14 @@ class StrategyBase(ReportsCompilation, ContinuesTrainLoaders, LeavesFrozenWeight
     def setup(self, trainer: Any) -> None:
         self.hold_weights(self.lightning_module)  # a model built in `configure_model`
         super().setup(trainer)
+
+    @override
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            lightning_grad_norm_runs(None)
+            run_ended()
 
     def hold_weights(self, model: nn.Module) -> None:
         """On each rank, before the engine wraps the model: a quantized base kept as bitsandbytes made it, and fp32

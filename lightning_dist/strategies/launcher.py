@@ -19,6 +19,7 @@ from lightning_dist._compat.lightning import (
     Launcher,
     MultiProcessingLauncher,
     SubprocessScriptLauncher,
+    TunerExit,
     WorkerOutput,
     end_job_as_its_failed_rank,
 )
@@ -168,6 +169,10 @@ class GuardedLauncher(Launcher):
             # (lifecycle/stop_signals.py).
             with passing_signals_to(lambda: getattr(self.launcher, "procs", [])):
                 return self.launcher.launch(function, *args, trainer=trainer, **kwargs)
+        except TunerExit:
+            # How `Tuner.lr_find` ends its search fit, on every rank: each goes on with the script (they were
+            # killed as stuck, 5 s later, and the user's next `trainer.fit` failed: "Connection closed by peer").
+            raise
         except BaseException:
             # This rank's run ended early (an error, a timed-out collective, a preemption): the ranks it started
             # may be stuck in a collective that will never complete, or asleep, and would outlive the job.

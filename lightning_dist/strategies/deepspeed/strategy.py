@@ -79,6 +79,7 @@ from lightning_dist.strategies.deepspeed.trainable_groups import leave_frozen_we
 from lightning_dist.strategies.deepspeed.ulysses import deepspeed_ulysses, sequence_parallel_group
 from lightning_dist.strategies.deepspeed.zero3_runtime import prepare_zero3_runtime
 from lightning_dist.strategies.refusals import deepspeed_refusal, frozen_left_out_refusal
+from lightning_dist.strategies.tuner import refuse_learning_rate_finder
 
 if TYPE_CHECKING:
     from lightning_dist.dry_run.ranks import RankView
@@ -123,6 +124,7 @@ def refuse_accumulation_schedule(trainer: Any) -> None:
         raise ValueError("GradientAccumulationScheduler changes accumulate_grad_batches between epochs, which"
                          " Lightning's DeepSpeed strategy refuses (DeepSpeed's batch sizes are fixed as its engine is"
                          " built): set trainer.accumulate_grad_batches instead, or train under fsdp or ddp")
+
 
 
 class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
@@ -362,6 +364,10 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
         """On the launching process: resolve the config with what is known before `setup`, and check it can run."""
         refuse_accumulation_schedule(trainer)
+        # Its search schedules a torch optimizer: every rank stopped at its start (`TypeError: DeepSpeedZeroOptimizer
+        # is not an Optimizer`), as under Lightning's DeepSpeed strategy (Lightning #13370).
+        refuse_learning_rate_finder(trainer, "searches by scheduling a torch optimizer, which DeepSpeed's engine"
+                                             " replaces with its own")
         check_before_launch(self.resolution, trainer, fit_arguments)
         self.check_options()
         if isinstance(model := fit_arguments.get("model"), nn.Module):

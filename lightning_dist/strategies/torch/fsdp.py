@@ -23,7 +23,12 @@ from lightning_dist._compat.lightning import give_device_mesh, move_optimizers_t
 from lightning_dist._compat.torch import checkpoint_loads_in_one_process, fully_sharded_parameters, fully_sharded_units
 from lightning_dist.checkpoints.contents import left_frozen_weights_out
 from lightning_dist.checkpoints.formats import DISTRIBUTED
-from lightning_dist.checkpoints.resume import load_for_resume, load_weights_from_rank_zero, restore_optimizer_by_name
+from lightning_dist.checkpoints.resume import (
+    drop_group_keys_not_saved,
+    load_for_resume,
+    load_weights_from_rank_zero,
+    restore_optimizer_by_name,
+)
 from lightning_dist.checkpoints.source import CheckpointSource, weights_only_for
 from lightning_dist.checkpoints.swap import write_then_swap
 from lightning_dist.memory.layout import Layout
@@ -61,6 +66,7 @@ from lightning_dist.strategies.torch.output_views import OutputViews
 from lightning_dist.strategies.torch.pipeline import PipelineOptions, PipelineSteps
 from lightning_dist.strategies.torch.pipeline_idle import IdleClock
 from lightning_dist.strategies.torch.replay import ReplayedOnTorch
+from lightning_dist.strategies.tuner import refuse_learning_rate_finder
 
 # LightningModule methods that run the model without going through `forward`.
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -173,6 +179,8 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         if isinstance(model, nn.Module) and next(model.parameters(), None) is not None:
             block_classes = self.block_classes_of(model)
             if self.pipeline.size > 1:
+                refuse_learning_rate_finder(trainer, "fits the model twice, and pipeline stages split it in place in"
+                                                     " the first fit")
                 self.pipeline.split(model, block_classes, pp_rank=0)
             if self.tensor_parallel_size != 1 and not is_overridden("configure_model", model, pl.LightningModule):
                 self.tensor_parallel_plan_of(model)  # a configure_model may split the model itself
@@ -453,6 +461,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
 
     def _load_sharded(self, checkpoint_path: str | Path, weights_only: bool | None) -> dict[str, Any]:
         """A sharded directory, through Lightning; one rank reads it as one process (background.py says why)."""
+        drop_group_keys_not_saved(self.optimizers, checkpoint_path)
         if self.world_size > 1:
             return super().load_checkpoint(checkpoint_path, weights_only)
         with checkpoint_loads_in_one_process() as loads:
