@@ -2,7 +2,7 @@
 `grad_norm` in `on_before_optimizer_step`, trained with a plain `L.Trainer` and a CSVLogger on CPU ranks. Lightning's
 metrics.csv lands in OUT_DIR.
 
-    python tests/grad_norm_script.py OUT_DIR ld_fsdp [DEVICES] [ACCUMULATE_GRAD_BATCHES]
+    PYTHONPATH=. python tests/grad_norm_script.py OUT_DIR ld_fsdp [DEVICES] [ACCUMULATE_GRAD_BATCHES]
 """
 
 import sys
@@ -12,18 +12,15 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import grad_norm
 from torch.utils.data import DataLoader, TensorDataset
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import lightning_dist  # noqa: F401  registers the ld_* names
+from tests.tiny_llama import tiny_llama
 
 
 class FineTune(L.LightningModule):
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2)
-        self.model = LlamaForCausalLM(config)
+        self.model = tiny_llama()
         self.model.model.norm.weight.requires_grad_(False)
 
     def training_step(self, batch, batch_idx):

@@ -2,7 +2,7 @@
 writes OUT_DIR/result.json: the suggestion, the module's learning rate after the search, the next fit's losses and
 what the search left in the Trainer's root directory.
 
-    python tests/lr_find_script.py OUT_DIR ld_fsdp
+    PYTHONPATH=. python tests/lr_find_script.py OUT_DIR ld_fsdp
 """
 
 import json
@@ -13,9 +13,9 @@ import lightning as L
 import torch
 from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader, TensorDataset
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import lightning_dist  # noqa: F401  registers the ld_* names
+from tests.tiny_llama import tiny_llama
 
 
 class FineTune(L.LightningModule):
@@ -23,10 +23,7 @@ class FineTune(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.learning_rate = learning_rate
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2)
-        self.model = LlamaForCausalLM(config)
+        self.model = tiny_llama()
         self.losses = []
 
     def training_step(self, batch, batch_idx):

@@ -632,3 +632,10 @@ def zero_gradient(param: torch.nn.Parameter, engine: Any) -> tuple[torch.Tensor,
         return None
     scale = getattr(engine.optimizer, "loss_scale", 1.0)  # fp16's scaled gradients, unscaled only in the step
     return (grad if scale == 1 else grad / scale), group
+
+
+def engine_saves(engine: Any) -> bool:
+    """Whether `engine` can write a checkpoint: the engine Lightning builds to evaluate under ZeRO-3 (after
+    `trainer.test`, `validate` or `predict`) has no checkpoint engine, and its `save_checkpoint` stops on rank 0
+    alone (`'NoneType' object has no attribute 'makedirs'`) while the other ranks wait in its barrier."""
+    return getattr(engine, "checkpoint_engine", None) is not None

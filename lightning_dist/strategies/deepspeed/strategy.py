@@ -24,6 +24,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_dist._compat.deepspeed import (
+    engine_saves,
     forget_process_groups,
     overflow_tested_on_host,
     read_gradient_norm_on_host,
@@ -38,6 +39,7 @@ from lightning_dist._compat.transformers import (
     withdraw_zero3,
 )
 from lightning_dist.checkpoints.autoep_names import AUTOEP_NAMES
+from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.checkpoints.frozen_weights import frozen_weights_out_of_state_dicts
 from lightning_dist.checkpoints.resume import group_names
 from lightning_dist.lifecycle.process_exit import forget_with_process_group
@@ -430,6 +432,11 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
         # Lightning warns, at ZeRO-3's first save, that the checkpoint is a directory and points at its conversion
         # to one file: here any strategy loads the directory as it is (lightning_dist.load_from_checkpoint).
+        if self.deepspeed_engine is not None and not engine_saves(self.deepspeed_engine):  # every rank, or a hang
+            raise CheckpointError(
+                "trainer.save_checkpoint after trainer.test, validate or predict under ZeRO-3: Lightning evaluates"
+                " with a DeepSpeed engine of its own, which cannot save; save before evaluating"
+                " (trainer.save_checkpoint right after trainer.fit, or a ModelCheckpoint callback)")
         if names := getattr(self, "autoep_model_names", None):  # AutoEP's layers, read back in the model's names
             checkpoint = {**checkpoint, AUTOEP_NAMES: names}
         leaving_out = self.exclude_frozen_parameters and self.deepspeed_engine is not None
