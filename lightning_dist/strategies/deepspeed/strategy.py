@@ -128,7 +128,6 @@ def refuse_accumulation_schedule(trainer: Any) -> None:
                          " built): set trainer.accumulate_grad_batches instead, or train under fsdp or ddp")
 
 
-
 class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     """DeepSpeed ZeRO that also runs on CPU, and takes Hugging Face-style configs with "auto" values.
 
