@@ -53,6 +53,7 @@ from lightning_dist.parallel.regional_compile import ReportsCompilation
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel
 from lightning_dist.strategies.axis_steps import StepsThroughAxes
 from lightning_dist.strategies.launcher import guarded
+from lightning_dist.strategies.weight_averaging import refuse_weight_averaging
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
@@ -182,6 +183,7 @@ class StrategyBase(ReportsCompilation, ContinuesTrainLoaders, LeavesFrozenWeight
         model = fit_arguments.get("model")
         if isinstance(model, nn.Module):
             self.check_quantized_weights(model)  # a model built in `__init__`
+        refuse_weight_averaging(trainer, self.strategy_name, self.weight_averaging_refusal)
         self.preflight(trainer, fit_arguments)
 
     @override
@@ -221,6 +223,12 @@ class StrategyBase(ReportsCompilation, ContinuesTrainLoaders, LeavesFrozenWeight
         """How this strategy, as configured, holds a quantized base; each engine's says."""
         return QuantizedSupport(refusal="which this strategy would shard or cast as numbers and train silently wrong"
                                         " (accelerate #3983); train a quantized base under ld_ddp")
+
+    @property
+    def weight_averaging_refusal(self) -> str | None:
+        """Why Lightning's weight-averaging callbacks cannot run under this strategy (strategies/weight_averaging.py),
+        or None where every rank holds the whole weights and saves Lightning's checkpoint."""
+        return None
 
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
         """On the launching process, before any rank starts: a model to checkpoint or compile block by block must

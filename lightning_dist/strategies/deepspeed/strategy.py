@@ -260,6 +260,13 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
 
     @property
     @override
+    def weight_averaging_refusal(self) -> str | None:
+        if self.zero.partitions_parameters:
+            return "partitions the weights, which the copy cannot take (ZeRO-3's module holds empty placeholders)"
+        return "saves the engine's weights in its checkpoints, not that state_dict (the average would be lost)"
+
+    @property
+    @override
     def quantized_support(self) -> QuantizedSupport:
         """DeepSpeed holds every parameter in its config's dtype (its engine casts the module, zero.Init each
         parameter as it is made); ZeRO-3 shards a 4-bit weight's float storage as flat numbers."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -181,7 +182,8 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
             if self.pipeline.size > 1:
                 refuse_learning_rate_finder(trainer, "fits the model twice, and pipeline stages split it in place in"
                                                      " the first fit")
-                self.pipeline.split(model, block_classes, pp_rank=0)
+                if not self.holds_split(model):
+                    self.pipeline.split(model, block_classes, pp_rank=0)
             if self.tensor_parallel_size != 1 and not is_overridden("configure_model", model, pl.LightningModule):
                 self.tensor_parallel_plan_of(model)  # a configure_model may split the model itself
             if self.expert_parallel_size > 1 and (why := experts_refusal(model, self.expert_parallel_size)):
@@ -206,6 +208,11 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         return ParallelSizes(tensor=self.tensor_parallel_size, context=self.context_parallel_size,
                              pipeline=self.pipeline.size, replicate=self.data_parallel_replicate_size,
                              hybrid=self.hybrid, expert=self.expert_parallel_size)
+
+    @property
+    @override
+    def weight_averaging_refusal(self) -> str | None:
+        return "shards the weights, which the copy cannot take (FSDP2's DTensors)"
 
     @property
     @override
@@ -247,6 +254,11 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         """Let the next `parallelize` split its model afresh: the dry run sets up one rank after another with one
         strategy (a run keeps its stages from fit to test)."""
         self._pipeline_split, self._pipeline_views, self._pipeline_steps = None, [], None
+        self._split_module = None
+
+    def holds_split(self, model: Any) -> bool:
+        """Whether `model` is the module this strategy split into its stages (fit, then test or fit again)."""
+        return self._pipeline_split is not None and self._split_module is not None and self._split_module() is model
 
     def memory_layout(self, name: str) -> Layout:
         offload = "cpu" if self.cpu_offload else None
@@ -340,6 +352,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
 
     _pipeline_split: PipelineSplit | None = None
     _pipeline_views: list[nn.Module] = []
+    _split_module: weakref.ref[nn.Module] | None = None
 
     def context_axis(self, mesh: DeviceMesh, cp_rank: int, device: torch.device, model: nn.Module) -> ContextParallel:
         """Context-parallel rank `cp_rank` of `mesh`'s context axis, its collectives' tensors on `device`, counting
@@ -356,10 +369,12 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         block, so the block's parameters are gathered before backward recomputes it. Returns FSDP's roots: the
         model, or this rank's pipeline stages."""
         block_classes = self.block_classes_of(model)
-        if self.parallel_dims.pp > 1 and self._pipeline_split is None:
+        if self.parallel_dims.pp > 1 and not self.holds_split(model):
+            self.forget_pipeline_stages()  # a module not split before: fit, then test another
             pp_rank = self.parallel_dims.coordinates(self.global_rank)["pp"]
             self._pipeline_split = self.pipeline.split(model, block_classes, pp_rank)
             self._pipeline_split.prune(model)
+            self._split_module = weakref.ref(model)
         if self.parallel_dims.tp > 1 and not any(isinstance(p, DTensor) for p in model.parameters()):
             # Split first (a configure_model that split the model itself is left as it is), as torchtitan orders it.
             apply_tensor_parallel(model, self.device_mesh[TENSOR_PARALLEL], self.tensor_parallel_plan_of(model))
@@ -443,7 +458,23 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         # Pipeline stages read every checkpoint that way, their own too: each stage takes its part by name, at
         # any pipeline or data-parallel size, and the copies of a tied weight take the weight's state.
         checkpoint_path = self.broadcast(checkpoint_path)
-        weights_only = weights_only_for(checkpoint_path, weights_only)
+        with self._optimizers_restored_when_fitting():
+            return self._load(checkpoint_path, weights_only_for(checkpoint_path, weights_only))
+
+    @contextmanager
+    def _optimizers_restored_when_fitting(self) -> Iterator[None]:
+        """`trainer.test`, `validate` or `predict` after `trainer.fit` read no optimizer state: the fit's optimizers
+        are still this strategy's, over the module fitted, which need not be the module evaluated (DCP stopped with
+        `KeyError: 0` on `trainer.test(Model(), ckpt_path=...)`)."""
+        optimizers = self.optimizers
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            self.optimizers = []
+        try:
+            yield
+        finally:
+            self.optimizers = optimizers
+
+    def _load(self, checkpoint_path: str | Path, weights_only: bool | None) -> dict[str, Any]:
         pipeline = self._pipeline_steps
         source = CheckpointSource.of(checkpoint_path, trusted=weights_only is False)
         # A save without its frozen weights loads around them, as another engine's: DCP's reader would want them.

@@ -40,7 +40,14 @@ from lightning_dist._compat.torch import (
 from lightning_dist.parallel.dims import PIPELINE_PARALLEL
 from lightning_dist.parallel.logged_means import is_deferred_mean, mean_over_ranks, means_deferred
 from lightning_dist.parallel.pipeline_layout import PipelineLayout, check_pipeline, schedule_named
-from lightning_dist.parallel.pipeline_split import PipelineSplit, StageView, TiedCopies, find_trunk, hold_stages
+from lightning_dist.parallel.pipeline_split import (
+    PipelineSplit,
+    StageView,
+    TiedCopies,
+    find_trunk,
+    hold_stages,
+    stage_group,
+)
 from lightning_dist.strategies.torch.logged_names import LoggedNames
 from lightning_dist.strategies.torch.pipeline_idle import IdleClock
 
@@ -102,6 +109,11 @@ class PipelineOptions:
 
     def split(self, model: nn.Module, block_classes: tuple[type[nn.Module], ...], pp_rank: int) -> PipelineSplit:
         """How `model` splits into this layout's stages, or ValueError in one line saying what it lacks."""
+        if stage_group(model) is not None:  # its blocks would be counted as the stages this rank kept
+            raise ValueError(f"{_KEY}={self.size}: this module was split into pipeline stages by an earlier Trainer in"
+                             " this process, each rank keeping its stages' blocks alone; go on with that Trainer"
+                             " (trainer.test, trainer.predict, trainer.fit), or build the module anew (from a"
+                             " checkpoint) for a new one")
         trunk = find_trunk(model, block_classes, _KEY)
         blocks = len(trunk.stack_of(model))
         return PipelineSplit.of(model, trunk, self.layout(blocks), pp_rank)
