@@ -53,6 +53,7 @@ from lightning_dist.parallel.regional_compile import ReportsCompilation
 from lightning_dist.parallel.sharded_init import ForgetsUnbuiltModel
 from lightning_dist.strategies.axis_steps import StepsThroughAxes
 from lightning_dist.strategies.launcher import guarded
+from lightning_dist.strategies.trainable_set import TrainableSet, refuse_finetuning_callbacks
 from lightning_dist.strategies.weight_averaging import refuse_weight_averaging
 
 if TYPE_CHECKING:
@@ -161,6 +162,8 @@ class StrategyBase(ReportsCompilation, ContinuesTrainLoaders, LeavesFrozenWeight
     def activation_checkpointing(self) -> CheckpointPlan | None:
         return self.blocks.checkpointing
 
+    _trainable: TrainableSet | None = None  # which parameters train, from the fit's start
+
     @override
     def on_train_start(self) -> None:
         # No host reads in a step that does not log: the bar's values (whichever bar), Lightning's SIGTERM agreement.
@@ -171,7 +174,14 @@ class StrategyBase(ReportsCompilation, ContinuesTrainLoaders, LeavesFrozenWeight
         # A module's `grad_norm(self, 2)` (Lightning's) reads the whole gradients this strategy shards or holds.
         running_under(self)
         lightning_grad_norm_runs(grad_norm)
+        self._trainable = TrainableSet(self.lightning_module)
         super().on_train_start()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._trainable is not None:  # what the engine reduces and steps, fixed at its setup
+            self._trainable.check(self.lightning_module, self.strategy_name)
+        super().on_train_batch_start(batch, batch_idx)
 
     @override
     def _configure_launcher(self) -> None:
@@ -184,6 +194,7 @@ class StrategyBase(ReportsCompilation, ContinuesTrainLoaders, LeavesFrozenWeight
         if isinstance(model, nn.Module):
             self.check_quantized_weights(model)  # a model built in `__init__`
         refuse_weight_averaging(trainer, self.strategy_name, self.weight_averaging_refusal)
+        refuse_finetuning_callbacks(trainer, self.strategy_name)
         self.preflight(trainer, fit_arguments)
 
     @override
