@@ -179,9 +179,21 @@ class StrategyBase(ReportsCompilation, ContinuesTrainLoaders, LeavesFrozenWeight
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._trainable is not None:  # what the engine reduces and steps, fixed at its setup
-            self._trainable.check(self.lightning_module, self.strategy_name)
+        if self._trainable is not None and self._trainable.changed(module := self.lightning_module):
+            if self.trainable_change_refusal is not None:
+                raise RuntimeError(self._trainable.refusal(module, self.strategy_name, self.trainable_change_refusal))
+            self.follow_trainable_change()
+            self._trainable = TrainableSet(module)
         super().on_train_batch_start(batch, batch_idx)
+
+    @property
+    def trainable_change_refusal(self) -> str | None:
+        """Why this engine cannot follow a change of the trainable parameters during a fit, or None
+        (strategies/trainable_set.py)."""
+        return None
+
+    def follow_trainable_change(self) -> None:
+        """On every rank, before the batch's step: set the engine up for the parameters that train now."""
 
     @override
     def _configure_launcher(self) -> None:
@@ -194,7 +206,7 @@ class StrategyBase(ReportsCompilation, ContinuesTrainLoaders, LeavesFrozenWeight
         if isinstance(model, nn.Module):
             self.check_quantized_weights(model)  # a model built in `__init__`
         refuse_weight_averaging(trainer, self.strategy_name, self.weight_averaging_refusal)
-        refuse_finetuning_callbacks(trainer, self.strategy_name)
+        refuse_finetuning_callbacks(trainer, self.strategy_name, self.trainable_change_refusal)
         self.preflight(trainer, fit_arguments)
 
     @override

@@ -1,12 +1,12 @@
-"""Which parameters train stays fixed during a fit (strategies/trainable_set.py): each engine sets up at the start
-what it reduces and steps. A backbone unfrozen at epoch 1 (tests/unfreeze_script.py) trained each rank's own copy
-under Lightning's ddp and ld_ddp (Lightning #20340) and got 0.65 to 0.72 of ddp's gradients under ld_fsdp, without a
-word. Now Lightning's `BackboneFinetuning` stops the launch in one line under every strategy of ours, and a module
-unfreezing in its own hook stops at the next batch on every rank, in one line; a module that keeps its frozen
-backbone frozen trains on (the LoRA runs of the suite)."""
+"""A backbone unfrozen during the fit (tests/unfreeze_script.py; strategies/trainable_set.py) trains as a backbone
+trainable throughout at a learning rate of 0 until its epoch: under ld_ddp by Lightning's `BackboneFinetuning`
+(Lightning's ddp trains each rank's own copy instead, without a word: Lightning #20340, open), under ld_fsdp by the
+module's own hook. DeepSpeed, which flattens the trainable parameters at setup, stops in one line: the callback
+before any rank starts, the hook's change at the next batch on every rank."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,26 +18,51 @@ from tests.conftest import REPO, TRAIN_ENV
 SCRIPT = REPO / "tests" / "unfreeze_script.py"
 INSTEAD = ("freeze before the fit and keep it so, or train those weights from the start at a learning rate of 0 in a"
            " param group of their own and raise it when they are to train (Lightning #20340)")
+DEEPSPEED = "ld_deepspeed flattened those that were trainable at its setup into its optimizer's partitions"
 
 
 def _run(out: Path, strategy: str, how: str) -> subprocess.CompletedProcess:
+    out.mkdir(parents=True, exist_ok=True)
     return subprocess.run([sys.executable, str(SCRIPT), str(out), strategy, how], cwd=REPO,
                           env={**TRAIN_ENV, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize(("strategy", "name"), [("ld_ddp", "ld_ddp"), ("ld_deepspeed_stage_2", "ld_deepspeed")])
-def test_backbone_finetuning_stops_before_any_rank_starts(tmp_path, strategy, name):
-    process = _run(tmp_path, strategy, "callback")
+def _losses(out: Path, strategy: str, how: str) -> list[float]:
+    process = _run(out / f"{strategy}-{how}", strategy, how)
+    assert process.returncode == 0, process.stderr[-3000:]
+    return json.loads((out / f"{strategy}-{how}" / "losses.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[float]:
+    """Lightning's ddp, the backbone trainable throughout at a learning rate of 0 in epoch 0."""
+    return _losses(tmp_path_factory.mktemp("reference"), "ddp", "lr0")
+
+
+def test_lightning_s_ddp_trains_each_rank_s_backbone_apart_once_unfrozen(reference, tmp_path):
+    losses = _losses(tmp_path, "ddp", "callback")
+    assert len(losses) == len(reference) == 8  # 4 steps an epoch on each rank
+    assert losses[:5] == pytest.approx(reference[:5], rel=1e-6)  # epoch 1's first loss is before its update
+    assert losses[5:] != pytest.approx(reference[5:], rel=1e-5)  # then the rank's own backbone: Lightning #20340
+
+
+@pytest.mark.parametrize(("strategy", "how"), [("ld_ddp", "callback"), ("ld_fsdp", "hook")])
+def test_our_engines_follow_the_unfrozen_backbone(reference, tmp_path, strategy, how):
+    assert _losses(tmp_path, strategy, how) == pytest.approx(reference, rel=1e-5)
+
+
+def test_backbone_finetuning_under_deepspeed_stops_before_any_rank_starts(tmp_path):
+    process = _run(tmp_path, "ld_deepspeed_stage_2", "callback")
     assert process.returncode == 1
-    assert (f"BackboneFinetuning (Lightning's BaseFinetuning) unfreezes parameters during the fit, and {name} reduces"
-            f" and steps those that were trainable at its setup: {INSTEAD}") in process.stderr
+    assert (f"BackboneFinetuning (Lightning's BaseFinetuning) unfreezes parameters during the fit, and {DEEPSPEED}:"
+            f" {INSTEAD}") in process.stderr
     assert "Initializing distributed" not in process.stdout + process.stderr  # no rank started
 
 
-def test_a_backbone_unfrozen_in_the_module_s_hook_stops_every_rank_at_the_next_batch(tmp_path):
-    process = _run(tmp_path, "ld_fsdp", "hook")
+def test_a_backbone_unfrozen_in_a_hook_under_deepspeed_stops_every_rank_at_the_next_batch(tmp_path):
+    process = _run(tmp_path, "ld_deepspeed_stage_2", "hook")
     assert process.returncode == 1
     line = ("RuntimeError: the trainable parameters changed during the fit: 20 became trainable (the first:"
-            f" backbone.embed_tokens.weight); ld_fsdp reduces and steps those that were trainable at its setup: {INSTEAD}")
+            f" backbone.embed_tokens.weight); {DEEPSPEED}: {INSTEAD}")
     assert process.stderr.count(line) == 2  # each rank's, at the first batch of epoch 1
     assert not (tmp_path / "losses.json").exists()

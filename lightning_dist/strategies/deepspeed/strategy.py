@@ -260,6 +260,11 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
 
     @property
     @override
+    def trainable_change_refusal(self) -> str | None:
+        return "flattened those that were trainable at its setup into its optimizer's partitions"
+
+    @property
+    @override
     def weight_averaging_refusal(self) -> str | None:
         if self.zero.partitions_parameters:
             return "partitions the weights, which the copy cannot take (ZeRO-3's module holds empty placeholders)"

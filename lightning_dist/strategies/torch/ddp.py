@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -74,6 +75,18 @@ class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
     def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
         self.blocks.apply(model, device_type=self.root_device.type)  # in place, before DDP registers its hooks
         return super()._setup_model(model)
+
+    @override
+    def follow_trainable_change(self) -> None:
+        # DDP's reducer buckets the parameters that required grad when it wrapped the module: a new one over those
+        # that train now (every rank at the same batch; its broadcast from rank 0 finds them equal). The old one's
+        # gradient hooks go with it; the blocks' checkpointing and compilation are not applied again.
+        module = self.lightning_module
+        assert module is not None  # in a fit
+        self.model = module  # the old wrapper's last reference
+        gc.collect()
+        self.model = _LightningDDPStrategy._setup_model(self, module)
+        self._register_ddp_hooks()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
