@@ -1,5 +1,6 @@
 """A user's script that trains, tests and saves a final checkpoint with a plain `L.Trainer` on 2 CPU ranks, in the
-order MODE gives (`fit,test,save` or `fit,save,test`), then tests that checkpoint. Rank 0 writes OUT_DIR/result.json:
+order MODE gives (`fit,test,save` or `fit,save,test`; `hf`: transformers' own `save_pretrained` on rank 0), then
+tests that checkpoint. Rank 0 writes OUT_DIR/result.json:
 the test losses, in memory and from the checkpoint.
 
     PYTHONPATH=. python tests/save_after_test_script.py OUT_DIR ld_deepspeed_stage_3 fit,save,test
@@ -47,6 +48,9 @@ if __name__ == "__main__":
             trainer.fit(model, DataLoader(TensorDataset(tokens), batch_size=2))
         elif step == "test":
             tested += trainer.test(model, DataLoader(TensorDataset(tokens), batch_size=2))
+        elif step == "hf":  # transformers' own, on rank 0, as its docs and most notebooks write it
+            if trainer.is_global_zero:
+                model.model.save_pretrained(out / "fine-tuned")
         else:
             trainer.save_checkpoint(out / "final.ckpt")
     tested += trainer.test(model, DataLoader(TensorDataset(tokens), batch_size=2), ckpt_path=out / "final.ckpt")

@@ -106,6 +106,7 @@ FENCED = [
     ),
     Fenced("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed", ("num_processes",)),
     Fenced("lightning.pytorch.strategies.ddp", "DDPStrategy._setup_model", ("self", "model")),
+    Fenced("lightning.pytorch.strategies.ddp", "DDPStrategy._register_ddp_hooks", ("self",)),
     # The rich bar's epoch label (epoch_label_without_a_negative_total).
     Fenced("lightning.pytorch.callbacks.progress.rich_progress", "RichProgressBar._get_train_description",
            ("self", "current_epoch")),
@@ -222,6 +223,15 @@ def checkpoint_contents(trainer: Any) -> dict[str, Any]:
 def wrapped_by_strategy(strategy: Any, module: Any) -> Any:
     """The wrapper `strategy.setup` puts around a LightningModule (DDP's), made the way setup makes it."""
     return strategy._setup_model(module)
+
+
+def wrap_in_new_ddp(strategy: Any, module: Any) -> None:
+    """`strategy.model`: a new DDP around `module`, made by Lightning's own DDP strategy's `_setup_model` (not an
+    override of it) with its communication hooks, as its `configure_ddp` makes the first."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    strategy.model = DDPStrategy._setup_model(strategy, module)
+    strategy._register_ddp_hooks()
 
 
 def deepspeed_engine(strategy: Any, module: Any, optimizer: Any) -> tuple[Any, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,3 +55,30 @@ def _record_dtype(config_file: Path, dtype: torch.dtype) -> None:
     config = json.loads(config_file.read_text())
     config["dtype"] = str(dtype).removeprefix("torch.")
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def refuse_own_save_pretrained(module: nn.Module, strategy_name: str) -> None:
+    """transformers' and PEFT's own `save_pretrained` on each model inside `module`, whose weights `strategy_name`
+    holds sharded, stops in one line naming this module's `save_pretrained` (it stopped deep in safetensors on the
+    rank that called it: "Attempted to access the data pointer on an invalid python storage"). A call given the
+    weights (`state_dict=`, as `save_pretrained` and `save_adapters` here give them) goes through."""
+    for model in module.modules():
+        original = getattr(model, "save_pretrained", None)
+        if not callable(original) or getattr(original, "refuses_sharded_weights", False):
+            continue
+        if not hasattr(model, "config") and not hasattr(model, "peft_config"):
+            continue  # not a transformers or PEFT model
+
+        def save_pretrained(*args: Any, _original: Any = original, _model: nn.Module = model, **kwargs: Any) -> Any:
+            if "state_dict" in kwargs:
+                return _original(*args, **kwargs)
+            raise RuntimeError(f"{type(_model).__name__}.save_pretrained: {strategy_name} holds the weights sharded"
+                               " over the ranks; call lightning_dist.save_pretrained(model, folder) on every rank,"
+                               " which gathers them (dtype=torch.bfloat16 writes them in bf16)")
+
+        save_pretrained.refuses_sharded_weights = True  # type: ignore[attr-defined]
+        vars(model)["save_pretrained"] = save_pretrained  # an instance attribute: it comes before the class's method
+        if model.save_pretrained is not save_pretrained:
+            raise RuntimeError(f"{type(model).__name__}.save_pretrained could not be intercepted: its own would write"
+                               " this rank's part of the weights; this transformers is not one lightning-dist"
+                               " supports")

@@ -17,6 +17,8 @@ import pytest
 
 from tests.conftest import REPO, TRAIN_ENV
 
+pytestmark = pytest.mark.slow  # real runs on 2 CPU ranks
+
 SCRIPT = REPO / "tests" / "lr_find_script.py"
 
 

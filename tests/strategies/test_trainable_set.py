@@ -15,6 +15,8 @@ import pytest
 
 from tests.conftest import REPO, TRAIN_ENV
 
+pytestmark = pytest.mark.slow  # real runs on 2 CPU ranks
+
 SCRIPT = REPO / "tests" / "unfreeze_script.py"
 INSTEAD = ("freeze before the fit and keep it so, or train those weights from the start at a learning rate of 0 in a"
            " param group of their own and raise it when they are to train (Lightning #20340)")

@@ -15,6 +15,8 @@ import pytest
 
 from tests.conftest import REPO, TRAIN_ENV
 
+pytestmark = pytest.mark.slow  # real runs on 2 CPU ranks
+
 SCRIPT = REPO / "tests" / "weight_averaging_script.py"
 
 

@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_dist._compat.lightning import wrap_in_new_ddp
 from lightning_dist.checkpoints.formats import FILE
 from lightning_dist.checkpoints.frozen_weights import LEFT_OUT, check_left_out, load_around_left_out, may_lack
 from lightning_dist.checkpoints.resume import load_for_resume, restore_optimizer_by_name
@@ -85,8 +86,7 @@ class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
         assert module is not None  # in a fit
         self.model = module  # the old wrapper's last reference
         gc.collect()
-        self.model = _LightningDDPStrategy._setup_model(self, module)
-        self._register_ddp_hooks()
+        wrap_in_new_ddp(self, module)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -30,6 +30,7 @@ from lightning_dist.checkpoints.resume import (
     load_weights_from_rank_zero,
     restore_optimizer_by_name,
 )
+from lightning_dist.checkpoints.save_pretrained import refuse_own_save_pretrained
 from lightning_dist.checkpoints.source import CheckpointSource, weights_only_for
 from lightning_dist.checkpoints.swap import write_then_swap
 from lightning_dist.memory.layout import Layout
@@ -337,6 +338,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
             roots = self.parallelize(self.model)
         if self._pipeline_split is not None and self._pipeline_steps is None:
             self._pipeline_steps = self.pipeline.steps(self, self._pipeline_split, roots)
+        refuse_own_save_pretrained(self.model, self.strategy_name)
         if self.parallel_dims.cp > 1:
             cp_rank = self.parallel_dims.coordinates(self.global_rank)["cp"]
             self.context = self.context_axis(self.device_mesh, cp_rank, self.root_device, self.lightning_module)

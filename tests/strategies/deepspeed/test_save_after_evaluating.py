@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import REPO, TRAIN_ENV
 
+pytestmark = pytest.mark.slow  # real runs on 2 CPU ranks
+
 SCRIPT = REPO / "tests" / "save_after_test_script.py"
 
 
