@@ -59,6 +59,9 @@ FENCED = [
     Fenced("cpuinfo", "get_cpu_info", ()),
     # Reads a config dict key by key (top_level_config_keys below).
     Fenced("deepspeed.runtime.config", "DeepSpeedConfig.__init__", ("self", "config", "mpu")),
+    # AutoTP's sum over the tensor-parallel group of a replicated layer's gradient, and its mark that the hook is in
+    # place (sum_gradient_over_group below).
+    Fenced("deepspeed.module_inject.auto_tp", "AutoTP.register_replicated_grad_hooks", ("self", "model")),
     # AutoTP's first-forward input check, a hook whose handle the engine keeps (replace_tensor_parallel_input_check).
     Fenced("deepspeed.runtime.engine", "DeepSpeedEngine._configure_tensor_parallel_states", ("self", "model")),
     # Compiles an op on first use (around_op_loads below), into torch's extension directory.
@@ -445,6 +448,31 @@ def replace_tensor_parallel_input_check(engine: Any, check: Callable[..., None])
         engine.first_dataloader_check.remove()
     engine.first_dataloader_check = engine.module.register_forward_pre_hook(check, prepend=True, with_kwargs=True)
     return engine.first_dataloader_check
+
+
+# AutoTP's mark on a parameter whose gradient it sums (AutoTP.register_replicated_grad_hooks).
+_SUMMED_MARK = "_ds_grad_allreduce_registered"
+
+
+def sum_gradient_over_group(param: torch.nn.Parameter, group: Any) -> None:
+    """Sums `param`'s gradient over `group` as it is computed, before it is accumulated (and before ZeRO's hooks
+    reduce it over the data-parallel ranks), as AutoTP does for the layers of a Hugging Face plan; marked as AutoTP
+    marks it, so that neither registers a second sum."""
+    if getattr(param, _SUMMED_MARK, False):
+        return
+    import torch.distributed as dist
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    param.register_hook(summed)
+    setattr(param, _SUMMED_MARK, True)
+
+
+def gradient_summed_over_group(param: torch.nn.Parameter) -> bool:
+    return bool(getattr(param, _SUMMED_MARK, False))
 
 
 def op_build_directory(name: str) -> Path:

@@ -148,10 +148,10 @@ def _fewest(calls: list[tuple[int, int, int]]) -> tuple[int, int, int] | None:
 
 def _split_by_tensor_parallelism(module: nn.Module, blocks: list[nn.Module]) -> tuple[int, int]:
     """(trainable, frozen) elements of the layers tensor parallelism splits."""
-    from lightning_dist.parallel.tensor_parallel import find_plan, matched_modules
+    from lightning_dist.parallel.tensor_parallel import find_plan, split_modules
 
     found = find_plan(module, None)
-    layers = (matched_modules(module, found[1]).values() if found
+    layers = (split_modules(module, found[1]).values() if found
               else [m for block in blocks for m in block.modules() if isinstance(m, nn.Linear)])
     params = {id(p): p for layer in layers for p in layer.parameters()}.values()
     return (sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params if not p.requires_grad))

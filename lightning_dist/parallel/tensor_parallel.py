@@ -7,6 +7,12 @@ tensor-parallel group, as transformers writes its models' `base_model_tp_plan` (
 - rowwise: its input features are split, as the colwise layer before it left them; the partial outputs are summed
   across the group, so the layer's output is whole on every rank again.
 
+- replicated_with_grad_allreduce: a layer kept whole on every rank that sees only its rank's share of the heads
+  (Qwen3's and Gemma 3's q and k norms, one weight per head dimension applied to every head): each rank's gradient
+  holds its own heads' part, and the parts are summed over the group. torch's `SequenceParallel` over the heads
+  dimension does this (as torchtitan splits Qwen3's norms): the weight is a replicated DTensor, its input the rank's
+  share of the heads, its gradient a partial sum that FSDP2 reduces over the group before it reduces over the data.
+
 A colwise layer followed by a rowwise one is Megatron-LM's split of an attention or MLP block: one all-reduce in
 forward and one in backward per block, and a model whose code splits heads by `view(..., -1, head_dim)` runs
 unchanged on its local share. Layers the plan does not name (embeddings, norms, the output head) stay whole on every
@@ -28,15 +34,19 @@ share of the adapter's output to its share of the base layer's, so the model is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from lightning_dist._compat.peft import TUNED_LAYER, is_tuner_layer, lora_linear_factors
 
-STYLES = ("colwise", "rowwise")
+SPLIT_STYLES = ("colwise", "rowwise")
+SUMMED = "replicated_with_grad_allreduce"  # transformers' name for it, in its models' plans
+STYLES = (*SPLIT_STYLES, SUMMED)
 TensorParallelPlan = dict[str, str]
 
 
@@ -57,34 +67,35 @@ def find_plan(model: nn.Module, configured: TensorParallelPlan | None) -> tuple[
         return "strategy.tensor_parallel_plan", configured
     for name, module in model.named_modules():
         plan = _own_plan(module)
-        if isinstance(plan, dict) and (plan := {pattern: style for pattern, style in plan.items() if style in STYLES}):
+        if isinstance(plan, dict) and (plan := {pattern: style for pattern, style in plan.items() if style in STYLES}) \
+                and any(style in SPLIT_STYLES for style in plan.values()):
             prefix = f"{name}." if name else ""
             return f"{type(module).__name__}.tp_plan", {prefix + pattern: style for pattern, style in plan.items()}
     return None
 
 
-def _partial_gradient_layers(model: nn.Module) -> tuple[str, list[str]] | None:
+def summed_layers(model: nn.Module) -> tuple[str, list[str]] | None:
     """The class of a module whose own plan keeps layers of `model` replicated with their gradients summed over the
     ranks (Qwen3's per-head q and k norms), and those patterns; None where there are none."""
     for name, module in model.named_modules():
         plan = _own_plan(module)
         if isinstance(plan, dict):
             prefix = f"{name}." if name else ""
-            summed = [prefix + pattern for pattern, style in plan.items() if style == "replicated_with_grad_allreduce"]
+            summed = [prefix + pattern for pattern, style in plan.items() if style == SUMMED]
             present = [pattern for pattern in summed if pattern not in unmatched_patterns(model, {pattern: ""})]
             if present:
                 return type(module).__name__, present
     return None
 
 
-def _beside(pattern: str, others: list[str]) -> str | None:
-    """The first of `others` in the same module as `pattern` (q_norm beside q_proj), else None."""
-    return next((other for other in others if other.rpartition(".")[0] == pattern.rpartition(".")[0]), None)
+def _beside(pattern: str, others: list[str]) -> list[str]:
+    """Those of `others` in the same module as `pattern` (q_norm and k_norm beside q_proj)."""
+    return [other for other in others if other.rpartition(".")[0] == pattern.rpartition(".")[0]]
 
 
 def _plan_in_other_styles(model: nn.Module) -> tuple[str, list[str]] | None:
-    """The class and styles of a module's own plan that names none of `STYLES` (OLMoE's attention, whose norm over
-    every head needs the whole projection: `colwise_gather_output`, `rowwise_split_input`)."""
+    """The class and styles of a module's own plan that splits no layer in `SPLIT_STYLES` (OLMoE's attention, whose
+    norm over every head needs the whole projection: `colwise_gather_output`, `rowwise_split_input`)."""
     for module in model.modules():
         plan = _own_plan(module)
         if isinstance(plan, dict) and plan:
@@ -102,6 +113,11 @@ def _own_plan(module: nn.Module) -> Any:
 def matched_modules(model: nn.Module, plan: TensorParallelPlan) -> dict[str, nn.Module]:
     """Every module of `model` a pattern of `plan` names (a `*` stands for one name between dots)."""
     return {name: module for name, module in model.named_modules() if any(_matches(name, p) for p in plan)}
+
+
+def split_modules(model: nn.Module, plan: TensorParallelPlan) -> dict[str, nn.Module]:
+    """The modules of `model` that `plan` splits (colwise or rowwise), not those it keeps whole."""
+    return matched_modules(model, {pattern: style for pattern, style in plan.items() if style in SPLIT_STYLES})
 
 
 def unmatched_patterns(model: nn.Module, plan: TensorParallelPlan) -> list[str]:
@@ -125,7 +141,7 @@ def split_sizes(model: nn.Module, plan: TensorParallelPlan, size: int) -> list[s
     heads (a colwise layer of a module with a `head_dim`, as the bundled GPT's and transformers' attention have)."""
     problems = []
     parents = {name: module for name, module in model.named_modules()}
-    for name, module in matched_modules(model, plan).items():
+    for name, module in split_modules(model, plan).items():
         style = next(style for pattern, style in plan.items() if _matches(name, pattern))
         if is_tuner_layer(module):  # split as its base layer is (with_lora_factors refuses the tuners it cannot)
             module = getattr(module, TUNED_LAYER)
@@ -147,22 +163,21 @@ def resolve_plan(model: nn.Module, configured: TensorParallelPlan | None, size: 
     """The plan for `model` (`configured`, or its own), checked: every pattern names a layer, and `size` ranks split
     each layer and its attention heads evenly. ValueError, in one line naming the key, otherwise."""
     found = find_plan(model, configured)
-    if partial := _partial_gradient_layers(model):
-        owner, summed = partial
-        why = (f"{owner}.tp_plan keeps {{}} whole on every rank with its gradients summed over the tensor-parallel"
-               " ranks (replicated_with_grad_allreduce: a norm over each rank's own heads), which this split does not"
-               " do, so those copies would drift apart; set strategy.tensor_parallel_plan to a plan that leaves the"
-               " attention whole (its MLP's colwise and rowwise layers), or train the model without tensor"
-               " parallelism")
-        if configured is None:
-            raise ValueError(f"strategy.tensor_parallel_size={size}: " + why.format(summed[0]))
-        if split_beside := next((p for p in configured if _beside(p, summed)), None):
-            raise ValueError(f"strategy.tensor_parallel_plan: {split_beside} splits the heads that "
-                             + why.format(_beside(split_beside, summed)))
+    if configured is not None and (summed := summed_layers(model)):
+        owner, patterns = summed
+        for pattern, style in configured.items():
+            missing = [other for other in _beside(pattern, patterns) if other not in configured]
+            if style == "colwise" and missing:
+                raise ValueError(
+                    f"strategy.tensor_parallel_plan: {pattern} splits the heads of {' and '.join(missing)}, which"
+                    f" {owner}.tp_plan keeps whole on every rank with their gradients summed over the tensor-parallel"
+                    " ranks (a norm of each head: each rank's gradient is its own heads' part); add "
+                    + ", ".join(f"'{layer}': {SUMMED}" for layer in missing) + " to the plan, or leave the attention"
+                    " whole")
     if found is None and (other := _plan_in_other_styles(model)):
         raise ValueError(
             f"strategy.tensor_parallel_size={size}: {other[0]}.tp_plan splits its layers in styles this tensor"
-            f" parallelism does not run ({', '.join(other[1])}: it splits layers {' and '.join(STYLES)});"
+            f" parallelism does not run ({', '.join(other[1])}: it splits layers {' and '.join(SPLIT_STYLES)});"
             " set strategy.tensor_parallel_plan (module-name patterns mapped to colwise or rowwise), or train the"
             " model without tensor parallelism")
     if found is None:
@@ -203,7 +218,7 @@ def with_lora_factors(model: nn.Module, plan: TensorParallelPlan, source: str) -
     expanded: TensorParallelPlan = {}
     for pattern, style in plan.items():
         matched = {name: module for name, module in model.named_modules() if _matches(name, pattern)}
-        if not any(is_tuner_layer(module) for module in matched.values()):
+        if style == SUMMED or not any(is_tuner_layer(module) for module in matched.values()):
             expanded[pattern] = style
             continue
         for name, module in matched.items():
@@ -240,10 +255,27 @@ def activations_held(activations: float, tp: int, layout: Any) -> float:
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: TensorParallelPlan) -> None:
     """Split the layers `plan` names across `mesh` (1-D: the tensor-parallel axis). Before activation checkpointing
     and FSDP, as torchtitan orders them; on the meta device too (nothing is allocated)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        ParallelStyle,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    styles: dict[str, Callable[[], ParallelStyle]] = {
+        "colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+        # Any dimension but the last, which a per-head norm normalizes, gives the same local result and the same
+        # summed gradient: the heads of Qwen3's (batch, tokens, heads, head_dim), the tokens of Gemma 3's (batch,
+        # heads, tokens, head_dim).
+        SUMMED: lambda: SequenceParallel(sequence_dim=-2, use_local_output=True),
+    }
     parallelize_module(model, mesh, {pattern: styles[style]() for pattern, style in plan.items()})
+    summed = matched_modules(model, {pattern: style for pattern, style in plan.items() if style == SUMMED})
+    if unsummed := [name for name, module in summed.items()
+                    if any(not isinstance(param, DTensor) for param in module.parameters())]:
+        raise RuntimeError(f"tensor parallelism: {unsummed[0]} kept plain weights where its gradients are to be"
+                           " summed over the tensor-parallel ranks (torch's SequenceParallel placed none)")
 
 
 def _matches(name: str, pattern: str) -> bool:

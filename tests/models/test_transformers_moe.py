@@ -52,24 +52,32 @@ def test_a_model_s_own_plan_leaves_out_the_dense_layers_its_config_did_not_build
         resolve_plan(model, {"model.layers.*.self_attn.o_proj": "rowwise", "model.layers.*.mlp.up_proj": "colwise"}, 2)
 
 
-def test_a_plan_that_sums_a_replicated_layer_s_gradients_is_refused_in_one_line():
+def test_a_model_s_plan_sums_its_per_head_norms_gradients_and_a_plan_that_splits_their_heads_must_too():
     """Qwen3's q and k norms act on each head (head_dim wide): with the heads split, each rank's norm weights get the
-    gradient of its own heads only, and its plan asks for them to be summed over the ranks, which this split does not
-    do. Measured before the refusal: Qwen3-MoE under fsdp_tp drifted from one rank's losses (5.553639 against
-    5.553559 at step 2), silently."""
+    gradient of its own heads only, and its plan asks for them to be summed over the ranks (torch's SequenceParallel
+    over the heads; tests/strategies/test_tensor_parallel.py trains it). A plan the user writes that splits those heads
+    and leaves the norms out is refused in one line naming what to add: measured before the sum, Qwen3 under fsdp_tp
+    drifted from one rank's losses (5.518371 against 5.518313 at step 1), silently."""
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                                num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                                                moe_intermediate_size=16, head_dim=8))
-    with pytest.raises(ValueError, match=r"^strategy.tensor_parallel_size=2: Qwen3MoeForCausalLM.tp_plan keeps"
-                                         r" model.layers.\*.self_attn.q_norm whole on every rank with its gradients"
-                                         r" summed over the tensor-parallel ranks .* leaves the attention whole"):
-        resolve_plan(model, None, 2)
-    # The same split written by hand, and a plan that leaves the attention whole.
-    with pytest.raises(ValueError, match=r"^strategy.tensor_parallel_plan: model.layers.\*.self_attn.q_proj splits the"
-                                         r" heads that Qwen3MoeForCausalLM.tp_plan keeps model.layers.\*.self_attn."
-                                         r"q_norm whole on every rank"):
-        resolve_plan(model, {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"},
-                     2)
+    attention = "model.layers.*.self_attn"
+    assert resolve_plan(model, None, 2) == {f"{attention}.{name}": style for name, style in (
+        ("q_proj", "colwise"), ("k_proj", "colwise"), ("v_proj", "colwise"),
+        ("q_norm", "replicated_with_grad_allreduce"), ("k_norm", "replicated_with_grad_allreduce"),
+        ("o_proj", "rowwise"))}
+    written = {f"{attention}.q_proj": "colwise", f"{attention}.k_proj": "colwise", f"{attention}.o_proj": "rowwise"}
+    with pytest.raises(ValueError) as refused:
+        resolve_plan(model, written, 2)
+    assert str(refused.value) == (
+        f"strategy.tensor_parallel_plan: {attention}.q_proj splits the heads of {attention}.q_norm and"
+        f" {attention}.k_norm, which Qwen3MoeForCausalLM.tp_plan keeps whole on every rank with their gradients summed"
+        " over the tensor-parallel ranks (a norm of each head: each rank's gradient is its own heads' part); add"
+        f" '{attention}.q_norm': replicated_with_grad_allreduce, '{attention}.k_norm': replicated_with_grad_allreduce"
+        " to the plan, or leave the attention whole")
+    completed = {**written, f"{attention}.q_norm": "replicated_with_grad_allreduce",
+                 f"{attention}.k_norm": "replicated_with_grad_allreduce"}
+    assert resolve_plan(model, completed, 2) == completed
     dense = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8))
     whole_attention = {"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise"}

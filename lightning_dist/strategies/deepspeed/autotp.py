@@ -1,5 +1,6 @@
-"""DeepSpeed AutoTP under Lightning: the check that the ranks of a tensor-parallel group got the same batch, and
-the engine Lightning builds for validation and testing on its own (`trainer.test` after `fit`).
+"""DeepSpeed AutoTP under Lightning: the check that the ranks of a tensor-parallel group got the same batch, the sum
+of a replicated layer's gradients over the group, and the engine Lightning builds for validation and testing on its
+own (`trainer.test` after `fit`).
 
 DeepSpeed checks the first forward's inputs itself, but compares them one level deep: Lightning's `(batch,
 batch_idx)`, a batch being a list of tensors, fails that comparison with "Boolean value of Tensor with more than one
@@ -15,9 +16,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_dist._compat.deepspeed import replace_tensor_parallel_input_check
+from lightning_dist._compat.deepspeed import (
+    gradient_summed_over_group,
+    replace_tensor_parallel_input_check,
+    sum_gradient_over_group,
+)
 from lightning_dist._compat.lightning import remove_module_hooks
 from lightning_dist._compat.torch import tree_map
+from lightning_dist.parallel.tensor_parallel import SUMMED, matched_modules, summed_layers
 
 
 class TensorParallelBatchMismatch(RuntimeError):
@@ -48,6 +54,29 @@ def check_tensor_parallel_inputs(engine: Any, device: torch.device) -> None:
             )
 
     handle = replace_tensor_parallel_input_check(engine, check)
+
+
+def sum_replicated_gradients(model: torch.nn.Module) -> None:
+    """Sums over the tensor-parallel group the gradients of the layers that the model's own plan keeps whole with
+    their gradients summed (Qwen3's q and k norms, which see each rank's own heads). AutoTP does so for a plan it
+    reads from `model.config`, which a LightningModule holding the transformers model has not: it splits by its name
+    rules then, and those layers drifted apart (measured: Qwen3 at 2 x 2, 3e-6 off ddp's loss at step 2 and growing).
+    RuntimeError if a trainable parameter of those layers was left without the sum."""
+    from deepspeed.utils import groups
+
+    summed = summed_layers(model)
+    if summed is None:
+        return
+    layers = matched_modules(model, dict.fromkeys(summed[1], SUMMED))
+    group = groups.get_tensor_model_parallel_group()
+    for layer in layers.values():
+        for param in layer.parameters():
+            if param.requires_grad:
+                sum_gradient_over_group(param, group)
+    if left := [f"{name}.{param_name}" for name, layer in layers.items()
+                for param_name, param in layer.named_parameters()
+                if param.requires_grad and not gradient_summed_over_group(param)]:
+        raise RuntimeError(f"DeepSpeed AutoTP: {left[0]}'s gradient is not summed over the tensor-parallel ranks")
 
 
 def is_split(model: torch.nn.Module) -> bool:

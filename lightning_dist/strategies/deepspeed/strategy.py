@@ -60,7 +60,11 @@ from lightning_dist.strategies.deepspeed.autoep import (
     model_names,
 )
 from lightning_dist.strategies.deepspeed.autoep import model_refusal as autoep_model_refusal
-from lightning_dist.strategies.deepspeed.autotp import check_tensor_parallel_inputs, initialize_inference_engine
+from lightning_dist.strategies.deepspeed.autotp import (
+    check_tensor_parallel_inputs,
+    initialize_inference_engine,
+    sum_replicated_gradients,
+)
 from lightning_dist.strategies.deepspeed.clipping import HOOK_IGNORED_WARNING, ClippingInTheEngine
 from lightning_dist.strategies.deepspeed.config.for_run import Resolution, RunConfig, config_in_effect
 from lightning_dist.strategies.deepspeed.config.preflight import check_before_launch
@@ -520,6 +524,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         move_module_state(self.lightning_module, self.root_device)  # ZeRO-3 placed the parameters only
         if self.tensor_parallel_size > 1:
             check_tensor_parallel_inputs(self.deepspeed_engine, self.root_device)
+            sum_replicated_gradients(self.lightning_module)
         if self.context_parallel_size > 1 and self.context is None:  # fit, then test: the same group
             self.context = deepspeed_ulysses(self, self._sequence_group)
             self.context.expect_exchanges(self.lightning_module, self.blocks.classes_in(self.lightning_module),
