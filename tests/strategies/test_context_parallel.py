@@ -27,7 +27,7 @@ SAVED_AT = 5
 COMMON = (f"trainer.max_steps={STEPS}", "test=false", "trainer.log_every_n_steps=1",
           f"callbacks.model_checkpoint.every_n_train_steps={SAVED_AT}", "callbacks.model_checkpoint.save_top_k=-1",
           "callbacks.model_checkpoint.monitor=null")
-LONG = ("data.block_size=2048", "data.batch_size=4")  # 4 sequences of 2,048 tokens per data-parallel rank
+LONG = ("data.block_size=2048", "data.batch_size=2")  # 2 sequences of 2,048 tokens per data-parallel rank
 SHORTER = ("data.block_size=512", "data.batch_size=4")
 ULYSSES_CONFIG = REPO / "recipes" / "long_context" / "ds_config_ulysses_zero3.json"
 LLAMA = ("model=hf_llama",)
