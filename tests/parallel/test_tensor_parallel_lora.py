@@ -44,3 +44,26 @@ def test_dora_on_a_planned_layer_is_refused_in_one_line():
                                          r" is PEFT's Linear, which tensor parallelism does not split: only LoRA's"
                                          r" Linear layers \(not DoRA's\)"):
         resolve_plan(peft_llama(use_dora=True), None, 2)
+
+
+def test_a_frozen_layer_stays_frozen_when_split_or_kept_whole_with_its_gradients_summed():
+    """torch's SequenceParallel (a per-head norm's style) makes each parameter anew as a trainable one: Qwen3's norms,
+    frozen under LoRA, then trained, silently (measured: 1e-5 off the data-parallel losses at step 1 under fsdp_tp).
+    Each parameter keeps its requires_grad through the split, on a one-rank mesh as on any."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from lightning_dist.parallel.tensor_parallel import apply_tensor_parallel
+    from tests.conftest import one_rank_world
+
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    model = get_peft_model(qwen3, LoraConfig(r=4, target_modules="all-linear"))
+    trainable = {name: param.requires_grad for name, param in model.named_parameters()}
+    assert sum(trainable.values()) == 28  # the adapters of 7 layers in each of 2 blocks: A and B
+    with one_rank_world():
+        apply_tensor_parallel(model, init_device_mesh("cpu", (1,)), resolve_plan(model, None, 1))
+        norm = model.base_model.model.model.layers[0].self_attn.q_norm.weight
+        assert isinstance(norm, DTensor)  # kept whole, its gradient to be summed
+        assert {name: param.requires_grad for name, param in model.named_parameters()} == trainable
