@@ -6,7 +6,6 @@ tensor-parallel group, as transformers writes its models' `base_model_tp_plan` (
   its slice of the MLP's hidden layer) from the whole input.
 - rowwise: its input features are split, as the colwise layer before it left them; the partial outputs are summed
   across the group, so the layer's output is whole on every rank again.
-
 - replicated_with_grad_allreduce: a layer kept whole on every rank that sees only its rank's share of the heads
   (Qwen3's and Gemma 3's q and k norms, one weight per head dimension applied to every head): each rank's gradient
   holds its own heads' part, and the parts are summed over the group. torch's `SequenceParallel` over the heads
