@@ -6,11 +6,18 @@ tensor-parallel group, as transformers writes its models' `base_model_tp_plan` (
   its slice of the MLP's hidden layer) from the whole input.
 - rowwise: its input features are split, as the colwise layer before it left them; the partial outputs are summed
   across the group, so the layer's output is whole on every rank again.
+- colwise_gather_output, rowwise_split_input: the same splits of the weight, with the output gathered whole on every
+  rank (a colwise layer whose output something needs whole: OLMo2's norm over every head's queries, Phi-3's fused
+  projections, Qwen3.5's linear attention) and the whole input split on each rank before the rowwise layer after it.
 - replicated_with_grad_allreduce: a layer kept whole on every rank that sees only its rank's share of the heads
   (Qwen3's and Gemma 3's q and k norms, one weight per head dimension applied to every head): each rank's gradient
   holds its own heads' part, and the parts are summed over the group. torch's `SequenceParallel` over the heads
   dimension does this (as torchtitan splits Qwen3's norms): the weight is a replicated DTensor, its input the rank's
   share of the heads, its gradient a partial sum that FSDP2 reduces over the group before it reduces over the data.
+- mla_kv_a_proj: DeepSeek's latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash, MiniCPM3): the layer is kept
+  whole; of its output, the rotary key (its last `qk_rope_head_dim` features) goes to every head unsplit, so each rank's
+  gradient of it is its own heads' part, summed over the group in the backward pass (the rest goes through a colwise
+  layer, whose input gradient torch sums already).
 
 A colwise layer followed by a rowwise one is Megatron-LM's split of an attention or MLP block: one all-reduce in
 forward and one in backward per block, and a model whose code splits heads by `view(..., -1, head_dim)` runs
@@ -20,9 +27,9 @@ rank of the group and are sharded by FSDP over the data-parallel axis only.
 Where a plan comes from, first found: the strategy's own (`strategy.tensor_parallel_plan`, patterns from the
 LightningModule), or a `tp_plan` attribute of a module of the model, patterns relative to that module: the bundled
 GPT has one, and so has every transformers model with a `base_model_tp_plan` (Llama, Qwen2, Mistral, ...). Of a
-model's own plan, the colwise and rowwise layers are split; what it splits otherwise (transformers' vocabulary-parallel
-`embedding_rowwise` and `colwise_gather_output` for the embedding and the output head) stays whole, which gives the
-same results.
+model's own plan, the layers in these styles are split; the embedding and the output head stay whole (transformers'
+vocabulary-parallel `embedding_rowwise`, and the head's `colwise_gather_output`: a head tied to the embedding would be
+untied by a split of one of them), which gives the same results.
 
 A plan is a module's own: a wrapper that hands on the attributes it lacks (PEFT's `PeftModel`) answers with the plan of
 the model inside, whose patterns start there, not at the wrapper. A PEFT LoRA layer that a plan names is split as
@@ -37,15 +44,19 @@ from collections.abc import Callable
 from fnmatch import fnmatchcase
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_dist._compat.peft import TUNED_LAYER, is_tuner_layer, lora_linear_factors
 
-SPLIT_STYLES = ("colwise", "rowwise")
-SUMMED = "replicated_with_grad_allreduce"  # transformers' name for it, in its models' plans
-STYLES = (*SPLIT_STYLES, SUMMED)
+SPLIT_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
+SPLITS_OUTPUTS = ("colwise", "colwise_gather_output")  # the others split a layer's input features
+SUMMED = "replicated_with_grad_allreduce"  # transformers' names for these, in its models' plans
+ROTARY_KEY_SUMMED = "mla_kv_a_proj"
+KEPT_WHOLE = (SUMMED, ROTARY_KEY_SUMMED)
+STYLES = (*SPLIT_STYLES, *KEPT_WHOLE)
 TensorParallelPlan = dict[str, str]
 
 
@@ -66,23 +77,38 @@ def find_plan(model: nn.Module, configured: TensorParallelPlan | None) -> tuple[
         return "strategy.tensor_parallel_plan", configured
     for name, module in model.named_modules():
         plan = _own_plan(module)
-        if isinstance(plan, dict) and (plan := {pattern: style for pattern, style in plan.items() if style in STYLES}) \
+        if isinstance(plan, dict) and (plan := {pattern: style for pattern, style in plan.items()
+                                                if style in STYLES and not _names_output_head(module, pattern)}) \
                 and any(style in SPLIT_STYLES for style in plan.values()):
             prefix = f"{name}." if name else ""
             return f"{type(module).__name__}.tp_plan", {prefix + pattern: style for pattern, style in plan.items()}
     return None
 
 
+def _names_output_head(module: nn.Module, pattern: str) -> bool:
+    """Whether `pattern` names the output head of `module` (a transformers model's `lm_head`)."""
+    head_of = getattr(module, "get_output_embeddings", None)
+    head = head_of() if callable(head_of) else None
+    return head is not None and any(_matches(name, pattern) for name, layer in module.named_modules() if layer is head)
+
+
 def summed_layers(model: nn.Module) -> tuple[str, list[str]] | None:
     """The class of a module whose own plan keeps layers of `model` replicated with their gradients summed over the
     ranks (Qwen3's per-head q and k norms), and those patterns; None where there are none."""
+    kept = _kept_whole_layers(model, (SUMMED,))
+    return None if kept is None else (kept[0], list(kept[1]))
+
+
+def _kept_whole_layers(model: nn.Module, styles: tuple[str, ...] = KEPT_WHOLE) -> tuple[str, dict[str, str]] | None:
+    """The class of a module whose own plan keeps layers of `model` whole with (part of) their gradients summed over
+    the ranks, in `styles`, and those patterns with their styles; None where there are none."""
     for name, module in model.named_modules():
         plan = _own_plan(module)
         if isinstance(plan, dict):
             prefix = f"{name}." if name else ""
-            summed = [prefix + pattern for pattern, style in plan.items() if style == SUMMED]
-            present = [pattern for pattern in summed if pattern not in unmatched_patterns(model, {pattern: ""})]
-            if present:
+            kept = {prefix + pattern: style for pattern, style in plan.items() if style in styles}
+            if present := {pattern: style for pattern, style in kept.items()
+                           if not unmatched_patterns(model, {pattern: style})}:
                 return type(module).__name__, present
     return None
 
@@ -92,13 +118,14 @@ def _beside(pattern: str, others: list[str]) -> list[str]:
     return [other for other in others if other.rpartition(".")[0] == pattern.rpartition(".")[0]]
 
 
-def _plan_in_other_styles(model: nn.Module) -> tuple[str, list[str]] | None:
-    """The class and styles of a module's own plan that splits no layer in `SPLIT_STYLES` (OLMoE's attention, whose
-    norm over every head needs the whole projection: `colwise_gather_output`, `rowwise_split_input`)."""
+def own_plan_styles(model: nn.Module) -> tuple[str, TensorParallelPlan] | None:
+    """The class of the first module of `model` with a plan of its own, and that plan without its output head's
+    entry (kept whole here); None where no module has one."""
     for module in model.modules():
         plan = _own_plan(module)
         if isinstance(plan, dict) and plan:
-            return type(module).__name__, sorted(set(map(str, plan.values())))
+            return type(module).__name__, {str(pattern): str(style) for pattern, style in plan.items()
+                                           if not _names_output_head(module, pattern)}
     return None
 
 
@@ -115,7 +142,7 @@ def matched_modules(model: nn.Module, plan: TensorParallelPlan) -> dict[str, nn.
 
 
 def split_modules(model: nn.Module, plan: TensorParallelPlan) -> dict[str, nn.Module]:
-    """The modules of `model` that `plan` splits (colwise or rowwise), not those it keeps whole."""
+    """The modules of `model` that `plan` splits (a style of `SPLIT_STYLES`), not those it keeps whole."""
     return matched_modules(model, {pattern: style for pattern, style in plan.items() if style in SPLIT_STYLES})
 
 
@@ -147,10 +174,10 @@ def split_sizes(model: nn.Module, plan: TensorParallelPlan, size: int) -> list[s
         if not isinstance(module, nn.Linear):
             problems.append(f"{name} is a {type(module).__name__}, and a {style} split takes an nn.Linear")
             continue
-        features = module.out_features if style == "colwise" else module.in_features
+        features = module.out_features if style in SPLITS_OUTPUTS else module.in_features
         head_dim = getattr(parents.get(name.rpartition(".")[0]), "head_dim", None)
         if features % size:
-            problems.append(f"{name} ({style}) has {features} {'output' if style == 'colwise' else 'input'}"
+            problems.append(f"{name} ({style}) has {features} {'output' if style in SPLITS_OUTPUTS else 'input'}"
                             f" features, which {size} ranks do not split evenly")
         elif style == "colwise" and isinstance(head_dim, int) and (features // size) % head_dim:
             problems.append(f"{name} has {features // head_dim} attention head(s), which {size} ranks do not"
@@ -162,21 +189,22 @@ def resolve_plan(model: nn.Module, configured: TensorParallelPlan | None, size: 
     """The plan for `model` (`configured`, or its own), checked: every pattern names a layer, and `size` ranks split
     each layer and its attention heads evenly. ValueError, in one line naming the key, otherwise."""
     found = find_plan(model, configured)
-    if configured is not None and (summed := summed_layers(model)):
-        owner, patterns = summed
+    if configured is not None and (kept := _kept_whole_layers(model)):
+        owner, styles = kept
         for pattern, style in configured.items():
-            missing = [other for other in _beside(pattern, patterns) if other not in configured]
+            missing = [other for other in _beside(pattern, list(styles)) if other not in configured]
             if style == "colwise" and missing:
                 raise ValueError(
                     f"strategy.tensor_parallel_plan: {pattern} splits the heads of {' and '.join(missing)}, which"
                     f" {owner}.tp_plan keeps whole on every rank with their gradients summed over the tensor-parallel"
-                    " ranks (a norm of each head: each rank's gradient is its own heads' part); add "
-                    + ", ".join(f"'{layer}': {SUMMED}" for layer in missing) + " to the plan, or leave the attention"
-                    " whole")
-    if found is None and (other := _plan_in_other_styles(model)):
+                    " ranks (each rank's gradient is its own heads' part); add "
+                    + ", ".join(f"'{layer}': {styles[layer]}" for layer in missing) + " to the plan, or leave the"
+                    " attention whole")
+    if found is None and (other := own_plan_styles(model)):
         raise ValueError(
             f"strategy.tensor_parallel_size={size}: {other[0]}.tp_plan splits its layers in styles this tensor"
-            f" parallelism does not run ({', '.join(other[1])}: it splits layers {' and '.join(SPLIT_STYLES)});"
+            f" parallelism does not run ({', '.join(sorted(set(other[1].values())))}: it splits layers"
+            f" {', '.join(SPLIT_STYLES)});"
             " set strategy.tensor_parallel_plan (module-name patterns mapped to colwise or rowwise), or train the"
             " model without tensor parallelism")
     if found is None:
@@ -217,7 +245,7 @@ def with_lora_factors(model: nn.Module, plan: TensorParallelPlan, source: str) -
     expanded: TensorParallelPlan = {}
     for pattern, style in plan.items():
         matched = {name: module for name, module in model.named_modules() if _matches(name, pattern)}
-        if style == SUMMED or not any(is_tuner_layer(module) for module in matched.values()):
+        if style in KEPT_WHOLE or not any(is_tuner_layer(module) for module in matched.values()):
             expanded[pattern] = style
             continue
         for name, module in matched.items():
@@ -230,7 +258,7 @@ def with_lora_factors(model: nn.Module, plan: TensorParallelPlan, source: str) -
                 expanded[name] = style
                 continue
             down, up = factors
-            for part in (TUNED_LAYER, *(up if style == "colwise" else down)):
+            for part in (TUNED_LAYER, *(up if style in SPLITS_OUTPUTS else down)):
                 expanded[f"{name}.{part}"] = style
     return expanded
 
@@ -254,6 +282,7 @@ def activations_held(activations: float, tp: int, layout: Any) -> float:
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: TensorParallelPlan) -> None:
     """Split the layers `plan` names across `mesh` (1-D: the tensor-parallel axis). Before activation checkpointing
     and FSDP, as torchtitan orders them; on the meta device too (nothing is allocated)."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         ParallelStyle,
@@ -264,13 +293,18 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: TensorParall
 
     styles: dict[str, Callable[[], ParallelStyle]] = {
         "colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
         # Any dimension but the last, which a per-head norm normalizes, gives the same local result and the same
         # summed gradient: the heads of Qwen3's (batch, tokens, heads, head_dim), the tokens of Gemma 3's (batch,
         # heads, tokens, head_dim).
         SUMMED: lambda: SequenceParallel(sequence_dim=-2, use_local_output=True),
     }
     trainable = {name: param.requires_grad for name, param in model.named_parameters()}
-    parallelize_module(model, mesh, {pattern: styles[style]() for pattern, style in plan.items()})
+    parallelize_module(model, mesh, {pattern: styles[style]() for pattern, style in plan.items()
+                                     if style != ROTARY_KEY_SUMMED})
+    sum_rotary_key_gradients(model, matched_modules(model, {p: s for p, s in plan.items() if s == ROTARY_KEY_SUMMED}),
+                             mesh)
     # SequenceParallel makes each parameter anew as a trainable one: a frozen norm (LoRA's base) trained, silently
     # (measured: Qwen3 with LoRA under fsdp_tp 1e-5 off the data-parallel losses at step 1). Frozen stays frozen.
     for name, param in model.named_parameters():
@@ -280,6 +314,44 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: TensorParall
                     if any(not isinstance(param, DTensor) for param in module.parameters())]:
         raise RuntimeError(f"tensor parallelism: {unsummed[0]} kept plain weights where its gradients are to be"
                            " summed over the tensor-parallel ranks (torch's SequenceParallel placed none)")
+
+
+def rotary_key_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The layers of `model` that its own plan keeps whole with their rotary key's gradient summed (`mla_kv_a_proj`)."""
+    kept = _kept_whole_layers(model, (ROTARY_KEY_SUMMED,))
+    return {} if kept is None else matched_modules(model, kept[1])
+
+
+def sum_rotary_key_gradients(model: nn.Module, layers: dict[str, nn.Module], mesh: DeviceMesh) -> None:
+    """Each of `layers` (DeepSeek's latent-attention projections, by name in `model`) with its rotary key's gradient
+    summed over `mesh` in the backward pass."""
+    for name, layer in layers.items():
+        _sum_rotary_key_gradient(layer, _rotary_key_features(model, name), mesh)
+
+
+def _rotary_key_features(model: nn.Module, name: str) -> int:
+    """The rotary key's width in the output of DeepSeek's latent-attention layer `name`: its attention's
+    `qk_rope_head_dim`. ValueError where the attention has none."""
+    attention = model.get_submodule(name.rpartition(".")[0])
+    features = getattr(attention, "qk_rope_head_dim", None)
+    if not isinstance(features, int) or not 0 < features < getattr(model.get_submodule(name), "out_features", 0):
+        raise ValueError(f"tensor parallelism: {name} is planned as {ROTARY_KEY_SUMMED} (its output's last"
+                         f" qk_rope_head_dim features summed in backward), but {type(attention).__name__} has no"
+                         " qk_rope_head_dim within that output")
+    return features
+
+
+def _sum_rotary_key_gradient(layer: nn.Module, features: int, mesh: DeviceMesh) -> None:
+    """The last `features` of `layer`'s output unchanged forward, their gradient summed over `mesh` backward."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        kept, rotary = output.split([output.shape[-1] - features, features], dim=-1)
+        # A replicated DTensor whose local gradient is declared partial: the gradient is all-reduced on its way back.
+        summed = DTensor.from_local(rotary, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+        return torch.cat([kept, summed], dim=-1)
+
+    layer.register_forward_hook(hook)
 
 
 def _matches(name: str, pattern: str) -> bool:

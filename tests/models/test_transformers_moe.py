@@ -1,8 +1,9 @@
 """transformers' own mixture-of-experts models beside Mixtral (tests/models/test_finetune_runs.py,
 tests/parallel/test_expert_parallel.py): Qwen2-MoE (with its shared expert) and OLMoE, config-built from
 `model=hf_mixtral`'s group as users override it, train under every engine with ddp's per-step losses, their routers'
-balancing loss in the step's, and under the axes with one rank's. What cannot run is refused in one line: OLMoE's own
-tensor-parallel plan is in styles this split does not run (tests/test_config_errors.py), and it has no pipeline plan.
+balancing loss in the step's, and under the axes with one rank's (OLMoE's tensor-parallel plan gathers its attention's
+projections: tests/parallel/test_transformers_plans.py). What cannot run is refused in one line: OLMoE has no
+pipeline plan.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ ENGINES = [(model, engine) for model in MODELS
 # microbatch, a shard), so pipeline and context parallelism are compared with it off, as for model=gpt_moe.
 AXES = {"fsdp_tp": ("strategy=fsdp_tp",), "fsdp_pp": ("strategy=fsdp_pp",),
         "cp 2": ("strategy=fsdp", "strategy.context_parallel_size=2")}
-AXIS_CASES = [("qwen2_moe", "fsdp_tp"), ("qwen2_moe", "fsdp_pp"), ("qwen2_moe", "cp 2"), ("olmoe", "cp 2")]
+AXIS_CASES = [("qwen2_moe", "fsdp_tp"), ("qwen2_moe", "fsdp_pp"), ("qwen2_moe", "cp 2"), ("olmoe", "fsdp_tp"),
+              ("olmoe", "cp 2")]
 
 
 def test_a_model_s_own_plan_leaves_out_the_dense_layers_its_config_did_not_build():
@@ -72,7 +74,7 @@ def test_a_model_s_plan_sums_its_per_head_norms_gradients_and_a_plan_that_splits
     assert str(refused.value) == (
         f"strategy.tensor_parallel_plan: {attention}.q_proj splits the heads of {attention}.q_norm and"
         f" {attention}.k_norm, which Qwen3MoeForCausalLM.tp_plan keeps whole on every rank with their gradients summed"
-        " over the tensor-parallel ranks (a norm of each head: each rank's gradient is its own heads' part); add"
+        " over the tensor-parallel ranks (each rank's gradient is its own heads' part); add"
         f" '{attention}.q_norm': replicated_with_grad_allreduce, '{attention}.k_norm': replicated_with_grad_allreduce"
         " to the plan, or leave the attention whole")
     completed = {**written, f"{attention}.q_norm": "replicated_with_grad_allreduce",
@@ -117,7 +119,7 @@ def test_each_engine_trains_ddp_s_losses_with_the_balancing_loss(model, engine, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("model", "axis"), in_the_suite(AXIS_CASES, [("qwen2_moe", "fsdp_tp")], unpack=True))
+@pytest.mark.parametrize(("model", "axis"), in_the_suite(AXIS_CASES, [("olmoe", "fsdp_tp")], unpack=True))
 def test_the_axes_train_one_rank_s_losses(model, axis, references, tmp_path):
     run = run_train(tmp_path, *MODELS[model], *RUN, *AXES[axis], "trainer.devices=2",
                     "model.config.output_router_logits=false")

@@ -184,6 +184,36 @@ def test_qwen3_s_per_head_norms_sum_their_gradients_over_the_tensor_parallel_ran
         torch.testing.assert_close(weights["fsdp_tp"][name], weights["fsdp"][name], rtol=0, atol=1e-6)
 
 
+# transformers' plans in their other styles, on 2 ranks against one: Phi-3's fused projections, their outputs gathered
+# and their inputs split (refused before), and DeepSeek-V3's latent attention, whose rotary key reaches every head
+# unsplit: each rank's gradient of it is its own heads' part, summed over the ranks (`mla_kv_a_proj`). Without the sum
+# both fsdp_tp and AutoTP drifted, silently: 5.478574 against 5.478742 at step 1.
+DEEPSEEK_V3 = ("model.model_type=deepseek_v3", "+model.config.n_routed_experts=4", "+model.config.moe_intermediate_size=64",
+               "+model.config.kv_lora_rank=32", "+model.config.q_lora_rank=64", "+model.config.qk_rope_head_dim=16",
+               "+model.config.qk_nope_head_dim=16", "+model.config.v_head_dim=32", "+model.config.first_k_dense_replace=1",
+               "+model.config.n_group=1", "+model.config.topk_group=1", "+model.config.num_experts_per_tok=2")
+SMALL_RUN = ("model=hf_llama", "data.batch_size=2", "data.block_size=32", "trainer.max_steps=3",
+             "trainer.log_every_n_steps=1", "trainer.limit_val_batches=0", "test=false")
+OTHER_STYLES = {"phi3": ("model.model_type=phi3",), "deepseek_v3": DEEPSEEK_V3}
+TWO_RANKS = {"fsdp_tp": ("strategy=fsdp_tp", "trainer.devices=2"),
+             "autotp": ("strategy=deepspeed_stage_2", "strategy.tensor_parallel_size=2", "trainer.devices=2")}
+
+
+@pytest.mark.parametrize(("model", "runs"), [("phi3", ["fsdp_tp"]), ("deepseek_v3", ["fsdp_tp", "autotp"])])
+def test_gathered_outputs_split_inputs_and_deepseek_s_rotary_key_train_one_rank_s_losses(model, runs, tmp_path):
+    reference = run_train(tmp_path / "one_rank", *SMALL_RUN, *OTHER_STYLES[model], "strategy=ddp", "trainer.devices=1")
+    assert reference.process.returncode == 0, reference.output[-3000:]
+    expected = read_train_losses(reference.run_dir)
+    assert sorted(expected) == [0, 1, 2]
+    for name in runs:
+        run = run_train(tmp_path / name, *SMALL_RUN, *OTHER_STYLES[model], *TWO_RANKS[name])
+        assert run.process.returncode == 0, (name, run.output[-3000:])
+        losses = read_train_losses(run.run_dir)
+        assert sorted(losses) == sorted(expected)
+        for step, loss in expected.items():
+            assert losses[step] == pytest.approx(loss, rel=1e-6), (name, step, losses[step], loss)
+
+
 @pytest.mark.parametrize("layout", ["fsdp_tp 2x2", "hf_llama deepspeed_stage_2 autotp 2x2"])
 def test_the_memory_plan_of_a_tensor_parallel_layout_is_within_15_percent_of_what_each_rank_holds(layout, tp_runs):
     import yaml

@@ -23,7 +23,21 @@ from lightning_dist._compat.deepspeed import (
 )
 from lightning_dist._compat.lightning import remove_module_hooks
 from lightning_dist._compat.torch import tree_map
-from lightning_dist.parallel.tensor_parallel import SUMMED, matched_modules, summed_layers
+from lightning_dist.parallel.tensor_parallel import (
+    SUMMED,
+    matched_modules,
+    own_plan_styles,
+    rotary_key_layers,
+    sum_rotary_key_gradients,
+    summed_layers,
+)
+
+# What AutoTP's name rules do to a transformers model's layers: split a projection's outputs or its inputs, with a
+# sum after the second (its q/k/v and gate/up, its o and down), which the model's own plan calls colwise and rowwise.
+# What they cannot do is gather a split output back or split a whole input (transformers' `colwise_gather_output`,
+# `rowwise_split_input`): OLMo2's norm over every head's queries failed on its shapes, Phi-3's fused projections in
+# DeepSpeed's fused-QKV code. Layers kept whole with their gradients summed, we sum (below).
+NAME_RULES_FOLLOW = ("colwise", "rowwise", SUMMED, "mla_kv_a_proj", "embedding_rowwise")
 
 
 class TensorParallelBatchMismatch(RuntimeError):
@@ -58,17 +72,22 @@ def check_tensor_parallel_inputs(engine: Any, device: torch.device) -> None:
 
 def sum_replicated_gradients(model: torch.nn.Module) -> None:
     """Sums over the tensor-parallel group the gradients of the layers that the model's own plan keeps whole with
-    their gradients summed (Qwen3's q and k norms, which see each rank's own heads). AutoTP does so for a plan it
-    reads from `model.config`, which a LightningModule holding the transformers model has not: it splits by its name
-    rules then, and those layers drifted apart (measured: Qwen3 at 2 x 2, 3.9e-6 relative off ddp's loss at step 2,
-    and growing). RuntimeError if a trainable parameter of those layers was left without the sum."""
+    their gradients summed (Qwen3's q and k norms, which see each rank's own heads), and the rotary key of DeepSeek's
+    latent attention. AutoTP does so for a plan it reads from `model.config`, which a LightningModule holding the
+    transformers model has not: it splits by its name rules then, and those layers drifted apart (measured: Qwen3 at
+    2 x 2, 3.9e-6 relative off ddp's loss at step 2, and growing; DeepSeek-V3 at 2 ranks, 3.1e-5 at step 1).
+    RuntimeError if a trainable parameter of those layers was left without the sum."""
     from deepspeed.utils import groups
+    from torch.distributed.device_mesh import DeviceMesh
 
+    group = groups.get_tensor_model_parallel_group()
+    if rotary := rotary_key_layers(model):  # DeepSeek's latent attention: AutoTP keeps the layer whole, as planned
+        device_type = next(model.parameters()).device.type
+        sum_rotary_key_gradients(model, rotary, DeviceMesh.from_group(group, device_type))
     summed = summed_layers(model)
     if summed is None:
         return
     layers = matched_modules(model, dict.fromkeys(summed[1], SUMMED))
-    group = groups.get_tensor_model_parallel_group()
     for layer in layers.values():
         for param in layer.parameters():
             if param.requires_grad:
@@ -77,6 +96,19 @@ def sum_replicated_gradients(model: torch.nn.Module) -> None:
                 for param_name, param in layer.named_parameters()
                 if param.requires_grad and not gradient_summed_over_group(param)]:
         raise RuntimeError(f"DeepSpeed AutoTP: {left[0]}'s gradient is not summed over the tensor-parallel ranks")
+
+
+def model_refusal(model: torch.nn.Module, size: int) -> str | None:
+    """Why AutoTP at `size` ranks cannot split `model` as its own plan does (`NAME_RULES_FOLLOW`), in one line; None
+    when it can, or when the model has no plan."""
+    if (styles := own_plan_styles(model)) is None:
+        return None
+    owner, planned = styles
+    if others := sorted({style for style in planned.values() if style not in NAME_RULES_FOLLOW}):
+        return (f"strategy.tensor_parallel_size={size}: {owner}.tp_plan splits layers in {', '.join(others)}, which"
+                " DeepSpeed AutoTP's name rules do not do (it reads no plan from a LightningModule); train it under"
+                " strategy=fsdp_tp, which runs that plan, or with strategy.tensor_parallel_size=1")
+    return None
 
 
 def is_split(model: torch.nn.Module) -> bool:

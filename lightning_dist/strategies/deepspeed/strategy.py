@@ -65,6 +65,9 @@ from lightning_dist.strategies.deepspeed.autotp import (
     initialize_inference_engine,
     sum_replicated_gradients,
 )
+from lightning_dist.strategies.deepspeed.autotp import (
+    model_refusal as autotp_model_refusal,
+)
 from lightning_dist.strategies.deepspeed.clipping import HOOK_IGNORED_WARNING, ClippingInTheEngine
 from lightning_dist.strategies.deepspeed.config.for_run import Resolution, RunConfig, config_in_effect
 from lightning_dist.strategies.deepspeed.config.preflight import check_before_launch
@@ -393,6 +396,8 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
             if self.expert_parallel_size > 1 and next(model.parameters(), None) is not None:
                 if why := autoep_model_refusal(model, self.expert_parallel_size):  # else built in configure_model
                     raise ValueError(why)
+            if self.tensor_parallel_size > 1 and (why := autotp_model_refusal(model, self.tensor_parallel_size)):
+                raise ValueError(why)
         super().preflight(trainer, fit_arguments)
 
     @override
@@ -401,6 +406,8 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
             refuse_expert_layers_under_zero_1_2(model, self.zero.stage)
         except ValueError as refusal:
             return str(refusal)
+        if parallel_dims.tp > 1 and (why := autotp_model_refusal(model, parallel_dims.tp)):
+            return why
         return autoep_model_refusal(model, parallel_dims.ep) if parallel_dims.ep > 1 else None
 
     def check_options(self) -> None:
@@ -516,6 +523,8 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         if self.zero_stage_3:
             expert_layers_as_leaves(self.model)
         refuse_expert_layers_under_zero_1_2(self.model, self.zero.stage)  # experts built in configure_model
+        if self.tensor_parallel_size > 1 and (why := autotp_model_refusal(self.model, self.tensor_parallel_size)):
+            raise ValueError(why)  # a model built in configure_model
         with autoep_finds_the_blocks(self.config, self.model, expected_experts), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=HOOK_IGNORED_WARNING)  # clipping.py: the hook's norm is used
             super().init_deepspeed()
