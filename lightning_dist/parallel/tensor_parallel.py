@@ -56,6 +56,7 @@ SPLITS_OUTPUTS = ("colwise", "colwise_gather_output")  # the others split a laye
 SUMMED = "replicated_with_grad_allreduce"  # transformers' names for these, in its models' plans
 ROTARY_KEY_SUMMED = "mla_kv_a_proj"
 KEPT_WHOLE = (SUMMED, ROTARY_KEY_SUMMED)
+ROTARY_KEY_MARK = "_lightning_dist_rotary_key_summed"
 STYLES = (*SPLIT_STYLES, *KEPT_WHOLE)
 TensorParallelPlan = dict[str, str]
 
@@ -342,8 +343,12 @@ def _rotary_key_features(model: nn.Module, name: str) -> int:
 
 
 def _sum_rotary_key_gradient(layer: nn.Module, features: int, mesh: DeviceMesh) -> None:
-    """The last `features` of `layer`'s output unchanged forward, their gradient summed over `mesh` backward."""
+    """The last `features` of `layer`'s output unchanged forward, their gradient summed over `mesh` backward (once: a
+    second set-up of the same module, fit after fit, would sum it twice)."""
     from torch.distributed.tensor import Partial, Replicate
+
+    if getattr(layer, ROTARY_KEY_MARK, False):
+        return
 
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
         kept, rotary = output.split([output.shape[-1] - features, features], dim=-1)
@@ -352,6 +357,7 @@ def _sum_rotary_key_gradient(layer: nn.Module, features: int, mesh: DeviceMesh) 
         return torch.cat([kept, summed], dim=-1)
 
     layer.register_forward_hook(hook)
+    setattr(layer, ROTARY_KEY_MARK, True)
 
 
 def _matches(name: str, pattern: str) -> bool:

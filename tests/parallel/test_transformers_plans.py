@@ -27,7 +27,7 @@ SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_lay
 
 def deepseek_v3():
     return DeepseekV3ForCausalLM(DeepseekV3Config(
-        **SIZES, n_routed_experts=4, moe_intermediate_size=16, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+        **{**SIZES, "num_key_value_heads": 4}, n_routed_experts=4, moe_intermediate_size=16, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
         qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1, n_group=1, topk_group=1, num_experts_per_tok=2))
 
 
@@ -89,3 +89,23 @@ def test_a_plan_only_in_styles_this_split_does_not_run_is_refused_naming_them():
         "strategy.tensor_parallel_size=2: Fused.tp_plan splits its layers in styles this tensor parallelism does not"
         " run (packed_colwise: it splits layers colwise, rowwise, colwise_gather_output, rowwise_split_input); set"
         " strategy.tensor_parallel_plan")
+
+
+def test_deepseek_s_rotary_key_is_summed_once_however_often_the_module_is_set_up():
+    """Each set-up (fit, then fit again) finds the layers anew: a second hook would sum the gradient twice."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_dist.parallel.tensor_parallel import sum_rotary_key_gradients
+    from tests.conftest import one_rank_world
+
+    model = deepseek_v3()
+    tokens = torch.randint(0, 64, (1, 8))
+    expected = model(input_ids=tokens).logits
+    with one_rank_world():
+        mesh = init_device_mesh("cpu", (1,))
+        for _ in range(2):
+            sum_rotary_key_gradients(model, rotary_key_layers(model), mesh)
+        layer = model.model.layers[0].self_attn.kv_a_proj_with_mqa
+        assert len(layer._forward_hooks) == 1
+        torch.testing.assert_close(model(input_ids=tokens).logits, expected, rtol=0, atol=0)
