@@ -24,6 +24,7 @@ from lightning_dist._compat.deepspeed import (
 from lightning_dist._compat.lightning import remove_module_hooks
 from lightning_dist._compat.torch import tree_map
 from lightning_dist.parallel.tensor_parallel import (
+    ROTARY_KEY_SUMMED,
     SUMMED,
     matched_modules,
     own_plan_styles,
@@ -36,8 +37,8 @@ from lightning_dist.parallel.tensor_parallel import (
 # sum after the second (its q/k/v and gate/up, its o and down), which the model's own plan calls colwise and rowwise.
 # What they cannot do is gather a split output back or split a whole input (transformers' `colwise_gather_output`,
 # `rowwise_split_input`): OLMo2's norm over every head's queries failed on its shapes, Phi-3's fused projections in
-# DeepSpeed's fused-QKV code. Layers kept whole with their gradients summed, we sum (below).
-NAME_RULES_FOLLOW = ("colwise", "rowwise", SUMMED, "mla_kv_a_proj", "embedding_rowwise")
+# DeepSpeed's fused-QKV code. The layers it keeps whole whose gradients are to be summed, we sum (below).
+NAME_RULES_FOLLOW = ("colwise", "rowwise", SUMMED, ROTARY_KEY_SUMMED, "embedding_rowwise")
 
 
 class TensorParallelBatchMismatch(RuntimeError):
