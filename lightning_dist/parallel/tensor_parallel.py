@@ -56,7 +56,7 @@ SPLITS_OUTPUTS = ("colwise", "colwise_gather_output")  # the others split a laye
 SUMMED = "replicated_with_grad_allreduce"  # transformers' names for these, in its models' plans
 ROTARY_KEY_SUMMED = "mla_kv_a_proj"
 KEPT_WHOLE = (SUMMED, ROTARY_KEY_SUMMED)
-ROTARY_KEY_MARK = "_lightning_dist_rotary_key_summed"
+ROTARY_KEY_MARK = "lightning_dist_rotary_key_summed"  # on the layer, as logged_means.py marks its own
 STYLES = (*SPLIT_STYLES, *KEPT_WHOLE)
 TensorParallelPlan = dict[str, str]
 
