@@ -289,7 +289,7 @@ def _initialiser_of(model: nn.Module, name: str, default_seed: int) -> _Initiali
                 found.adapter_of = owner
             elif parts[depth] == TUNED_LAYER:
                 peft_wrappers.add(depth)
-    found.relative_name = _unwrapped(parts, seed_depth)
+    found.relative_name = _unwrapped(parts, seed_depth, peft_wrappers)
     found.weights_name = _unwrapped(parts, weights_depth, peft_wrappers)
     return found
 
