@@ -62,6 +62,8 @@ FENCED = [
     # AutoTP's sum over the tensor-parallel group of a replicated layer's gradient, and its mark that the hook is in
     # place (sum_gradient_over_group below).
     Fenced("deepspeed.module_inject.auto_tp", "AutoTP.register_replicated_grad_hooks", ("self", "model")),
+    # The names under which AutoTP's rules take a layer for a fused q/k/v projection (splits_as_fused_qkv below).
+    Fenced("deepspeed.module_inject.fusedqkv_utils", "require_tp_fused_qkvw", ("name", "mp_size")),
     # AutoTP's first-forward input check, a hook whose handle the engine keeps (replace_tensor_parallel_input_check).
     Fenced("deepspeed.runtime.engine", "DeepSpeedEngine._configure_tensor_parallel_states", ("self", "model")),
     # Compiles an op on first use (around_op_loads below), into torch's extension directory.
@@ -473,6 +475,14 @@ def sum_gradient_over_group(param: torch.nn.Parameter, group: Any) -> None:
 
 def gradient_summed_over_group(param: torch.nn.Parameter) -> bool:
     return bool(getattr(param, _SUMMED_MARK, False))
+
+
+def splits_as_fused_qkv(name: str, size: int) -> bool:
+    """Whether AutoTP at `size` ranks splits the layer `name` as a fused q/k/v projection (its fused-QKV code, which
+    guesses the heads' layout from the class of the layer's block)."""
+    from deepspeed.module_inject.fusedqkv_utils import require_tp_fused_qkvw
+
+    return bool(require_tp_fused_qkvw(name, size))
 
 
 def op_build_directory(name: str) -> Path:

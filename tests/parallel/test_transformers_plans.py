@@ -8,12 +8,20 @@ from __future__ import annotations
 import pytest
 from torch import nn
 from transformers import (
+    CodeGenConfig,
+    CodeGenForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    FalconConfig,
+    FalconForCausalLM,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
 )
@@ -73,6 +81,24 @@ def test_autotp_refuses_in_one_line_a_plan_its_name_rules_cannot_follow():
     # Llama's is theirs; DeepSeek's latent attention is summed as planned (AutoTP keeps the layer whole)
     assert model_refusal(LlamaForCausalLM(LlamaConfig(**SIZES)), 2) is None
     assert model_refusal(deepseek_v3(), 2) is None
+
+
+def test_autotp_refuses_a_fused_qkv_projection_whose_split_was_not_checked():
+    """AutoTP's rules split a fused q/k/v projection by a layout guessed from its block's class: Falcon's (one key head)
+    failed in a traceback inside the model, CodeGen's inside DeepSpeed (their 2-rank runs, before this refusal)."""
+    sizes = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    assert model_refusal(FalconForCausalLM(FalconConfig(**sizes)), 2) == (
+        "strategy.tensor_parallel_size=2: DeepSpeed AutoTP would split transformer.h.0.self_attention.query_key_value"
+        " (FalconAttention) as a fused q/k/v projection by a guess at its heads' layout, checked right only in"
+        " GPTNeoXAttention; train it with strategy.tensor_parallel_size=1")
+    codegen = CodeGenForCausalLM(CodeGenConfig(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, vocab_size=64))
+    assert model_refusal(codegen, 2).endswith(
+        "; train it under strategy=fsdp_tp, which runs CodeGenForCausalLM.tp_plan, or with"
+        " strategy.tensor_parallel_size=1")
+    # GPT-NeoX's fused projection and OPT's separate ones (no plan) train one rank's losses at 2 ranks (measured)
+    assert model_refusal(GPTNeoXForCausalLM(GPTNeoXConfig(**sizes, intermediate_size=64)), 2) is None
+    assert model_refusal(OPTForCausalLM(OPTConfig(**sizes, ffn_dim=64, word_embed_proj_dim=32)), 2) is None
+    assert model_refusal(FalconForCausalLM(FalconConfig(**sizes)), 1) is None
 
 
 def test_a_plan_only_in_styles_this_split_does_not_run_is_refused_naming_them():

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from lightning_dist._compat.deepspeed import (
     gradient_summed_over_group,
     replace_tensor_parallel_input_check,
+    splits_as_fused_qkv,
     sum_gradient_over_group,
 )
 from lightning_dist._compat.lightning import remove_module_hooks
@@ -39,6 +40,12 @@ from lightning_dist.parallel.tensor_parallel import (
 # `rowwise_split_input`): OLMo2's norm over every head's queries failed on its shapes, Phi-3's fused projections in
 # DeepSpeed's fused-QKV code. The layers it keeps whole whose gradients are to be summed, we sum (below).
 NAME_RULES_FOLLOW = ("colwise", "rowwise", SUMMED, ROTARY_KEY_SUMMED, "embedding_rowwise")
+
+# The blocks whose fused q/k/v projection AutoTP's rules split so that 2 ranks train one rank's losses: GPT-NeoX's,
+# whose heads each hold their q, k and v side by side. The rules guess the layout from the block's class name, and
+# the others we tried failed in tracebacks (Falcon's and StarCoder's one key head, BLOOM's ALiBi slopes left whole,
+# MPT's, CodeGen's, GPT-2's), measured 2026-12-07 with DeepSpeed 0.19.8.
+FUSED_QKV_SPLIT_CHECKED = ("GPTNeoXAttention",)
 
 
 class TensorParallelBatchMismatch(RuntimeError):
@@ -100,15 +107,30 @@ def sum_replicated_gradients(model: torch.nn.Module) -> None:
 
 
 def model_refusal(model: torch.nn.Module, size: int) -> str | None:
-    """Why AutoTP at `size` ranks cannot split `model` as its own plan does (`NAME_RULES_FOLLOW`), in one line; None
-    when it can, or when the model has no plan."""
-    if (styles := own_plan_styles(model)) is None:
-        return None
-    owner, planned = styles
-    if others := sorted({style for style in planned.values() if style not in NAME_RULES_FOLLOW}):
-        return (f"strategy.tensor_parallel_size={size}: {owner}.tp_plan splits layers in {', '.join(others)}, which"
+    """Why AutoTP at `size` ranks cannot split `model` right, in one line: its own plan has styles the name rules do
+    not follow (`NAME_RULES_FOLLOW`), or it has a fused q/k/v projection of a kind not checked; None otherwise."""
+    styles = own_plan_styles(model)
+    if styles and (others := sorted({style for style in styles[1].values() if style not in NAME_RULES_FOLLOW})):
+        return (f"strategy.tensor_parallel_size={size}: {styles[0]}.tp_plan splits layers in {', '.join(others)}, which"
                 " DeepSpeed AutoTP's name rules do not do (it reads no plan from a LightningModule); train it under"
                 " strategy=fsdp_tp, which runs that plan, or with strategy.tensor_parallel_size=1")
+    if fused := _unchecked_fused_qkv(model, size):
+        instead = f"under strategy=fsdp_tp, which runs {styles[0]}.tp_plan, or " if styles else ""
+        checked = ", ".join(FUSED_QKV_SPLIT_CHECKED)
+        return (f"strategy.tensor_parallel_size={size}: DeepSpeed AutoTP would split {fused} as a fused q/k/v"
+                f" projection by a guess at its heads' layout, checked right only in {checked}; train it {instead}with"
+                " strategy.tensor_parallel_size=1")
+    return None
+
+
+def _unchecked_fused_qkv(model: torch.nn.Module, size: int) -> str | None:
+    """The first layer of `model` AutoTP would split as a fused q/k/v projection in a block not of
+    `FUSED_QKV_SPLIT_CHECKED` (named with its block's class), or None."""
+    modules = dict(model.named_modules())
+    for name in modules:
+        if splits_as_fused_qkv(name, size):
+            block = type(modules[name.rpartition(".")[0]]).__name__
+            return None if block in FUSED_QKV_SPLIT_CHECKED else f"{name} ({block})"
     return None
 
 
