@@ -185,6 +185,11 @@ REFUSED = [
      "strategy.tensor_parallel_size=2: Olmo2ForCausalLM.tp_plan splits layers in colwise_gather_output,"
      " rowwise_split_input, which DeepSpeed AutoTP's name rules do not do (it reads no plan from a LightningModule);"
      " train it under strategy=fsdp_tp"),
+    # BLOOM's positions are ALiBi slopes in its attention: nothing gives a shard its own (its runs stopped in the
+    # first step, in a traceback on every rank)
+    (["model=hf_llama", "model.model_type=bloom", "strategy=fsdp", "strategy.context_parallel_size=2"],
+     "strategy.context_parallel_size=2: HFLanguageModel has no position embedding (position_embedding, wpe,"
+     " embed_positions) or rotary table to give each shard its positions (ALiBi models, such as BLOOM, have none)"),
     (["model=hf_gpt2", "strategy=fsdp_tp"],
      "strategy.tensor_parallel_size=2: HFLanguageModel has no tensor-parallel plan (a `tp_plan` attribute); set"
      " strategy.tensor_parallel_plan"),

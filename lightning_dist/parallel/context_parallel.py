@@ -102,18 +102,43 @@ def activations_held(activations: float, cp: int, layout: Any) -> float:
     return activations / cp
 
 
-def position_modules(model: Any) -> list[tuple[str, Any, str]]:
-    """The modules that give `model` its positions, as (name, module, kind): "embedding" (called with positions)
-    or "rotary" (called with hidden states and `position_ids`)."""
+def position_modules(model: Any) -> dict[str, Any]:
+    """The modules that give `model` its positions, by name: its position embeddings (`POSITION_EMBEDDINGS`) and
+    rotary tables (a `...RotaryEmbedding`)."""
     from torch import nn
 
-    found = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Embedding) and name.rpartition(".")[2] in POSITION_EMBEDDINGS:
-            found.append((name, module, "embedding"))
-        elif type(module).__name__.endswith("RotaryEmbedding"):
-            found.append((name, module, "rotary"))
-    return found
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, nn.Embedding) and name.rpartition(".")[2] in POSITION_EMBEDDINGS
+            or type(module).__name__.endswith("RotaryEmbedding")}
+
+
+def positions_refusal(model: Any, cp: int) -> str | None:
+    """Why the shards of `model` cannot be given their positions, in one line (a model without a position module
+    found by name, or one whose module takes them in no argument we know); None when they can."""
+    said, model_name = f"strategy.context_parallel_size={cp}", user_class_name(model)
+    if not (found := position_modules(model)):
+        return (f"{said}: {model_name} has no position embedding ({', '.join(POSITION_EMBEDDINGS)}) or rotary table"
+                " to give each shard its positions (ALiBi models, such as BLOOM, have none)")
+    if unknown := [name for name, module in found.items() if positions_argument(module) is None]:
+        return (f"{said}: {unknown[0]} ({type(found[unknown[0]]).__name__}) takes no argument named position_ids or"
+                " input, so this shard's positions cannot be given to it")
+    return None
+
+
+def user_class_name(model: Any) -> str:
+    """The name of `model`'s class, or, sharded, of the class FSDP2 made its own subclass of (FSDP<name>): the first
+    that is not torch's."""
+    return next(kind for kind in type(model).__mro__ if not kind.__module__.startswith("torch.")).__name__
+
+
+def positions_argument(module: Any) -> tuple[str, int] | None:
+    """The argument of `module`'s forward that carries the positions, by name and place: `position_ids` where the
+    forward takes one (a rotary table's; OPT's learned embedding's, whose first argument is the attention mask), else
+    an `nn.Embedding`'s own `input`; None where it takes neither."""
+    import inspect
+
+    parameters = list(inspect.signature(module.forward).parameters)
+    return next(((name, parameters.index(name)) for name in ("position_ids", "input") if name in parameters), None)
 
 
 # How the attention of a shard sees the whole sequence: (query, key, value, attend) -> output, each (B, H, T/cp, D);
@@ -173,9 +198,7 @@ class ContextParallel:
         self.attention_layers = (sum(isinstance(module, block_classes) for module in model.modules())
                                  if block_classes else 0)
         self.recomputes = recomputes
-        # Sharded, the module's class is FSDP2's subclass of it (FSDP<name>): the user's is the first not torch's.
-        user_class = next(kind for kind in type(model).__mro__ if not kind.__module__.startswith("torch."))
-        self.model_name = user_class.__name__
+        self.model_name = user_class_name(model)
 
     # The axis's part in each step (strategies/axis_steps.py).
     def run_step(self, strategy: Any, kind: str, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -241,14 +264,12 @@ class ContextParallel:
     @contextmanager
     def positions_shifted(self, module: Any) -> Iterator[None]:
         """`module`'s position embedding or rotary table called with this shard's positions."""
+        if refusal := positions_refusal(module, self.size):
+            raise ValueError(refusal)
         found = position_modules(module)
-        if not found:
-            raise ValueError(f"strategy.context_parallel_size={self.size}: {type(module).__name__} has no position"
-                             f" embedding ({', '.join(POSITION_EMBEDDINGS)}) or rotary table to give each shard its"
-                             " positions")
-        calls = dict.fromkeys((name for name, _, _ in found), 0)
-        handles = [positional.register_forward_pre_hook(self._shifted(kind, name, calls), with_kwargs=True)
-                   for name, positional, kind in found]
+        calls = dict.fromkeys(found, 0)
+        shifts = {name: self._shifted(positional, name, calls) for name, positional in found.items()}
+        handles = [found[name].register_forward_pre_hook(shift, with_kwargs=True) for name, shift in shifts.items()]
         try:
             yield
         finally:
@@ -365,14 +386,19 @@ class ContextParallel:
                              " this rank's shard only; compute the loss in the step from the logits, with the"
                              " targets in the batch")
 
-    def _shifted(self, kind: str, name: str, calls: dict[str, int]) -> Callable[..., Any]:
+    def _shifted(self, module: Any, name: str, calls: dict[str, int]) -> Callable[..., Any]:
+        """A pre-hook that calls `module` (the position module `name`) with this shard's positions."""
+        argument, place = positions_argument(module) or ("input", 0)  # (positions_refusal refused the others)
+
         def shift(_: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             calls[name] += 1
-            if kind == "embedding":
-                return (self.held_positions(args[0]), *args[1:]), kwargs
-            if "position_ids" in kwargs:
-                return args, {**kwargs, "position_ids": self.held_positions(kwargs["position_ids"])}
-            return (args[0], self.held_positions(args[1]), *args[2:]), kwargs
+            if kwargs.get(argument) is not None:
+                return args, {**kwargs, argument: self.held_positions(kwargs[argument])}
+            if len(args) > place and args[place] is not None:
+                return (*args[:place], self.held_positions(args[place]), *args[place + 1:]), kwargs
+            # It would count the positions itself, from the start of the sequence (OPT's from its attention mask)
+            raise ValueError(f"strategy.context_parallel_size={self.size}: {name} was called without its {argument},"
+                             " so it would count this shard's positions from the sequence's start; pass them")
 
         return shift
 
@@ -380,8 +406,10 @@ class ContextParallel:
                    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
         """The model's attention call on this shard: the whole sequence's for a share of the heads, and back."""
         if attn_mask is not None:
-            raise ValueError(f"strategy.context_parallel_size={self.size}: attention with an explicit mask cannot be"
-                             " exchanged across shards; call the model without attention_mask (causal attention)")
+            raise ValueError(f"strategy.context_parallel_size={self.size}: {self.model_name}'s attention was given an"
+                             " explicit mask (an attention_mask passed to the model, or one the model always builds,"
+                             " as Falcon does), which cannot be exchanged across shards; context parallelism runs"
+                             " causal attention called without a mask")
         heads = [query.shape[1], key.shape[1], value.shape[1]]
         if any(count % self.size for count in heads):
             raise ValueError(f"strategy.context_parallel_size={self.size}: all_to_all splits the attention heads"

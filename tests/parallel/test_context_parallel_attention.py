@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from lightning_dist.parallel.context_parallel import ContextParallel
+from lightning_dist.parallel.context_parallel import ContextParallel, positions_refusal
 from tests.parallel.attention_variants import Stack
 
 
@@ -94,3 +94,53 @@ def test_positions_computed_without_the_found_position_module_stop_the_step_in_o
         " have, so this shard's positions were those of the sequence's start; compute the positions by calling that"
         " module (an nn.Embedding named position_embedding, wpe or embed_positions, or a ...RotaryEmbedding given"
         " position_ids)")
+
+
+def test_opt_s_learned_positions_are_shifted_where_it_takes_them_as_position_ids():
+    """OPT's position embedding is called with the attention mask first and the positions as `position_ids=`:
+    shifting its first argument left the second shard at the sequence's first positions (2 ranks trained 1.5e-3 off
+    one rank's loss at step 0, without a word)."""
+    from transformers import OPTConfig, OPTForCausalLM
+    from transformers.models.opt.modeling_opt import OPTLearnedPositionalEmbedding
+
+    model = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=16, ffn_dim=32, num_hidden_layers=1,
+                                     num_attention_heads=2, word_embed_proj_dim=16, max_position_embeddings=8))
+    embedded: list[torch.Tensor] = []
+    model.model.decoder.embed_positions.register_forward_hook(lambda module, args, output: embedded.append(output))
+    tokens = torch.randint(64, (1, 8))
+    model(input_ids=tokens)
+    second_shard = ContextParallel(group=None, rank=1, size=2)
+    with second_shard.positions_shifted(model):
+        model(input_ids=tokens[:, 4:])
+    torch.testing.assert_close(embedded[1], embedded[0][:, 4:], rtol=0, atol=0)
+
+    class CountsItsOwn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_positions = OPTLearnedPositionalEmbedding(8, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.embed_positions(torch.ones(x.shape[:2], dtype=torch.long))
+
+    with pytest.raises(ValueError) as refused:
+        with second_shard.positions_shifted(module := CountsItsOwn()):
+            module(torch.randn(1, 4, 16))
+    assert str(refused.value) == (
+        "strategy.context_parallel_size=2: embed_positions was called without its position_ids, so it would count this"
+        " shard's positions from the sequence's start; pass them")
+
+
+def test_a_position_module_that_takes_its_positions_in_an_argument_of_another_name_is_refused():
+    class Indexed(torch.nn.Embedding):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(ids)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wpe = Indexed(8, 16)
+
+    assert positions_refusal(Model(), 2) == (
+        "strategy.context_parallel_size=2: wpe (Indexed) takes no argument named position_ids or input, so this"
+        " shard's positions cannot be given to it")
+    assert positions_refusal(Positioned(True), 2) is None

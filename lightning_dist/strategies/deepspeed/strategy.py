@@ -44,7 +44,7 @@ from lightning_dist.checkpoints.frozen_weights import frozen_weights_out_of_stat
 from lightning_dist.checkpoints.resume import group_names
 from lightning_dist.lifecycle.process_exit import forget_with_process_group
 from lightning_dist.memory.layout import Layout
-from lightning_dist.parallel.context_parallel import ContextParallel
+from lightning_dist.parallel.context_parallel import ContextParallel, positions_refusal
 from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.module_state import move_module_state
 from lightning_dist.parallel.precision import PrecisionSupport
@@ -398,6 +398,8 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
                     raise ValueError(why)
             if self.tensor_parallel_size > 1 and (why := autotp_model_refusal(model, self.tensor_parallel_size)):
                 raise ValueError(why)
+            if self.context_parallel_size > 1 and (why := positions_refusal(model, self.context_parallel_size)):
+                raise ValueError(why)
         super().preflight(trainer, fit_arguments)
 
     @override
@@ -407,6 +409,8 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         except ValueError as refusal:
             return str(refusal)
         if parallel_dims.tp > 1 and (why := autotp_model_refusal(model, parallel_dims.tp)):
+            return why
+        if parallel_dims.cp > 1 and (why := positions_refusal(model, parallel_dims.cp)):
             return why
         return autoep_model_refusal(model, parallel_dims.ep) if parallel_dims.ep > 1 else None
 

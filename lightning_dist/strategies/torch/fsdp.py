@@ -36,7 +36,12 @@ from lightning_dist.checkpoints.swap import write_then_swap
 from lightning_dist.memory.layout import Layout
 from lightning_dist.optim import require_shardable_optimizer
 from lightning_dist.parallel.classes import BlockClasses
-from lightning_dist.parallel.context_parallel import ContextParallel, check_context_parallel, context_parallel_of
+from lightning_dist.parallel.context_parallel import (
+    ContextParallel,
+    check_context_parallel,
+    context_parallel_of,
+    positions_refusal,
+)
 from lightning_dist.parallel.dims import CONTEXT_PARALLEL, TENSOR_PARALLEL, ParallelDims, sharding_layout
 from lightning_dist.parallel.expert_parallel import ExpertParallel
 from lightning_dist.parallel.expert_parallel import refusal as experts_refusal
@@ -189,6 +194,8 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
                 self.tensor_parallel_plan_of(model)  # a configure_model may split the model itself
             if self.expert_parallel_size > 1 and (why := experts_refusal(model, self.expert_parallel_size)):
                 raise ValueError(why)
+            if self.context_parallel_size > 1 and (why := positions_refusal(model, self.context_parallel_size)):
+                raise ValueError(why)
 
     @override
     def model_refusal(self, model: nn.Module, parallel_dims: ParallelDims) -> str | None:
@@ -201,6 +208,8 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
                 resolve_plan(model, self.tensor_parallel_plan, parallel_dims.tp)  # else it may split itself
         except ValueError as refusal:
             return str(refusal)
+        if parallel_dims.cp > 1 and (why := positions_refusal(model, parallel_dims.cp)):
+            return why
         return experts_refusal(model, parallel_dims.ep) if parallel_dims.ep > 1 else None
 
     @property
