@@ -5,7 +5,9 @@ A transformers decoder (`LlamaModel`, `Qwen2Model`, ...) declares how it splits 
 (its pipeline plan: `lm_head`; _compat/transformers.py). Its layers need more than the hidden states (rotary
 `position_embeddings`, the causal mask, positions), which the model's forward makes from the sequence: so each stage
 runs that forward itself, over its own layers only, entering with `input_ids` on the first stage and with the
-received hidden states as `inputs_embeds` after it. The norm runs on the last stage only, and the head after it.
+received hidden states as `inputs_embeds` after it. The norm runs on the last stage only; the head after it, by the
+causal LM's own forward (its base model answered by the stage's output), so that what the forward does after the
+head (a soft cap, a logit scale) is done too.
 Positions and the causal mask are made again on every stage from the sequence's length, as the whole model makes
 them, so a stage needs no more than the hidden states from the one before.
 
@@ -55,12 +57,9 @@ class TransformersStage:
                 output = base(**_first_stage_inputs(trunk, inputs, kwargs), use_cache=False)
             else:
                 output = base(inputs_embeds=inputs[0], use_cache=False)
-        hidden = output[0]  # last_hidden_state
-        if view.is_last:
-            for path in _head_order(trunk, self.outer_after):
-                hidden = trunk.get_submodule(path)(hidden)
-        return hidden
-
+        if view.is_last and self.outer_after:
+            return _own_logits(trunk, self.base, output)
+        return output[0]  # last_hidden_state
     @staticmethod
     def answer(trunk: Any, output: Any, args: tuple, kwargs: dict) -> Any:
         return answer(trunk, output, args, kwargs)
@@ -101,19 +100,45 @@ def _arguments(trunk: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     return named
 
 
-def _head_order(trunk: nn.Module, paths: list[str]) -> list[str]:
-    """The modules around the base model in the order the model's `_pp_plan` runs them."""
-    plan = head_plan(trunk)
-    return sorted(paths, key=lambda path: plan.index(path) if path in plan else len(plan))
+def _own_logits(trunk: nn.Module, base: str, output: Any) -> Any:
+    """The logits the causal LM `trunk`'s own forward makes of its base model's `output`: its head, and what its
+    forward does after it (Gemma 2's and 3's final soft cap, Cohere's logit scale, Granite's logit scaling), which a
+    stage that ran the head alone left out (Gemma 2 trained 1.7e-4 off one rank's loss after 8 steps, silently).
+    The base model (`base`, its path) is stood in for by one that answers with `output`."""
+    stand_in = _Answers(output)
+    with _children_swapped(trunk, {base: stand_in}):
+        logits = type(trunk).forward(trunk, inputs_embeds=output[0], use_cache=False).logits
+    if stand_in.calls != 1:
+        raise RuntimeError(f"pipeline parallelism: {type(trunk).__name__}'s forward called its base model"
+                           f" {stand_in.calls} times, not once: its last stage cannot make its logits")
+    return logits
+
+
+class _Answers(nn.Module):
+    """Answers every call with `output`, counting them."""
+
+    def __init__(self, output: Any) -> None:
+        super().__init__()
+        self.output, self.calls = output, 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.output
 
 
 @contextmanager
 def _children_swapped(module: nn.Module, children: dict[str, nn.Module]) -> Iterator[None]:
-    saved = {name: module.get_submodule(name) for name in children}
-    for name, child in children.items():
-        setattr(module, name, child)
+    """`module`'s submodules at the (dotted) paths of `children` replaced by them, within the block."""
+    saved = {path: module.get_submodule(path) for path in children}
+
+    def put(path: str, child: nn.Module) -> None:
+        parent, _, name = path.rpartition(".")
+        setattr(module.get_submodule(parent), name, child)
+
+    for path, child in children.items():
+        put(path, child)
     try:
         yield
     finally:
-        for name, child in saved.items():
-            setattr(module, name, child)
+        for path, child in saved.items():
+            put(path, child)

@@ -117,6 +117,27 @@ def test_a_transformers_llama_splits_by_its_own_plan_trains_ddps_losses_and_expo
     assert (logits["pp"] - logits["ddp"]).abs().max().item() <= 1e-4  # 20 steps' fp32 rounding apart (7e-6)
 
 
+# What a causal LM's forward does after its head, which the last stage runs as the model's own forward does: Granite's
+# logits_scaling (8 and 16 in the published models), Gemma 2's final soft cap. A last stage that ran the head alone
+# trained Granite 1.1e-2 off one rank's loss at step 0 and Gemma 2 4.6e-5 off at step 2 (1.7e-4 at step 7), silently.
+AFTER_THE_HEAD = {"granite": ("model.model_type=granite", "+model.config.logits_scaling=8"),
+                  "gemma2": ("model.model_type=gemma2",)}
+SMALL_RUN = ("model=hf_llama", "data.batch_size=2", "data.block_size=32", "trainer.max_steps=3",
+             "trainer.log_every_n_steps=1", "trainer.limit_val_batches=0", "test=false")
+
+
+@pytest.mark.parametrize("model", list(AFTER_THE_HEAD))
+def test_what_a_causal_lm_does_after_its_head_runs_on_the_last_stage(model, tmp_path):
+    reference = run_train(tmp_path / "one_rank", *SMALL_RUN, *AFTER_THE_HEAD[model], "strategy=ddp", "trainer.devices=1")
+    run = run_train(tmp_path / "fsdp_pp", *SMALL_RUN, *AFTER_THE_HEAD[model], "strategy=fsdp_pp", "trainer.devices=2")
+    for result in (reference, run):
+        assert result.process.returncode == 0, result.output[-3000:]
+    expected, losses = read_train_losses(reference.run_dir), read_train_losses(run.run_dir)
+    assert sorted(losses) == sorted(expected) == [0, 1, 2]
+    for step, loss in expected.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-6), (step, losses[step], loss)
+
+
 def test_the_plan_of_fsdp_pp_is_within_15_percent_of_the_first_stages_measured_peak(pp_runs):
     """The plan is the busiest stage's: the first, which holds the embeddings and, under 1F1B, as many microbatches'
     activations as there are stages (2 here). Measured: every live tensor at the peak of each rank's second step
