@@ -39,6 +39,20 @@ def adapter_names(module: Any) -> tuple[str, ...]:
     return tuple(module.adapter_layer_names) + tuple(getattr(module, "other_param_names", ()))
 
 
+def adapter_cast_dtype(tuner: Any) -> Any:
+    """The dtype PEFT moves a new adapter of `tuner` to as it builds it: its base layer's weight's, where that is a
+    float dtype (`BaseTunerLayer._move_adapter_to_device_of_base_layer`); None where it keeps the adapter's own (a
+    quantized base). PEFT then makes a 16-bit adapter float32 again (`autocast_adapter_dtype`): its values are those
+    drawn in float32, rounded to the base's dtype."""
+    from torch import nn
+
+    base = tuner.get_base_layer()
+    if isinstance(base, nn.MultiheadAttention):
+        base = base.out_proj
+    dtype = getattr(getattr(base, "weight", None), "dtype", None)
+    return dtype if dtype is not None and (dtype.is_floating_point or dtype.is_complex) else None
+
+
 def lora_linear_factors(module: Any) -> tuple[list[str], list[str]] | None:
     """For LoRA's plain `lora.Linear` (no DoRA magnitude), the names (relative to it) of its adapters' down factors
     (`lora_A.<adapter>`, in -> r) and up factors (`lora_B.<adapter>`, r -> out); None for any other module, DoRA and

@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_dist._compat.lightning import StrategyMixin
-from lightning_dist._compat.peft import TUNED_LAYER, adapter_names, is_tuner_layer
+from lightning_dist._compat.peft import TUNED_LAYER, adapter_cast_dtype, adapter_names, is_tuner_layer
 from lightning_dist._compat.python import calling_frames, constructing, in_package
 from lightning_dist._compat.torch import (
     WRAPPER_MODULE_NAMES,
@@ -102,8 +102,10 @@ def building_on_meta() -> bool:
 
 # Modules with a meta parameter whose `load_state_dict` gives such parameters the loaded values.
 _LOADS_INTO_META: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-# PEFT's adapter modules, with the values PEFT built (and initialised) in them, or later loaded into them, by name.
+# PEFT's adapter modules, with the values PEFT built (and initialised) in them, and those later loaded into them, by
+# name.
 _ADAPTERS: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
+_LOADED_ADAPTERS: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
 def _load_into_meta(module: nn.Module) -> None:
@@ -123,7 +125,7 @@ def _take_loaded_values(module: nn.Module, state_dict: dict[str, Any], prefix: s
         if param is not None and param.is_meta and isinstance(value, torch.Tensor) and not value.is_meta \
                 and value.shape == param.shape:
             if name in adapters:
-                adapters[name] = value.detach().to(param.dtype, copy=True)
+                _LOADED_ADAPTERS.setdefault(module, {})[name] = value.detach().to(param.dtype, copy=True)
             else:
                 give_memory(param, value.detach().to(param.dtype, copy=True))
 
@@ -173,7 +175,7 @@ def initialize_parameters(
             continue
         owner = _initialiser_of(model, name, seed)
         regions = {n: region(p) if region is not None else None for n, p in todo.items()}
-        values = {**owner.read(todo, regions), **_part(_adapter_values(module, todo), regions)}
+        values = {**owner.read(todo, regions), **_part(_adapter_values(module, todo, owner.adapter_of), regions)}
         if owner.adapter_of is not None and len(values) < len(todo):
             raise ValueError(f"model: {name} is an adapter of PEFT's {type(owner.adapter_of).__name__} on the meta"
                              " device, whose initial values (LoRA's B = 0) were never seen; apply PEFT inside"
@@ -198,10 +200,21 @@ def _part(values: dict[str, torch.Tensor], regions: dict[str, Region | None]) ->
     return {n: value if regions.get(n) is None else value[regions[n]] for n, value in values.items()}
 
 
-def _adapter_values(module: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
-    """The values PEFT gave those of `params` that it built (sharded initialisation is their second one)."""
-    built = _ADAPTERS.get(module, {})
-    return {n: built[n].detach() for n, p in params.items() if n in built and built[n].shape == p.shape}
+def _adapter_values(module: nn.Module, params: dict[str, nn.Parameter], tuner: nn.Module | None
+                    ) -> dict[str, torch.Tensor]:
+    """The values PEFT gave those of `params` that it built (sharded initialisation is their second one), as an eager
+    build holds them: PEFT moves a new adapter to its base layer's dtype, which rounds it where the base is 16-bit,
+    a rounding the adapter built beside a base on the meta device was spared (LoRA on a bf16 base trained 8.5e-5 off
+    ddp's loss at step 1 under fsdp and ZeRO-3). Values loaded into the adapter are taken as they are."""
+    built, loaded = _ADAPTERS.get(module, {}), _LOADED_ADAPTERS.get(module, {})
+    cast = adapter_cast_dtype(tuner) if tuner is not None else None
+    values = {}
+    for n, p in params.items():
+        if n in loaded and loaded[n].shape == p.shape:
+            values[n] = loaded[n].detach()
+        elif n in built and built[n].shape == p.shape:
+            values[n] = built[n].detach() if cast is None else built[n].detach().to(cast)
+    return values
 
 
 def _drawn(model: nn.Module, name: str, module: nn.Module, params: dict[str, nn.Parameter],
