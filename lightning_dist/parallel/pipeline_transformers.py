@@ -60,6 +60,7 @@ class TransformersStage:
         if view.is_last and self.outer_after:
             return _own_logits(trunk, self.base, output)
         return output[0]  # last_hidden_state
+
     @staticmethod
     def answer(trunk: Any, output: Any, args: tuple, kwargs: dict) -> Any:
         return answer(trunk, output, args, kwargs)
