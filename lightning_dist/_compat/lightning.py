@@ -69,6 +69,8 @@ __all__ = [
     "log_this_batch_now",
     "logs_this_step",
     "attached_trainer",
+    "averaging_arguments",
+    "give_average_model",
     "save_last_now",
     "validation_follows",
     "move_optimizers_to_device",
@@ -172,6 +174,13 @@ FENCED = [
     Fenced("lightning.pytorch.loops.fit_loop", "_FitLoop.setup_data", ("self",)),
     # How the Tuner's search fit ends on every rank, which then goes on with the user's script.
     Fenced("lightning.pytorch.utilities.exceptions", "_TunerExitException"),
+    # What a WeightAveraging callback builds its AveragedModel from in `setup` (`_device`, `_use_buffers`, `_kwargs`),
+    # and what it calls with it: strategies/torch/sharded_average.py builds the average in its place.
+    Fenced("lightning.pytorch.callbacks.weight_averaging", "WeightAveraging.setup",
+           ("self", "trainer", "pl_module", "stage")),
+    Fenced("lightning.pytorch.callbacks.weight_averaging", "WeightAveraging._swap_models", ("self", "pl_module")),
+    Fenced("lightning.pytorch.callbacks.weight_averaging", "WeightAveraging._copy_average_to_current",
+           ("self", "pl_module")),
     # Public, but its code is swapped while our strategies run (lightning_grad_norm_runs).
     Fenced("lightning.pytorch.utilities.grads", "grad_norm", ("module", "norm_type", "group_separator")),
 ]
@@ -319,6 +328,17 @@ def validation_follows(trainer: Any) -> bool:
 def attached_trainer(module: Any) -> Any:
     """The Trainer `module` is attached to, or None (Lightning's `module.trainer` raises where there is none)."""
     return getattr(module, "_trainer", None)
+
+
+def averaging_arguments(callback: Any) -> tuple[Any, bool, dict[str, Any]]:
+    """What a WeightAveraging callback builds its AveragedModel with, as its `setup` passes them: (its device or
+    None, `use_buffers`, the rest: `avg_fn` or `multi_avg_fn`)."""
+    return callback._device, callback._use_buffers, dict(callback._kwargs)
+
+
+def give_average_model(callback: Any, average: Any) -> None:
+    """Make `average` the AveragedModel a WeightAveraging callback updates, swaps in, copies and saves."""
+    callback._average_model = average
 
 
 def logs_this_step(trainer: Any) -> bool:

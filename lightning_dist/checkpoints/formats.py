@@ -12,6 +12,9 @@ FILE = "file"                # torch.save'd dict: DDP, or anything consolidated
 DEEPSPEED = "deepspeed"      # directory with a `latest` tag file and per-rank ZeRO shards
 DISTRIBUTED = "distributed"  # torch.distributed.checkpoint directory (FSDP2): `.metadata` + shards + meta.pt
 LIGHTNING_METADATA = "meta.pt"  # what Lightning's ModelParallelStrategy writes beside the shards: loops, callbacks
+# Where Lightning's WeightAveraging moves the model's own weights in a checkpoint whose `state_dict` is the average.
+CURRENT_MODEL_STATE = "current_model_state"
+AVERAGING_STATE = "averaging_state"  # and the rest of its state (how many updates it averaged)
 
 
 class CheckpointError(ValueError):

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_dist._compat.lightning import StrategyMixin
-from lightning_dist.checkpoints.formats import CheckpointError
+from lightning_dist.checkpoints.formats import CURRENT_MODEL_STATE, CheckpointError
 from lightning_dist.checkpoints.gather import plain_name
 
 LEFT_OUT = "frozen_weights_left_out"  # the checkpoint's key: the weights it does not hold, by name
@@ -45,9 +45,9 @@ class LeavesFrozenWeightsOut(StrategyMixin):
         if not self.exclude_frozen_parameters or module is None or not (left_out := frozen_fingerprints(module)):
             return checkpoint
         checkpoint = {**checkpoint, LEFT_OUT: left_out}
-        if isinstance(weights := checkpoint.get("state_dict"), dict):
-            checkpoint["state_dict"] = {name: value for name, value in weights.items()
-                                        if plain_name(name) not in left_out}
+        for key in ("state_dict", CURRENT_MODEL_STATE):  # the second: the model's own, where the first is an average
+            if isinstance(weights := checkpoint.get(key), dict):
+                checkpoint[key] = {name: value for name, value in weights.items() if plain_name(name) not in left_out}
         return checkpoint
 
 

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from lightning_dist._compat.lightning import unwrapped_optimizer
 from lightning_dist.checkpoints.consolidate import GROUP_SETTINGS, load_consolidated
 from lightning_dist.checkpoints.contents import saved_weights_only, weights_only_refusal
-from lightning_dist.checkpoints.formats import CheckpointError
+from lightning_dist.checkpoints.formats import CURRENT_MODEL_STATE, CheckpointError
 from lightning_dist.checkpoints.frozen_weights import LEFT_OUT, check_left_out, may_lack
 from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.checkpoints.ranks import Ranks
@@ -27,7 +27,7 @@ from lightning_dist.checkpoints.source import CheckpointSource
 
 # The tensors of a consolidated checkpoint: read on rank 0 only, then broadcast as they are loaded.
 OPTIMIZER_KEYS = ("optimizer_state_by_name", "optimizer_states")
-_TENSOR_KEYS = ("state_dict", *OPTIMIZER_KEYS)
+_TENSOR_KEYS = ("state_dict", CURRENT_MODEL_STATE, *OPTIMIZER_KEYS)
 _FROM_RANK_ZERO = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 _WHOLE_ON_EVERY_RANK = StateDictOptions(full_state_dict=True)
 

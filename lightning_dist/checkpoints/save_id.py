@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from lightning_dist.checkpoints.formats import CURRENT_MODEL_STATE
+
 SAVE_ID = "save_id"
 
 
@@ -43,6 +45,8 @@ def sharded_layout(checkpoint: dict[str, Any], save_id: SaveId, rank: int) -> tu
     ModelParallelStrategy lays them out (`state_dict`, `optimizer_<i>`), each rank's save id beside them; the rest
     of the checkpoint, and the save id, as its metadata."""
     state = {"state_dict": checkpoint.pop("state_dict")}
+    if CURRENT_MODEL_STATE in checkpoint:  # the model's own weights, where `state_dict` is their average: shards too
+        state[CURRENT_MODEL_STATE] = checkpoint.pop(CURRENT_MODEL_STATE)
     for index, optimizer in enumerate(checkpoint.pop("optimizer_states", [])):
         state[f"optimizer_{index}"] = optimizer
     state[SAVE_ID] = {f"rank{rank}": save_id.as_tensor()}

@@ -247,10 +247,10 @@ class StrategyBase(ReportsCompilation, ContinuesTrainLoaders, LeavesFrozenWeight
         return QuantizedSupport(refusal="which this strategy would shard or cast as numbers and train silently wrong"
                                         " (accelerate #3983); train a quantized base under ld_ddp")
 
-    @property
-    def weight_averaging_refusal(self) -> str | None:
-        """Why Lightning's weight-averaging callbacks cannot run under this strategy (strategies/weight_averaging.py),
-        or None where every rank holds the whole weights and saves Lightning's checkpoint."""
+    def weight_averaging_refusal(self, callback: Any) -> str | None:
+        """Why Lightning's weight-averaging `callback` cannot run under this strategy, ending in what to do instead
+        (strategies/weight_averaging.py), or None where every rank holds the whole weights and saves Lightning's
+        checkpoint."""
         return None
 
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:

@@ -1,8 +1,10 @@
-"""Lightning's weight averaging as a user adds it (`EMAWeightAveraging`, a `ModelCheckpoint`; tests/
-weight_averaging_script.py): ld_ddp trains, saves and tests what Lightning's ddp does; every other engine stops the
-launch in one line, before any rank starts (strategies/weight_averaging.py). Before: under ld_fsdp every update
-stopped the run, under ZeRO-3 the averaged model tested another loss than ddp's without a word, and under ZeRO-1/2
-the checkpoints lost the average (testing one stopped with `KeyError: 'state_dict'`)."""
+"""Lightning's weight averaging as a user adds it (`EMAWeightAveraging`, validation and a `ModelCheckpoint` every 2
+steps; tests/weight_averaging_script.py): ld_ddp, and ld_fsdp with its copy sharded as the model is
+(strategies/torch/sharded_average.py), validate, save, test and resume as Lightning's ddp does; the other engines stop
+the launch in one line, before any rank starts (strategies/weight_averaging.py). Before: under ld_fsdp the first
+update stopped the run (`aten.copy_.default got mixed torch.Tensor and DTensor`), under ZeRO-3 the averaged model
+tested another loss than ddp's without a word, and under ZeRO-1/2 the checkpoints lost the average (testing one
+stopped with `KeyError: 'state_dict'`)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
-from tests.conftest import REPO, TRAIN_ENV
-
-pytestmark = pytest.mark.slow  # real runs on 2 CPU ranks
+from lightning_dist.strategies.torch.sharded_average import ShardedAverages, _copy_of
+from tests.conftest import REPO, TRAIN_ENV, run_train
 
 SCRIPT = REPO / "tests" / "weight_averaging_script.py"
 
@@ -25,30 +28,89 @@ def _run(out: Path, strategy: str, callback: str = "ema") -> subprocess.Complete
                           env={**TRAIN_ENV, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
 
 
-def test_ld_ddp_averages_saves_and_tests_as_lightning_s_ddp(tmp_path):
-    tested = {}
-    for strategy in ("ddp", "ld_ddp"):  # Lightning's own ddp first: the reference
+@pytest.mark.slow  # real runs on 2 CPU ranks
+def test_ld_ddp_and_ld_fsdp_average_validate_save_test_and_resume_as_lightning_s_ddp(tmp_path):
+    results = {}
+    for strategy in ("ddp", "ld_ddp", "ld_fsdp", "ld_fsdp_one_file"):  # Lightning's own ddp first: the reference
         process = _run(tmp_path / strategy, strategy)
         assert process.returncode == 0, process.stderr[-3000:]
-        tested[strategy] = json.loads((tmp_path / strategy / "result.json").read_text())
-    assert set(tested["ddp"]) == {"model", "step 2", "step 4"}
-    assert tested["ddp"]["step 2"] != pytest.approx(tested["ddp"]["step 4"])  # each checkpoint its own average
-    assert tested["ld_ddp"] == pytest.approx(tested["ddp"], rel=1e-6)
+        results[strategy] = json.loads((tmp_path / strategy / "result.json").read_text())
+    ddp = results["ddp"]
+    assert ddp["validated"][0] != pytest.approx(ddp["validated"][1])  # the average after 2 steps, then after 4
+    assert ddp["step 2"] != pytest.approx(ddp["step 4"])  # each checkpoint its own weights
+    assert ddp["step 4"] != pytest.approx(ddp["model"])  # ... which are not the average: that is the model at the end
+    assert ddp["step 4 alone"] == pytest.approx(ddp["model"], rel=1e-6)  # the last checkpoint's state_dict: the average
+    for strategy in ("ld_ddp", "ld_fsdp", "ld_fsdp_one_file"):
+        resumed = results[strategy].pop("resumed")
+        assert results[strategy] == pytest.approx({k: v for k, v in ddp.items() if k != "resumed"}, rel=1e-6), strategy
+        # Resumed from step 2, the fit validates and ends as the one that ran on (Lightning's ddp began the epoch
+        # again, its batches seen twice: another average)
+        assert resumed == pytest.approx({"validated": ddp["validated"][1:], "model": ddp["model"]}, rel=1e-6), strategy
+    assert ddp["resumed"]["model"] != pytest.approx(ddp["model"])
 
 
+@pytest.mark.slow
+def test_the_ema_callbacks_option_validates_and_tests_the_average_under_fsdp_as_under_ddp(tmp_path):
+    """`python train.py 'callbacks=[default,ema]' strategy=fsdp`: the model built on the meta device, its average
+    made from the shards once they are initialised."""
+    runs = {strategy: run_train(tmp_path / strategy, f"strategy={strategy}", "callbacks=[default,ema]",
+                                "callbacks.ema.decay=0.5", "trainer.max_steps=6", "trainer.val_check_interval=3")
+            for strategy in ("ddp", "fsdp")}
+    for run in runs.values():
+        assert run.process.returncode == 0, run.output[-3000:]
+    assert len(runs["ddp"].val_losses()) == 3  # before the first step, after the third and the sixth
+    assert runs["fsdp"].val_losses() == pytest.approx(runs["ddp"].val_losses(), rel=1e-6)
+    assert runs["fsdp"].summary["metrics"]["test_loss"] == pytest.approx(runs["ddp"].summary["metrics"]["test_loss"], rel=1e-6)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "callback", "why"), [
-    ("ld_fsdp", "ema", "ld_fsdp shards the weights, which the copy cannot take (FSDP2's DTensors)"),
-    ("ld_fsdp_pp", "swa", "ld_fsdp shards the weights, which the copy cannot take (FSDP2's DTensors)"),
+    ("ld_fsdp", "swa", "ld_fsdp shards the weights, which its copy cannot take (FSDP2's DTensors): Lightning's"
+                       " WeightAveraging (whose default average is SWA's) or EMAWeightAveraging keep their copy sharded"
+                       " under ld_fsdp"),
+    ("ld_fsdp_pp", "ema", "ld_fsdp splits the model into pipeline stages, whose saves it does not lay out: average the"
+                          " weights without pipeline stages"),
     ("ld_deepspeed_stage_2", "ema", "ld_deepspeed saves the engine's weights in its checkpoints, not that state_dict"
-                                    " (the average would be lost)"),
+                                    " (the average would be lost): average the weights under ld_fsdp or ld_ddp"),
     ("ld_deepspeed_stage_3", "ema", "ld_deepspeed partitions the weights, which the copy cannot take (ZeRO-3's module"
-                                    " holds empty placeholders)"),
+                                    " holds empty placeholders): average the weights under ld_fsdp or ld_ddp"),
 ])
-def test_an_engine_whose_ranks_hold_other_weights_stops_before_any_rank_starts(tmp_path, strategy, callback, why):
+def test_an_engine_that_cannot_keep_the_copy_stops_before_any_rank_starts(tmp_path, strategy, callback, why):
     process = _run(tmp_path, strategy, callback)
     assert process.returncode == 1
     name = "EMAWeightAveraging" if callback == "ema" else "StochasticWeightAveraging"
-    assert (f"{name} keeps a whole copy of the model on every rank and saves it as the checkpoint's state_dict, and"
-            f" {why}: average the weights under ld_ddp") in process.stderr
+    assert f"{name} keeps a copy of the model's weights and saves it as the checkpoint's state_dict, and {why}" in (
+        process.stderr)
     assert "Initializing distributed" not in process.stdout + process.stderr  # no rank started
     assert not list(tmp_path.glob("*.ckpt"))
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(2))
+        self.embed = nn.Embedding(4, 2)
+        self.head = nn.Linear(2, 4, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("steps", torch.zeros(()))
+        self.register_buffer("table", torch.arange(3.0), persistent=False)
+
+
+def test_the_copy_pairs_with_the_model_by_order_and_saves_under_the_model_s_names():
+    model = _Tied()
+    copy = _copy_of(model, None)
+    own, copied = list(model.parameters()) + list(model.buffers()), list(copy.parameters()) + list(copy.buffers())
+    assert len(own) == len(copied) == 4  # the tied weight once, as the model lists it
+    assert all(a is not b and torch.equal(a, b) for a, b in zip(own, copied))
+    assert list(copy.state_dict()) == list(model.state_dict())  # both names of the tied weight; not the table
+    assert copy.head.weight is copy.embed.weight
+
+
+def test_a_callback_whose_fit_setup_was_not_taken_over_stops_in_one_line():
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    averages = ShardedAverages()
+    averages.take_over(type("Trainer", (), {"callbacks": [EMAWeightAveraging()]})())
+    with pytest.raises(RuntimeError, match="^EMAWeightAveraging: its setup for the fit did not run as lightning-dist"
+                                           " took it over"):
+        averages.build(_Tied())

@@ -270,12 +270,13 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     def trainable_change_refusal(self) -> str | None:
         return "flattened those that were trainable at its setup into its optimizer's partitions"
 
-    @property
     @override
-    def weight_averaging_refusal(self) -> str | None:
+    def weight_averaging_refusal(self, callback: Any) -> str | None:
         if self.zero.partitions_parameters:
-            return "partitions the weights, which the copy cannot take (ZeRO-3's module holds empty placeholders)"
-        return "saves the engine's weights in its checkpoints, not that state_dict (the average would be lost)"
+            return ("partitions the weights, which the copy cannot take (ZeRO-3's module holds empty placeholders):"
+                    " average the weights under ld_fsdp or ld_ddp")
+        return ("saves the engine's weights in its checkpoints, not that state_dict (the average would be lost):"
+                " average the weights under ld_fsdp or ld_ddp")
 
     @property
     @override

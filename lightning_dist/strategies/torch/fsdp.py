@@ -20,10 +20,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_dist._compat.lightning import give_device_mesh, move_optimizers_to_device
+from lightning_dist._compat.lightning import attached_trainer, give_device_mesh, move_optimizers_to_device
 from lightning_dist._compat.torch import checkpoint_loads_in_one_process, fully_sharded_parameters, fully_sharded_units
 from lightning_dist.checkpoints.contents import left_frozen_weights_out
-from lightning_dist.checkpoints.formats import DISTRIBUTED
+from lightning_dist.checkpoints.formats import CURRENT_MODEL_STATE, DISTRIBUTED
 from lightning_dist.checkpoints.resume import (
     drop_group_keys_not_saved,
     load_for_resume,
@@ -73,6 +73,12 @@ from lightning_dist.strategies.torch.output_views import OutputViews
 from lightning_dist.strategies.torch.pipeline import PipelineOptions, PipelineSteps
 from lightning_dist.strategies.torch.pipeline_idle import IdleClock
 from lightning_dist.strategies.torch.replay import ReplayedOnTorch
+from lightning_dist.strategies.torch.sharded_average import (
+    ShardedAverages,
+    gathered_average,
+    read_current_weights,
+    sharded_weights,
+)
 from lightning_dist.strategies.tuner import refuse_learning_rate_finder
 
 # LightningModule methods that run the model without going through `forward`.
@@ -175,6 +181,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         self.expert_parallel_size = expert_parallel_size
         self.experts: ExpertParallel | None = None  # this rank's experts, once split
         self.output_views = OutputViews()  # FSDP2's warning about views a sharded module returns, made a check
+        self.averages = ShardedAverages()  # Lightning's weight-averaging callbacks, their copy sharded as the model
 
     @override
     def preflight(self, trainer: Any, fit_arguments: dict[str, Any]) -> None:
@@ -219,10 +226,17 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
                              pipeline=self.pipeline.size, replicate=self.data_parallel_replicate_size,
                              hybrid=self.hybrid, expert=self.expert_parallel_size)
 
-    @property
     @override
-    def weight_averaging_refusal(self) -> str | None:
-        return "shards the weights, which the copy cannot take (FSDP2's DTensors)"
+    def weight_averaging_refusal(self, callback: Any) -> str | None:
+        from lightning.pytorch.callbacks import WeightAveraging
+
+        if not isinstance(callback, WeightAveraging):
+            return ("shards the weights, which its copy cannot take (FSDP2's DTensors): Lightning's WeightAveraging"
+                    " (whose default average is SWA's) or EMAWeightAveraging keep their copy sharded under ld_fsdp")
+        if self.pipeline.size > 1:
+            return ("splits the model into pipeline stages, whose saves it does not lay out: average the weights"
+                    " without pipeline stages")
+        return None
 
     @property
     @override
@@ -307,6 +321,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
             Strategy.setup_environment(self)
             self._setup_distributed()
         give_device_mesh(self.lightning_module, self.build_device_mesh(self.root_device.type))
+        self.averages.take_over(attached_trainer(self.lightning_module))  # before the callbacks' setup hooks
 
     def build_device_mesh(self, device_type: str) -> DeviceMesh:
         """The mesh of this strategy's parallel dimensions over the default process group, kept as its own (a
@@ -354,6 +369,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             check_placements(self.model.parameters())  # here, not in the first step: it reads on the host
+            self.averages.build(self.lightning_module)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         # Under tensor parallelism the gradients lie on two meshes, which torch's clip_grad_norm_ cannot combine.
@@ -446,6 +462,8 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
+        if not self._save_distributed_checkpoint:  # a weight average's shards are gathered as the model's were
+            checkpoint = gathered_average(checkpoint, keep=self.is_global_zero)
         if not self._save_distributed_checkpoint or self.async_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
@@ -492,9 +510,18 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         sharded = source.format == DISTRIBUTED and pipeline is None and not left_frozen_weights_out(source)
         foreign = load_for_resume(self, source, {DISTRIBUTED} if sharded else set(), weights_only)
         if foreign is None:
-            return self.read_loader_record(self._load_sharded(checkpoint_path, weights_only))
-        load_weights_from_rank_zero(self.model, foreign, strict=self.lightning_module.strict_loading,
-                                    partial=None if pipeline is None else self)
+            checkpoint = self._load_sharded(checkpoint_path, weights_only)
+            if self.averages.restore(checkpoint):  # as Lightning's callback restores it: both, as shards
+                checkpoint |= {"state_dict": sharded_weights(self.model),  # the average: Lightning loaded it
+                               CURRENT_MODEL_STATE: read_current_weights(self.model, checkpoint_path)}
+            return self.read_loader_record(checkpoint)
+        strict = self.lightning_module.strict_loading
+        load_weights_from_rank_zero(self.model, foreign, strict=strict, partial=None if pipeline is None else self)
+        if self.averages.restore(foreign):  # the average is in the model; then the model's own weights
+            average = sharded_weights(self.model)
+            current = {**foreign, "state_dict": foreign[CURRENT_MODEL_STATE]}
+            load_weights_from_rank_zero(self.model, current, strict=strict)
+            foreign |= {"state_dict": average, CURRENT_MODEL_STATE: sharded_weights(self.model)}
         if self.optimizers:  # fitting: restore Adam's moments into the shards too
             restore_optimizer_by_name(self, self.model, self.optimizers, foreign,
                                       whole_model_groups=None if pipeline is None else pipeline.whole_model_groups,
