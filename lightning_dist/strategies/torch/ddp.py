@@ -23,6 +23,7 @@ from lightning_dist.parallel.quantized import QuantizedSupport
 from lightning_dist.strategies.base import StrategyBase
 from lightning_dist.strategies.torch.replay import ReplayedOnTorch
 from lightning_dist.strategies.torch.unused_parameters import unused_parameters_message
+from lightning_dist.strategies.weight_averaging import saved_with_an_average, whole_average_and_current
 
 
 class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
@@ -115,11 +116,16 @@ class DDPStrategy(ReplayedOnTorch, StrategyBase, _LightningDDPStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         weights_only = weights_only_for(checkpoint_path, weights_only)
         foreign = load_for_resume(self, checkpoint_path, native_formats={FILE}, weights_only=weights_only)
+        trainer = self.lightning_module.trainer
         if foreign is not None:
+            if saved_with_an_average(foreign, trainer):  # read on rank 0: the callback restores it on every rank
+                foreign = whole_average_and_current(self.lightning_module, foreign, from_rank_zero=True)
             return self.read_loader_record(foreign)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         if LEFT_OUT in checkpoint:  # a consolidated DeepSpeed checkpoint without its frozen weights: the model's
             check_left_out(self.lightning_module, checkpoint[LEFT_OUT])
+            if saved_with_an_average(checkpoint, trainer):  # the callback's load is strict
+                checkpoint = whole_average_and_current(self.lightning_module, checkpoint, from_rank_zero=False)
         return self.read_loader_record(checkpoint)
 
     @override

@@ -26,13 +26,7 @@ from torch.optim.swa_utils import AveragedModel
 from lightning_dist._compat.lightning import averaging_arguments, give_average_model
 from lightning_dist.checkpoints.formats import AVERAGING_STATE, CURRENT_MODEL_STATE
 from lightning_dist.checkpoints.gather import plain_name
-
-
-def weight_averaging_callbacks(trainer: Any) -> list[Any]:
-    """Lightning's `WeightAveraging` callbacks among `trainer`'s (its EMAWeightAveraging is one)."""
-    from lightning.pytorch.callbacks import WeightAveraging
-
-    return [callback for callback in getattr(trainer, "callbacks", []) if isinstance(callback, WeightAveraging)]
+from lightning_dist.strategies.weight_averaging import weight_averaging_callbacks
 
 
 class ShardedAverages:
