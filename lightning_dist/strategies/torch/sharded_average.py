@@ -84,10 +84,20 @@ def gathered_average(checkpoint: dict[str, Any], keep: bool) -> dict[str, Any]:
         return checkpoint
     whole = {}
     for name, value in weights.items():  # in the same order on every rank: each DTensor is an all-gather
-        value = value.full_tensor() if isinstance(value, DTensor) else value.clone()
+        value = _on_mesh_device(value).full_tensor() if isinstance(value, DTensor) else value.clone()
         if keep:
             whole[name] = value.detach().cpu()
     return {**checkpoint, "state_dict": whole}
+
+
+def _on_mesh_device(value: DTensor) -> DTensor:
+    """`value` with its shard on its mesh's device: an average kept in host memory (`device="cpu"`, or beside a
+    CPU-offloaded model) gathers over a GPU's collectives (nccl takes no host tensor)."""
+    local = value.to_local()
+    if local.device.type == value.device_mesh.device_type:
+        return value
+    return DTensor.from_local(local.to(value.device_mesh.device_type), value.device_mesh, value.placements,
+                              run_check=False, shape=value.shape, stride=value.stride())
 
 
 def sharded_weights(model: nn.Module) -> dict[str, torch.Tensor]:
