@@ -33,6 +33,19 @@ def test_unknown_option_inside_a_sweep():
     )
 
 
+@pytest.mark.parametrize(("override", "hint"), [
+    ("trainer=ddp", "lightning-hydra-template's trainer=ddp is strategy=ddp trainer=gpu here; "),
+    ("trainer=ddp_sim", "lightning-hydra-template's trainer=ddp_sim is strategy=ddp trainer=cpu trainer.devices=2 here; "),
+    ("trainer=fsdp", "fsdp is a strategy option (strategy=fsdp); "),
+    ("strategy=gpu", "gpu is a trainer option (trainer=gpu); "),
+    ("trainer=mps", ""),
+])
+def test_a_template_users_trainer_or_another_groups_option_says_where_it_is(override, hint):
+    group = override.split("=")[0]
+    assert error_of([override]).startswith(f"{override}: no such option; {hint}choose one of: ")
+    assert error_of([override]).endswith(", ".join(sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))))
+
+
 def test_a_recipes_config_directory_adds_its_options():
     search = f"hydra.searchpath=[file://{REPO / 'recipes' / 'choose_a_strategy' / 'conf'}]"
     assert error_of([search, "model=gpt_7c"]) == (

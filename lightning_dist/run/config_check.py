@@ -220,15 +220,29 @@ def _check_group_choice(group: str, values: list, conf_dirs: list[Path]) -> None
             leave_out = "" if group in REQUIRED_GROUPS else f"; ~{group} leaves it out"
             raise ConfigError(f"{group}=null: a config group takes one of its options: {', '.join(choices)}{leave_out}")
         if str(choice) not in choices:
-            close = difflib.get_close_matches(str(choice), choices, n=1)
-            hint = f"did you mean {close[0]}? " if close else ""
-            raise ConfigError(f"{group}={choice}: no such option; {hint}choose one of: {', '.join(choices)}")
+            raise ConfigError(f"{group}={choice}: no such option; {_hint(group, str(choice), choices, conf_dirs)}"
+                              f"choose one of: {', '.join(choices)}")
         modules, install = OPTION_PACKAGES.get((group, str(choice)), ((), ""))
         missing = [module for module in modules if not _installed(module)]
         if missing:
             raise ConfigError(
                 f"{group}={choice}: needs {', '.join(m.split('.')[-1] for m in missing)}, not installed here; {install}"
             )
+
+
+# lightning-hydra-template's trainer options, which choose the strategy and devices there: here the strategy group does.
+TEMPLATE_TRAINERS = {"ddp": "strategy=ddp trainer=gpu", "ddp_sim": "strategy=ddp trainer=cpu trainer.devices=2"}
+
+
+def _hint(group: str, choice: str, choices: list[str], conf_dirs: list[Path]) -> str:
+    """What a mistaken option was likely meant as: a close name in the group, lightning-hydra-template's trainer, or
+    an option of another group (`trainer=fsdp`: a strategy)."""
+    if close := difflib.get_close_matches(choice, choices, n=1):
+        return f"did you mean {close[0]}? "
+    if group == "trainer" and choice in TEMPLATE_TRAINERS:
+        return f"lightning-hydra-template's trainer={choice} is {TEMPLATE_TRAINERS[choice]} here; "
+    groups = sorted({path.parent.name for directory in conf_dirs for path in directory.glob(f"*/{choice}.yaml")})
+    return f"{choice} is a {groups[0]} option ({groups[0]}={choice}); " if groups else ""
 
 
 def _installed(module: str) -> bool:
