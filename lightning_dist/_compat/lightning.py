@@ -70,6 +70,7 @@ __all__ = [
     "logs_this_step",
     "attached_trainer",
     "averaging_arguments",
+    "average_model",
     "give_average_model",
     "save_last_now",
     "validation_follows",
@@ -334,6 +335,11 @@ def averaging_arguments(callback: Any) -> tuple[Any, bool, dict[str, Any]]:
     """What a WeightAveraging callback builds its AveragedModel with, as its `setup` passes them: (its device or
     None, `use_buffers`, the rest: `avg_fn` or `multi_avg_fn`)."""
     return callback._device, callback._use_buffers, dict(callback._kwargs)
+
+
+def average_model(callback: Any) -> Any:
+    """The AveragedModel a WeightAveraging callback holds: made in its fit's `setup`, None before."""
+    return callback._average_model
 
 
 def give_average_model(callback: Any, average: Any) -> None:

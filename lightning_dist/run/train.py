@@ -79,6 +79,8 @@ def _fit_and_test(cfg: DictConfig) -> dict[str, float]:
         log.info("test=true, but %s has no test_step: no test run", type(parts["model"]).__name__)
     elif cfg.get("test"):
         ckpt_path, tested = _what_to_test(trainer) if training else _given_checkpoint(parts["ckpt_path"])
+        if training and (averaging := _weights_averaged_by(trainer)):
+            tested += f", as validated: the average {averaging} kept"
         log.info("Testing %s", tested)
         trainer.test(parts["model"], datamodule=parts["datamodule"], ckpt_path=ckpt_path, weights_only=weights_only)
         metrics.update(_metrics(trainer))
@@ -119,6 +121,18 @@ def _what_to_test(trainer: L.Trainer) -> tuple[str | None, str]:
     if getattr(callback, "best_model_step", None) == trainer.global_step:  # lightning_dist.callbacks.ModelCheckpoint
         return None, f"the final weights, the best checkpoint's ({best})"
     return best, f"the best checkpoint, {best}"
+
+
+def _weights_averaged_by(trainer: L.Trainer) -> str | None:
+    """After the fit, the name of the weight-averaging callback whose average was validated and saved as each
+    checkpoint's weights, taken out of the Trainer: from a checkpoint loaded for the test it would restore the weights
+    trained on instead (`current_model_state`), and the test would not measure what validation chose the best by."""
+    from lightning_dist.strategies.weight_averaging import weight_averaging_callbacks
+
+    averaging = weight_averaging_callbacks(trainer)
+    callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+    callbacks[:] = [callback for callback in callbacks if callback not in averaging]
+    return type(averaging[0]).__name__ if averaging else None
 
 
 def _kept(trainer: L.Trainer) -> str | None:

@@ -36,8 +36,12 @@ def weight_averaging_callbacks(trainer: Any) -> list[Any]:
 
 
 def saved_with_an_average(checkpoint: dict[str, Any], trainer: Any) -> bool:
-    """Whether `checkpoint` holds a weight average as its `state_dict`, and `trainer` has a callback restoring it."""
-    return AVERAGING_STATE in checkpoint and bool(weight_averaging_callbacks(trainer))
+    """Whether `checkpoint` holds a weight average as its `state_dict`, and one of `trainer`'s callbacks will restore
+    it and the model's own weights (it holds an average: its fit made one)."""
+    from lightning_dist._compat.lightning import average_model
+
+    callbacks = weight_averaging_callbacks(trainer)
+    return AVERAGING_STATE in checkpoint and any(average_model(callback) is not None for callback in callbacks)
 
 
 def whole_average_and_current(module: nn.Module, checkpoint: dict[str, Any], from_rank_zero: bool) -> dict[str, Any]:

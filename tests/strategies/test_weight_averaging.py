@@ -49,31 +49,43 @@ def test_ld_ddp_and_ld_fsdp_average_validate_save_test_and_resume_as_lightning_s
     assert ddp["resumed"]["model"] != pytest.approx(ddp["model"])
 
 
+# The best checkpoint by the highest validation loss: step 3's, which the fit's test then loads.
 EMA_RUN = ("callbacks=[default,ema]", "callbacks.ema.decay=0.5", "trainer.max_steps=6", "trainer.val_check_interval=3",
            "model=hf_llama", "+lora=default", "strategy.exclude_frozen_parameters=true",
            "callbacks.model_checkpoint.every_n_train_steps=3", "callbacks.model_checkpoint.save_top_k=-1",
-           "callbacks.model_checkpoint.monitor=null")
+           "callbacks.model_checkpoint.mode=max")
 
 
 @pytest.mark.slow
 def test_the_ema_callbacks_option_trains_tests_and_resumes_a_lora_fine_tune_under_fsdp_as_under_ddp(tmp_path):
     """`python train.py 'callbacks=[default,ema]' strategy=fsdp`, a LoRA fine-tune whose checkpoints leave the frozen
     base out: the model built on the meta device, its average made from the shards once they are initialised. The
-    fsdp checkpoint at step 3 resumes under fsdp and under ddp (read on rank 0: the callback's load on the other ranks
-    stopped with `'NoneType' object has no attribute 'items'`, and its strict load wanted the base the save left out)."""
+    fit tests its best checkpoint's average, what validation chose it by and what a test of the checkpoint alone
+    (train=false) measures: the callback, left in the Trainer, restored the weights trained on (1e-2 apart). The
+    checkpoint at step 3 resumes under fsdp and under ddp (read on rank 0: the callback's load on the other ranks
+    stopped with `'NoneType' object has no attribute 'items'`, and its strict load wanted the base the save left
+    out)."""
     runs = {strategy: run_train(tmp_path / strategy, f"strategy={strategy}", *EMA_RUN) for strategy in ("ddp", "fsdp")}
     step_3 = tmp_path / "fsdp" / "checkpoints" / "step000003.ckpt"
     runs |= {f"{strategy} resumed": run_train(tmp_path / f"{strategy}_resumed", f"strategy={strategy}", *EMA_RUN,
                                               f"ckpt_path={step_3}") for strategy in ("ddp", "fsdp")}
+    runs["fsdp tested alone"] = run_train(tmp_path / "alone", "strategy=fsdp", *EMA_RUN, "train=false",
+                                          f"ckpt_path={step_3}")
     for name, run in runs.items():
         assert run.process.returncode == 0, (name, run.output[-3000:])
     validated, tested = runs["ddp"].val_losses(), runs["ddp"].summary["metrics"]["test_loss"]
-    assert sorted(validated) == [2, 5]
+    assert sorted(validated) == [2, 5]  # after the third step and the sixth
+    assert runs["fsdp"].summary["best_checkpoint"] == str(step_3)
+    assert f"Tested the best checkpoint, {step_3}, as validated: the average EMAWeightAveraging kept" in (
+        runs["fsdp"].output)
     assert runs["fsdp"].val_losses() == pytest.approx(validated, rel=1e-6)
-    for name in ("fsdp", "ddp resumed", "fsdp resumed"):
+    for name in ("fsdp", "fsdp tested alone"):
         assert runs[name].summary["metrics"]["test_loss"] == pytest.approx(tested, rel=1e-6), name
-    for name in ("ddp resumed", "fsdp resumed"):
+    for name in ("ddp resumed", "fsdp resumed"):  # their best: the step-6 checkpoint they saved
         assert runs[name].val_losses() == pytest.approx({5: validated[5]}, rel=1e-6), name
+    assert runs["fsdp resumed"].summary["metrics"]["test_loss"] == pytest.approx(
+        runs["ddp resumed"].summary["metrics"]["test_loss"], rel=1e-6)
+    assert runs["ddp resumed"].summary["metrics"]["test_loss"] != pytest.approx(tested)
 
 
 @pytest.mark.slow

@@ -80,6 +80,7 @@ from lightning_dist.strategies.torch.sharded_average import (
     sharded_weights,
 )
 from lightning_dist.strategies.tuner import refuse_learning_rate_finder
+from lightning_dist.strategies.weight_averaging import saved_with_an_average
 
 # LightningModule methods that run the model without going through `forward`.
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -511,13 +512,15 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         foreign = load_for_resume(self, source, {DISTRIBUTED} if sharded else set(), weights_only)
         if foreign is None:
             checkpoint = self._load_sharded(checkpoint_path, weights_only)
-            if self.averages.restore(checkpoint):  # as Lightning's callback restores it: both, as shards
+            # As Lightning's callback restores it (since its fit, from every checkpoint loaded, for a test too: the
+            # model then tests its own weights, as under DDP): both, as shards.
+            if saved_with_an_average(checkpoint, attached_trainer(self.lightning_module)):
                 checkpoint |= {"state_dict": sharded_weights(self.model),  # the average: Lightning loaded it
                                CURRENT_MODEL_STATE: read_current_weights(self.model, checkpoint_path)}
             return self.read_loader_record(checkpoint)
         strict = self.lightning_module.strict_loading
         load_weights_from_rank_zero(self.model, foreign, strict=strict, partial=None if pipeline is None else self)
-        if self.averages.restore(foreign):  # the average is in the model; then the model's own weights
+        if saved_with_an_average(foreign, attached_trainer(self.lightning_module)):  # the average, then the model's
             average = sharded_weights(self.model)
             current = {**foreign, "state_dict": foreign[CURRENT_MODEL_STATE]}
             load_weights_from_rank_zero(self.model, current, strict=strict)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel
 
 from lightning_dist._compat.lightning import averaging_arguments, give_average_model
-from lightning_dist.checkpoints.formats import AVERAGING_STATE, CURRENT_MODEL_STATE
+from lightning_dist.checkpoints.formats import CURRENT_MODEL_STATE
 from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.strategies.weight_averaging import weight_averaging_callbacks
 
@@ -36,7 +36,6 @@ class ShardedAverages:
     def __init__(self) -> None:
         self._callbacks: list[Any] = []
         self._set_up: set[int] = set()  # the callbacks whose fit `setup` Lightning called since `take_over`
-        self._built = False
 
     def take_over(self, trainer: Any) -> None:
         """Every rank, before Lightning's setup hooks: each callback's fit `setup` records that it was called and
@@ -67,13 +66,6 @@ class ShardedAverages:
                                    " lightning-dist supports")
             device, use_buffers, arguments = averaging_arguments(callback)
             give_average_model(callback, ShardedAveragedModel(module, device, use_buffers, **arguments))
-            self._built = True
-
-    def restore(self, checkpoint: dict[str, Any]) -> bool:
-        """Whether a load of `checkpoint` must hand Lightning's callback the average and the model's own weights:
-        it was saved with an average, and a callback holds one (since a fit, its `on_load_checkpoint` restores both
-        whenever a checkpoint is loaded, for a test too: the model then tests its own weights, as under DDP)."""
-        return self._built and AVERAGING_STATE in checkpoint
 
 
 def gathered_average(checkpoint: dict[str, Any], keep: bool) -> dict[str, Any]:
