@@ -16,6 +16,14 @@ LIBRARY_WARNINGS = (
     (r"`torch\.distributed\.\w+` is deprecated", r"torch\.distributed"),
     # torch 2.13's memory tracker, when DDP's forward runs the module inside its own (a dry run of ddp)
     (r"The module hierarchy tracking maybe be messed up", r"torch\.distributed\._tools"),
+    # transformers 5.25 about the property PEFT 0.21 reads as it wraps a model in adapters (once per rank)
+    (r"`is_gradient_checkpointing` is deprecated", r"transformers"),
+)
+
+# Lines libraries log about their own set-up that no run here can act on: (logger, the line's start).
+LIBRARY_LOG_LINES = (
+    # bitsandbytes 0.50 on a CPU, as PEFT imports it: its 4-bit kernel from the Hub, which it then does without
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community"),
 )
 
 
@@ -29,11 +37,21 @@ def quiet_library_warnings() -> None:
     for message, module in LIBRARY_WARNINGS:
         warnings.filterwarnings("ignore", message=message, module=module)
     for name in ADVERTISING_LOGGERS:
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropAdverts) for f in logger.filters):
-            logger.addFilter(_DropAdverts())
+        _drop(name, ADVERTS)
+    for name, start in LIBRARY_LOG_LINES:
+        _drop(name, (start,))
 
 
-class _DropAdverts(logging.Filter):
+def _drop(logger_name: str, starts: tuple[str, ...]) -> None:
+    logger = logging.getLogger(logger_name)
+    if not any(isinstance(f, _DropLines) and f.starts == starts for f in logger.filters):
+        logger.addFilter(_DropLines(starts))
+
+
+class _DropLines(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.starts = starts
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(ADVERTS)
+        return not str(record.msg).startswith(self.starts)
