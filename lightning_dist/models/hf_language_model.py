@@ -53,7 +53,8 @@ def build_language_model(model_type: str, config: dict[str, Any] | None = None, 
 
 ADAPTERS = "adapters"  # where in the run directory a LoRA run writes its adapters
 WEIGHTS_PREFIX = "model."  # HFLanguageModel keeps the transformers model as `self.model`
-LORA_KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "target_modules"}
+LORA_KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "target_modules",
+             "target_parameters": "target_parameters"}
 
 
 def with_lora(model: torch.nn.Module, lora: dict[str, Any] | None) -> torch.nn.Module:

@@ -93,6 +93,26 @@ def test_transformers_fused_experts_are_found_and_their_routers_are_not():
         "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
 
 
+def test_lora_on_the_experts_parameters_is_refused_and_on_the_attention_alone_is_split():
+    """PEFT's all-linear adds a mixture of experts' 3-D parameters to LoRA's targets (target_parameters), wrapping the
+    experts module: split under it, every rank stopped in the first step (`aten.baddbmm.default got mixed
+    torch.Tensor and DTensor`). The attention's adapters alone leave the experts as they were (measured: ep 2 trains
+    ddp's losses)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2)
+    adapted = get_peft_model(MixtralForCausalLM(config), LoraConfig(r=4, target_modules="all-linear"))
+    assert refusal(adapted, 2) == (
+        "strategy.expert_parallel_size=2: base_model.model.model.layers.0.mlp.experts holds LoRA adapters on its"
+        " experts' parameters (PEFT's target_parameters, which its all-linear adds for a mixture of experts), which"
+        " expert parallelism does not split with the experts; adapt the attention alone"
+        " (model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]) or set it to 1")
+    attention = get_peft_model(MixtralForCausalLM(config), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert refusal(attention, 2) is None
+
+
 def test_two_ranks_split_the_experts_with_the_unsplit_outputs_and_gradients(tmp_path):
     """Both layouts (a list of modules, transformers' fused 3-D parameters); an expert no token chose anywhere,
     one chosen by one rank's tokens only."""

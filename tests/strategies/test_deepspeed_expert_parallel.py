@@ -33,15 +33,27 @@ def tiny_mixtral():
 def test_autoep_takes_transformers_models_it_has_a_preset_for_and_refuses_the_rest():
     from lightning_dist.models.gpt_moe import GPTMoELanguageModel
 
-    assert model_refusal(torch.nn.Sequential(tiny_mixtral()), 2) is None
-    assert model_refusal(torch.nn.Sequential(tiny_mixtral()), 8) == (
+    assert model_refusal(torch.nn.Sequential(tiny_mixtral()), 2, partitions_weights=True) is None
+    assert model_refusal(torch.nn.Sequential(tiny_mixtral()), 8, partitions_weights=True) == (
         "strategy.expert_parallel_size=8: 0.model.layers.0.mlp.experts has 4 experts, which do not divide over 8"
         " ranks; choose a size that divides 4")
-    said = model_refusal(GPTMoELanguageModel(block_size=16, n_layer=2), 2)
+    said = model_refusal(GPTMoELanguageModel(block_size=16, n_layer=2), 2, partitions_weights=False)
     assert said.startswith("strategy.expert_parallel_size=2: DeepSpeed's expert parallelism (AutoEP) splits"
                            " transformers MoE models it has a preset for (mixtral, qwen3_moe, ")
     assert said.endswith("GPTMoELanguageModel holds none. FSDP's splits any layer that calls its experts as"
                          " experts(hidden_states, top_k_index, top_k_weights): strategy=fsdp")
+
+
+def test_zero_3_refuses_frozen_experts_whose_saves_deepspeed_cannot_write():
+    """A LoRA fine-tune's experts are frozen: DeepSpeed 0.19.8 trained it under ZeRO-3 with AutoEP, then stopped at the
+    first save ("AutoEP with ZeRO Stage 3 checkpointing does not support frozen expert parameters yet")."""
+    model = torch.nn.Sequential(tiny_mixtral())
+    model[0].model.layers[1].mlp.experts.requires_grad_(False)
+    assert model_refusal(model, 2, partitions_weights=False) is None  # ZeRO-1/2 keep them
+    assert model_refusal(model, 2, partitions_weights=True) == (
+        "strategy.expert_parallel_size=2: 0.model.layers.1.mlp.experts is frozen (a LoRA fine-tune's base), and"
+        " DeepSpeed's ZeRO-3 checkpoints under AutoEP hold no frozen expert weights (its first save stops the run);"
+        " split the experts under FSDP (strategy=fsdp strategy.expert_parallel_size=2), or train them")
 
 
 def test_transformers_registry_reads_as_a_dict_for_autoep_only_while_inside():

@@ -55,6 +55,15 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if (isinstance(module, nn.ModuleList) and _called_with_routing(module)) or _fused_parameters(module)]
 
 
+def _adapter_around(model: nn.Module, name: str) -> str | None:
+    """The name of the PEFT layer that wraps the experts module `name` (its `base_layer`, perhaps of another such
+    layer: PEFT's `target_parameters` wraps a module once per parameter it adapts), or None."""
+    wrapper = name
+    while wrapper.endswith(".base_layer"):
+        wrapper = wrapper.removesuffix(".base_layer")
+    return wrapper if wrapper != name and hasattr(model.get_submodule(wrapper), "lora_A") else None
+
+
 def experts_count(module: nn.Module) -> int:
     return len(module) if isinstance(module, nn.ModuleList) else int(getattr(module, "num_experts"))
 
@@ -70,6 +79,11 @@ def refusal(model: nn.Module, size: int) -> str | None:
     if not modules:
         return (f"{KEY}={size}: {type(model).__name__} has no experts to split (no module called as {CALL}, as"
                 " transformers' MoE models and model=gpt_moe have); set it to 1")
+    if adapted := [wrapper for name, _ in modules if (wrapper := _adapter_around(model, name))]:
+        return (f"{KEY}={size}: {adapted[0]} holds LoRA adapters on its experts' parameters (PEFT's"
+                " target_parameters, which its all-linear adds for a mixture of experts), which expert parallelism"
+                " does not split with the experts; adapt the attention alone"
+                " (model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]) or set it to 1")
     for name, module in modules:
         count = experts_count(module)
         if count % size:

@@ -55,8 +55,10 @@ def transformers_moe_model(model: nn.Module) -> tuple[str, Any] | None:
     return next(((name, m) for name, m in model.named_modules() if id(m) in known), None)
 
 
-def model_refusal(model: nn.Module, size: int) -> str | None:
-    """Why AutoEP cannot split `model`'s experts over `size` ranks, in one line naming the key; None when it can."""
+def model_refusal(model: nn.Module, size: int, partitions_weights: bool) -> str | None:
+    """Why AutoEP cannot split `model`'s experts over `size` ranks, in one line naming the key; None when it can.
+    `partitions_weights`: under ZeRO-3, whose checkpoints under AutoEP hold no frozen expert weight: DeepSpeed 0.19.8
+    trained a LoRA fine-tune of Mixtral (its experts frozen) and stopped at the first save."""
     if why := experts_refusal(model, size):
         return why
     if transformers_moe_model(model) is None:
@@ -64,6 +66,11 @@ def model_refusal(model: nn.Module, size: int) -> str | None:
         return (f"{KEY}={size}: DeepSpeed's expert parallelism (AutoEP) splits transformers MoE models it has a preset"
                 f" for ({names}); {type(model).__name__} holds none. FSDP's splits any layer that calls its experts"
                 " as experts(hidden_states, top_k_index, top_k_weights): strategy=fsdp")
+    frozen = [name for name, module in experts_modules(model) if not all(p.requires_grad for p in module.parameters())]
+    if partitions_weights and frozen:
+        return (f"{KEY}={size}: {frozen[0]} is frozen (a LoRA fine-tune's base), and DeepSpeed's ZeRO-3 checkpoints"
+                " under AutoEP hold no frozen expert weights (its first save stops the run); split the experts under"
+                f" FSDP (strategy=fsdp {KEY}={size}), or train them")
     return None
 
 
@@ -90,7 +97,7 @@ def experts_to_split(config: dict[str, Any], module: nn.Module) -> list[str]:
     size = autoep_size(config)
     if size == 1 or swapped_layers(module):  # off, or swapped already: a test after fit builds its engine again
         return []
-    if why := model_refusal(module, size):
+    if why := model_refusal(module, size, partitions_weights=(config.get("zero_optimization") or {}).get("stage") == 3):
         raise ValueError(why)
     return [name for name, _ in experts_modules(module)]
 

@@ -395,7 +395,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
             refuse_several_optimizers(model)
             refuse_expert_layers_under_zero_1_2(model, self.zero.stage)
             if self.expert_parallel_size > 1 and next(model.parameters(), None) is not None:
-                if why := autoep_model_refusal(model, self.expert_parallel_size):  # else built in configure_model
+                if why := autoep_model_refusal(model, self.expert_parallel_size, self.zero.partitions_parameters):
                     raise ValueError(why)
             if self.tensor_parallel_size > 1 and (why := autotp_model_refusal(model, self.tensor_parallel_size)):
                 raise ValueError(why)
@@ -413,7 +413,9 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
             return why
         if parallel_dims.cp > 1 and (why := positions_refusal(model, parallel_dims.cp)):
             return why
-        return autoep_model_refusal(model, parallel_dims.ep) if parallel_dims.ep > 1 else None
+        if parallel_dims.ep > 1:
+            return autoep_model_refusal(model, parallel_dims.ep, self.zero.partitions_parameters)
+        return None
 
     def check_options(self) -> None:
         plan = self.blocks.checkpointing
