@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_dist._compat.transformers import head_plan
+from lightning_dist._compat.transformers import head_plan, transformers_models
 
 # What a stage after the first cannot receive: it gets the hidden states only.
 _FIRST_STAGE_ONLY = ("attention_mask", "position_ids")
@@ -64,6 +64,19 @@ class TransformersStage:
     @staticmethod
     def answer(trunk: Any, output: Any, args: tuple, kwargs: dict) -> Any:
         return answer(trunk, output, args, kwargs)
+
+
+def router_loss_refusal(model: nn.Module, size: int) -> str | None:
+    """Why pipeline stages cannot train `model`: a transformers mixture of experts asked for its routers'
+    load-balancing loss, which it makes from every layer's router logits at once (each stage holds some of the
+    layers: every rank stopped in the first step); None where none asks."""
+    for found in transformers_models(model):
+        if getattr(found.config, "output_router_logits", False):
+            return (f"strategy.pipeline_parallel_size={size}: {type(found).__name__} adds its routers' load-balancing"
+                    " loss (model.config.output_router_logits=true), made from every layer's routers at once, which"
+                    " pipeline stages hold apart; set it false to train without it, or split the experts instead"
+                    " (strategy=fsdp strategy.expert_parallel_size=2)")
+    return None
 
 
 def answer(trunk: Any, output: Any, args: tuple, kwargs: dict) -> Any:

@@ -49,6 +49,7 @@ from lightning_dist.parallel.grad_norm import check_placements, clip_grad_norm_
 from lightning_dist.parallel.module_state import move_module_state
 from lightning_dist.parallel.pipeline_layout import dry_run_refusal as pipeline_dry_run_refusal
 from lightning_dist.parallel.pipeline_split import PipelineSplit
+from lightning_dist.parallel.pipeline_transformers import router_loss_refusal
 from lightning_dist.parallel.precision import PrecisionSupport
 from lightning_dist.parallel.quantized import QuantizedSupport, data_parallel_support
 from lightning_dist.parallel.sharded_init import has_meta_parameters, parameters_on_meta
@@ -196,6 +197,8 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
             if self.pipeline.size > 1:
                 refuse_learning_rate_finder(trainer, "fits the model twice, and pipeline stages split it in place in"
                                                      " the first fit")
+                if why := router_loss_refusal(model, self.pipeline.size):
+                    raise ValueError(why)
                 if not self.holds_split(model):
                     self.pipeline.split(model, block_classes, pp_rank=0)
             if self.tensor_parallel_size != 1 and not is_overridden("configure_model", model, pl.LightningModule):
@@ -211,6 +214,8 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         try:
             block_classes = self.block_classes_of(model)
             if self.pipeline.size > 1:
+                if why := router_loss_refusal(model, self.pipeline.size):
+                    return why
                 self.pipeline.split(model, block_classes, pp_rank=0)
             if parallel_dims.tp > 1 and not is_overridden("configure_model", model, pl.LightningModule):
                 resolve_plan(model, self.tensor_parallel_plan, parallel_dims.tp)  # else it may split itself
