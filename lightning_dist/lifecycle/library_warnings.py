@@ -18,6 +18,10 @@ LIBRARY_WARNINGS = (
     (r"The module hierarchy tracking maybe be messed up", r"torch\.distributed\._tools"),
     # transformers 5.25 about the property PEFT 0.21 reads as it wraps a model in adapters (once per rank)
     (r"`is_gradient_checkpointing` is deprecated", r"transformers"),
+    # PEFT 0.21 about the rank and alpha it sets itself for a mixture of experts' fused gate_up_proj (LoRA on its
+    # experts' parameters, all-linear): it checks them against module names only, and applies them to the parameter
+    (r"The following (rank|alpha)_pattern keys did not match any targeted module and were ignored: "
+     r"\['\.\*\\\\\.gate_up_proj'\]", r"peft"),
 )
 
 # Lines libraries log about their own set-up that no run here can act on: (logger, the line's start).
