@@ -4,9 +4,10 @@ tests the last checkpoint in a Trainer without the callback, and resumes a secon
 Rank 0 writes OUT_DIR/result.json: the validation losses (the average's, which the callback swaps in), the test
 losses (the model as the callback leaves it: the average; each checkpoint, whose own weights the callback restores
 beside the average; the last checkpoint's `state_dict` alone: the average) and the resumed fit's.
-STRATEGY `ld_fsdp_one_file`: ld_fsdp gathering each checkpoint into one file.
+STRATEGY `ld_fsdp_one_file`: ld_fsdp gathering each checkpoint into one file. `compiled` after CALLBACK: the module
+compiles its transformers model (`torch.compile`, the eager backend: the same numbers).
 
-    PYTHONPATH=. python tests/weight_averaging_script.py OUT_DIR ld_ddp ema
+    PYTHONPATH=. python tests/weight_averaging_script.py OUT_DIR ld_ddp ema [compiled]
 """
 
 import json
@@ -25,10 +26,13 @@ from tests.tiny_llama import tiny_llama
 TOKENS = torch.randint(0, 128, (16, 16), generator=torch.Generator().manual_seed(1))
 
 
+COMPILED = sys.argv[4:] == ["compiled"]
+
+
 class FineTune(L.LightningModule):
     def __init__(self):
         super().__init__()
-        self.model = tiny_llama()
+        self.model = torch.compile(tiny_llama(), backend="eager") if COMPILED else tiny_llama()
 
     def training_step(self, batch, batch_idx):
         outputs = self.model(input_ids=batch[0], labels=batch[0])

@@ -28,6 +28,8 @@ __all__ = [
     "checkpoint_wrapper",
     "CheckpointWrapper",
     "compilation_events",
+    "compiled_wrappers",
+    "COMPILED_PREFIX",
     "compile_forward",
     "eager",
     "cpu_flash_attention",
@@ -80,6 +82,7 @@ DCP_METADATA_GLOBALS = {("torch.serialization", "_get_layout")}
 FENCED = [
     Fenced("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "_CHECKPOINT_WRAPPED_MODULE"),
     Fenced("torch.serialization", "_get_layout"),
+    Fenced("torch._dynamo.eval_frame", "OptimizedModule"),  # torch.compile(module)'s wrapper (compiled_wrappers)
     Fenced("torch", "ops._c10d_functional.all_gather_into_tensor"),
     Fenced("torch.nn", "MultiheadAttention._reset_parameters", ("self",)),
     *(Fenced("torch", f"ops.aten.{name}") for name in ATTENTION_KERNEL_OPS),
@@ -338,6 +341,16 @@ def is_compiled(module: nn.Module) -> bool:
     or its forward alone was compiled (`compile_forward`)."""
     compiled_forward = hasattr(vars(module).get("forward"), "_torchdynamo_orig_callable")
     return getattr(module, "_compiled_call_impl", None) is not None or compiled_forward
+
+
+COMPILED_PREFIX = "_orig_mod."  # where `torch.compile(module)`'s wrapper holds the module it compiled
+
+
+def compiled_wrappers(module: nn.Module) -> list[nn.Module]:
+    """The wrappers `torch.compile(m)` returned that sit in `module` (each holds `m` under `COMPILED_PREFIX`)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return [wrapper for wrapper in module.modules() if isinstance(wrapper, OptimizedModule)]
 
 
 def eager() -> Any:

@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from lightning_dist._compat.lightning import attached_trainer, give_device_mesh, move_optimizers_to_device
 from lightning_dist._compat.torch import checkpoint_loads_in_one_process, fully_sharded_parameters, fully_sharded_units
+from lightning_dist.checkpoints.compiled_names import load_saved_names_into_compiled_parts
 from lightning_dist.checkpoints.contents import left_frozen_weights_out
 from lightning_dist.checkpoints.formats import CURRENT_MODEL_STATE, DISTRIBUTED
 from lightning_dist.checkpoints.resume import (
@@ -369,6 +370,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
         if self._pipeline_split is not None and self._pipeline_steps is None:
             self._pipeline_steps = self.pipeline.steps(self, self._pipeline_split, roots)
         refuse_own_save_pretrained(self.model, self.strategy_name)
+        load_saved_names_into_compiled_parts(self.model)
         if self.parallel_dims.cp > 1:
             cp_rank = self.parallel_dims.coordinates(self.global_rank)["cp"]
             self.context = self.context_axis(self.device_mesh, cp_rank, self.root_device, self.lightning_module)

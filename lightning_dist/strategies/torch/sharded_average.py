@@ -136,6 +136,7 @@ class ShardedAveragedModel(AveragedModel):
     def __init__(self, model: nn.Module, device: torch.device | int | None, use_buffers: bool, **arguments: Any):
         super().__init__(nn.Module(), use_buffers=use_buffers, **arguments)  # copies nothing: the copy is below
         self.module = _copy_of(model, None if device is None else torch.device(device))
+        _check_names(model, self.module)
 
     def update_parameters(self, model: nn.Module) -> None:
         _reshard(model)  # each parameter its shard
@@ -176,16 +177,32 @@ def _copy_of(model: nn.Module, device: torch.device | None) -> nn.Module:
     for name, parameter in model.named_parameters(remove_duplicate=False):
         if id(parameter) not in copies:
             copies[id(parameter)] = nn.Parameter(_cloned(parameter, device), requires_grad=False)
-        owner, leaf = _owner(copy, plain_name(name))
+        owner, leaf = _owner(copy, _saved_name(name))
         owner.register_parameter(leaf, copies[id(parameter)])  # type: ignore[arg-type]
-    persistent = {plain_name(name) for name in model.state_dict()}
+    persistent = {_saved_name(name) for name in model.state_dict()}
     for name, buffer in model.named_buffers(remove_duplicate=False):
         if id(buffer) not in copies:
             copies[id(buffer)] = _cloned(buffer, device)
-        owner, leaf = _owner(copy, plain_name(name))
-        owner.register_buffer(leaf, copies[id(buffer)], persistent=plain_name(name) in persistent)
+        owner, leaf = _owner(copy, _saved_name(name))
+        owner.register_buffer(leaf, copies[id(buffer)], persistent=_saved_name(name) in persistent)
     _check_pairs(model, copy)
     return copy
+
+
+def _check_names(model: nn.Module, copy: nn.Module) -> None:
+    """The copy's state dict is saved as the model's `state_dict` (Lightning's callback puts it there): a
+    RuntimeError where its names are not the ones the model's checkpoints hold."""
+    saved, copied = set(_state_dict(model)), set(copy.state_dict())
+    if saved != copied:
+        name = sorted(copied - saved or saved - copied)[0]
+        raise RuntimeError(f"the weight average's copy of the model names {name} otherwise than the model's"
+                           " checkpoints: a checkpoint of the average would not load")
+
+
+def _saved_name(name: str) -> str:
+    """`name` as checkpoints name it (torch's state dicts for sharded models): without the wrappers activation
+    checkpointing and `torch.compile` put into a module's names."""
+    return plain_name(name).replace("._orig_mod", "").removeprefix("_orig_mod.")
 
 
 def _cloned(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
@@ -214,8 +231,8 @@ def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
 def _check_pairs(model: nn.Module, copy: nn.Module) -> None:
     """Lightning's callback pairs the copy's tensors with the model's by order (its swap for validation, its copy
     into the model at the end): a RuntimeError where the names, in order, differ."""
-    own = [plain_name(name) for name, _ in model.named_parameters()] + [
-        plain_name(name) for name, _ in model.named_buffers()]
+    own = [_saved_name(name) for name, _ in model.named_parameters()] + [
+        _saved_name(name) for name, _ in model.named_buffers()]
     copied = [name for name, _ in copy.named_parameters()] + [name for name, _ in copy.named_buffers()]
     if own != copied:
         differ = next(i for i, (a, b) in enumerate(zip(own + [""], copied + [""])) if a != b)
