@@ -22,6 +22,12 @@ def load_saved_names_into_compiled_parts(module: nn.Module) -> None:
             setattr(wrapper, "loads_saved_names", True)  # noqa: B010  # not a torch attribute: mypy reads it as one
 
 
+def torch_state_dict_name(name: str) -> str:
+    """`name` (a parameter's, as checkpoints name it) as torch's state-dict functions name it: a compiled part's
+    weights without `_orig_mod.`."""
+    return name.replace("." + COMPILED_PREFIX, ".").removeprefix(COMPILED_PREFIX)
+
+
 def _with_compiled_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
     for name in [name for name in state_dict if name.startswith(prefix)]:
         if not name.startswith(prefix + COMPILED_PREFIX):

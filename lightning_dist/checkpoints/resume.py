@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
 from lightning_dist._compat.lightning import unwrapped_optimizer
+from lightning_dist.checkpoints.compiled_names import torch_state_dict_name
 from lightning_dist.checkpoints.consolidate import GROUP_SETTINGS, load_consolidated
 from lightning_dist.checkpoints.contents import saved_weights_only, weights_only_refusal
 from lightning_dist.checkpoints.formats import CURRENT_MODEL_STATE, CheckpointError
@@ -217,6 +218,10 @@ def restore_optimizer_by_name(
         }
     if whole_model_groups is not None:
         full = _own_part(strategy, module, optimizer, full)
+    if full:  # torch's names for a compiled part's weights (a one-file resume stopped: "Missing optimizer state")
+        full = {"state": {torch_state_dict_name(name): value for name, value in full["state"].items()},
+                "param_groups": [{**group, "params": [torch_state_dict_name(name) for name in group["params"]]}
+                                 for group in full["param_groups"]]}
     set_optimizer_state_dict(module, optimizer, optim_state_dict=full,
                              options=_FROM_RANK_ZERO if whole_model_groups is None else _WHOLE_ON_EVERY_RANK)
 

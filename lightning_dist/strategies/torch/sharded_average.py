@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel
 
 from lightning_dist._compat.lightning import averaging_arguments, give_average_model
+from lightning_dist.checkpoints.compiled_names import torch_state_dict_name
 from lightning_dist.checkpoints.formats import CURRENT_MODEL_STATE
 from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.strategies.weight_averaging import weight_averaging_callbacks
@@ -202,7 +203,7 @@ def _check_names(model: nn.Module, copy: nn.Module) -> None:
 def _saved_name(name: str) -> str:
     """`name` as checkpoints name it (torch's state dicts for sharded models): without the wrappers activation
     checkpointing and `torch.compile` put into a module's names."""
-    return plain_name(name).replace("._orig_mod", "").removeprefix("_orig_mod.")
+    return torch_state_dict_name(plain_name(name))
 
 
 def _cloned(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
