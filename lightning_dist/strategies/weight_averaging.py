@@ -4,12 +4,13 @@ strategies.
 Each keeps a copy of the model (made in its `setup`, before the strategy shards the model), averages the model's
 parameters into it after steps, and writes it as the checkpoint's `state_dict`. As Lightning wrote them, they need
 the whole weights on every rank and Lightning's own checkpoint layout, which ld_ddp has. ld_fsdp keeps
-`WeightAveraging`'s copy sharded as the model is (strategies/torch/sharded_average.py). Elsewhere they were measured
-stopping or silently wrong (2 CPU ranks, a transformers Llama, `EMAWeightAveraging(decay=0.9)`): under ld_fsdp every
-update stopped the run (`aten.copy_.default got mixed torch.Tensor and DTensor`); under ZeRO-3, whose module
-parameters are empty placeholders, the averaged model tested 4.7545 against ddp's 4.7465, without a word; under
-ZeRO-1/2 the checkpoints held the engine's weights and not the average (it was lost), and testing one stopped
-(`KeyError: 'state_dict'`). There the launch stops in one line, before any rank starts.
+`WeightAveraging`'s copy sharded as the model is (strategies/torch/sharded_average.py: Lightning's own copy stopped
+the run at its first update, `aten.copy_.default got mixed torch.Tensor and DTensor`). Elsewhere they were measured
+stopping or silently wrong (2 CPU ranks, a transformers Llama, `EMAWeightAveraging(decay=0.9)`): under ZeRO-3, whose
+module parameters are empty placeholders, the averaged model tested 4.7545 against ddp's 4.7465, without a word;
+under ZeRO-1/2 the checkpoints held the engine's weights and not the average (it was lost), and testing one stopped
+(`KeyError: 'state_dict'`). There, and for StochasticWeightAveraging under ld_fsdp and pipeline stages, the launch
+stops in one line, before any rank starts.
 
 Once a fit has made its average, the callback restores both the average and the model's own weights from every
 checkpoint loaded (`on_load_checkpoint`), each from the whole dict on every rank: what a load that reads a checkpoint
