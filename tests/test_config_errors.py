@@ -204,17 +204,12 @@ REFUSED = [
      "strategy.context_parallel_size=2: HFLanguageModel has no position embedding (position_embedding, wpe,"
      " embed_positions) or rotary table to give each shard its positions (ALiBi models, such as BLOOM, have none)"),
     # A mixture of experts' load-balancing loss reads every layer's routers at once (every rank stopped in the first
-    # step, in a traceback); LoRA on its experts' parameters, which expert parallelism split without their adapters
+    # step, in a traceback)
     (["model=hf_mixtral", "strategy=fsdp_pp"],
      "strategy.pipeline_parallel_size=2: MixtralForCausalLM adds its routers' load-balancing loss"
      " (model.config.output_router_logits=true), made from every layer's routers at once, which pipeline stages hold"
      " apart; set it false to train without it, or split the experts instead (strategy=fsdp"
      " strategy.expert_parallel_size=2)"),
-    (["model=hf_mixtral", "+lora=default", "strategy=fsdp", "strategy.expert_parallel_size=2"],
-     "strategy.expert_parallel_size=2: model.base_model.model.model.layers.0.mlp.experts holds LoRA adapters on its"
-     " experts' parameters (PEFT's target_parameters, which its all-linear adds for a mixture of experts), which"
-     " expert parallelism does not split with the experts; adapt the attention alone"
-     " (model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]) or set it to 1"),
     (["model=hf_gpt2", "strategy=fsdp_tp"],
      "strategy.tensor_parallel_size=2: HFLanguageModel has no tensor-parallel plan (a `tp_plan` attribute); set"
      " strategy.tensor_parallel_plan"),

@@ -14,7 +14,9 @@ from lightning_dist._compat.fenced import Fenced
 
 FENCED = [Fenced("peft.tuners.tuners_utils", "BaseTunerLayer.adapter_layer_names"),
           Fenced("peft.tuners.tuners_utils", "BaseTunerLayer.other_param_names"),
-          Fenced("peft.tuners.lora", "Linear")]  # LoRA's linear layer: its base_layer, lora_A and lora_B
+          Fenced("peft.tuners.lora", "Linear"),  # LoRA's linear layer: its base_layer, lora_A and lora_B
+          # LoRA on one parameter of its module (target_parameters: a mixture of experts' 3-D ones)
+          Fenced("peft.tuners.lora", "ParamWrapper.get_delta_factors", ("self", "adapter_name"))]
 
 
 # Where a tuner layer holds the layer it tunes (`BaseTunerLayer.get_base_layer`): a name the base model lacks.
@@ -64,3 +66,49 @@ def lora_linear_factors(module: Any) -> tuple[list[str], list[str]] | None:
     if type(module) is not Linear or len(getattr(module, "lora_magnitude_vector", ())):
         return None
     return [f"lora_A.{name}" for name in module.lora_A], [f"lora_B.{name}" for name in module.lora_B]
+
+
+def parameter_adapters(model: Any, name: str) -> list[Any]:
+    """PEFT's LoRA wrappers (`ParamWrapper`, of `target_parameters`) around the module `name` of `model`, outermost
+    first: PEFT wraps a module once per parameter it adapts, each wrapper's `base_layer` the next. Empty where there
+    are none (or peft was never imported)."""
+    if not imported():
+        return []
+    from peft.tuners.lora import ParamWrapper
+
+    wrappers = []
+    while name.endswith(f".{TUNED_LAYER}"):
+        name = name.removesuffix(f".{TUNED_LAYER}")
+        module = model.get_submodule(name)
+        if not isinstance(module, ParamWrapper):
+            break
+        wrappers.append(module)
+    return wrappers[::-1]
+
+
+def active_expert_factors(wrapper: Any, experts: slice) -> list[tuple[Any, Any, float]]:
+    """`(lhs, rhs, scaling)` of each of `wrapper`'s active adapters, for `experts` only (slices of its 3-D
+    parameter's first dimension): the delta of those experts' weights is `scaling * lhs @ rhs`, as PEFT adds it
+    (`ParamWrapper.get_delta_factors`, whose factors are views of the adapters' weights: a slice of them carries
+    the gradient of those experts' rows and columns alone). Empty while its adapters are disabled."""
+    if wrapper.disable_adapters:
+        return []
+    factors = []
+    for adapter in wrapper.active_adapters:
+        if adapter in wrapper.lora_A:
+            lhs, rhs, scaling = wrapper.get_delta_factors(adapter)
+            factors.append((lhs[experts], rhs[experts], scaling))
+    return factors
+
+
+def run_base_layer_only(wrapper: Any) -> None:
+    """`wrapper` (a `ParamWrapper`) calls its base layer and nothing else: its own forward adds its adapters' delta
+    for every expert to the whole parameter (a parametrization for the call), where expert parallelism holds a
+    rank's experts' slice and adds theirs itself (parallel/expert_parallel/layers.py). An instance attribute, as
+    FSDP2's class swap keeps it."""
+    base_layer = getattr(wrapper, TUNED_LAYER)
+
+    def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
+        return base_layer(x, *args, **kwargs)
+
+    wrapper.forward = forward

@@ -5,20 +5,21 @@ rest (accelerate #4206: (N-1)/N of each adapter gone at resume) or writes nothin
 `adapter_model.safetensors`). Here the adapters alone are gathered from every rank, and global rank 0 has PEFT
 write them (`PeftModel.save_pretrained` with the gathered state dict), so `PeftModel.from_pretrained` loads them.
 
-Under pipeline stages PEFT picks an adapter's entries by the tuner layers the model holds, a stage's own: each stage
-has PEFT name its entries (`get_peft_model_state_dict`), and the file holds every stage's.
+PEFT picks an adapter's entries by the names of the tuner layers the model holds (`get_peft_model_state_dict`), which
+activation checkpointing's wrapper is part of, and under pipeline stages a stage's own: each rank has PEFT pick its
+entries named as its model names them, and the file holds every stage's under their plain names.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_dist._compat.peft import adapter_names, is_tuner_layer
 from lightning_dist.checkpoints.gather import every_stage, gather_full_state_dict, plain_name
-from lightning_dist.parallel.pipeline_split import stage_group
 
 
 def adapter_parameter_names(model: nn.Module) -> set[str]:
@@ -41,25 +42,37 @@ def save_adapters(model: nn.Module, folder: str | Path) -> Path:
     if not names:
         raise ValueError(f"save_adapters: {type(model).__name__} has no PEFT adapters (get_peft_model adds them)")
     adapters = gather_full_state_dict(model, names)
-    by_stage = _named_by_each_stage(model, adapters) if stage_group(model) is not None else {}
-    main = not dist.is_initialized() or dist.get_rank() == 0
-    if main:
-        model.save_pretrained(str(folder), state_dict=adapters, is_main_process=True)  # type: ignore[operator]
-        for adapter, entries in by_stage.items():  # PEFT wrote this stage's entries only
-            from peft.utils import SAFETENSORS_WEIGHTS_NAME
-            from safetensors.torch import save_file
+    entries = {adapter: every_stage(model, _picked_by_peft(model, adapters, adapter, names))
+               for adapter in model.peft_config}  # type: ignore[union-attr]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        from peft.utils import SAFETENSORS_WEIGHTS_NAME
+        from safetensors.torch import save_file
 
+        model.save_pretrained(str(folder), state_dict=adapters, is_main_process=True)  # type: ignore[operator]
+        for adapter, written in entries.items():  # PEFT's own pick is replaced: see _picked_by_peft
             directory = Path(folder) if adapter == "default" else Path(folder) / adapter  # as PEFT places them
-            save_file({name: value.contiguous() for name, value in entries.items()},
+            save_file({name: value.contiguous() for name, value in written.items()},
                       directory / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
     if dist.is_initialized():
         dist.barrier()
     return Path(folder)
 
 
-def _named_by_each_stage(model: nn.Module, adapters: dict) -> dict[str, dict]:
-    """Each adapter's entries as PEFT names them in its file, from every pipeline stage (a collective)."""
+def _picked_by_peft(model: nn.Module, adapters: dict[str, torch.Tensor], adapter: str, names: set[str]
+                    ) -> dict[str, torch.Tensor]:
+    """`adapter`'s entries of `adapters` (plain names) as PEFT names them in its file. PEFT picks them by the names
+    of the tuner layers `model` holds (`get_peft_model_state_dict`): activation checkpointing's wrapper is in those,
+    not in a state dict's, and PEFT wrote an empty file (every block checkpointed) or one without some layers'
+    adapters; a pipeline stage holds its own layers only. So PEFT picks from the entries named as the model names
+    them, which are then written under the plain names; each of the adapter's weights must be among them."""
     from peft import get_peft_model_state_dict
 
-    return {adapter: every_stage(model, get_peft_model_state_dict(model, state_dict=adapters, adapter_name=adapter))
-            for adapter in model.peft_config}  # type: ignore[union-attr]
+    as_the_model_names_them = {name: adapters[plain_name(name)] for name, _ in model.named_parameters()
+                               if plain_name(name) in adapters}
+    picked = {plain_name(name): value for name, value in
+              get_peft_model_state_dict(model, state_dict=as_the_model_names_them, adapter_name=adapter).items()}
+    held = [name for name in names if f".{adapter}." in f".{name}."]
+    if len(picked) < len(held):
+        raise RuntimeError(f"save_adapters: PEFT picked {len(picked)} of the {len(held)} weights of adapter"
+                           f" {adapter!r} that {type(model).__name__} holds (such as {held[0]}): nothing written")
+    return picked

@@ -1,7 +1,9 @@
 """Two gloo ranks split a layer's experts (lightning_dist/parallel/expert_parallel) and compare, on each rank, the
 outputs and gradients with the unsplit experts run on every rank's tokens: `python -m tests.parallel.
 expert_dispatch_ranks DIR` writes each rank's largest differences to DIR/rank{r}.json. Rank 0's tokens choose
-experts 0 and 1 only, rank 1's 0 and 3: expert 2 (held by rank 1) gets no token at all, expert 3 only rank 1's."""
+experts 0 and 1 only, rank 1's 0 and 3: expert 2 (held by rank 1) gets no token at all, expert 3 only rank 1's.
+Three layouts: a list of modules, transformers' fused experts, and those with PEFT's LoRA on both their parameters
+(`target_parameters`, as a user's all-linear puts them), called through PEFT's wrapper as the model calls it."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
+from lightning_dist._compat.peft import parameter_adapters
 from lightning_dist.lifecycle.process_exit import close_process_group
 from lightning_dist.models.gpt_moe import RoutedExperts, expert_mlp
 from lightning_dist.parallel.expert_parallel.layers import split_experts
@@ -23,17 +26,35 @@ D, EXPERTS, TOKENS = 8, 4, 6
 CHOICES = {0: (0, 1), 1: (0, 3)}
 
 
-def experts_of(kind: str) -> torch.nn.Module:
+class Layer(torch.nn.Module):
+    """Where a model holds its experts: PEFT finds their parameters by name from here."""
+
+    def __init__(self, experts: torch.nn.Module) -> None:
+        super().__init__()
+        self.experts = experts
+
+
+def experts_of(kind: str) -> tuple[torch.nn.Module, str]:
+    """The layer and the name of its experts module that expert parallelism splits."""
     torch.manual_seed(0)
     if kind == "module_list":
-        return RoutedExperts(expert_mlp(D) for _ in range(EXPERTS))
+        return Layer(RoutedExperts(expert_mlp(D) for _ in range(EXPERTS))), "experts"
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-    experts = MixtralExperts(MixtralConfig(hidden_size=D, intermediate_size=2 * D, num_local_experts=EXPERTS))
-    for parameter in experts.parameters():
-        torch.nn.init.normal_(parameter, std=0.2)
-    return experts
+    layer = Layer(MixtralExperts(MixtralConfig(hidden_size=D, intermediate_size=2 * D, num_local_experts=EXPERTS)))
+    if kind == "fused":
+        for parameter in layer.parameters():
+            torch.nn.init.normal_(parameter, std=0.2)
+        return layer, "experts"
+    from peft import LoraConfig, inject_adapter_in_model
+
+    layer.requires_grad_(False)
+    layer = inject_adapter_in_model(LoraConfig(r=2, target_modules=[], target_parameters=[
+        "experts.gate_up_proj", "experts.down_proj"]), layer)
+    for parameter in layer.parameters():
+        torch.nn.init.normal_(parameter, std=0.2)  # LoRA's B starts at zeros: A's gradient would be zeros too
+    return layer, "experts.base_layer.base_layer"
 
 
 def inputs_of(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -45,39 +66,45 @@ def inputs_of(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torc
 
 
 def largest_differences(kind: str, rank: int) -> dict[str, float]:
-    whole, split = experts_of(kind), experts_of(kind)
-    split_experts("experts", split, init_device_mesh("cpu", (2,)), rank)
+    (whole, _), (split, name) = experts_of(kind), experts_of(kind)
+    split_experts(name, split.get_submodule(name), init_device_mesh("cpu", (2,)), rank,
+                  parameter_adapters(split, name))
     differences: dict[str, object] = {}
     for source in (0, 1):  # the unsplit experts on both ranks' tokens: their gradients add up (to twice the mean)
         hidden, chosen, weights, upstream = inputs_of(source)
-        out = whole(hidden, chosen, weights)
+        out = whole.experts(hidden, chosen, weights)
         (out * upstream).sum().backward()
         if source == rank:
             expected = (out.detach(), hidden.grad.clone(), weights.grad.clone())
     # An expert no token chose has no gradient unsplit; split, its holder gives it a zero one (FSDP waits for it).
-    reference_grads = {name: torch.zeros_like(p) if p.grad is None else p.grad for name, p in whole.named_parameters()}
+    reference_grads = {name: torch.zeros_like(p) if p.grad is None else p.grad for name, p in whole.named_parameters()
+                       if p.requires_grad}
     hidden, chosen, weights, upstream = inputs_of(rank)
-    out = split(hidden, chosen, weights)
+    out = split.experts(hidden, chosen, weights)
     (out * upstream).sum().backward()
-    for name, ours, theirs in zip(("output", "hidden grad", "weights grad"), (out, hidden.grad, weights.grad),
+    for what, ours, theirs in zip(("output", "hidden grad", "weights grad"), (out, hidden.grad, weights.grad),
                                   expected):
-        differences[name] = (ours - theirs).abs().max().item()
-    for name, parameter in split.named_parameters():
+        differences[what] = (ours - theirs).abs().max().item()
+    for parameter_name, parameter in split.named_parameters():
+        if not parameter.requires_grad:
+            continue
         grad = parameter.grad.to_local() if hasattr(parameter.grad, "to_local") else parameter.grad
-        full = reference_grads[name]
+        full = reference_grads[parameter_name]
         if hasattr(parameter, "to_local"):  # a fused parameter: this rank's experts' slice
             local = parameter.to_local().shape[0]
             full = full[rank * local:(rank + 1) * local]
+        elif not parameter_name.startswith(f"{name}."):  # LoRA's, whole on every rank: FSDP averages them over all
+            dist.all_reduce(grad, op=dist.ReduceOp.AVG)
         # The mean over the group's 2 ranks: FSDP averages it over the ranks left to the expert, not over all.
-        differences[f"grad {name}"] = (grad - full / 2).abs().max().item()
-    differences["held"] = sorted(name for name, _ in split.named_parameters())
+        differences[f"grad {parameter_name}"] = (grad - full / 2).abs().max().item()
+    differences["held"] = sorted(held for held, _ in split.get_submodule(name).named_parameters())
     return differences
 
 
 def main(rank: int, directory: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1")
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    results = {kind: largest_differences(kind, rank) for kind in ("module_list", "fused")}
+    results = {kind: largest_differences(kind, rank) for kind in ("module_list", "fused", "fused_lora")}
     Path(directory, f"rank{rank}.json").write_text(json.dumps(results))
     # Not dist.destroy_process_group alone: the backward's all-to-alls leave gloo workers that abort the process if
     # the interpreter finalizes before they finish (seen in CI: SIGABRT, "terminate called without an active

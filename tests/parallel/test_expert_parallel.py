@@ -1,8 +1,8 @@
 """Expert parallelism (lightning_dist/parallel/expert_parallel): each rank of a group holds experts / size of each
 layer, tokens go to their experts and back by all-to-all. Its layout over the ranks, its refusals, the dispatch on
 two gloo ranks against the unsplit experts, and runs of train.py as users type them: ep 2 x dp 2 trains ep 1's
-losses for the bundled MoE and a transformers Mixtral (with activation checkpointing), beside tensor and context
-parallelism too, and its checkpoints resume under ep 1, 4, ddp and ZeRO-3 (and ep 1's under ep 2) with the
+losses for the bundled MoE and a transformers Mixtral LoRA fine-tune, adapters on its experts too (with activation
+checkpointing), beside tensor and context parallelism too, and its checkpoints resume under ep 1, 4, ddp and ZeRO-3 (and ep 1's under ep 2) with the
 uninterrupted run's losses."""
 
 from __future__ import annotations
@@ -93,29 +93,31 @@ def test_transformers_fused_experts_are_found_and_their_routers_are_not():
         "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
 
 
-def test_lora_on_the_experts_parameters_is_refused_and_on_the_attention_alone_is_split():
+def test_lora_on_the_experts_parameters_is_found_around_the_experts_it_adapts():
     """PEFT's all-linear adds a mixture of experts' 3-D parameters to LoRA's targets (target_parameters), wrapping the
-    experts module: split under it, every rank stopped in the first step (`aten.baddbmm.default got mixed
-    torch.Tensor and DTensor`). The attention's adapters alone leave the experts as they were (measured: ep 2 trains
-    ddp's losses)."""
+    experts module once per parameter: the module split is the innermost, and the wrappers' adapters are found to go
+    with it (the experts split without them, every rank had stopped in the first step: `aten.baddbmm.default got
+    mixed torch.Tensor and DTensor`)."""
     from peft import LoraConfig, get_peft_model
     from transformers import MixtralConfig, MixtralForCausalLM
+
+    from lightning_dist._compat.peft import parameter_adapters
 
     config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                            num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2)
     adapted = get_peft_model(MixtralForCausalLM(config), LoraConfig(r=4, target_modules="all-linear"))
-    assert refusal(adapted, 2) == (
-        "strategy.expert_parallel_size=2: base_model.model.model.layers.0.mlp.experts holds LoRA adapters on its"
-        " experts' parameters (PEFT's target_parameters, which its all-linear adds for a mixture of experts), which"
-        " expert parallelism does not split with the experts; adapt the attention alone"
-        " (model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]) or set it to 1")
+    assert refusal(adapted, 2) is None
+    names = [name for name, _ in experts_modules(adapted)]
+    assert names == [f"base_model.model.model.layers.{layer}.mlp.experts.base_layer.base_layer" for layer in (0, 1)]
+    assert [wrapper.parameter_name for wrapper in parameter_adapters(adapted, names[0])] == ["down_proj",
+                                                                                          "gate_up_proj"]
     attention = get_peft_model(MixtralForCausalLM(config), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    assert refusal(attention, 2) is None
+    assert parameter_adapters(attention, "base_model.model.model.layers.0.mlp.experts") == []
 
 
 def test_two_ranks_split_the_experts_with_the_unsplit_outputs_and_gradients(tmp_path):
-    """Both layouts (a list of modules, transformers' fused 3-D parameters); an expert no token chose anywhere,
-    one chosen by one rank's tokens only."""
+    """Both layouts (a list of modules, transformers' fused 3-D parameters, these with LoRA on both); an expert no
+    token chose anywhere, one chosen by one rank's tokens only."""
     run = subprocess.run([sys.executable, "-m", "tests.parallel.expert_dispatch_ranks", str(tmp_path)], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -124,9 +126,10 @@ def test_two_ranks_split_the_experts_with_the_unsplit_outputs_and_gradients(tmp_
         held = [f"{expert}.{layer}.{kind}" for expert in (2 * rank, 2 * rank + 1) for layer in (0, 2)
                 for kind in ("bias", "weight")]
         assert results["module_list"].pop("held") == held  # this rank's experts, by their own names
-        assert results["fused"].pop("held") == ["down_proj", "gate_up_proj"]
+        assert results["fused"].pop("held") == results["fused_lora"].pop("held") == ["down_proj", "gate_up_proj"]
         for kind, differences in results.items():
-            assert len(differences) == {"module_list": 3 + 8, "fused": 3 + 2}[kind]
+            # outputs, hidden states' and routing weights' gradients; each trained parameter's (LoRA's 4 factors)
+            assert len(differences) == {"module_list": 3 + 8, "fused": 3 + 2, "fused_lora": 3 + 4}[kind]
             assert max(differences.values()) < 1e-6, (rank, kind, differences)
 
 
@@ -141,7 +144,9 @@ MODELS = {"gpt_moe": ("model=gpt_moe", "model.n_layer=2"), "hf_mixtral": ("model
                                                                            "model.config.num_hidden_layers=2"),
           # 1 expert a rank and 2 ranks left to shard it: FSDP cuts the fused experts on their second dimension.
           "hf_mixtral 2 experts": ("model=hf_mixtral", "model.config.num_hidden_layers=2",
-                                   "model.config.num_local_experts=2")}
+                                   "model.config.num_local_experts=2"),
+          # LoRA as users fine-tune a mixture of experts: all-linear puts adapters on the fused experts' parameters
+          "hf_mixtral lora": ("model=hf_mixtral", "model.config.num_hidden_layers=2", "+lora=default")}
 RUNS = {
     "gpt_moe ep 1": ("strategy=fsdp", *MODELS["gpt_moe"]),
     "gpt_moe ep 2": ("strategy=fsdp", "strategy.expert_parallel_size=2", *MODELS["gpt_moe"]),  # the docs' command
@@ -150,6 +155,9 @@ RUNS = {
                         *MODELS["hf_mixtral"]),
     "hf_mixtral 2 experts ep 1": ("strategy=fsdp", *MODELS["hf_mixtral 2 experts"]),
     "hf_mixtral 2 experts ep 2": ("strategy=fsdp", "strategy.expert_parallel_size=2", *MODELS["hf_mixtral 2 experts"]),
+    "hf_mixtral lora ep 1": ("strategy=fsdp", *MODELS["hf_mixtral lora"]),
+    "hf_mixtral lora ep 2": ("strategy=fsdp_activation_checkpointing", "strategy.expert_parallel_size=2",
+                             *MODELS["hf_mixtral lora"]),
 }
 
 
@@ -174,10 +182,19 @@ def assert_same_losses(ours: dict[int, float], reference: dict[int, float], step
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", in_the_suite(list(MODELS), ["gpt_moe", "hf_mixtral"]))
+@pytest.mark.parametrize("model", in_the_suite(list(MODELS), ["gpt_moe", "hf_mixtral lora"]))
 def test_ep_2_trains_ep_1_s_losses(model, ep_runs):
     assert_same_losses(read_train_losses(ep_runs(f"{model} ep 2").run_dir),
                        read_train_losses(ep_runs(f"{model} ep 1").run_dir))
+    if "lora" in model:  # the experts' adapters trained, each rank its experts' rows and columns, and written whole
+        from safetensors.torch import load_file
+
+        written = [load_file(ep_runs(f"{model} ep {ep}").run_dir / "adapters" / "adapter_model.safetensors")
+                   for ep in (2, 1)]
+        experts = [name for name in written[1] if "experts" in name and "lora_B" in name]
+        assert len(experts) == 4 and all(written[1][name].abs().max() > 1e-4 for name in experts)
+        for name, weight in written[1].items():
+            torch.testing.assert_close(written[0][name], weight, rtol=0, atol=1e-4)
 
 
 # (the run whose step-SAVED_AT checkpoint is read, what resumes it): a checkpoint keeps the model's own names, each
@@ -189,15 +206,16 @@ RESUMES = {
     "ep 2 -> ddp": ("gpt_moe ep 2", ("strategy=ddp",)),
     "ep 2 -> ZeRO-3": ("gpt_moe ep 2", ("strategy=deepspeed_stage_3",)),
     "hf_mixtral ep 2 -> ep 1": ("hf_mixtral ep 2", ("strategy=fsdp",)),
+    "hf_mixtral lora ep 2 -> ep 1": ("hf_mixtral lora ep 2", ("strategy=fsdp",)),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("resume", in_the_suite(list(RESUMES), ["ep 2 -> ep 1", "hf_mixtral ep 2 -> ep 1"]))
+@pytest.mark.parametrize("resume", in_the_suite(list(RESUMES), ["ep 2 -> ep 1", "hf_mixtral lora ep 2 -> ep 1"]))
 def test_a_checkpoint_moves_in_and_out_of_expert_parallelism_with_the_uninterrupted_losses(resume, ep_runs,
                                                                                            tmp_path):
     source, target = RESUMES[resume]
-    model = source.split()[0]
+    model = source.removesuffix(" ep 2").removesuffix(" ep 1")
     checkpoint = ep_runs(source).run_dir / "checkpoints" / f"step{SAVED_AT:06d}.ckpt"
     resumed = run_train(tmp_path, *target, *MODELS[model], *EP_RUN, f"ckpt_path={checkpoint}")
     assert resumed.process.returncode == 0, resumed.output[-3000:]

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_dist._compat.peft import parameter_adapters
 from lightning_dist.parallel.expert_parallel.layers import (
     CALL,
     KEY,
@@ -26,7 +27,8 @@ class ExpertParallel:
         why = refusal(model, self.size)
         if why is not None:
             raise ValueError(why)
-        self.splits = [split_experts(name, module, mesh, rank) for name, module in experts_modules(model)]
+        self.splits = [split_experts(name, module, mesh, rank, parameter_adapters(model, name))
+                       for name, module in experts_modules(model)]
 
     def holds(self, model: nn.Module) -> bool:
         """Whether these are `model`'s experts (a strategy set up again, fit then test, splits nothing twice)."""

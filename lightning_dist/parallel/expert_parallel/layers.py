@@ -6,7 +6,9 @@ load-balancing loss). Two layouts of that module are split:
 - transformers' fused experts (`MixtralExperts`, `Qwen2MoeExperts`, `OlmoeExperts`, ...: `num_experts`, 3-D
   parameters whose first dimension is the experts): each rank keeps its experts' slice of each parameter, as a
   DTensor sharded over the expert-parallel axis, so its name and full shape stay the model's (checkpoints, FSDP's
-  sharding over the ranks left to the experts);
+  sharding over the ranks left to the experts). LoRA adapters PEFT put on those parameters (`target_parameters`,
+  which its all-linear adds) are not split: FSDP shards them over every rank as it does the attention's, and each
+  rank adds its experts' rows and columns of them to its slices as PEFT adds the whole (`_adapted`);
 - an `nn.ModuleList` of one module per expert that is itself called that way (`model=gpt_moe`'s `RoutedExperts`):
   each rank keeps its experts' modules under their own names; the others' places hold `ExpertElsewhere`.
 A layer that loops over its experts itself (a list without that call) cannot be split there: refused in one line.
@@ -15,15 +17,16 @@ A layer that loops over its experts itself (a list without that call) cannot be 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_dist._compat.peft import active_expert_factors, run_base_layer_only
 from lightning_dist._compat.torch import own_parameters_as
-from lightning_dist.parallel.expert_parallel.dispatch import RunLocal, dispatch_and_combine
+from lightning_dist.parallel.expert_parallel.dispatch import RunLocal, ScaleGradient, dispatch_and_combine
 from lightning_dist.parallel.experts import expert_layers
 
 KEY = "strategy.expert_parallel_size"
@@ -55,15 +58,6 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if (isinstance(module, nn.ModuleList) and _called_with_routing(module)) or _fused_parameters(module)]
 
 
-def _adapter_around(model: nn.Module, name: str) -> str | None:
-    """The name of the PEFT layer that wraps the experts module `name` (its `base_layer`, perhaps of another such
-    layer: PEFT's `target_parameters` wraps a module once per parameter it adapts), or None."""
-    wrapper = name
-    while wrapper.endswith(".base_layer"):
-        wrapper = wrapper.removesuffix(".base_layer")
-    return wrapper if wrapper != name and hasattr(model.get_submodule(wrapper), "lora_A") else None
-
-
 def experts_count(module: nn.Module) -> int:
     return len(module) if isinstance(module, nn.ModuleList) else int(getattr(module, "num_experts"))
 
@@ -79,11 +73,6 @@ def refusal(model: nn.Module, size: int) -> str | None:
     if not modules:
         return (f"{KEY}={size}: {type(model).__name__} has no experts to split (no module called as {CALL}, as"
                 " transformers' MoE models and model=gpt_moe have); set it to 1")
-    if adapted := [wrapper for name, _ in modules if (wrapper := _adapter_around(model, name))]:
-        return (f"{KEY}={size}: {adapted[0]} holds LoRA adapters on its experts' parameters (PEFT's"
-                " target_parameters, which its all-linear adds for a mixture of experts), which expert parallelism"
-                " does not split with the experts; adapt the attention alone"
-                " (model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]) or set it to 1")
     for name, module in modules:
         count = experts_count(module)
         if count % size:
@@ -119,9 +108,11 @@ class SplitExperts:
     calls: int = 0
 
 
-def split_experts(name: str, module: nn.Module, mesh: Any, rank: int) -> SplitExperts:
+def split_experts(name: str, module: nn.Module, mesh: Any, rank: int, adapters: Sequence[nn.Module] = ()
+                  ) -> SplitExperts:
     """Keep this rank's (`rank` of `mesh`, the 1-D expert-parallel mesh) experts of `module` and send its calls
-    through the group (dispatch.py). On the meta device too: nothing is allocated."""
+    through the group (dispatch.py). `adapters`: PEFT's LoRA wrappers around `module` (fused experts only). On the
+    meta device too: nothing is allocated."""
     from torch.distributed.tensor import DTensor, Shard
 
     ranks = mesh.size()
@@ -138,7 +129,9 @@ def split_experts(name: str, module: nn.Module, mesh: Any, rank: int) -> SplitEx
             full = getattr(module, parameter_name)
             mine = DTensor.from_local(full.detach()[kept.start:kept.stop].clone(), mesh, [Shard(0)], run_check=False)
             setattr(module, parameter_name, nn.Parameter(mine, requires_grad=full.requires_grad))
-        run_local = _run_fused(module, module.forward, local)
+        for wrapper in adapters:
+            run_base_layer_only(wrapper)
+        run_local = _run_fused(module, module.forward, split, ranks, list(adapters))
     group = mesh.get_group()
 
     def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -167,17 +160,20 @@ def _run_module_list(module: nn.ModuleList, original: Callable[..., torch.Tensor
     return run_local
 
 
-def _run_fused(module: nn.Module, original: Callable[..., torch.Tensor], local: int) -> RunLocal:
+def _run_fused(module: nn.Module, original: Callable[..., torch.Tensor], split: SplitExperts, ranks: int,
+               adapters: list[nn.Module]) -> RunLocal:
     """The module's own forward on this rank's experts: its parameters' local slices (plain tensors: its code
-    indexes them by expert) and `num_experts` this rank's count, for the call."""
+    indexes them by expert), with their LoRA deltas, and `num_experts` this rank's count, for the call."""
 
     def run_local(rows: torch.Tensor, expert: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
         local_values = {name: p.to_local() if isinstance(p, DTensor) else p
                         for name, p in module.named_parameters(recurse=False)}
+        if adapters:
+            local_values = _adapted(local_values, adapters, split, ranks, module)
         count = getattr(module, "num_experts")
-        setattr(module, "num_experts", local)
+        setattr(module, "num_experts", split.local)
         try:
             with own_parameters_as(module, local_values):
                 output = original(rows, expert[:, None], _ones(rows))
@@ -188,3 +184,28 @@ def _run_fused(module: nn.Module, original: Callable[..., torch.Tensor], local: 
         return output
 
     return run_local
+
+
+def _adapted(values: dict[str, torch.Tensor], adapters: list[nn.Module], split: SplitExperts, ranks: int,
+             module: nn.Module) -> dict[str, torch.Tensor]:
+    """`values` (this rank's slices of the experts' parameters) plus the LoRA delta of each parameter an adapter
+    wraps, for this rank's experts: `W + scaling * lhs @ rhs` in one baddbmm with autocast off, as PEFT folds it.
+    The adapters' gradients are averaged over all ranks, as the attention's weights' are, where only this rank's
+    slices get one here, scaled by 1 / ranks on the way in (dispatch.py): those slices' are
+    scaled back by `ranks`, so that the average is the mean over every rank's tokens, as the experts' own is."""
+    if torch.nn.utils.parametrize.is_parametrized(module):
+        raise RuntimeError(f"{KEY}={ranks}: {split.name}'s LoRA adapters were added to its whole parameters"
+                           " (PEFT's forward ran, not expert parallelism's): call the experts module as"
+                           f" {CALL}")
+    adapted = dict(values)
+    experts = slice(split.first, split.first + split.local)
+    for wrapper in adapters:
+        if getattr(wrapper, "merged"):
+            raise RuntimeError(f"{KEY}={ranks}: {split.name}'s LoRA adapters were merged into its weights, which"
+                               " expert parallelism holds split; unmerge them (or merge after training)")
+        name = getattr(wrapper, "parameter_name")
+        for lhs, rhs, scaling in active_expert_factors(wrapper, experts):
+            with torch.autocast(device_type=lhs.device.type, enabled=False):
+                adapted[name] = torch.baddbmm(adapted[name], ScaleGradient.apply(lhs, float(ranks)),
+                                              ScaleGradient.apply(rhs, float(ranks)), alpha=scaling)
+    return adapted
