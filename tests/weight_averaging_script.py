@@ -4,10 +4,11 @@ tests the last checkpoint in a Trainer without the callback, and resumes a secon
 Rank 0 writes OUT_DIR/result.json: the validation losses (the average's, which the callback swaps in), the test
 losses (the model as the callback leaves it: the average; each checkpoint, whose own weights the callback restores
 beside the average; the last checkpoint's `state_dict` alone: the average) and the resumed fit's.
-STRATEGY `ld_fsdp_one_file`: ld_fsdp gathering each checkpoint into one file. `compiled` after CALLBACK: the module
-compiles its transformers model (`torch.compile`, the eager backend: the same numbers).
+STRATEGY `ld_fsdp_one_file`: ld_fsdp gathering each checkpoint into one file. After CALLBACK, `compiled`: the module
+compiles its transformers model (`torch.compile`, the eager backend: the same numbers); `resume=A,B`: the second fit
+resumes under strategy A, and another under B ("resumed under B"), instead of under STRATEGY.
 
-    PYTHONPATH=. python tests/weight_averaging_script.py OUT_DIR ld_ddp ema [compiled]
+    PYTHONPATH=. python tests/weight_averaging_script.py OUT_DIR ld_ddp ema [compiled] [resume=ld_fsdp]
 """
 
 import json
@@ -26,7 +27,9 @@ from tests.tiny_llama import tiny_llama
 TOKENS = torch.randint(0, 128, (16, 16), generator=torch.Generator().manual_seed(1))
 
 
-COMPILED = sys.argv[4:] == ["compiled"]
+COMPILED = "compiled" in sys.argv[4:]
+RESUMED_UNDER = next((arg.removeprefix("resume=").split(",") for arg in sys.argv[4:] if arg.startswith("resume=")),
+                     sys.argv[2:3])
 
 
 class FineTune(L.LightningModule):
@@ -91,8 +94,10 @@ if __name__ == "__main__":
                       enable_progress_bar=False, enable_model_summary=False, default_root_dir=out / "alone")
     tested["step 4 alone"] = alone.test(FineTune(), loader(TOKENS[:8]),
                                         ckpt_path=next(out.glob("*step=4.ckpt")))[0]["test_loss"]
-    resumed, model, validated = fit(out / "resumed", strategy, callback, ckpt_path=next(out.glob("*step=2.ckpt")))
-    tested["resumed"] = {"validated": validated,
-                         "model": resumed.test(model, loader(TOKENS[:8]))[0]["test_loss"]}
+    for index, under in enumerate(RESUMED_UNDER):
+        resumed, model, validated = fit(out / f"resumed_{under}", under, callback,
+                                        ckpt_path=next(out.glob("*step=2.ckpt")))
+        tested["resumed" if index == 0 else f"resumed under {under}"] = {
+            "validated": validated, "model": resumed.test(model, loader(TOKENS[:8]))[0]["test_loss"]}
     if trainer.global_rank == 0:
         (out / "result.json").write_text(json.dumps(tested))

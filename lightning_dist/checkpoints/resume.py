@@ -80,14 +80,17 @@ def load_weights_from_rank_zero(module: torch.nn.Module, checkpoint: dict[str, A
     """Rank 0's full `state_dict` into `module` on every rank, tensor by tensor (FSDP shards keep their part).
     `partial`: each rank holds part of the model (pipeline stages), rank 0's not the whole: each rank takes the
     names it holds, and under `strict` every one of them must be in the checkpoint."""
-    state_dict = checkpoint.pop("state_dict", None) or {}
-    left_out = may_lack(checkpoint)  # checked (load_for_resume): each rank keeps its part of them as it is
+    # Torch's state-dict functions name a compiled part's weights without `_orig_mod.`, which ld_ddp's files hold
+    as_saved = checkpoint.pop("state_dict", None) or {}
+    state_dict = {torch_state_dict_name(name): value for name, value in as_saved.items()}
+    # checked (load_for_resume): each rank keeps its part of them as it is
+    left_out = {torch_state_dict_name(name) for name in may_lack(checkpoint)}
     if left_out and partial is None and strict:
         _check_holds_the_rest(module, state_dict, left_out)
     if partial is not None:
         names: list[str] | None = sorted(state_dict) if partial.is_global_zero else None
         saved = set(partial.broadcast(names) or ())
-        missing = sorted(set(module.state_dict()) - saved - left_out)
+        missing = sorted({torch_state_dict_name(name) for name in module.state_dict()} - saved - left_out)
         everyones: list[Any] = [None] * partial.world_size
         torch.distributed.all_gather_object(everyones, missing)
         missing = [name for names in everyones for name in names]
@@ -100,8 +103,8 @@ def load_weights_from_rank_zero(module: torch.nn.Module, checkpoint: dict[str, A
 
 def _check_holds_the_rest(module: torch.nn.Module, state_dict: dict[str, Any], left_out: set[str]) -> None:
     """A CheckpointError on every rank where rank 0's weights lack any but the `left_out` ones."""
-    missing = [sorted({plain_name(name) for name in module.state_dict()} - set(state_dict) - left_out)
-               if torch.distributed.get_rank() == 0 else None]
+    held = {torch_state_dict_name(plain_name(name)) for name in module.state_dict()}
+    missing = [sorted(held - set(state_dict) - left_out) if torch.distributed.get_rank() == 0 else None]
     torch.distributed.broadcast_object_list(missing, src=0)
     if missing[0]:
         raise CheckpointError(f"ckpt_path: the checkpoint has no {', '.join(missing[0][:3])}")
@@ -175,12 +178,15 @@ def restore_optimizer_by_name(
     stages), `whole_model_groups` turns this rank's group names into the whole model's (a collective), and
     `aliases` names the copies of a tied parameter, which take the state of the name it has in the whole model."""
     optimizer = unwrapped_optimizer(optimizers[0]) if len(optimizers) == 1 else None
-    names = group_names(module, optimizer.param_groups) if optimizer is not None else []
+    names = _torch_names(group_names(module, optimizer.param_groups)) if optimizer is not None else []
     if whole_model_groups is not None:
         names = whole_model_groups(names)
     state_by_name = optimizer_state_by_name(checkpoint, names) if strategy.is_global_zero and optimizer else None
+    if state_by_name:  # saved by torch's state-dict functions, or from the module's own names
+        state_by_name = {torch_state_dict_name(name): value for name, value in state_by_name.items()}
     settings = strategy.broadcast(saved_group_settings(checkpoint) if strategy.is_global_zero else None)
     if state_by_name and aliases:
+        aliases = {torch_state_dict_name(alias): torch_state_dict_name(name) for alias, name in aliases.items()}
         state_by_name = {**state_by_name, **{alias: state_by_name[name] for alias, name in aliases.items()
                                              if name in state_by_name and alias not in state_by_name}}
         names = [group + [alias for alias, name in aliases.items() if name in group] for group in names]
@@ -199,7 +205,7 @@ def restore_optimizer_by_name(
     groups = [{**group, **old, "params": params} for group, old, params in zip(optimizer.param_groups, saved, names)]
     # A frozen parameter in the optimizer's groups (a LoRA base, as `AdamW(self.parameters())` passes it) never has
     # state: torch's optimizers make none without a gradient, and DeepSpeed's leave it out of their groups.
-    frozen = {plain_name(name) for name, p in module.named_parameters() if not p.requires_grad}
+    frozen = {torch_state_dict_name(plain_name(name)) for name, p in module.named_parameters() if not p.requires_grad}
     missing = None
     if strategy.is_global_zero:
         assert state_by_name is not None
@@ -218,19 +224,22 @@ def restore_optimizer_by_name(
         }
     if whole_model_groups is not None:
         full = _own_part(strategy, module, optimizer, full)
-    if full:  # torch's names for a compiled part's weights (a one-file resume stopped: "Missing optimizer state")
-        full = {"state": {torch_state_dict_name(name): value for name, value in full["state"].items()},
-                "param_groups": [{**group, "params": [torch_state_dict_name(name) for name in group["params"]]}
-                                 for group in full["param_groups"]]}
     set_optimizer_state_dict(module, optimizer, optim_state_dict=full,
                              options=_FROM_RANK_ZERO if whole_model_groups is None else _WHOLE_ON_EVERY_RANK)
+
+
+def _torch_names(groups: list[list[str]]) -> list[list[str]]:
+    """Parameter names as torch's state-dict functions name them, which the optimizer state is loaded with and which
+    a sharded checkpoint saved it under: a compiled part's without `_orig_mod.` (ld_ddp resuming ld_fsdp's
+    checkpoint of a compiled module stopped: "the checkpoint has no optimizer state for model._orig_mod...")."""
+    return [[torch_state_dict_name(name) for name in group] for group in groups]
 
 
 def _own_part(strategy: Ranks, module: torch.nn.Module, optimizer: Any, full: dict[str, Any]) -> dict[str, Any]:
     """Rank 0's whole-model optimizer state, sent parameter by parameter; each rank keeps the parameters it holds,
     under its own groups. (torch's broadcast from rank 0 would give every rank rank 0's groups, which are the
     whole model's, and map them onto a stage's parameters by position.)"""
-    own = group_names(module, optimizer.param_groups)
+    own = _torch_names(group_names(module, optimizer.param_groups))
     held = {name for group in own for name in group}
     state: dict[str, Any] = {}
     for name in strategy.broadcast(list(full["state"]) if strategy.is_global_zero else None) or []:

@@ -30,25 +30,30 @@ def _run(out: Path, strategy: str, callback: str = "ema", *more: str) -> subproc
 
 @pytest.mark.slow  # real runs on 2 CPU ranks
 def test_ld_ddp_and_ld_fsdp_average_validate_save_test_and_resume_as_lightning_s_ddp(tmp_path):
-    """`ld_fsdp compiled`: the module compiles its transformers model, whose sharded checkpoints name its weights
-    without torch.compile's `_orig_mod.`: every test and resume of one stopped (`Missing key(s) in state_dict`)."""
+    """`compiled`: the module compiles its transformers model, whose sharded checkpoints name its weights without
+    torch.compile's `_orig_mod.`, and ld_ddp's files with it: every test and resume of an ld_fsdp one stopped
+    (`Missing key(s) in state_dict`), and a resume under the other engine (`the checkpoint has no optimizer state
+    for model._orig_mod...`, `Missing key: model.model.embed_tokens.weight`)."""
     results = {}
-    for run in ("ddp", "ld_ddp", "ld_fsdp", "ld_fsdp_one_file", "ld_fsdp compiled"):  # Lightning's ddp: the reference
-        out = tmp_path / run.replace(" ", "_")
+    for run in ("ddp", "ld_ddp compiled resume=ld_fsdp", "ld_fsdp", "ld_fsdp_one_file",
+                "ld_fsdp compiled resume=ld_fsdp,ld_ddp"):  # Lightning's ddp: the reference
+        out = tmp_path / "_".join(run.split()[:2])
         process = _run(out, *run.split()[:1], "ema", *run.split()[1:])
         assert process.returncode == 0, process.stderr[-3000:]
-        results[run] = json.loads((out / "result.json").read_text())
+        results[" ".join(run.split()[:2])] = json.loads((out / "result.json").read_text())
     ddp = results["ddp"]
     assert ddp["validated"][0] != pytest.approx(ddp["validated"][1])  # the average after 2 steps, then after 4
     assert ddp["step 2"] != pytest.approx(ddp["step 4"])  # each checkpoint its own weights
     assert ddp["step 4"] != pytest.approx(ddp["model"])  # ... which are not the average: that is the model at the end
     assert ddp["step 4 alone"] == pytest.approx(ddp["model"], rel=1e-6)  # the last checkpoint's state_dict: the average
-    for strategy in ("ld_ddp", "ld_fsdp", "ld_fsdp_one_file", "ld_fsdp compiled"):
+    across = results["ld_fsdp compiled"].pop("resumed under ld_ddp")
+    for strategy in ("ld_ddp compiled", "ld_fsdp", "ld_fsdp_one_file", "ld_fsdp compiled"):
         resumed = results[strategy].pop("resumed")
         assert results[strategy] == pytest.approx({k: v for k, v in ddp.items() if k != "resumed"}, rel=1e-6), strategy
         # Resumed from step 2, the fit validates and ends as the one that ran on (Lightning's ddp began the epoch
         # again, its batches seen twice: another average)
         assert resumed == pytest.approx({"validated": ddp["validated"][1:], "model": ddp["model"]}, rel=1e-6), strategy
+    assert across == pytest.approx({"validated": ddp["validated"][1:], "model": ddp["model"]}, rel=1e-6)
     assert ddp["resumed"]["model"] != pytest.approx(ddp["model"])
 
 
