@@ -97,6 +97,14 @@ def largest_differences(kind: str, rank: int) -> dict[str, float]:
             dist.all_reduce(grad, op=dist.ReduceOp.AVG)
         # The mean over the group's 2 ranks: FSDP averages it over the ranks left to the expert, not over all.
         differences[f"grad {parameter_name}"] = (grad - full / 2).abs().max().item()
+    if kind == "fused_lora":  # adapters disabled (PEFT's `disable_adapter()`, a DPO reference's forward): the base's
+        for module in (*whole.modules(), *split.modules()):
+            if hasattr(module, "enable_adapters"):
+                module.enable_adapters(False)
+        with torch.no_grad():
+            hidden, chosen, weights, _ = inputs_of(rank)
+            base = whole.experts(hidden, chosen, weights)
+            differences["output, adapters disabled"] = (split.experts(hidden, chosen, weights) - base).abs().max().item()
     differences["held"] = sorted(held for held, _ in split.get_submodule(name).named_parameters())
     return differences
 

@@ -128,8 +128,9 @@ def test_two_ranks_split_the_experts_with_the_unsplit_outputs_and_gradients(tmp_
         assert results["module_list"].pop("held") == held  # this rank's experts, by their own names
         assert results["fused"].pop("held") == results["fused_lora"].pop("held") == ["down_proj", "gate_up_proj"]
         for kind, differences in results.items():
-            # outputs, hidden states' and routing weights' gradients; each trained parameter's (LoRA's 4 factors)
-            assert len(differences) == {"module_list": 3 + 8, "fused": 3 + 2, "fused_lora": 3 + 4}[kind]
+            # outputs, hidden states' and routing weights' gradients; each trained parameter's (LoRA's 4 factors);
+            # LoRA's: the outputs with its adapters disabled too
+            assert len(differences) == {"module_list": 3 + 8, "fused": 3 + 2, "fused_lora": 3 + 4 + 1}[kind]
             assert max(differences.values()) < 1e-6, (rank, kind, differences)
 
 
