@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from lightning_dist._compat.peft import active_expert_factors, run_base_layer_only
 from lightning_dist._compat.torch import own_parameters_as
@@ -191,9 +192,9 @@ def _adapted(values: dict[str, torch.Tensor], adapters: list[nn.Module], split: 
     """`values` (this rank's slices of the experts' parameters) plus the LoRA delta of each parameter an adapter
     wraps, for this rank's experts: `W + scaling * lhs @ rhs` in one baddbmm with autocast off, as PEFT folds it.
     The adapters' gradients are averaged over all ranks, as the attention's weights' are, where only this rank's
-    slices get one here, scaled by 1 / ranks on the way in (dispatch.py): those slices' are
-    scaled back by `ranks`, so that the average is the mean over every rank's tokens, as the experts' own is."""
-    if torch.nn.utils.parametrize.is_parametrized(module):
+    slices get one here, scaled by 1 / ranks on the way in (dispatch.py): those are scaled back by `ranks`, so that
+    the average is the mean over every rank's tokens, as the experts' own is."""
+    if parametrize.is_parametrized(module):
         raise RuntimeError(f"{KEY}={ranks}: {split.name}'s LoRA adapters were added to its whole parameters"
                            " (PEFT's forward ran, not expert parallelism's): call the experts module as"
                            f" {CALL}")
