@@ -64,15 +64,23 @@ def _picked_by_peft(model: nn.Module, adapters: dict[str, torch.Tensor], adapter
     of the tuner layers `model` holds (`get_peft_model_state_dict`): activation checkpointing's wrapper is in those,
     not in a state dict's, and PEFT wrote an empty file (every block checkpointed) or one without some layers'
     adapters; a pipeline stage holds its own layers only. So PEFT picks from the entries named as the model names
-    them, which are then written under the plain names; each of the adapter's weights must be among them."""
+    them, which are then written under the plain names; each of the adapter's weights must be among them (PEFT
+    #3584: another adapter named as a module, `mlp`, drops that module's entries, without a word)."""
     from peft import get_peft_model_state_dict
 
     as_the_model_names_them = {name: adapters[plain_name(name)] for name, _ in model.named_parameters()
                                if plain_name(name) in adapters}
     picked = {plain_name(name): value for name, value in
               get_peft_model_state_dict(model, state_dict=as_the_model_names_them, adapter_name=adapter).items()}
-    held = [name for name in names if f".{adapter}." in f".{name}."]
-    if len(picked) < len(held):
-        raise RuntimeError(f"save_adapters: PEFT picked {len(picked)} of the {len(held)} weights of adapter"
-                           f" {adapter!r} that {type(model).__name__} holds (such as {held[0]}): nothing written")
+    held = sorted(name for name in names if f".{adapter}." in f".{name}.")
+    if missing := [name for name in held if _without_adapter(name, adapter) not in picked]:
+        raise RuntimeError(f"save_adapters: PEFT picked {len(held) - len(missing)} of the {len(held)} weights of"
+                           f" adapter {adapter!r} ({missing[0]} not among them): nothing written")
     return picked
+
+
+def _without_adapter(name: str, adapter: str) -> str:
+    """`name` as PEFT's file names it: without the adapter's segment, the last one that is its name."""
+    parts = name.split(".")
+    index = len(parts) - 1 - parts[::-1].index(adapter)
+    return ".".join(parts[:index] + parts[index + 1:])
