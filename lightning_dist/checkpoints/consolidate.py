@@ -26,7 +26,15 @@ from lightning_dist._compat.deepspeed import merge_zero_partitions
 from lightning_dist._compat.lightning import WRAPPED_MODULE_PREFIX
 from lightning_dist.checkpoints.autoep_names import AUTOEP_NAMES, model_named_state
 from lightning_dist.checkpoints.contents import autotp_refusal, autotp_size, saved_by_autoep
-from lightning_dist.checkpoints.formats import DEEPSPEED, FILE, CheckpointError, command_exit, deepspeed_tag_dir
+from lightning_dist.checkpoints.formats import (
+    AVERAGE_STATE_DICT,
+    CURRENT_MODEL_STATE,
+    DEEPSPEED,
+    FILE,
+    CheckpointError,
+    command_exit,
+    deepspeed_tag_dir,
+)
 from lightning_dist.checkpoints.frozen_weights import LEFT_OUT, check_left_out
 from lightning_dist.checkpoints.safe_load import load_file
 from lightning_dist.checkpoints.save_id import SAVE_ID
@@ -147,6 +155,9 @@ def _lightning_checkpoint(
             state_dict[name] = tensor.float() if tensor.is_floating_point() else tensor
     checkpoint = {k: v for k, v in client_state.items() if k not in deepspeed_keys}
     checkpoint["state_dict"] = {k.removeprefix(WRAPPED_MODULE_PREFIX): v for k, v in state_dict.items()}
+    if AVERAGE_STATE_DICT in checkpoint:  # a weight average in Lightning's layout: `state_dict` is the average
+        checkpoint[CURRENT_MODEL_STATE] = checkpoint["state_dict"]
+        checkpoint["state_dict"] = checkpoint.pop(AVERAGE_STATE_DICT)
     return _with_state_by_name(checkpoint, {k.removeprefix(WRAPPED_MODULE_PREFIX): v for k, v in state_by_name.items()},
                                param_groups)
 

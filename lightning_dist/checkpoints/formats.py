@@ -15,6 +15,9 @@ LIGHTNING_METADATA = "meta.pt"  # what Lightning's ModelParallelStrategy writes 
 # Where Lightning's WeightAveraging moves the model's own weights in a checkpoint whose `state_dict` is the average.
 CURRENT_MODEL_STATE = "current_model_state"
 AVERAGING_STATE = "averaging_state"  # and the rest of its state (how many updates it averaged)
+# Where a DeepSpeed checkpoint keeps that average: its engine saves the module (the model's own weights), and
+# Lightning's DeepSpeed strategy leaves `state_dict` out of the engine's client state (strategies/deepspeed/average.py).
+AVERAGE_STATE_DICT = "weight_average_state_dict"
 
 
 class CheckpointError(ValueError):

@@ -8,9 +8,9 @@ the whole weights on every rank and Lightning's own checkpoint layout, which ld_
 the run at its first update, `aten.copy_.default got mixed torch.Tensor and DTensor`). Elsewhere they were measured
 stopping or silently wrong (2 CPU ranks, a transformers Llama, `EMAWeightAveraging(decay=0.9)`): under ZeRO-3, whose
 module parameters are empty placeholders, the averaged model tested 4.7545 against ddp's 4.7465, without a word;
-under ZeRO-1/2 the checkpoints held the engine's weights and not the average (it was lost), and testing one stopped
-(`KeyError: 'state_dict'`). There, and for StochasticWeightAveraging under ld_fsdp and pipeline stages, the launch
-stops in one line, before any rank starts.
+there, and for StochasticWeightAveraging under ld_fsdp and pipeline stages, the launch stops in one line, before any
+rank starts. Under ZeRO-1/2 the checkpoints held the engine's weights and not the average (it was lost), and testing
+one stopped (`KeyError: 'state_dict'`): they keep it beside them now (strategies/deepspeed/average.py).
 
 Once a fit has made its average, the callback restores both the average and the model's own weights from every
 checkpoint loaded (`on_load_checkpoint`), each from the whole dict on every rank: what a load that reads a checkpoint
@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_dist.checkpoints.compiled_names import torch_state_dict_name
 from lightning_dist.checkpoints.formats import AVERAGING_STATE, CURRENT_MODEL_STATE
 from lightning_dist.checkpoints.frozen_weights import may_lack
 from lightning_dist.checkpoints.gather import plain_name
@@ -57,7 +58,8 @@ def whole_average_and_current(module: nn.Module, checkpoint: dict[str, Any], fro
     for key in ("state_dict", CURRENT_MODEL_STATE):
         if from_rank_zero:  # rank 0's tensors (None elsewhere) into the module, on every rank
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not left_out)
-            set_model_state_dict(module, checkpoint.get(key) or {}, options=options)
+            saved = {torch_state_dict_name(name): value for name, value in (checkpoint.get(key) or {}).items()}
+            set_model_state_dict(module, saved, options=options)  # torch's names: a compiled part's without its prefix
             restored[key] = {plain_name(name): value.detach().clone() for name, value in module.state_dict().items()}
         else:
             built = {plain_name(name): value for name, value in module.state_dict().items()}

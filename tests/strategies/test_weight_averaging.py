@@ -33,27 +33,33 @@ def test_ld_ddp_and_ld_fsdp_average_validate_save_test_and_resume_as_lightning_s
     """`compiled`: the module compiles its transformers model, whose sharded checkpoints name its weights without
     torch.compile's `_orig_mod.`, and ld_ddp's files with it: every test and resume of an ld_fsdp one stopped
     (`Missing key(s) in state_dict`), and a resume under the other engine (`the checkpoint has no optimizer state
-    for model._orig_mod...`, `Missing key: model.model.embed_tokens.weight`)."""
+    for model._orig_mod...`, `Missing key: model.model.embed_tokens.weight`). ZeRO-2 (strategies/deepspeed/
+    average.py) had lost the average from its checkpoints (testing one stopped: `KeyError: 'state_dict'`); its
+    checkpoint resumes under ld_ddp too (read consolidated), and ld_ddp's under ZeRO-2."""
     results = {}
-    for run in ("ddp", "ld_ddp compiled resume=ld_fsdp", "ld_fsdp", "ld_fsdp_one_file",
-                "ld_fsdp compiled resume=ld_fsdp,ld_ddp"):  # Lightning's ddp: the reference
-        out = tmp_path / "_".join(run.split()[:2])
+    for run in ("ddp", "ld_ddp compiled resume=ld_fsdp,ld_deepspeed_stage_2", "ld_fsdp", "ld_fsdp_one_file",
+                "ld_fsdp compiled resume=ld_fsdp,ld_ddp",
+                "ld_deepspeed_stage_2 resume=ld_deepspeed_stage_2,ld_ddp"):  # Lightning's ddp: the reference
+        name = " ".join(part for part in run.split() if not part.startswith("resume="))
+        out = tmp_path / name.replace(" ", "_")
         process = _run(out, *run.split()[:1], "ema", *run.split()[1:])
         assert process.returncode == 0, process.stderr[-3000:]
-        results[" ".join(run.split()[:2])] = json.loads((out / "result.json").read_text())
+        results[name] = json.loads((out / "result.json").read_text())
     ddp = results["ddp"]
     assert ddp["validated"][0] != pytest.approx(ddp["validated"][1])  # the average after 2 steps, then after 4
     assert ddp["step 2"] != pytest.approx(ddp["step 4"])  # each checkpoint its own weights
     assert ddp["step 4"] != pytest.approx(ddp["model"])  # ... which are not the average: that is the model at the end
     assert ddp["step 4 alone"] == pytest.approx(ddp["model"], rel=1e-6)  # the last checkpoint's state_dict: the average
-    across = results["ld_fsdp compiled"].pop("resumed under ld_ddp")
-    for strategy in ("ld_ddp compiled", "ld_fsdp", "ld_fsdp_one_file", "ld_fsdp compiled"):
+    across = [results[run].pop(f"resumed under {under}") for run, under in (
+        ("ld_fsdp compiled", "ld_ddp"), ("ld_deepspeed_stage_2", "ld_ddp"), ("ld_ddp compiled", "ld_deepspeed_stage_2"))]
+    for strategy in ("ld_ddp compiled", "ld_fsdp", "ld_fsdp_one_file", "ld_fsdp compiled", "ld_deepspeed_stage_2"):
         resumed = results[strategy].pop("resumed")
         assert results[strategy] == pytest.approx({k: v for k, v in ddp.items() if k != "resumed"}, rel=1e-6), strategy
         # Resumed from step 2, the fit validates and ends as the one that ran on (Lightning's ddp began the epoch
         # again, its batches seen twice: another average)
         assert resumed == pytest.approx({"validated": ddp["validated"][1:], "model": ddp["model"]}, rel=1e-6), strategy
-    assert across == pytest.approx({"validated": ddp["validated"][1:], "model": ddp["model"]}, rel=1e-6)
+    for resumed in across:
+        assert resumed == pytest.approx({"validated": ddp["validated"][1:], "model": ddp["model"]}, rel=1e-6)
     assert ddp["resumed"]["model"] != pytest.approx(ddp["model"])
 
 
@@ -105,10 +111,9 @@ def test_the_ema_callbacks_option_trains_tests_and_resumes_a_lora_fine_tune_unde
                        " under ld_fsdp"),
     ("ld_fsdp_pp", "ema", "ld_fsdp splits the model into pipeline stages, whose saves it does not lay out: average the"
                           " weights without pipeline stages"),
-    ("ld_deepspeed_stage_2", "ema", "ld_deepspeed saves the engine's weights in its checkpoints, not that state_dict"
-                                    " (the average would be lost): average the weights under ld_fsdp or ld_ddp"),
     ("ld_deepspeed_stage_3", "ema", "ld_deepspeed partitions the weights, which the copy cannot take (ZeRO-3's module"
-                                    " holds empty placeholders): average the weights under ld_fsdp or ld_ddp"),
+                                    " holds empty placeholders): average the weights under ZeRO-1/2, ld_fsdp or"
+                                    " ld_ddp"),
 ])
 def test_an_engine_that_cannot_keep_the_copy_stops_before_any_rank_starts(tmp_path, strategy, callback, why):
     process = _run(tmp_path, strategy, callback)
@@ -149,3 +154,33 @@ def test_a_callback_whose_fit_setup_was_not_taken_over_stops_in_one_line():
     with pytest.raises(RuntimeError, match="^EMAWeightAveraging: its setup for the fit did not run as lightning-dist"
                                            " took it over"):
         averages.build(_Tied())
+
+
+def test_a_deepspeed_checkpoint_keeps_the_average_beside_the_engine_s_weights_and_loads_it_back():
+    """ZeRO-1/2 (strategies/deepspeed/average.py): the engine saves its module, and Lightning's DeepSpeed strategy
+    leaves `state_dict` (where the callback put the average) out of its client state. Saved under its own key,
+    without the frozen weights a save leaves out; loaded back as Lightning lays it out, those weights the model's,
+    and, outside a fit, the average in the model (what a test runs)."""
+    from lightning_dist.checkpoints.formats import AVERAGE_STATE_DICT, AVERAGING_STATE, CURRENT_MODEL_STATE
+    from lightning_dist.strategies.deepspeed.average import average_into_client_state, average_out_of_client_state
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    model[0].requires_grad_(False)
+    average = {name: value + 1 for name, value in model.state_dict().items()}
+    checkpoint = {"state_dict": average, CURRENT_MODEL_STATE: model.state_dict(), AVERAGING_STATE: {"n_averaged": 3},
+                  "epoch": 0}
+    saved = average_into_client_state(checkpoint, left_out={"0.weight", "0.bias"})
+    assert sorted(saved) == sorted([AVERAGE_STATE_DICT, AVERAGING_STATE, "epoch", "state_dict"])
+    assert sorted(saved[AVERAGE_STATE_DICT]) == ["1.bias", "1.weight"]
+    assert average_into_client_state({"state_dict": average}, set()) == {"state_dict": average}  # no average: as is
+    engine_saves = {key: value for key, value in saved.items() if key != "state_dict"}  # as Lightning leaves it out
+    current = {name: value.clone() for name, value in model.state_dict().items()}
+    loaded = average_out_of_client_state(model, engine_saves)
+    assert AVERAGE_STATE_DICT not in loaded and loaded[AVERAGING_STATE] == {"n_averaged": 3}
+    assert sorted(loaded["state_dict"]) == sorted(current)
+    for name, value in loaded["state_dict"].items():  # the frozen ones the model's (never averaged off them)
+        assert torch.equal(value, current[name] if name.startswith("0.") else average[name]), name
+    for name, value in loaded[CURRENT_MODEL_STATE].items():
+        assert torch.equal(value, current[name]), name
+    for name, value in model.state_dict().items():  # no Trainer fitting it: the average, as a test runs it
+        assert torch.equal(value, loaded["state_dict"][name]), name

@@ -16,8 +16,9 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dist._compat.deepspeed import point_parameters_at_optimizer_state
+from lightning_dist._compat.lightning import attached_trainer
 from lightning_dist.checkpoints.contents import left_frozen_weights_out
-from lightning_dist.checkpoints.formats import DEEPSPEED, CheckpointError
+from lightning_dist.checkpoints.formats import CURRENT_MODEL_STATE, DEEPSPEED, CheckpointError
 from lightning_dist.checkpoints.frozen_weights import may_lack
 from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.checkpoints.ranks import Ranks
@@ -38,6 +39,7 @@ from lightning_dist.strategies.deepspeed.universal import (
     saved_adam_moments,
     saved_run,
 )
+from lightning_dist.strategies.weight_averaging import saved_with_an_average, whole_average_and_current
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -253,7 +255,14 @@ def load_deepspeed_checkpoint(strategy: DeepSpeedRanks, checkpoint_path: Any, we
     if not native:
         checkpoint = load_for_resume(strategy, source, native_formats=set(), weights_only=weights_only)
         assert checkpoint is not None  # no format is native to this call: every one is consolidated
-        load_into_engine(strategy, checkpoint, strict=strategy.lightning_module.strict_loading)
+        module = strategy.lightning_module
+        if saved_with_an_average(checkpoint, attached_trainer(module)):  # the engine trains on the model's own
+            average = checkpoint.get("state_dict")
+            checkpoint["state_dict"] = checkpoint.get(CURRENT_MODEL_STATE)
+            load_into_engine(strategy, checkpoint, strict=module.strict_loading)
+            # and the callback restores both, on every rank (rank 0 alone read them)
+            return whole_average_and_current(module, {**checkpoint, "state_dict": average}, from_rank_zero=True)
+        load_into_engine(strategy, checkpoint, strict=module.strict_loading)
         return checkpoint
     if saved_world_size in (None, strategy.world_size):
         return load_natively(checkpoint_path, weights_only)

@@ -41,6 +41,7 @@ from lightning_dist._compat.transformers import (
 from lightning_dist.checkpoints.autoep_names import AUTOEP_NAMES
 from lightning_dist.checkpoints.formats import CheckpointError
 from lightning_dist.checkpoints.frozen_weights import frozen_weights_out_of_state_dicts
+from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.checkpoints.resume import group_names
 from lightning_dist.lifecycle.process_exit import forget_with_process_group
 from lightning_dist.memory.layout import Layout
@@ -68,6 +69,7 @@ from lightning_dist.strategies.deepspeed.autotp import (
 from lightning_dist.strategies.deepspeed.autotp import (
     model_refusal as autotp_model_refusal,
 )
+from lightning_dist.strategies.deepspeed.average import average_into_client_state, average_out_of_client_state
 from lightning_dist.strategies.deepspeed.clipping import HOOK_IGNORED_WARNING, ClippingInTheEngine
 from lightning_dist.strategies.deepspeed.config.for_run import Resolution, RunConfig, config_in_effect
 from lightning_dist.strategies.deepspeed.config.preflight import check_before_launch
@@ -274,9 +276,8 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     def weight_averaging_refusal(self, callback: Any) -> str | None:
         if self.zero.partitions_parameters:
             return ("partitions the weights, which the copy cannot take (ZeRO-3's module holds empty placeholders):"
-                    " average the weights under ld_fsdp or ld_ddp")
-        return ("saves the engine's weights in its checkpoints, not that state_dict (the average would be lost):"
-                " average the weights under ld_fsdp or ld_ddp")
+                    " average the weights under ZeRO-1/2, ld_fsdp or ld_ddp")
+        return None  # ZeRO-1/2: whole weights on every rank; the average saved beside the engine's (average.py)
 
     @property
     @override
@@ -469,6 +470,9 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
         if names := getattr(self, "autoep_model_names", None):  # AutoEP's layers, read back in the model's names
             checkpoint = {**checkpoint, AUTOEP_NAMES: names}
         leaving_out = self.exclude_frozen_parameters and self.deepspeed_engine is not None
+        frozen = {plain_name(name) for name, parameter in self.lightning_module.named_parameters()
+                  if not parameter.requires_grad} if leaving_out else set()
+        checkpoint = average_into_client_state(checkpoint, frozen)
         with warnings.catch_warnings(), (frozen_weights_out_of_state_dicts(self.deepspeed_engine.module)
                                          if leaving_out else nullcontext()):
             warnings.filterwarnings("ignore", message="When saving the DeepSpeed Stage 3 checkpoint")
@@ -569,6 +573,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:  # any format
         checkpoint = load_deepspeed_checkpoint(self, checkpoint_path, weights_only, super().load_checkpoint)
+        checkpoint = average_out_of_client_state(self.lightning_module, checkpoint)
         if isinstance(self.precision_plugin, ClippingInTheEngine):  # not the clipping norm the checkpoint's run had
             self.precision_plugin.use_configured_norm()
         return self.read_loader_record(checkpoint)
