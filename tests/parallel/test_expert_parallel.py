@@ -115,6 +115,7 @@ def test_lora_on_the_experts_parameters_is_found_around_the_experts_it_adapts():
     assert parameter_adapters(attention, "base_model.model.model.layers.0.mlp.experts") == []
 
 
+@pytest.mark.compat  # DTensor slices, functional all-to-alls, parametrized PEFT factors: on every torch we support
 def test_two_ranks_split_the_experts_with_the_unsplit_outputs_and_gradients(tmp_path):
     """Both layouts (a list of modules, transformers' fused 3-D parameters, these with LoRA on both); an expert no
     token chose anywhere, one chosen by one rank's tokens only."""
