@@ -1,6 +1,7 @@
 """Lightning's EMAWeightAveraging on a CUDA device under fsdp, its copy where the CPU runs cannot put it: in host
 memory beside shards on the GPU (`callbacks.ema.device=cpu`), and beside a CPU-offloaded model, each checkpoint
-gathered into one file (the gather runs over nccl, which takes no host tensor). Each validates and tests as ddp,
+gathered into one file (the gather runs over nccl, which takes no host tensor), and under ZeRO-2. Each validates
+and tests as ddp,
 and resumes from its step-3 checkpoint as the run that went on. The CPU's runs of the same:
 tests/strategies/test_weight_averaging.py."""
 
@@ -20,6 +21,8 @@ LAYOUTS = {
     "fsdp, the average in host memory": ("strategy=fsdp", "callbacks.ema.device=cpu",
                                          "strategy.save_distributed_checkpoint=false"),
     "fsdp_cpu_offload": ("strategy=fsdp_cpu_offload", "strategy.save_distributed_checkpoint=false"),
+    # the engine's weights on the GPU, the average kept beside them in each checkpoint (strategies/deepspeed/average.py)
+    "deepspeed_stage_2": ("strategy=deepspeed_stage_2",),
 }
 
 
