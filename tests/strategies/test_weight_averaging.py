@@ -78,8 +78,9 @@ def test_the_ema_callbacks_option_trains_tests_and_resumes_a_lora_fine_tune_unde
     (train=false) measures: the callback, left in the Trainer, restored the weights trained on (1e-2 apart). The
     checkpoint at step 3 resumes under fsdp and under ddp (read on rank 0: the callback's load on the other ranks
     stopped with `'NoneType' object has no attribute 'items'`, and its strict load wanted the base the save left
-    out)."""
-    runs = {strategy: run_train(tmp_path / strategy, f"strategy={strategy}", *EMA_RUN) for strategy in ("ddp", "fsdp")}
+    out). Under ZeRO-2 the average is kept beside the engine's weights, the frozen base left out of both."""
+    runs = {strategy: run_train(tmp_path / strategy, f"strategy={strategy}", *EMA_RUN)
+            for strategy in ("ddp", "fsdp", "deepspeed_stage_2")}
     step_3 = tmp_path / "fsdp" / "checkpoints" / "step000003.ckpt"
     runs |= {f"{strategy} resumed": run_train(tmp_path / f"{strategy}_resumed", f"strategy={strategy}", *EMA_RUN,
                                               f"ckpt_path={step_3}") for strategy in ("ddp", "fsdp")}
@@ -94,8 +95,9 @@ def test_the_ema_callbacks_option_trains_tests_and_resumes_a_lora_fine_tune_unde
     assert runs["fsdp"].summary["best_checkpoint"] == str(step_3)
     assert f"Tested the best checkpoint, {step_3}, as validated: the average EMAWeightAveraging kept" in (
         runs["fsdp"].output)
-    assert runs["fsdp"].val_losses() == pytest.approx(validated, rel=1e-6)
-    for name in ("fsdp", "fsdp tested alone"):
+    for name in ("fsdp", "deepspeed_stage_2"):
+        assert runs[name].val_losses() == pytest.approx(validated, rel=1e-6), name
+    for name in ("fsdp", "fsdp tested alone", "deepspeed_stage_2"):
         assert runs[name].summary["metrics"]["test_loss"] == pytest.approx(tested, rel=1e-6), name
     for name in ("ddp resumed", "fsdp resumed"):  # their best: the step-6 checkpoint they saved
         assert runs[name].val_losses() == pytest.approx({5: validated[5]}, rel=1e-6), name
