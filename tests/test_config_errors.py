@@ -203,6 +203,17 @@ REFUSED = [
     (["model=hf_llama", "model.model_type=bloom", "strategy=fsdp", "strategy.context_parallel_size=2"],
      "strategy.context_parallel_size=2: HFLanguageModel has no position embedding (position_embedding, wpe,"
      " embed_positions) or rotary table to give each shard its positions (ALiBi models, such as BLOOM, have none)"),
+    # Attention that is not F.scaled_dot_product_attention, which the exchange goes around: GPT-OSS's (its sinks: eager
+    # only), and a model loaded with attn_implementation="eager" (each stopped in its first step, after loading)
+    (["model=hf_mixtral", "model.model_type=gpt_oss", "strategy=fsdp", "strategy.context_parallel_size=2"],
+     "strategy.context_parallel_size=2: GptOssForCausalLM has no scaled_dot_product_attention implementation in"
+     " transformers (it runs eager attention), and context parallelism exchanges that function's inputs across the"
+     " ranks; train it without context parallelism"),
+    (["model=hf_llama", "+model.config.attn_implementation=eager", "strategy=deepspeed_stage_2",
+      "strategy.context_parallel_size=2"],
+     "strategy.context_parallel_size=2: LlamaForCausalLM attends with attn_implementation=\"eager\"; context"
+     " parallelism exchanges scaled_dot_product_attention's inputs across the ranks: load it with"
+     " attn_implementation=\"sdpa\""),
     # A mixture of experts' load-balancing loss reads every layer's routers at once (every rank stopped in the first
     # step, in a traceback)
     (["model=hf_mixtral", "strategy=fsdp_pp"],

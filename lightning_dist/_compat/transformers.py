@@ -3,9 +3,9 @@
 of its causal LMs: `{"lm_head": (["hidden_states"], ["logits"])}`), read here and nowhere else. And a model's loss:
 the function its `loss_function` property gives (one the user set on the model, else `LOSS_MAPPING[loss_type]`, the
 causal LM's where the class name names no loss type), replaced for a step through the property's own setter.
-And how its `from_pretrained` maps a checkpoint's names and tensors to a model's, and how it learns that ZeRO-3
-partitions its models (below). Checked on transformers 5.24 and 5.25. transformers is imported only where the
-user's model is one of its models."""
+And how its `from_pretrained` maps a checkpoint's names and tensors to a model's, how it learns that ZeRO-3
+partitions its models (below), and which attention a model runs. Checked on transformers 5.24 and 5.25.
+transformers is imported only where the user's model is one of its models."""
 
 from __future__ import annotations
 
@@ -19,7 +19,10 @@ FENCED = [Fenced("transformers.loss.loss_utils", "LOSS_MAPPING"),
           Fenced("transformers.modeling_utils", "PreTrainedModel.loss_function"),
           # What DeepSpeed's AutoEP reads (_compat/deepspeed.py, autoep_reads_transformers_outputs).
           Fenced("transformers.utils.output_capturing", "_CAN_RECORD_REGISTRY"),
-          Fenced("transformers.utils.output_capturing", "_CanRecordRegistry.get", ("self", "model"))]
+          Fenced("transformers.utils.output_capturing", "_CanRecordRegistry.get", ("self", "model")),
+          # Which attention a model runs (attention_in_use).
+          Fenced("transformers.configuration_utils", "PreTrainedConfig._attn_implementation"),
+          Fenced("transformers.modeling_utils", "PreTrainedModel._supports_sdpa")]
 
 CAUSAL_LM = "ForCausalLM"  # the loss type that shifts the labels by one token itself
 
@@ -32,6 +35,12 @@ def head_plan(model: Any) -> list[str]:
 def transformers_models(module: Any) -> list[Any]:
     """The transformers models in `module` (each has a `loss_function`, which those given `labels=` call)."""
     return [m for m in module.modules() if isinstance(getattr(type(m), "loss_function", None), property)]
+
+
+def attention_in_use(model: Any) -> tuple[str | None, bool]:
+    """The attention implementation `model` (a transformers model) runs, as its config says ("sdpa", "eager",
+    "flash_attention_2", ...; None: not chosen yet), and whether its class has an SDPA one at all."""
+    return model.config._attn_implementation, bool(type(model)._supports_sdpa)
 
 
 def loss_kind(model: Any) -> str:

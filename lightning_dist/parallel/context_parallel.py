@@ -112,6 +112,33 @@ def position_modules(model: Any) -> dict[str, Any]:
             or type(module).__name__.endswith("RotaryEmbedding")}
 
 
+def context_refusal(model: Any, cp: int) -> str | None:
+    """Why the sequences of `model` cannot be split over `cp` ranks, in one line (its shards cannot be given their
+    positions; its attention is not scaled_dot_product_attention, which the exchange goes around), or None when they
+    can. What its forward really calls is counted at every step (`ContextParallel.counted_forward`)."""
+    return positions_refusal(model, cp) or attention_refusal(model, cp)
+
+
+def attention_refusal(model: Any, cp: int) -> str | None:
+    """A transformers model in `model` set to attend otherwise than by SDPA (eager, a flash or flex kernel), or
+    whose class has no SDPA attention (GPT-OSS's sinks), in one line; None otherwise."""
+    from lightning_dist._compat.transformers import attention_in_use, transformers_models
+
+    said = f"strategy.context_parallel_size={cp}"
+    for transformers_model in transformers_models(model)[:1]:  # the outermost: its base model shares its config
+        implementation, has_sdpa = attention_in_use(transformers_model)
+        name = type(transformers_model).__name__
+        if not has_sdpa:
+            return (f"{said}: {name} has no scaled_dot_product_attention implementation in transformers (it runs"
+                    f" {implementation} attention), and context parallelism exchanges that function's inputs across"
+                    " the ranks; train it without context parallelism")
+        if implementation not in (None, "sdpa"):
+            return (f"{said}: {name} attends with attn_implementation=\"{implementation}\"; context parallelism"
+                    " exchanges scaled_dot_product_attention's inputs across the ranks: load it with"
+                    " attn_implementation=\"sdpa\"")
+    return None
+
+
 def positions_refusal(model: Any, cp: int) -> str | None:
     """Why the shards of `model` cannot be given their positions, in one line (a model without a position module
     found by name, or one whose module takes them in no argument we know); None when they can."""

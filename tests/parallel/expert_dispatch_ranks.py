@@ -2,8 +2,9 @@
 outputs and gradients with the unsplit experts run on every rank's tokens: `python -m tests.parallel.
 expert_dispatch_ranks DIR` writes each rank's largest differences to DIR/rank{r}.json. Rank 0's tokens choose
 experts 0 and 1 only, rank 1's 0 and 3: expert 2 (held by rank 1) gets no token at all, expert 3 only rank 1's.
-Three layouts: a list of modules, transformers' fused experts, and those with PEFT's LoRA on both their parameters
-(`target_parameters`, as a user's all-linear puts them), called through PEFT's wrapper as the model calls it."""
+The layouts: a list of modules; transformers' fused experts, Mixtral's and GPT-OSS's (transposed, gate and up
+interleaved, with biases); and those with PEFT's LoRA on both their weights (`target_parameters`, as a user's
+all-linear puts them on Mixtral's, or names them on GPT-OSS's), called through PEFT's wrapper as the model calls it."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from lightning_dist.parallel.expert_parallel.layers import split_experts
 
 D, EXPERTS, TOKENS = 8, 4, 6
 CHOICES = {0: (0, 1), 1: (0, 3)}
+KINDS = ("module_list", "fused", "fused_lora", "gpt_oss", "gpt_oss_lora")
 
 
 class Layer(torch.nn.Module):
@@ -39,11 +41,8 @@ def experts_of(kind: str) -> tuple[torch.nn.Module, str]:
     torch.manual_seed(0)
     if kind == "module_list":
         return Layer(RoutedExperts(expert_mlp(D) for _ in range(EXPERTS))), "experts"
-    from transformers import MixtralConfig
-    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
-
-    layer = Layer(MixtralExperts(MixtralConfig(hidden_size=D, intermediate_size=2 * D, num_local_experts=EXPERTS)))
-    if kind == "fused":
+    layer = Layer(fused_experts(kind.removesuffix("_lora")))
+    if kind in FUSED:
         for parameter in layer.parameters():
             torch.nn.init.normal_(parameter, std=0.2)
         return layer, "experts"
@@ -55,6 +54,23 @@ def experts_of(kind: str) -> tuple[torch.nn.Module, str]:
     for parameter in layer.parameters():
         torch.nn.init.normal_(parameter, std=0.2)  # LoRA's B starts at zeros: A's gradient would be zeros too
     return layer, "experts.base_layer.base_layer"
+
+
+FUSED = ("fused", "gpt_oss")
+
+
+def fused_experts(kind: str) -> torch.nn.Module:
+    """transformers' fused experts: Mixtral's (gate and up concatenated, each expert's weights (out, in)), or
+    GPT-OSS's (gate and up interleaved, (in, out), with biases)."""
+    if kind == "gpt_oss":
+        from transformers import GptOssConfig
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+        return GptOssExperts(GptOssConfig(hidden_size=D, intermediate_size=2 * D, num_local_experts=EXPERTS))
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    return MixtralExperts(MixtralConfig(hidden_size=D, intermediate_size=2 * D, num_local_experts=EXPERTS))
 
 
 def inputs_of(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,7 +113,7 @@ def largest_differences(kind: str, rank: int) -> dict[str, float]:
             dist.all_reduce(grad, op=dist.ReduceOp.AVG)
         # The mean over the group's 2 ranks: FSDP averages it over the ranks left to the expert, not over all.
         differences[f"grad {parameter_name}"] = (grad - full / 2).abs().max().item()
-    if kind == "fused_lora":  # adapters disabled (PEFT's `disable_adapter()`, a DPO reference's forward): the base's
+    if kind.endswith("_lora"):  # adapters disabled (PEFT's `disable_adapter()`, a DPO reference's forward): the base's
         for module in (*whole.modules(), *split.modules()):
             if hasattr(module, "enable_adapters"):
                 module.enable_adapters(False)
@@ -112,7 +128,7 @@ def largest_differences(kind: str, rank: int) -> dict[str, float]:
 def main(rank: int, directory: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1")
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    results = {kind: largest_differences(kind, rank) for kind in ("module_list", "fused", "fused_lora")}
+    results = {kind: largest_differences(kind, rank) for kind in KINDS}
     Path(directory, f"rank{rank}.json").write_text(json.dumps(results))
     # Not dist.destroy_process_group alone: the backward's all-to-alls leave gloo workers that abort the process if
     # the interpreter finalizes before they finish (seen in CI: SIGABRT, "terminate called without an active

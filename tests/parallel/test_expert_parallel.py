@@ -117,8 +117,8 @@ def test_lora_on_the_experts_parameters_is_found_around_the_experts_it_adapts():
 
 @pytest.mark.compat  # DTensor slices, functional all-to-alls, parametrized PEFT factors: on every torch we support
 def test_two_ranks_split_the_experts_with_the_unsplit_outputs_and_gradients(tmp_path):
-    """Both layouts (a list of modules, transformers' fused 3-D parameters, these with LoRA on both); an expert no
-    token chose anywhere, one chosen by one rank's tokens only."""
+    """The layouts (a list of modules, transformers' fused 3-D parameters, Mixtral's and GPT-OSS's, these with LoRA
+    on their weights); an expert no token chose anywhere, one chosen by one rank's tokens only."""
     run = subprocess.run([sys.executable, "-m", "tests.parallel.expert_dispatch_ranks", str(tmp_path)], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -128,10 +128,13 @@ def test_two_ranks_split_the_experts_with_the_unsplit_outputs_and_gradients(tmp_
                 for kind in ("bias", "weight")]
         assert results["module_list"].pop("held") == held  # this rank's experts, by their own names
         assert results["fused"].pop("held") == results["fused_lora"].pop("held") == ["down_proj", "gate_up_proj"]
+        assert results["gpt_oss"].pop("held") == results["gpt_oss_lora"].pop("held") == [
+            "down_proj", "down_proj_bias", "gate_up_proj", "gate_up_proj_bias"]
         for kind, differences in results.items():
             # outputs, hidden states' and routing weights' gradients; each trained parameter's (LoRA's 4 factors);
             # LoRA's: the outputs with its adapters disabled too
-            assert len(differences) == {"module_list": 3 + 8, "fused": 3 + 2, "fused_lora": 3 + 4 + 1}[kind]
+            assert len(differences) == {"module_list": 3 + 8, "fused": 3 + 2, "fused_lora": 3 + 4 + 1, "gpt_oss": 3 + 4,
+                                        "gpt_oss_lora": 3 + 4 + 1}[kind]
             assert max(differences.values()) < 1e-6, (rank, kind, differences)
 
 

@@ -45,7 +45,7 @@ from lightning_dist.checkpoints.gather import plain_name
 from lightning_dist.checkpoints.resume import group_names
 from lightning_dist.lifecycle.process_exit import forget_with_process_group
 from lightning_dist.memory.layout import Layout
-from lightning_dist.parallel.context_parallel import ContextParallel, positions_refusal
+from lightning_dist.parallel.context_parallel import ContextParallel, context_refusal
 from lightning_dist.parallel.dims import ParallelDims
 from lightning_dist.parallel.module_state import move_module_state
 from lightning_dist.parallel.precision import PrecisionSupport
@@ -400,7 +400,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
                     raise ValueError(why)
             if self.tensor_parallel_size > 1 and (why := autotp_model_refusal(model, self.tensor_parallel_size)):
                 raise ValueError(why)
-            if self.context_parallel_size > 1 and (why := positions_refusal(model, self.context_parallel_size)):
+            if self.context_parallel_size > 1 and (why := context_refusal(model, self.context_parallel_size)):
                 raise ValueError(why)
         super().preflight(trainer, fit_arguments)
 
@@ -412,7 +412,7 @@ class DeepSpeedStrategy(StrategyBase, _LightningDeepSpeedStrategy):
             return str(refusal)
         if parallel_dims.tp > 1 and (why := autotp_model_refusal(model, parallel_dims.tp)):
             return why
-        if parallel_dims.cp > 1 and (why := positions_refusal(model, parallel_dims.cp)):
+        if parallel_dims.cp > 1 and (why := context_refusal(model, parallel_dims.cp)):
             return why
         if parallel_dims.ep > 1:
             return autoep_model_refusal(model, parallel_dims.ep, self.zero.partitions_parameters)

@@ -41,7 +41,7 @@ from lightning_dist.parallel.context_parallel import (
     ContextParallel,
     check_context_parallel,
     context_parallel_of,
-    positions_refusal,
+    context_refusal,
 )
 from lightning_dist.parallel.dims import CONTEXT_PARALLEL, TENSOR_PARALLEL, ParallelDims, sharding_layout
 from lightning_dist.parallel.expert_parallel import ExpertParallel
@@ -206,7 +206,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
                 self.tensor_parallel_plan_of(model)  # a configure_model may split the model itself
             if self.expert_parallel_size > 1 and (why := experts_refusal(model, self.expert_parallel_size)):
                 raise ValueError(why)
-            if self.context_parallel_size > 1 and (why := positions_refusal(model, self.context_parallel_size)):
+            if self.context_parallel_size > 1 and (why := context_refusal(model, self.context_parallel_size)):
                 raise ValueError(why)
 
     @override
@@ -222,7 +222,7 @@ class FSDPStrategy(ReplayedOnTorch, StrategyBase, ModelParallelStrategy):
                 resolve_plan(model, self.tensor_parallel_plan, parallel_dims.tp)  # else it may split itself
         except ValueError as refusal:
             return str(refusal)
-        if parallel_dims.cp > 1 and (why := positions_refusal(model, parallel_dims.cp)):
+        if parallel_dims.cp > 1 and (why := context_refusal(model, parallel_dims.cp)):
             return why
         return experts_refusal(model, parallel_dims.ep) if parallel_dims.ep > 1 else None
 
