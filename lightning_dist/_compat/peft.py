@@ -16,7 +16,8 @@ FENCED = [Fenced("peft.tuners.tuners_utils", "BaseTunerLayer.adapter_layer_names
           Fenced("peft.tuners.tuners_utils", "BaseTunerLayer.other_param_names"),
           Fenced("peft.tuners.lora", "Linear"),  # LoRA's linear layer: its base_layer, lora_A and lora_B
           # LoRA on one parameter of its module (target_parameters: a mixture of experts' 3-D ones)
-          Fenced("peft.tuners.lora", "ParamWrapper.get_delta_factors", ("self", "adapter_name"))]
+          Fenced("peft.tuners.lora", "ParamWrapper.get_delta_factors", ("self", "adapter_name")),
+          Fenced("peft.tuners.lora", "ParamWrapper.get_param", ("self",))]
 
 
 # Where a tuner layer holds the layer it tunes (`BaseTunerLayer.get_base_layer`): a name the base model lacks.
@@ -45,13 +46,18 @@ def adapter_cast_dtype(tuner: Any) -> Any:
     """The dtype PEFT moves a new adapter of `tuner` to as it builds it: its base layer's weight's, where that is a
     float dtype (`BaseTunerLayer._move_adapter_to_device_of_base_layer`); None where it keeps the adapter's own (a
     quantized base). PEFT then makes a 16-bit adapter float32 again (`autocast_adapter_dtype`): its values are those
-    drawn in float32, rounded to the base's dtype."""
+    drawn in float32, rounded to the base's dtype. A `ParamWrapper` (LoRA on a parameter, `target_parameters`: a
+    mixture of experts' fused experts) moves it to that parameter's dtype."""
+    from peft.tuners.lora import ParamWrapper
     from torch import nn
 
-    base = tuner.get_base_layer()
-    if isinstance(base, nn.MultiheadAttention):
-        base = base.out_proj
-    dtype = getattr(getattr(base, "weight", None), "dtype", None)
+    if isinstance(tuner, ParamWrapper):
+        dtype = tuner.get_param().dtype
+    else:
+        base = tuner.get_base_layer()
+        if isinstance(base, nn.MultiheadAttention):
+            base = base.out_proj
+        dtype = getattr(getattr(base, "weight", None), "dtype", None)
     return dtype if dtype is not None and (dtype.is_floating_point or dtype.is_complex) else None
 
 

@@ -62,18 +62,22 @@ def test_a_random_transformers_base_with_lora_starts_from_the_same_weights_built
         torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
 
 
-def test_lora_on_a_bf16_pretrained_base_starts_from_the_same_adapters_built_eagerly_or_on_meta(tmp_path):
+@pytest.mark.parametrize("model_type", ["llama", "mixtral"])
+def test_lora_on_a_bf16_pretrained_base_starts_from_the_same_adapters_built_eagerly_or_on_meta(model_type, tmp_path):
     """PEFT moves a new adapter to its base layer's dtype and makes it float32 again: beside a bf16 base, the eager
     build's LoRA A is rounded to bf16. Beside a base on the meta device the adapter was spared that rounding, and
-    fsdp and ZeRO-3 trained 8.5e-5 off ddp's loss at step 1 (Gemma 2, 2 ranks), silently."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    fsdp and ZeRO-3 trained 8.5e-5 off ddp's loss at step 1 (Gemma 2, 2 ranks), silently. LoRA on a mixture of
+    experts' fused parameters (PEFT's ParamWrapper, which all-linear puts on Mixtral's) is moved to that parameter's
+    dtype: those were spared it still (GPT-OSS, 2 ranks: 9.4e-4 off at step 1)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from lightning_dist.models.hf_language_model import HFLanguageModel
 
-    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)).to(torch.bfloat16).save_pretrained(
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, **({"num_local_experts": 4} if model_type == "mixtral" else {}))
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **sizes)).to(torch.bfloat16).save_pretrained(
         tmp_path / "pretrained")
-    options = dict(model_type="llama", pretrained=str(tmp_path / "pretrained"),
+    options = dict(model_type=model_type, pretrained=str(tmp_path / "pretrained"),
                    lora={"r": 4, "target_modules": "all-linear"})
     torch.manual_seed(7)
     eager = HFLanguageModel(**options)
@@ -82,9 +86,11 @@ def test_lora_on_a_bf16_pretrained_base_starts_from_the_same_adapters_built_eage
         deferred = HFLanguageModel(**options)
     initialize_parameters(deferred, give_memory, seed=0)
     expected = eager.state_dict()
-    adapter = "model.base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
-    assert expected[adapter].dtype == torch.float32
-    assert torch.equal(expected[adapter], expected[adapter].bfloat16().float())  # PEFT's rounding, eagerly
+    down_factors = [name for name in expected if ".lora_A." in name]
+    assert len(down_factors) == 14  # 2 layers: Llama's 7 linear layers; Mixtral's 4, its router and its experts' two
+    for name in down_factors:
+        assert expected[name].dtype == torch.float32
+        assert torch.equal(expected[name], expected[name].bfloat16().float()), name  # PEFT's rounding, eagerly
     for name, value in deferred.state_dict().items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
 
