@@ -56,6 +56,7 @@ SPLITS_OUTPUTS = ("colwise", "colwise_gather_output")  # the others split a laye
 SUMMED = "replicated_with_grad_allreduce"  # transformers' names for these, in its models' plans
 ROTARY_KEY_SUMMED = "mla_kv_a_proj"
 KEPT_WHOLE = (SUMMED, ROTARY_KEY_SUMMED)
+EMBEDDING = "embedding_rowwise"  # transformers' vocabulary-parallel embedding: kept whole here
 ROTARY_KEY_MARK = "lightning_dist_rotary_key_summed"  # on the layer, as logged_means.py marks its own
 STYLES = (*SPLIT_STYLES, *KEPT_WHOLE)
 TensorParallelPlan = dict[str, str]
@@ -183,7 +184,35 @@ def split_sizes(model: nn.Module, plan: TensorParallelPlan, size: int) -> list[s
         elif style == "colwise" and isinstance(head_dim, int) and (features // size) % head_dim:
             problems.append(f"{name} has {features // head_dim} attention head(s), which {size} ranks do not"
                             " split evenly")
+        elif style == "colwise" and isinstance(head_dim, int) and (per_head := _per_head_parameter(
+                parents[name.rpartition(".")[0]], features // head_dim)):
+            owner = name.rpartition(".")[0]
+            problems.append(f"{owner}.{per_head} holds one value per attention head, which a split of {name}'s"
+                            " heads leaves whole on every rank (GPT-OSS's attention sinks); train the model without"
+                            " tensor parallelism")
     return problems
+
+
+def _per_head_parameter(attention: nn.Module, heads: int) -> str | None:
+    """The name of a parameter `attention` holds itself (not in a layer the plan splits) with one entry per head of
+    its `heads`, or None: a split of the heads would leave it whole, and the model would fail to combine the two."""
+    return next((name for name, parameter in attention.named_parameters(recurse=False)
+                 if parameter.dim() == 1 and parameter.shape[0] == heads > 1), None)
+
+
+def per_head_parameter(model: nn.Module) -> str | None:
+    """The first parameter of `model` that an attention module (one with a `head_dim`) holds itself with one entry
+    per head of one of its projections (GPT-OSS's attention sinks), by name; None where there is none. A split of
+    the heads by name rules (DeepSpeed AutoTP's) leaves it whole."""
+    for name, module in model.named_modules():
+        head_dim = getattr(module, "head_dim", None)
+        if not isinstance(head_dim, int) or head_dim < 1:
+            continue
+        for heads in {features // head_dim for layer in module.children()
+                      if isinstance(features := getattr(layer, "out_features", None), int)}:
+            if per_head := _per_head_parameter(module, heads):
+                return f"{name}.{per_head}"
+    return None
 
 
 def resolve_plan(model: nn.Module, configured: TensorParallelPlan | None, size: int) -> TensorParallelPlan:
@@ -202,12 +231,18 @@ def resolve_plan(model: nn.Module, configured: TensorParallelPlan | None, size: 
                     + ", ".join(f"'{layer}': {styles[layer]}" for layer in missing) + " to the plan, or leave the"
                     " attention whole")
     if found is None and (other := own_plan_styles(model)):
+        if per_head := per_head_parameter(model):  # no plan that splits its heads can run
+            raise ValueError(f"strategy.tensor_parallel_size={size}: {per_head} holds one value per attention head,"
+                             " which a split of the heads would leave whole on every rank (GPT-OSS's attention"
+                             f" sinks), and {other[0]}.tp_plan splits no layer; train the model without tensor"
+                             " parallelism")
+        styles = sorted(set(other[1].values()))
+        splits = ("splits only its embedding (embedding_rowwise), which stays whole here" if styles == [EMBEDDING]
+                  else f"splits its layers in styles this tensor parallelism does not run ({', '.join(styles)}: it"
+                       f" splits layers {', '.join(SPLIT_STYLES)})")
         raise ValueError(
-            f"strategy.tensor_parallel_size={size}: {other[0]}.tp_plan splits its layers in styles this tensor"
-            f" parallelism does not run ({', '.join(sorted(set(other[1].values())))}: it splits layers"
-            f" {', '.join(SPLIT_STYLES)});"
-            " set strategy.tensor_parallel_plan (module-name patterns mapped to colwise or rowwise), or train the"
-            " model without tensor parallelism")
+            f"strategy.tensor_parallel_size={size}: {other[0]}.tp_plan {splits}; set strategy.tensor_parallel_plan"
+            " (module-name patterns mapped to colwise or rowwise), or train the model without tensor parallelism")
     if found is None:
         raise ValueError(
             f"strategy.tensor_parallel_size={size}: {type(model).__name__} has no tensor-parallel plan (a `tp_plan`"

@@ -1,7 +1,7 @@
 """transformers' own tensor-parallel plans beyond colwise and rowwise (in process: the plans; the two-rank losses are
 tests/strategies/test_tensor_parallel.py's): Phi-3's and OLMo2's gathered outputs and split inputs, DeepSeek's latent
 attention, whose rotary key's gradient is summed, and the output head, kept whole. What DeepSpeed AutoTP's name rules
-cannot follow is refused in one line."""
+cannot follow is refused in one line, and so is any split of GPT-OSS's heads (its sinks, one per head)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from transformers import (
     FalconForCausalLM,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Olmo2Config,
@@ -115,6 +117,42 @@ def test_a_plan_only_in_styles_this_split_does_not_run_is_refused_naming_them():
         "strategy.tensor_parallel_size=2: Fused.tp_plan splits its layers in styles this tensor parallelism does not"
         " run (packed_colwise: it splits layers colwise, rowwise, colwise_gather_output, rowwise_split_input); set"
         " strategy.tensor_parallel_plan")
+
+
+def test_gpt_oss_s_attention_sinks_one_per_head_refuse_every_split_of_its_heads_in_one_line():
+    """GPT-OSS's attention holds a sink per head beside its projections: a split of the heads left them whole, and
+    every rank stopped in its first step in transformers' attention ("Sizes of tensors must match"), under fsdp_tp
+    with a plan of the user's and under DeepSpeed AutoTP. Its own plan splits only the embedding, which stays whole."""
+    model = GptOssForCausalLM(GptOssConfig(**SIZES, head_dim=8, num_local_experts=4))
+    sinks = "model.layers.0.self_attn.sinks holds one value per attention head"
+    with pytest.raises(ValueError, match=rf"^strategy.tensor_parallel_size=2: {sinks}, which a split of the heads would"
+                       r" leave whole on every rank \(GPT-OSS's attention sinks\), and GptOssForCausalLM.tp_plan splits no"
+                       " layer; train the model without tensor parallelism$"):
+        resolve_plan(model, None, 2)
+    attention = "model.layers.*.self_attn"
+    plan = {f"{attention}.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj")} | {
+        f"{attention}.o_proj": "rowwise"}
+    with pytest.raises(ValueError, match=rf"^strategy.tensor_parallel_size=2: {sinks}, which a split of"
+                       r" model.layers.0.self_attn.q_proj's heads leaves whole on every rank \(GPT-OSS's attention"
+                       r" sinks\); train the model without tensor parallelism \(and 1 more layers\)$"):
+        resolve_plan(model, plan, 2)
+    assert model_refusal(model, 2) == (f"strategy.tensor_parallel_size=2: {sinks}, which DeepSpeed AutoTP's split"
+                                       " of the heads leaves whole on every rank (GPT-OSS's attention sinks); train"
+                                       " the model with strategy.tensor_parallel_size=1")
+    assert model_refusal(LlamaForCausalLM(LlamaConfig(**SIZES)), 2) is None
+
+
+def test_a_plan_that_splits_only_the_embedding_says_so():
+    class Embedded(nn.Module):
+        tp_plan = {"embed": "embedding_rowwise"}
+
+        def __init__(self):
+            super().__init__()
+            self.embed, self.out = nn.Embedding(8, 4), nn.Linear(4, 4)
+
+    with pytest.raises(ValueError, match=r"^strategy.tensor_parallel_size=2: Embedded.tp_plan splits only its embedding"
+                       r" \(embedding_rowwise\), which stays whole here; set strategy.tensor_parallel_plan"):
+        resolve_plan(Embedded(), None, 2)
 
 
 def test_deepseek_s_rotary_key_is_summed_once_however_often_the_module_is_set_up():

@@ -29,6 +29,7 @@ from lightning_dist.parallel.tensor_parallel import (
     SUMMED,
     matched_modules,
     own_plan_styles,
+    per_head_parameter,
     rotary_key_layers,
     sum_rotary_key_gradients,
     summed_layers,
@@ -114,6 +115,10 @@ def model_refusal(model: torch.nn.Module, size: int) -> str | None:
         return (f"strategy.tensor_parallel_size={size}: {styles[0]}.tp_plan splits layers in {', '.join(others)}, which"
                 " DeepSpeed AutoTP's name rules do not do (it reads no plan from a LightningModule); train it under"
                 " strategy=fsdp_tp, which runs that plan, or with strategy.tensor_parallel_size=1")
+    if per_head := per_head_parameter(model):
+        return (f"strategy.tensor_parallel_size={size}: {per_head} holds one value per attention head, which DeepSpeed"
+                " AutoTP's split of the heads leaves whole on every rank (GPT-OSS's attention sinks); train the model"
+                " with strategy.tensor_parallel_size=1")
     if fused := _unchecked_fused_qkv(model, size):
         instead = f"under strategy=fsdp_tp, which runs {styles[0]}.tp_plan, or " if styles else ""
         checked = ", ".join(FUSED_QKV_SPLIT_CHECKED)
