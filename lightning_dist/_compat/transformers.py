@@ -43,6 +43,16 @@ def attention_in_use(model: Any) -> tuple[str | None, bool]:
     return model.config._attn_implementation, bool(type(model)._supports_sdpa)
 
 
+def computes_router_loss(model: Any) -> bool:
+    """Whether `model` (a transformers model) adds its routers' load-balancing loss when its config's
+    `output_router_logits` asks for it: its modeling module defines `load_balancing_loss_func` (Mixtral's, Qwen-MoE's,
+    GPT-OSS's, ...). DeepSeek-V2/V3's, GLM-4-MoE's and Llama 4's define none: their configs take the key and their
+    forward never reads it."""
+    import sys
+
+    return callable(getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None))
+
+
 def loss_kind(model: Any) -> str:
     """What `model.loss_function` computes: its loss type ("ForCausalLM", ...), or the name of a function the user
     set on the model."""

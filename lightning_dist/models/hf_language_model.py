@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
+from lightning_dist._compat.transformers import computes_router_loss
 from lightning_dist.checkpoints.adapters import save_adapters
 from lightning_dist.models.pretrained import from_pretrained
 from lightning_dist.optim import ConfiguredOptimizers
@@ -98,6 +99,10 @@ class HFLanguageModel(ConfiguredOptimizers, L.LightningModule):
         # A LoRA base is frozen: held in the folder's dtype (bf16 for most), as transformers and PEFT hold it, not
         # in the run's float32, which doubled its memory (PEFT makes the adapters float32 on a 16-bit base).
         base = build_language_model(model_type, config, pretrained, dtype="auto" if lora else None)
+        if getattr(base.config, "output_router_logits", False) and not computes_router_loss(base):
+            raise ValueError(f"model.config.output_router_logits=true: {type(base).__name__} computes no routers'"
+                             " load-balancing loss (transformers has none for it); set model.config."
+                             "output_router_logits=false")
         self.model: Any = with_lora(base, lora)
 
     def on_train_end(self) -> None:

@@ -41,6 +41,24 @@ AXIS_CASES = [("qwen2_moe", "fsdp_tp"), ("qwen2_moe", "fsdp_pp"), ("qwen2_moe", 
               ("olmoe", "cp 2")]
 
 
+@pytest.mark.parametrize("model_type", ["glm4_moe", "deepseek_v3"])
+def test_a_model_without_a_balancing_loss_asked_for_one_is_refused_in_one_line(model_type):
+    """`model=hf_mixtral` asks for the routers' balancing loss; GLM-4-MoE and DeepSeek-V3 take the key and never
+    compute one, and every rank stopped in its first step blaming pipeline stages it did not have."""
+    from lightning_dist.models.hf_language_model import HFLanguageModel
+
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, n_routed_experts=4, moe_intermediate_size=16, first_k_dense_replace=1,
+                  n_group=1, topk_group=1, num_experts_per_tok=2, output_router_logits=True)
+    name = {"glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[model_type]
+    with pytest.raises(ValueError, match=rf"^model.config.output_router_logits=true: {name} computes no routers'"
+                       r" load-balancing loss \(transformers has none for it\); set"
+                       " model.config.output_router_logits=false$"):
+        HFLanguageModel(model_type=model_type, config=config)
+    HFLanguageModel(model_type=model_type, config={**config, "output_router_logits": False})
+    HFLanguageModel(model_type="olmoe", config={**config, "num_experts": 4})  # OLMoE computes one
+
+
 def test_a_model_s_own_plan_leaves_out_the_dense_layers_its_config_did_not_build():
     """Qwen2-MoE's plan names the dense MLP of its `mlp_only_layers`; with experts in every layer there is none, and
     its fsdp_tp run was refused ("names no module"). A plan the user wrote is still held to every pattern."""
