@@ -47,10 +47,13 @@ def computes_router_loss(model: Any) -> bool:
     """Whether `model` (a transformers model) adds its routers' load-balancing loss when its config's
     `output_router_logits` asks for it: its modeling module defines `load_balancing_loss_func` (Mixtral's, Qwen-MoE's,
     GPT-OSS's, ...). DeepSeek-V2/V3's, GLM-4-MoE's and Llama 4's define none: their configs take the key and their
-    forward never reads it."""
+    forward never reads it. A model whose code is not transformers' own (a Hub repository's) is taken at its word:
+    the step checks that the loss came."""
     import sys
 
-    return callable(getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None))
+    module = type(model).__module__
+    return not module.startswith("transformers.models.") or callable(
+        getattr(sys.modules.get(module), "load_balancing_loss_func", None))
 
 
 def loss_kind(model: Any) -> str:
