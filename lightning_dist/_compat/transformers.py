@@ -96,6 +96,19 @@ FENCED += [Fenced("transformers.conversion_mapping", "get_model_conversion_mappi
                   ("self", "target_key", "source_key", "source_pattern", "future")),
            Fenced("transformers.core_model_loading", "WeightConverter.convert", ("self", "layer_name"))]
 
+# How GPT-OSS's published checkpoints hold its experts (MXFP4), unpacked as transformers' own
+# `from_pretrained(quantization_config=Mxfp4Config(dequantize=True))` unpacks them.
+FENCED += [Fenced("transformers.integrations.mxfp4", "convert_moe_packed_tensors", ("blocks", "scales"))]
+
+
+def mxfp4_unpacked(blocks: Any, scales: Any, dtype: Any) -> Any:
+    """The weights (experts, inputs, outputs) in `dtype` that MXFP4 `blocks` (experts, outputs, groups, 16 bytes:
+    two 4-bit values a byte) and `scales` (experts, outputs, groups: a power of two + 127 for each 32 inputs) hold."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    return convert_moe_packed_tensors(blocks, scales, dtype=dtype)
+
+
 # Where one of a model's tensors comes from: (the converter's source pattern or None, the checkpoint's name), one
 # pair for a tensor saved under its own or another name, several for one made from several.
 Sources = tuple[tuple[str | None, str], ...]

@@ -43,6 +43,8 @@ def from_pretrained(folder: str | Path, auto_class: Any = None, key: str = "pret
 
     weights = PretrainedFolder(folder, key)
     hf_config = AutoConfig.from_pretrained(folder, **config)
+    if weights.packed:  # read unpacked: the model holds, and a save_pretrained of it writes, plain weights
+        del hf_config.quantization_config
     if auto_class is None:
         auto_class = AutoModelForSeq2SeqLM if hf_config.is_encoder_decoder else AutoModelForCausalLM
     # Built for a plan (under the meta device) or for a strategy that initialises shards: the weights stay in the

@@ -15,6 +15,7 @@ transformers writes them; tied weights are saved once, under one of their names.
 own `from_pretrained` maps them (its conversion mapping): a mixture of experts saved as the Hub has it, one tensor
 per expert (Mixtral's `block_sparse_moe.experts.3.w1.weight`), loads into transformers' fused experts
 (`mlp.experts.gate_up_proj`), the experts of a layer read and stacked when that tensor's shards are initialised.
+Experts saved in MXFP4 (GPT-OSS as published) are unpacked as they are read (packed_weights.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from lightning_dist._compat.transformers import Sources, checkpoint_sources, conversion_mapping, converted
+from lightning_dist.parallel.packed_weights import MXFP4, packed_tensors, quant_method, quantization_refusal, unpacked
 
 # Where a rank's part of a tensor lies in it, a slice per dimension (the leading ones; the rest whole).
 Region = tuple[slice, ...]
@@ -58,9 +60,20 @@ class PretrainedFolder:
         for file in sorted(set(self.files.values())):
             with safe_open(file, "pt") as opened:
                 self.shapes.update({name: tuple(opened.get_slice(name).get_shape()) for name in opened.keys()})
+        config = self.folder / "config.json"
+        self.quant_method = quant_method(json.loads(config.read_text())) if config.is_file() else None
+        # Weights held packed (MXFP4) are presented by the model's names, in their unpacked shapes.
+        self.packed = packed_tensors(self.shapes) if self.quant_method == MXFP4 else {}
+        for weight, (blocks, scales, shape) in self.packed.items():
+            del self.shapes[blocks], self.shapes[scales]
+            self.shapes[weight] = shape
 
     def read(self, name: str, dtype: torch.dtype, region: Region | None = None) -> torch.Tensor:
         """Tensor `name`, or its `region` alone, copied out of the file in `dtype` (on the CPU)."""
+        if name in self.packed:
+            blocks, scales, _ = self.packed[name]
+            return unpacked(lambda stored, experts: self.read(stored, dtype, experts and (experts,)), blocks,
+                            scales, dtype, region)
         from safetensors import safe_open
 
         with safe_open(self.files[name], "pt") as opened:
@@ -107,6 +120,8 @@ class PretrainedFolder:
                              - {key for saved in sources.values() for _, key in saved})
         problems = [f"{label} {_first(names)}" for label, names in
                     (("missing", missing), ("unexpected", unexpected), ("shape", shapes)) if names]
+        if problems and self.quant_method not in (None, MXFP4):
+            raise ValueError(quantization_refusal(self.key, self.folder, self.quant_method))
         if problems:
             raise ValueError(f"{self.key}={self.folder}: its weights are not {type(model).__name__}'s: "
                              + "; ".join(problems))

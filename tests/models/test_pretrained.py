@@ -186,3 +186,90 @@ def test_a_region_read_from_the_file_is_that_region_of_the_tensor(tmp_path):
         value = folder.read(name, torch.float32, region)
         assert torch.equal(value, expected.float() if expected.is_floating_point() else expected), (name, region)
         assert value.dtype == (torch.int64 if name == "ids" else torch.float32)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tmp_path_factory):
+    """A GPT-OSS folder as OpenAI publishes the model (experts in MXFP4, 4 shards), and what MXFP4 holds of its
+    experts."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from tests.models.mxfp4_folder import write_mxfp4_folder
+
+    root = tmp_path_factory.mktemp("gpt_oss")
+    torch.manual_seed(0)
+    GptOssForCausalLM(GptOssConfig(vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                   num_experts_per_tok=2)).to(torch.bfloat16).save_pretrained(
+        root / "bf16", max_shard_size="60KB")
+    values = write_mxfp4_folder(root / "bf16", root / "mxfp4")
+    return root / "mxfp4", values
+
+
+def test_gpt_oss_s_mxfp4_experts_are_read_unpacked_as_transformers_dequantizes_them(gpt_oss_mxfp4, tmp_path):
+    """OpenAI's GPT-OSS checkpoints hold the experts in MXFP4: refused before as not the model's weights ("missing
+    ...experts.gate_up_proj; unexpected ...gate_up_proj_blocks"). Read unpacked, they are the weights transformers'
+    own from_pretrained gives with Mxfp4Config(dequantize=True), and the model (and what it saves) is a plain one."""
+    from transformers import GptOssForCausalLM, Mxfp4Config
+
+    folder, values = gpt_oss_mxfp4
+    assert len(list(folder.glob("*.safetensors"))) == 4 and len(values) == 4  # 2 layers' gate_up_proj, down_proj
+    expected = GptOssForCausalLM.from_pretrained(folder, quantization_config=Mxfp4Config(dequantize=True),
+                                                 dtype=torch.float32).state_dict()
+    loaded = lightning_dist.from_pretrained(folder)
+    assert sorted(loaded.state_dict()) == sorted(expected)
+    for name, value in expected.items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    for name, value in values.items():  # what the test's own unpacking of each 4-bit value and scale gives
+        assert torch.equal(loaded.state_dict()[name], value.float()), name
+    assert getattr(loaded.config, "quantization_config", None) is None
+    loaded.save_pretrained(tmp_path / "saved")
+    assert torch.equal(load_file(next((tmp_path / "saved").glob("*.safetensors")))[
+        "model.layers.0.mlp.experts.down_proj"], expected["model.layers.0.mlp.experts.down_proj"])
+
+
+def test_a_rank_reads_the_mxfp4_blocks_of_its_own_experts_alone(gpt_oss_mxfp4):
+    folder, values = gpt_oss_mxfp4
+    weights = PretrainedFolder(folder)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    assert weights.shapes[name] == (4, 64, 64) and f"{name}_blocks" not in weights.shapes
+    for region in [(slice(1, 3),), (slice(3, 4), slice(8, 40)), None]:
+        expected = values[name].float() if region is None else values[name].float()[region]
+        assert torch.equal(weights.read(name, torch.float32, region), expected), region
+    with parameters_on_meta():
+        model = lightning_dist.from_pretrained(folder)
+    rows = (slice(2, 4),)  # an FSDP shard of 2 ranks: experts 2 and 3
+    names = {id(p): name for name, p in model.named_parameters()}
+    kept = {}
+    initialize_parameters(model, lambda p, part: kept.setdefault(names[id(p)], part), seed=5,
+                          params=list(model.parameters()), region=lambda p: rows if p.dim() > 1 else None)
+    assert torch.equal(kept[name], values[name].float()[rows])
+
+
+def test_a_folder_quantized_otherwise_is_refused_naming_its_method(pretrained_folders, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "fp8"
+    shutil.copytree(pretrained_folders["llama"], folder)
+    shard = next(folder.glob("*.safetensors"))
+    tensors = load_file(shard)
+    name = next(name for name in tensors if name.endswith("q_proj.weight"))
+    tensors[f"{name}_scale_inv"] = torch.ones(1)  # DeepSeek-V3's fp8 checkpoints keep a scale beside each weight
+    from safetensors.torch import save_file
+
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"][f"{name}_scale_inv"] = shard.name
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(pretrained_folders["llama"]))
+    with pytest.raises(ValueError) as refused:
+        PretrainedFolder(folder, "model.pretrained").attach(model)
+    assert str(refused.value) == (
+        f"model.pretrained={folder}: its weights are quantized (fp8: quantization_config.quant_method in its"
+        " config.json), which lightning_dist reads only unpacked from mxfp4; save them unquantized first"
+        " (transformers' from_pretrained with the quantizer's dequantize option, then save_pretrained)")
