@@ -252,6 +252,9 @@ def _registry_notices_dropped() -> Any:
             sys.stderr.write("".join(kept))
 
 
+IMPORTED_BEFORE_THE_DEVICES = ("bitsandbytes",)
+
+
 def _child(library: str, call: str, result: str) -> None:
     import ctypes
     import traceback
@@ -262,6 +265,12 @@ def _child(library: str, call: str, result: str) -> None:
     with _registry_notices_dropped():
         import torch  # noqa: F401 - a CUDA build registers its device guard as it loads: the fake one goes back over it
     shim.fake_cuda_register_guard()
+    # Libraries that choose their backend from torch.cuda as they are imported see the machine as it is: bitsandbytes
+    # (which PEFT imports) took the fake devices for CUDA and called the CUDA build's stream API, and a LoRA run's
+    # dry run stopped (AttributeError: _cuda_getCurrentRawStream).
+    for library in IMPORTED_BEFORE_THE_DEVICES:
+        if importlib.util.find_spec(library) is not None:
+            importlib.import_module(library)
     _stand_in_for_torch_cuda(int(os.environ["LIGHTNING_DIST_FAKE_CUDA_DEVICES"]))
     function, args = pickle.loads(Path(call).read_bytes())
     try:

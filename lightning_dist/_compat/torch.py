@@ -4,7 +4,7 @@ newest); where releases differ, each function here chooses by what the installed
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -449,6 +449,23 @@ def attention_function_replaced(replacement: Callable[..., torch.Tensor]) -> Ite
         yield original
     finally:
         F.scaled_dot_product_attention = original
+
+
+@contextmanager
+def autocast_on_meta() -> Iterator[None]:
+    """Within: `torch.autocast(device_type="meta", ...)` is a context that does nothing, as autocast on a device
+    without it would; torch refuses it ("unsupported scalarType"), and PEFT's LoRA on fused experts enters it on its
+    weights' device, which a trace on the meta device (the memory plan's) makes meta."""
+    original = torch.autocast
+
+    def autocast(device_type: str, *args: Any, **kwargs: Any) -> Any:
+        return nullcontext() if device_type == "meta" else original(device_type, *args, **kwargs)
+
+    torch.autocast = autocast  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.autocast = original  # type: ignore[misc]
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from unittest import mock
 import torch
 from torch import nn
 
-from lightning_dist._compat.torch import TorchDispatchMode, storage_identity, storage_owner, tree_map
+from lightning_dist._compat.torch import TorchDispatchMode, autocast_on_meta, storage_identity, storage_owner, tree_map
 from lightning_dist.memory.attention_kernel import fused_attention
 from lightning_dist.memory.hidden_size import hidden_size_of
 from lightning_dist.memory.routed_experts import RoutedExperts, experts_traced_on_meta
@@ -226,6 +226,7 @@ def _trace_activations(
             stack.callback(block.register_forward_hook(leave).remove)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
         stack.enter_context(fused_attention(attention))  # meta has no fused kernel: its math path saves T x T weights
+        stack.enter_context(autocast_on_meta())  # LoRA on fused experts turns autocast off on its weights' device
         stack.enter_context(_OutputsOf(KEPT_OPS, product))
         stack.enter_context(mock.patch.object(type(module), "log", lambda *a, **k: None, create=True))
         step = getattr(module, "training_step", None)
