@@ -461,11 +461,11 @@ def autocast_on_meta() -> Iterator[None]:
     def autocast(device_type: str, *args: Any, **kwargs: Any) -> Any:
         return nullcontext() if device_type == "meta" else original(device_type, *args, **kwargs)
 
-    torch.autocast = autocast  # type: ignore[assignment]
+    torch.autocast = autocast
     try:
         yield
     finally:
-        torch.autocast = original  # type: ignore[misc]
+        torch.autocast = original
 
 
 @contextmanager

@@ -15,7 +15,7 @@ import torch
 from lightning_dist._compat.transformers import mxfp4_unpacked
 
 MXFP4 = "mxfp4"
-BLOCKS, SCALES = "_blocks", "_scales"
+BLOCKS, SCALES = "blocks", "scales"  # a packed weight NAME is stored as NAME_blocks and NAME_scales
 # Inputs a scale covers, and how many a block's bytes hold (two a byte).
 GROUP, GROUP_BYTES = 32, 16
 
@@ -29,10 +29,11 @@ def quant_method(config: dict[str, Any]) -> str | None:
 def packed_tensors(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, str, tuple[int, ...]]]:
     """{weight name: (its blocks' name, its scales' name, its shape unpacked: experts, inputs, outputs)} for every
     pair of MXFP4 tensors among `shapes` (the folder's names and shapes)."""
-    packed = {}
+    packed: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     for name, shape in shapes.items():
-        weight = name.removesuffix(BLOCKS)
-        if weight != name and (scales := weight + SCALES) in shapes and len(shape) == 4 and shape[-1] == GROUP_BYTES:
+        weight, _, part = name.rpartition("_")
+        scales = f"{weight}_{SCALES}"
+        if part == BLOCKS and scales in shapes and len(shape) == 4 and shape[-1] == GROUP_BYTES:
             experts, outputs, groups, _ = shape
             packed[weight] = (name, scales, (experts, groups * GROUP, outputs))
     return packed

@@ -236,9 +236,9 @@ def resolve_plan(model: nn.Module, configured: TensorParallelPlan | None, size: 
                              " which a split of the heads would leave whole on every rank (GPT-OSS's attention"
                              f" sinks), and {other[0]}.tp_plan splits no layer; train the model without tensor"
                              " parallelism")
-        styles = sorted(set(other[1].values()))
-        splits = ("splits only its embedding (embedding_rowwise), which stays whole here" if styles == [EMBEDDING]
-                  else f"splits its layers in styles this tensor parallelism does not run ({', '.join(styles)}: it"
+        own_styles = sorted(set(other[1].values()))
+        splits = ("splits only its embedding (embedding_rowwise), which stays whole here" if own_styles == [EMBEDDING]
+                  else f"splits its layers in styles this tensor parallelism does not run ({', '.join(own_styles)}: it"
                        f" splits layers {', '.join(SPLIT_STYLES)})")
         raise ValueError(
             f"strategy.tensor_parallel_size={size}: {other[0]}.tp_plan {splits}; set strategy.tensor_parallel_plan"
