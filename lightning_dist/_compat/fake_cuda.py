@@ -17,6 +17,7 @@ This module imports torch only in that process, after the library: the caller's 
 from __future__ import annotations
 
 import hashlib
+import importlib.abc
 import importlib.metadata
 import importlib.util
 import os
@@ -119,10 +120,11 @@ def _cache_dir() -> Path:
     return Path(root) / "lightning_dist" / "fake_cuda"
 
 
-def _stand_in_for_torch_cuda(devices: int) -> None:
+def _stand_in_for_torch_cuda(devices: int) -> dict[str, Any]:
     """Replace what `torch.cuda` implements by raising on a CPU build with answers a device with nothing on it
-    gives. `set_device` keeps the device that `"cuda"` without an index means (fake tensors ask `current_device`);
-    streams and events order nothing, because fake tensors have no work to order."""
+    gives, and return what `torch.cuda` answered before. `set_device` keeps the device that `"cuda"` without an index
+    means (fake tensors ask `current_device`); streams and events order nothing, because fake tensors have no work to
+    order."""
     import torch
 
     _now = [0]  # the current device, as `set_device` left it
@@ -218,6 +220,7 @@ def _stand_in_for_torch_cuda(devices: int) -> None:
         "memory_stats": lambda *args, **kwargs: {}, "mem_get_info": lambda device=None: (DEVICE_MEMORY,) * 2,
         "is_current_stream_capturing": lambda: False,  # optimizers ask before each step; no CUDA graph is captured
     }
+    before = {name: getattr(torch.cuda, name) for name in answers}
     for name, answer in answers.items():
         setattr(torch.cuda, name, answer)
     # Profiler ranges (DeepSpeed marks every ZeRO function with one): a build without CUDA has no NVTX library.
@@ -231,6 +234,7 @@ def _stand_in_for_torch_cuda(devices: int) -> None:
     from torch._subclasses import fake_tensor
 
     fake_tensor.init_gpu_context = lambda device: None
+    return before
 
 
 @contextmanager
@@ -252,7 +256,56 @@ def _registry_notices_dropped() -> Any:
             sys.stderr.write("".join(kept))
 
 
-IMPORTED_BEFORE_THE_DEVICES = ("bitsandbytes",)
+# Libraries that choose their backend from torch.cuda as they are imported: they see the machine as it is.
+# bitsandbytes (which PEFT imports) took the fake devices for CUDA and bound the CUDA build's stream API, and a LoRA
+# run's dry run stopped (AttributeError: _cuda_getCurrentRawStream).
+IMPORTED_WITHOUT_THE_DEVICES = ("bitsandbytes",)
+
+
+class _ImportedWithoutTheDevices(importlib.abc.MetaPathFinder):
+    """Imports the packages of IMPORTED_WITHOUT_THE_DEVICES, where a call imports them, with `torch.cuda` answering
+    as it did before the stand-in (`machine`). Not imported up front: bitsandbytes brings torch's inductor, 3 to 5 s
+    of every dry run, most of which never import it."""
+
+    def __init__(self, machine: dict[str, Any]) -> None:
+        self.machine = machine
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in IMPORTED_WITHOUT_THE_DEVICES:
+            return None
+        sys.meta_path.remove(self)  # the spec the other finders give
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _LoadedWith(spec.loader, self.machine)
+        return spec
+
+
+class _LoadedWith(importlib.abc.Loader):
+    """`loader`, its module run with `torch.cuda`'s `answers` in place (its own imports within included)."""
+
+    def __init__(self, loader: Any, answers: dict[str, Any]) -> None:
+        self.loader, self.answers = loader, answers
+
+    def __getattr__(self, name: str) -> Any:  # the rest of a loader's interface (resource readers, ...): its own
+        return getattr(self.loader, name)
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        import torch
+
+        faked = {name: getattr(torch.cuda, name) for name in self.answers}
+        for name, answer in self.answers.items():
+            setattr(torch.cuda, name, answer)
+        try:
+            self.loader.exec_module(module)
+        finally:
+            for name, answer in faked.items():
+                setattr(torch.cuda, name, answer)
 
 
 def _child(library: str, call: str, result: str) -> None:
@@ -265,13 +318,8 @@ def _child(library: str, call: str, result: str) -> None:
     with _registry_notices_dropped():
         import torch  # noqa: F401 - a CUDA build registers its device guard as it loads: the fake one goes back over it
     shim.fake_cuda_register_guard()
-    # Libraries that choose their backend from torch.cuda as they are imported see the machine as it is: bitsandbytes
-    # (which PEFT imports) took the fake devices for CUDA and called the CUDA build's stream API, and a LoRA run's
-    # dry run stopped (AttributeError: _cuda_getCurrentRawStream).
-    for library in IMPORTED_BEFORE_THE_DEVICES:
-        if importlib.util.find_spec(library) is not None:
-            importlib.import_module(library)
-    _stand_in_for_torch_cuda(int(os.environ["LIGHTNING_DIST_FAKE_CUDA_DEVICES"]))
+    machine = _stand_in_for_torch_cuda(int(os.environ["LIGHTNING_DIST_FAKE_CUDA_DEVICES"]))
+    sys.meta_path.insert(0, _ImportedWithoutTheDevices(machine))
     function, args = pickle.loads(Path(call).read_bytes())
     try:
         outcome = ("ok", function(*args), "")
