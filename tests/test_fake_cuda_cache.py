@@ -17,7 +17,7 @@ def device_count_seen() -> int:
 
 
 # Not in the compatibility tier: which library a venv takes is this module's choice, the same on every torch, and
-# the tier's own dry runs on fake CUDA build the shim against its torch in its fresh venvs (70 s of CI's hour).
+# the tier's own dry runs on fake CUDA build the shim against its torch in its fresh venvs (about 70 s of CI).
 def test_a_venv_made_again_elsewhere_builds_its_own_shim(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     real_torch = importlib.util.find_spec("torch").submodule_search_locations[0]

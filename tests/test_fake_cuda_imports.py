@@ -1,5 +1,5 @@
 """With CUDA faked, a library that picks its backend from torch.cuda as it is imported (bitsandbytes, which PEFT
-imports) is imported as this machine is, whenever a call imports it: not up front, which cost every dry run 3 to 5 s
+imports) is imported as this machine is, whenever a call imports it: not up front, which cost every dry run about 3 s
 of torch's inductor, and not on the fake devices, where it bound the CUDA build's stream API and a LoRA run's dry run
 stopped (the run itself: tests/memory/test_routed_experts.py, "hf_mixtral lora deepspeed_stage_3")."""
 

@@ -264,7 +264,7 @@ IMPORTED_WITHOUT_THE_DEVICES = ("bitsandbytes",)
 
 class _ImportedWithoutTheDevices(importlib.abc.MetaPathFinder):
     """Imports the packages of IMPORTED_WITHOUT_THE_DEVICES, where a call imports them, with `torch.cuda` answering
-    as it did before the stand-in (`machine`). Not imported up front: bitsandbytes brings torch's inductor, 3 to 5 s
+    as it did before the stand-in (`machine`). Not imported up front: bitsandbytes brings torch's inductor, about 3 s
     of every dry run, most of which never import it."""
 
     def __init__(self, machine: dict[str, Any]) -> None:
