@@ -1,6 +1,7 @@
-"""Lightning's whole loop on fake CUDA devices under every preset (lightning_dist/dry_run/fake_loop.py): sanity validation,
-training steps, a validation with the module's torchmetrics metrics, the test loop, and the checkpoint fit would save,
-resumed by a new run; every op and collective device-checked, as one rank of the world size a preset needs.
+"""Lightning's whole loop on fake CUDA devices under every preset (lightning_dist/dry_run/fake_loop.py; 5 of them in
+the extended checks): sanity validation, training steps, a validation with the module's torchmetrics metrics, the
+test loop, and the checkpoint fit would save, resumed by a new run; every op and collective device-checked, as one
+rank of the world size a preset needs.
 
 Both failures of the first real GPU run that no CPU run could show are of this kind: metric states left on the host
 under ZeRO-3 (and, found here since, under FSDP's CPU offload), and ZeRO-3's module on the host for `test` after
@@ -64,8 +65,13 @@ TIER_PRESETS = ["ddp", "deepspeed_stage_2_offload", "deepspeed_stage_3", "deepsp
                 "fsdp_cpu_offload", "fsdp_tp"]
 # Pipeline stages are not replayed on fake devices yet (the dry run refuses them in one line); they train for real in
 # tests/strategies/test_pipeline_parallel.py and on the tier's torch in tests/compat/test_runs_on_this_torch.py.
-LOOPED = TIER_PRESETS if os.environ.get("LD_COMPAT_TIER") == "1" else [
-    name for name in PRESET_NAMES if name not in PIPELINE_PARALLEL_NAMES]
+# The main suite: the tier's presets and HSDP (2 nodes). The others (ZeRO-1, ZeRO-2, ZeRO-3's offload without NVMe,
+# FSDP's activation checkpointing and SHARD_GRAD_OP) differ from them in options, whose set-up
+# and steps on their ranks' devices tests/test_dry_run_on_cuda.py checks under every preset; their whole loop is an
+# extended check (57 s of the suite).
+SUITE_PRESETS = sorted([*TIER_PRESETS, "hsdp_tp"])
+LOOPED = TIER_PRESETS if os.environ.get("LD_COMPAT_TIER") == "1" else SUITE_PRESETS
+OTHER_PRESETS = [name for name in PRESET_NAMES if name not in [*PIPELINE_PARALLEL_NAMES, *SUITE_PRESETS]]
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +79,10 @@ def every_preset(tmp_path_factory):
     return run_loops(LOOPED, tmp_path_factory.mktemp("loops"))
 
 
-@pytest.mark.compat
-def test_every_preset_runs_lightning_s_whole_loop_on_its_rank_s_device(every_preset):
-    assert sorted(every_preset) == LOOPED
-    failed = {name: report for name, report in every_preset.items() if isinstance(report, str)}
+def assert_whole_loops_on_their_devices(reports: dict) -> None:
+    failed = {name: report for name, report in reports.items() if isinstance(report, str)}
     assert failed == {}
-    for name, report in every_preset.items():
+    for name, report in reports.items():
         assert report.device == f"cuda:{RANK % WORLDS.get(name, (2, 1))[0]}", name
         # fit: the sanity check, 2 steps and a validation; test; the resumed run: 1 step and a validation
         assert report.stages == ["sanity check", "train", "validation", "test", "train", "validation"], name
@@ -86,6 +90,18 @@ def test_every_preset_runs_lightning_s_whole_loop_on_its_rank_s_device(every_pre
         assert {"train_loss", "val_loss", "val_ppl", "test_loss", "test_ppl"} <= set(report.logged), name
         # buffers, metric states and (while fitting) optimizer state where they are used, at every stage
         assert report.misplaced == {}, name
+
+
+@pytest.mark.compat
+def test_every_preset_runs_lightning_s_whole_loop_on_its_rank_s_device(every_preset):
+    assert sorted(every_preset) == LOOPED
+    assert_whole_loops_on_their_devices(every_preset)
+
+
+@pytest.mark.extended
+def test_the_other_presets_run_lightning_s_whole_loop_on_their_rank_s_device(tmp_path):
+    assert len(OTHER_PRESETS) == 5, OTHER_PRESETS
+    assert_whole_loops_on_their_devices(run_loops(OTHER_PRESETS, tmp_path))
 
 
 @pytest.mark.compat
