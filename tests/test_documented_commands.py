@@ -63,8 +63,8 @@ RUN_ELSEWHERE = {
     "python train.py --config-dir recipes/choose_a_strategy/conf model=gpt_70b dry_run=true trainer=gpu trainer.devices=8 trainer.num_nodes=128 strategy=fsdp_pp strategy.pipeline_parallel_size=8": (
         "tests/strategies/test_pipeline_dry_run.py", 'dry_run(128, "1F1B")'),
     # context parallelism on 4 ranks: the same overrides, 10 steps, losses compared with those without it
-    "python train.py strategy=fsdp strategy.context_parallel_size=2 trainer.devices=4 data.block_size=2048 data.batch_size=2": (
-        "tests/strategies/test_context_parallel.py", 'LONG = ("data.block_size=2048", "data.batch_size=2")'),
+    "python train.py strategy=fsdp strategy.context_parallel_size=2 trainer.devices=4 data.block_size=1024 data.batch_size=2": (
+        "tests/strategies/test_context_parallel.py", 'LONG = ("data.block_size=1024", "data.batch_size=2")'),
     "python train.py model=hf_llama strategy=fsdp strategy.context_parallel_size=2 trainer.devices=4": (
         "tests/strategies/test_context_parallel.py", '"llama cp 2": (*LLAMA, *CP_2)'),
     "python train.py strategy=fsdp strategy.context_parallel_size=2 strategy.tensor_parallel_size=2 trainer.devices=4 strategy.activation_checkpointing=ops strategy.compile=true data.block_size=512 data.batch_size=4": (

@@ -94,7 +94,9 @@ def test_compiled_blocks_train_under_fsdp(tmp_path):
     assert summary["global_step"] == 6 and summary["metrics"]["val_loss"] > 0
 
 
-@pytest.mark.parametrize("name", ["fsdp", "deepspeed_stage_3"])
+# FSDP's dry run at 4 ranks: the ring-attention dry run's below, the same command with context parallelism added (39 s of
+# each tier on CI for a second run of it).
+@pytest.mark.parametrize("name", ["deepspeed_stage_3"])
 def test_the_dry_run_sets_up_and_steps_at_4_ranks_with_cuda_faked(name, tmp_path):
     run = typed(f"python train.py dry_run=true trainer=gpu trainer.devices=4 strategy={name}", tmp_path)
     assert run.returncode == 0, run.stderr[-4000:]
