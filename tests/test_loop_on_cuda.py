@@ -66,9 +66,9 @@ TIER_PRESETS = ["ddp", "deepspeed_stage_2_offload", "deepspeed_stage_3", "deepsp
 # Pipeline stages are not replayed on fake devices yet (the dry run refuses them in one line); they train for real in
 # tests/strategies/test_pipeline_parallel.py and on the tier's torch in tests/compat/test_runs_on_this_torch.py.
 # The main suite: the tier's presets and HSDP (2 nodes). The others (ZeRO-1, ZeRO-2, ZeRO-3's offload without NVMe,
-# FSDP's activation checkpointing and SHARD_GRAD_OP) differ from them in options, whose set-up
-# and steps on their ranks' devices tests/test_dry_run_on_cuda.py checks under every preset; their whole loop is an
-# extended check (57 s of the suite).
+# FSDP's activation checkpointing and SHARD_GRAD_OP) differ from them in options, whose set-up and steps on their
+# ranks' devices tests/test_dry_run_on_cuda.py checks under every preset; their whole loop is an extended check
+# (18 s of the suite: the loops share one process's start).
 SUITE_PRESETS = sorted([*TIER_PRESETS, "hsdp_tp"])
 LOOPED = TIER_PRESETS if os.environ.get("LD_COMPAT_TIER") == "1" else SUITE_PRESETS
 OTHER_PRESETS = [name for name in PRESET_NAMES if name not in [*PIPELINE_PARALLEL_NAMES, *SUITE_PRESETS]]
